@@ -1,0 +1,1 @@
+"""The public surface: the configuration tree, its loaders, and (later) the facade."""

@@ -1,0 +1,44 @@
+"""The scheduler's section of the configuration."""
+
+from typing import Annotated, Literal
+
+import msgspec
+
+SchedulingMode = Literal["dynamic", "static-colocated", "static-disaggregated"]
+"""Policies of one system: move devices to the bottleneck (``dynamic``), give all
+devices to each stage in turn (``static-colocated``, like verl), or keep a fixed split
+and pipeline (``static-disaggregated``, like RLinf)."""
+
+
+class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How and when devices move between components.
+
+    Attributes:
+        mode: the scheduling policy.
+        u_low: KV usage below which a rollout engine counts as under-used (0.1-0.3 stays
+            within 1.5% of peak in the reference measurements; 0.01 thrashes).
+        theta: fraction of a rollout component's engines that must be under-used for it
+            to donate devices.
+        donor_window_s: seconds (T) the engines must stay under-used (2-8 s is best).
+        tick_s: period of the scheduler's periodic trigger.
+        num_candidates: candidate plans scored per decision (3-10).
+        min_gain: relative improvement of the predicted remaining iteration time a plan
+            must bring, beyond its own migration cost, to be committed.
+        rollout_borrows_actor: (dynamic mode) at iteration start, lend the actor's
+            devices to rollout and hand them back once rollout's running work falls below
+            ``borrow_return_fraction`` of the batch.
+        borrow_return_fraction: see ``rollout_borrows_actor``.
+        actor_takes_cluster: (dynamic mode) before the actor's last minibatch, give it every device
+            the other components no longer need.
+    """
+
+    mode: SchedulingMode = "dynamic"
+    u_low: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.2
+    theta: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.8
+    donor_window_s: Annotated[float, msgspec.Meta(ge=0.0)] = 4.0
+    tick_s: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    num_candidates: Annotated[int, msgspec.Meta(ge=3, le=10)] = 5
+    min_gain: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.02
+    rollout_borrows_actor: bool = True
+    borrow_return_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.2
+    actor_takes_cluster: bool = True

@@ -1,0 +1,168 @@
+"""Events: what workers and executors report to the controller.
+
+A tagged union of frozen ``msgspec.Struct``s (the tag is the class name, in field
+``"event"``), so events cross process boundaries as msgpack unchanged. Each event is
+about one thing; batch forms say so in their name. This module holds definitions only.
+"""
+
+import msgspec
+
+from dynarl.control.plan import Migration
+from dynarl.core.ids import ComponentId, EdgeId, GroupId, InstanceId, ItemId, MigrationId
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="event", tag=True):
+    """Base of every event. ``time_s`` is when it happened, on the controller's clock."""
+
+    time_s: float = 0.0
+
+
+class ItemRef(msgspec.Struct, frozen=True, array_like=True):
+    """An item and its group (GRPO: the prompt whose G samples it belongs to)."""
+
+    id: ItemId
+    group: GroupId
+
+
+class IterationStarted(Event, frozen=True, kw_only=True):
+    """A new RL iteration begins (rollout of a fresh batch of prompts)."""
+
+    iteration: int
+
+
+class IterationDone(Event, frozen=True, kw_only=True):
+    """The iteration's last optimizer step and weight sync finished."""
+
+    iteration: int
+
+
+class ItemsEnqueued(Event, frozen=True, kw_only=True):
+    """A producer put a batch of new items on ``edge``; they wait in its queue."""
+
+    edge: EdgeId
+    items: tuple[ItemRef, ...]
+
+
+class ItemRouted(Event, frozen=True, kw_only=True):
+    """The router sent a queued item to ``instance`` (a consumer of ``edge``)."""
+
+    edge: EdgeId
+    item: ItemId
+    instance: InstanceId
+
+
+class ItemsRequeued(Event, frozen=True, kw_only=True):
+    """Items were taken back from the instances holding them (aborted for a migration)
+    and put back in the queue; they keep their partial output."""
+
+    edge: EdgeId
+    items: tuple[ItemId, ...]
+
+
+class ItemCompleted(Event, frozen=True, kw_only=True):
+    """``instance`` finished ``item`` (a request completed, a sample scored or trained);
+    ``num_tokens`` is the work it did (generated tokens for rollout)."""
+
+    edge: EdgeId
+    item: ItemId
+    instance: InstanceId
+    num_tokens: int = 0
+
+
+class ToolCallStarted(Event, frozen=True, kw_only=True):
+    """A multi-turn request left its engine to run a tool (on CPU, off the devices).
+
+    ``prefix_tokens`` is the context the engine holds for it (its reusable KV prefix).
+    """
+
+    edge: EdgeId
+    item: ItemId
+    instance: InstanceId
+    tool: str = ""
+    prefix_tokens: int = 0
+
+
+class ToolCallFinished(Event, frozen=True, kw_only=True):
+    """The tool returned; the request waits in the queue for its next turn, preferring
+    the engine that holds its prefix."""
+
+    edge: EdgeId
+    item: ItemId
+    latency_s: float = 0.0
+    ok: bool = True
+
+
+class EngineStats(Event, frozen=True, kw_only=True):
+    """A rollout engine's load: KV usage (tokens held / capacity), running and queued
+    request counts, and its recent generation throughput."""
+
+    instance: InstanceId
+    kv_usage: float
+    num_running: int
+    num_queued: int
+    gen_tokens_per_s: float = 0.0
+
+
+class WorkerIdle(Event, frozen=True, kw_only=True):
+    """``instance`` has nothing to do."""
+
+    instance: InstanceId
+
+
+class TrainStepDone(Event, frozen=True, kw_only=True):
+    """The actor finished optimizer step ``step`` (0-based) of ``num_steps`` in this
+    iteration, over ``num_samples`` samples in ``duration_s``."""
+
+    component: ComponentId
+    step: int
+    num_steps: int
+    num_samples: int
+    duration_s: float
+
+
+class MigrationStarted(Event, frozen=True, kw_only=True):
+    """The controller committed ``migration``: its source instances start draining and
+    its devices are in transit until ``MigrationDone`` or ``MigrationFailed``."""
+
+    migration: Migration
+
+
+class MigrationDone(Event, frozen=True, kw_only=True):
+    """The executor finished the migration; the new instances are active."""
+
+    migration: MigrationId
+    duration_s: float = 0.0
+
+
+class MigrationFailed(Event, frozen=True, kw_only=True):
+    """The migration failed; the drained instances keep running where they were."""
+
+    migration: MigrationId
+    reason: str
+
+
+class WorkerFailed(Event, frozen=True, kw_only=True):
+    """``instance`` died or stopped answering; its items go back to their queues."""
+
+    instance: InstanceId
+    reason: str
+
+
+AnyEvent = (
+    IterationStarted
+    | IterationDone
+    | ItemsEnqueued
+    | ItemRouted
+    | ItemsRequeued
+    | ItemCompleted
+    | ToolCallStarted
+    | ToolCallFinished
+    | EngineStats
+    | WorkerIdle
+    | TrainStepDone
+    | MigrationStarted
+    | MigrationDone
+    | MigrationFailed
+    | WorkerFailed
+)
+"""Every event, as a union msgspec can decode."""

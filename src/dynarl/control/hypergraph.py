@@ -1,0 +1,571 @@
+"""The hypergraph: the controller's live, incrementally updated model of the pipeline.
+
+A *hypernode* per component holds its static spec and dynamic facts (instances,
+devices, utilisation, queue depth, throughput); a *node* per worker instance holds its
+devices and load; a *hyperedge* per dataflow holds its items, each owned by exactly one
+consumer instance, the tool stage, or the edge's queue. Device placement says which
+instance (or migration, or the free pool) holds every device.
+
+:meth:`Hypergraph.apply` updates it from one event in O(1) or O(items affected); it
+validates before it mutates, so a rejected event (:class:`EventError`) changes nothing.
+:meth:`Hypergraph.check` verifies the invariants from scratch (for tests and debugging).
+"""
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Literal
+
+from dynarl.control import events as ev
+from dynarl.control.meter import RateMeter
+from dynarl.control.plan import InstanceSpec, Migration
+from dynarl.control.topology import ComponentSpec, EdgeSpec, PipelineSpec
+from dynarl.core.errors import EventError, InvariantError
+from dynarl.core.ids import ComponentId, DeviceId, EdgeId, GroupId, InstanceId, ItemId, MigrationId
+
+TOOL = InstanceId("<tool>")
+"""Owner of an item while it is out of its engine running a tool call."""
+
+InstanceState = Literal["active", "draining"]
+
+
+class ItemState:
+    """One item on a hyperedge: who holds it and its affinity history."""
+
+    __slots__ = ("enqueued_s", "group", "id", "last_instance", "owner", "prefix_tokens",
+                 "tool_calls")
+
+    def __init__(self, item: ItemId, group: GroupId, enqueued_s: float) -> None:
+        self.id = item
+        self.group = group
+        self.owner: InstanceId | None = None  # None: waiting in the edge's queue
+        self.last_instance: InstanceId | None = None
+        self.tool_calls = 0
+        self.prefix_tokens = 0
+        self.enqueued_s = enqueued_s
+
+
+class Node:
+    """One worker instance and its last reported load."""
+
+    __slots__ = ("below_since_s", "busy", "component", "devices", "gen_tokens_per_s", "id",
+                 "items", "kv_usage", "num_queued", "num_running", "state")
+
+    def __init__(self, spec: InstanceSpec, component: ComponentId, now_s: float) -> None:
+        self.id = spec.id
+        self.component = component
+        self.devices = spec.devices
+        self.state: InstanceState = "active"
+        self.items: dict[ItemId, EdgeId] = {}
+        self.kv_usage = 0.0
+        self.num_running = 0
+        self.num_queued = 0
+        self.gen_tokens_per_s = 0.0
+        self.busy = False
+        # Since when KV usage has stayed below the hypergraph's low-usage threshold.
+        self.below_since_s: float | None = now_s
+
+
+class HyperNode:
+    """One component: static spec, its instances and measured rates."""
+
+    def __init__(self, spec: ComponentSpec, *, rate_tau_s: float) -> None:
+        self.spec = spec
+        self.instances: dict[InstanceId, Node] = {}
+        self.num_active = 0
+        self.num_active_devices = 0
+        self.work_rate = RateMeter(rate_tau_s)  # tokens/s (rollout) or samples/s
+        self.items_completed = 0
+        self.tokens_completed = 0
+        self.steps_done = 0
+        self.num_steps = 0
+        self.last_step_samples_per_s = 0.0
+
+    @property
+    def id(self) -> ComponentId:
+        """The component's id."""
+        return self.spec.id
+
+    def active_instances(self) -> Iterable[Node]:
+        """Instances not being drained."""
+        return (n for n in self.instances.values() if n.state == "active")
+
+    def num_in_flight(self) -> int:
+        """Items held by this component's active instances."""
+        return sum(len(n.items) for n in self.active_instances())
+
+
+class HyperEdge:
+    """One dataflow: its items, its queue (insertion-ordered) and progress counters."""
+
+    def __init__(self, spec: EdgeSpec) -> None:
+        self.spec = spec
+        self.items: dict[ItemId, ItemState] = {}
+        self.queue: dict[ItemId, None] = {}
+        self.num_in_tool = 0
+        self.num_enqueued = 0
+        self.num_routed = 0
+        self.num_requeued = 0
+        self.num_completed = 0
+        self.tokens_completed = 0
+
+    @property
+    def id(self) -> EdgeId:
+        """The edge's id."""
+        return self.spec.id
+
+    @property
+    def num_pending(self) -> int:
+        """Items not yet completed (queued, in flight or in a tool call)."""
+        return len(self.items)
+
+
+class Hypergraph:
+    """Live model of the pipeline, updated event by event.
+
+    Args:
+        spec: components and dataflows.
+        num_devices: devices in the cluster, ids ``0 .. num_devices - 1``.
+        placement: initial instances per component; devices not placed are free.
+        u_low: KV-usage threshold below which a rollout engine counts as low
+            (the donor signal); the time it has stayed below is tracked per engine.
+        rate_tau_s: time constant of the measured work rates.
+        now_s: time of construction.
+    """
+
+    def __init__(
+        self,
+        spec: PipelineSpec,
+        *,
+        num_devices: int,
+        placement: Mapping[ComponentId, Iterable[InstanceSpec]],
+        u_low: float = 0.2,
+        rate_tau_s: float = 5.0,
+        now_s: float = 0.0,
+    ) -> None:
+        self.spec = spec
+        self.num_devices = num_devices
+        self.u_low = u_low
+        self.now_s = now_s
+        self.iteration = -1
+        self.iteration_started_s = now_s
+        self.components: dict[ComponentId, HyperNode] = {
+            c.id: HyperNode(c, rate_tau_s=rate_tau_s) for c in spec.components
+        }
+        self.edges: dict[EdgeId, HyperEdge] = {e.id: HyperEdge(e) for e in spec.edges}
+        self.instances: dict[InstanceId, Node] = {}
+        self.device_owner: dict[DeviceId, InstanceId | MigrationId] = {}
+        self.free_devices: set[DeviceId] = set(DeviceId(d) for d in range(num_devices))
+        self.migrations: dict[MigrationId, Migration] = {}
+        self.next_migration_id = MigrationId(0)
+        self._instance_serial: dict[ComponentId, int] = dict.fromkeys(self.components, 0)
+        self.events_applied = 0
+        for cid, instances in placement.items():
+            if cid not in self.components:
+                raise EventError(f"placement names unknown component {cid!r}")
+            for inst in instances:
+                self._check_new_instance(inst, self.components[cid].spec)
+                for d in inst.devices:
+                    if d not in self.free_devices:
+                        raise EventError(f"placement puts device {d} in two instances")
+                    self.free_devices.discard(d)
+                self._add_instance(inst, cid)
+        self._handlers: dict[type[ev.Event], Callable[[Any], None]] = {
+            ev.IterationStarted: self._on_iteration_started,
+            ev.IterationDone: self._on_iteration_done,
+            ev.ItemsEnqueued: self._on_items_enqueued,
+            ev.ItemRouted: self._on_item_routed,
+            ev.ItemsRequeued: self._on_items_requeued,
+            ev.ItemCompleted: self._on_item_completed,
+            ev.ToolCallStarted: self._on_tool_call_started,
+            ev.ToolCallFinished: self._on_tool_call_finished,
+            ev.EngineStats: self._on_engine_stats,
+            ev.WorkerIdle: self._on_worker_idle,
+            ev.TrainStepDone: self._on_train_step_done,
+            ev.MigrationStarted: self._on_migration_started,
+            ev.MigrationDone: self._on_migration_done,
+            ev.MigrationFailed: self._on_migration_failed,
+            ev.WorkerFailed: self._on_worker_failed,
+        }
+
+    # ------------------------------------------------------------------ queries
+
+    def new_instance_id(self, component: ComponentId, offset: int = 0) -> InstanceId:
+        """The id the ``offset``-th next instance of ``component`` will get."""
+        return InstanceId(f"{component}-{self._instance_serial[component] + offset}")
+
+    def component_of(self, instance: InstanceId) -> HyperNode:
+        """The hypernode an instance belongs to."""
+        return self.components[self.instances[instance].component]
+
+    def edges_into(self, component: ComponentId) -> list[HyperEdge]:
+        """Edges ``component`` consumes."""
+        return [e for e in self.edges.values() if component in e.spec.consumers]
+
+    def queue_depth(self, component: ComponentId) -> int:
+        """Items waiting in the queues of the edges ``component`` consumes."""
+        return sum(len(e.queue) for e in self.edges_into(component))
+
+    def pending(self, component: ComponentId) -> int:
+        """Items ``component`` has not yet completed: queued, in flight, in tools."""
+        return sum(e.num_pending for e in self.edges_into(component))
+
+    def utilisation(self, component: ComponentId) -> float:
+        """Mean KV usage of a rollout component's engines; for others the busy
+        fraction of its instances."""
+        node = self.components[component]
+        active = list(node.active_instances())
+        if not active:
+            return 0.0
+        if node.spec.kind == "rollout":
+            return sum(n.kv_usage for n in active) / len(active)
+        return sum(n.busy for n in active) / len(active)
+
+    def low_for(self, instance: Node, now_s: float) -> float:
+        """Seconds ``instance`` has kept KV usage below ``u_low`` (0 if it is above)."""
+        return 0.0 if instance.below_since_s is None else now_s - instance.below_since_s
+
+    # ------------------------------------------------------------------ updates
+
+    def apply(self, event: ev.Event) -> None:
+        """Apply one event; raises :class:`EventError` (changing nothing) if the event
+        contradicts the model."""
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise EventError(f"no handler for event type {type(event).__name__}")
+        handler(event)
+        self.now_s = max(self.now_s, event.time_s)
+        self.events_applied += 1
+
+    def _on_iteration_started(self, e: ev.IterationStarted) -> None:
+        self.iteration = e.iteration
+        self.iteration_started_s = e.time_s
+        for node in self.components.values():
+            node.steps_done = 0
+            node.num_steps = 0
+
+    def _on_iteration_done(self, e: ev.IterationDone) -> None:
+        if e.iteration != self.iteration:
+            raise EventError(f"IterationDone({e.iteration}) but iteration {self.iteration} runs")
+
+    def _edge(self, edge: EdgeId) -> HyperEdge:
+        try:
+            return self.edges[edge]
+        except KeyError:
+            raise EventError(f"unknown edge {edge!r}") from None
+
+    def _item(self, edge: HyperEdge, item: ItemId) -> ItemState:
+        try:
+            return edge.items[item]
+        except KeyError:
+            raise EventError(f"item {item!r} is not pending on edge {edge.id!r}") from None
+
+    def _instance(self, instance: InstanceId) -> Node:
+        try:
+            return self.instances[instance]
+        except KeyError:
+            raise EventError(f"unknown instance {instance!r}") from None
+
+    def _on_items_enqueued(self, e: ev.ItemsEnqueued) -> None:
+        edge = self._edge(e.edge)
+        ids = [ref.id for ref in e.items]
+        dup = next((i for i in ids if i in edge.items), None)
+        if dup is not None or len(set(ids)) != len(ids):
+            raise EventError(f"item {dup!r} enqueued twice on edge {edge.id!r}")
+        for ref in e.items:
+            edge.items[ref.id] = ItemState(ref.id, ref.group, e.time_s)
+            edge.queue[ref.id] = None
+        edge.num_enqueued += len(e.items)
+
+    def _on_item_routed(self, e: ev.ItemRouted) -> None:
+        edge = self._edge(e.edge)
+        item = self._item(edge, e.item)
+        node = self._instance(e.instance)
+        if item.owner is not None:
+            raise EventError(f"{e.item!r} routed to {e.instance!r} but {item.owner!r} holds it")
+        if node.component not in edge.spec.consumers:
+            raise EventError(f"{e.instance!r} does not consume edge {edge.id!r}")
+        if node.state != "active":
+            raise EventError(f"item {e.item!r} routed to draining instance {e.instance!r}")
+        del edge.queue[e.item]
+        item.owner = item.last_instance = e.instance
+        node.items[e.item] = edge.id
+        node.busy = True
+        edge.num_routed += 1
+
+    def _on_items_requeued(self, e: ev.ItemsRequeued) -> None:
+        edge = self._edge(e.edge)
+        states = [self._item(edge, i) for i in e.items]
+        for st in states:
+            if st.owner is None or st.owner == TOOL:
+                raise EventError(f"item {st.id!r} requeued but no instance holds it")
+        for st in states:
+            self._release(edge, st)
+
+    def _release(self, edge: HyperEdge, st: ItemState) -> None:
+        """Move an item from its instance back to the edge's queue."""
+        assert st.owner is not None and st.owner != TOOL
+        del self.instances[st.owner].items[st.id]
+        st.owner = None
+        edge.queue[st.id] = None
+        edge.num_requeued += 1
+
+    def _on_item_completed(self, e: ev.ItemCompleted) -> None:
+        edge = self._edge(e.edge)
+        st = self._item(edge, e.item)
+        if st.owner != e.instance:
+            raise EventError(f"{e.instance!r} completed {e.item!r} but {st.owner!r} holds it")
+        node = self.instances[e.instance]
+        del node.items[e.item]
+        del edge.items[e.item]
+        edge.num_completed += 1
+        edge.tokens_completed += e.num_tokens
+        hn = self.components[node.component]
+        hn.items_completed += 1
+        hn.tokens_completed += e.num_tokens
+        if hn.spec.kind != "rollout":  # rollout's rate comes from engine stats
+            hn.work_rate.add(e.time_s, 1.0)
+
+    def _on_tool_call_started(self, e: ev.ToolCallStarted) -> None:
+        edge = self._edge(e.edge)
+        st = self._item(edge, e.item)
+        if st.owner != e.instance:
+            raise EventError(f"{e.instance!r} started a tool for {e.item!r} held by {st.owner!r}")
+        del self.instances[e.instance].items[e.item]
+        st.owner = TOOL
+        st.prefix_tokens = e.prefix_tokens
+        edge.num_in_tool += 1
+
+    def _on_tool_call_finished(self, e: ev.ToolCallFinished) -> None:
+        edge = self._edge(e.edge)
+        st = self._item(edge, e.item)
+        if st.owner != TOOL:
+            raise EventError(f"tool call finished for {e.item!r}, which is not in a tool")
+        st.owner = None
+        st.tool_calls += 1
+        edge.queue[e.item] = None
+        edge.num_in_tool -= 1
+
+    def _on_engine_stats(self, e: ev.EngineStats) -> None:
+        node = self._instance(e.instance)
+        if not 0.0 <= e.kv_usage <= 1.0 or e.num_running < 0 or e.num_queued < 0:
+            raise EventError(f"impossible engine stats from {e.instance!r}: {e}")
+        node.kv_usage = e.kv_usage
+        node.num_running = e.num_running
+        node.num_queued = e.num_queued
+        node.busy = e.num_running + e.num_queued > 0
+        hn = self.components[node.component]
+        # Work between two reports, at the rate of the later one.
+        hn.work_rate.add(e.time_s, e.gen_tokens_per_s - node.gen_tokens_per_s)
+        node.gen_tokens_per_s = e.gen_tokens_per_s
+        if e.kv_usage >= self.u_low:
+            node.below_since_s = None
+        elif node.below_since_s is None:
+            node.below_since_s = e.time_s
+
+    def _on_worker_idle(self, e: ev.WorkerIdle) -> None:
+        self._instance(e.instance).busy = False
+
+    def _on_train_step_done(self, e: ev.TrainStepDone) -> None:
+        try:
+            hn = self.components[e.component]
+        except KeyError:
+            raise EventError(f"unknown component {e.component!r}") from None
+        hn.steps_done = e.step + 1
+        hn.num_steps = e.num_steps
+        hn.work_rate.add(e.time_s, e.num_samples)
+        if e.duration_s > 0:
+            hn.last_step_samples_per_s = e.num_samples / e.duration_s
+
+    def _on_migration_started(self, e: ev.MigrationStarted) -> None:
+        m = e.migration
+        if m.id in self.migrations:
+            raise EventError(f"migration {m.id} started twice")
+        drained = [self._instance(i) for i in m.drain]
+        for node in drained:
+            if node.component != m.src or node.state != "active":
+                raise EventError(f"migration {m.id} drains {node.id!r}: not an active {m.src}")
+        from_instances = {d for n in drained for d in n.devices}
+        from_free = set(m.devices) - from_instances
+        if len(set(m.devices)) != len(m.devices) or not from_instances <= set(m.devices):
+            raise EventError(f"migration {m.id}: devices disagree with its drained instances")
+        if not from_free <= self.free_devices:
+            taken = sorted(from_free - self.free_devices)
+            raise EventError(f"migration {m.id} takes devices {taken} that are not free")
+        created = [d for spec in m.create for d in spec.devices]
+        if len(set(created)) != len(created) or not set(created) <= set(m.devices):
+            raise EventError(f"migration {m.id} creates instances on devices it does not move")
+        if m.create:
+            if m.dst is None:
+                raise EventError(f"migration {m.id} creates instances in the free pool")
+            dst = self.components[m.dst].spec
+            for spec in m.create:
+                self._check_new_instance(spec, dst)
+        for node in drained:
+            node.state = "draining"
+            hn = self.components[node.component]
+            hn.num_active -= 1
+            hn.num_active_devices -= len(node.devices)
+        for d in from_free:
+            self.free_devices.discard(d)
+            self.device_owner[d] = m.id
+        if m.dst is not None:
+            # Reserve the new ids now, so the next plan does not reuse them.
+            self._instance_serial[m.dst] += len(m.create)
+        self.migrations[m.id] = m
+        self.next_migration_id = MigrationId(max(self.next_migration_id, m.id + 1))
+
+    def _check_new_instance(self, spec: InstanceSpec, component: ComponentSpec) -> None:
+        if spec.id in self.instances:
+            raise EventError(f"instance {spec.id!r} already exists")
+        if len(spec.devices) != component.devices_per_instance:
+            raise EventError(
+                f"instance {spec.id!r} has {len(spec.devices)} devices; "
+                f"{component.id} instances take {component.devices_per_instance}"
+            )
+
+    def _migration(self, mid: MigrationId) -> Migration:
+        try:
+            return self.migrations[mid]
+        except KeyError:
+            raise EventError(f"unknown migration {mid}") from None
+
+    def _on_migration_done(self, e: ev.MigrationDone) -> None:
+        m = self._migration(e.migration)
+        del self.migrations[m.id]
+        for iid in m.drain:
+            if iid in self.instances:  # a drained instance may have failed meanwhile
+                self._remove_instance(self.instances[iid])
+        for d in m.devices:
+            if self.device_owner.get(d) == m.id:
+                del self.device_owner[d]
+        placed: set[DeviceId] = set()
+        for spec in m.create:
+            assert m.dst is not None
+            self._add_instance(spec, m.dst)
+            placed.update(spec.devices)
+        self.free_devices.update(d for d in m.devices if d not in placed)
+
+    def _on_migration_failed(self, e: ev.MigrationFailed) -> None:
+        m = self._migration(e.migration)
+        del self.migrations[m.id]
+        for iid in m.drain:
+            node = self.instances.get(iid)
+            if node is not None and node.state == "draining":
+                node.state = "active"
+                hn = self.components[node.component]
+                hn.num_active += 1
+                hn.num_active_devices += len(node.devices)
+        for d in m.devices:
+            if self.device_owner.get(d) == m.id:
+                del self.device_owner[d]
+                self.free_devices.add(d)
+
+    def _on_worker_failed(self, e: ev.WorkerFailed) -> None:
+        node = self._instance(e.instance)
+        if node.state == "active":
+            hn = self.components[node.component]
+            hn.num_active -= 1
+            hn.num_active_devices -= len(node.devices)
+        self._remove_instance(node)
+        migration = next((m for m in self.migrations.values() if node.id in m.drain), None)
+        if migration is not None:
+            # A draining instance's devices already belong to its migration.
+            self.device_owner.update(dict.fromkeys(node.devices, migration.id))
+        else:
+            # The devices go back to the pool: the scheduler may reboot an instance there.
+            self.free_devices.update(node.devices)
+
+    def _add_instance(self, spec: InstanceSpec, component: ComponentId) -> None:
+        node = Node(spec, component, self.now_s)
+        self.instances[spec.id] = node
+        hn = self.components[component]
+        hn.instances[spec.id] = node
+        hn.num_active += 1
+        hn.num_active_devices += len(spec.devices)
+        for d in spec.devices:
+            self.device_owner[d] = spec.id
+        serial = spec.id.rsplit("-", 1)[-1]
+        if serial.isdigit():
+            self._instance_serial[component] = max(
+                self._instance_serial[component], int(serial) + 1
+            )
+
+    def _remove_instance(self, node: Node) -> None:
+        """Forget an instance; items it still held go back to their queues."""
+        for item, edge_id in list(node.items.items()):
+            self._release(self.edges[edge_id], self.edges[edge_id].items[item])
+        for d in node.devices:
+            if self.device_owner.get(d) == node.id:
+                del self.device_owner[d]
+        del self.instances[node.id]
+        del self.components[node.component].instances[node.id]
+
+    # ------------------------------------------------------------------ invariants
+
+    def check(self) -> None:
+        """Verify every invariant from scratch; raises :class:`InvariantError`.
+
+        A device is held by at most one instance or migration, or is free; device
+        counts are conserved; every pending item is held by exactly one consumer
+        instance, the tool stage, or its edge's queue; cached counters agree.
+        """
+        seen: dict[DeviceId, str] = {}
+
+        def claim(d: DeviceId, who: str) -> None:
+            if d in seen:
+                raise InvariantError(f"device {d} is in {seen[d]} and in {who}")
+            if not 0 <= d < self.num_devices:
+                raise InvariantError(f"device {d} is outside the cluster ({who})")
+            seen[d] = who
+
+        for node in self.instances.values():
+            for d in node.devices:
+                claim(d, f"instance {node.id}")
+                if self.device_owner.get(d) != node.id:
+                    raise InvariantError(f"device_owner[{d}] is not {node.id}")
+        for m in self.migrations.values():
+            for d in m.devices:
+                if self.device_owner.get(d) == m.id:
+                    claim(d, f"migration {m.id}")
+        for d in self.free_devices:
+            claim(d, "the free pool")
+        if len(seen) != self.num_devices:
+            lost = sorted(set(range(self.num_devices)) - set(seen))
+            raise InvariantError(f"devices {lost} are held by nobody: device count not conserved")
+        if len(self.device_owner) + len(self.free_devices) != self.num_devices:
+            raise InvariantError("device_owner holds stale entries")
+        for hn in self.components.values():
+            active = [n for n in hn.instances.values() if n.state == "active"]
+            if hn.num_active != len(active):
+                raise InvariantError(f"{hn.id}: num_active {hn.num_active} != {len(active)}")
+            if hn.num_active_devices != sum(len(n.devices) for n in active):
+                raise InvariantError(f"{hn.id}: num_active_devices out of date")
+            for n in hn.instances.values():
+                if self.instances.get(n.id) is not n or n.component != hn.id:
+                    raise InvariantError(f"instance {n.id} is filed under the wrong component")
+        for node in self.instances.values():
+            for item, edge_id in node.items.items():
+                st = self.edges[edge_id].items.get(item)
+                if st is None or st.owner != node.id:
+                    raise InvariantError(f"{node.id} holds {item!r}, which it does not own")
+        for edge in self.edges.values():
+            in_tool = 0
+            for st in edge.items.values():
+                if st.owner is None:
+                    if st.id not in edge.queue:
+                        raise InvariantError(f"{st.id!r} on {edge.id} is owned by nobody")
+                elif st.owner == TOOL:
+                    in_tool += 1
+                else:
+                    holder = self.instances.get(st.owner)
+                    if holder is None or holder.items.get(st.id) != edge.id:
+                        raise InvariantError(f"{st.id!r} on {edge.id} claims owner {st.owner}")
+                    if holder.component not in edge.spec.consumers:
+                        raise InvariantError(f"{st.owner} holds {st.id!r}, not a consumer")
+                    if st.id in edge.queue:
+                        raise InvariantError(f"{st.id!r} is both queued and held by {st.owner}")
+            if any(i not in edge.items for i in edge.queue):
+                raise InvariantError(f"{edge.id} queue holds completed items")
+            if in_tool != edge.num_in_tool:
+                raise InvariantError(f"{edge.id}: num_in_tool {edge.num_in_tool} != {in_tool}")
+            if edge.num_enqueued != edge.num_completed + len(edge.items):
+                raise InvariantError(f"{edge.id}: enqueued != completed + pending")

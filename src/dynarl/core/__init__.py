@@ -1,0 +1,1 @@
+"""Vocabulary shared by every layer: ids, errors, the clock."""
