@@ -278,9 +278,10 @@ class DynaRLConfig(_Section, frozen=True, kw_only=True):
                 f"actor.initial_devices or set actor.allow_uneven_micro_batches=true",
                 field="actor.initial_devices",
             )
-        if self.scheduler.mode == "static-disaggregated" and min(
-            self.rollout.initial_devices, self.actor.initial_devices
-        ) == 0:
+        if (
+            self.scheduler.mode == "static-disaggregated"
+            and min(self.rollout.initial_devices, self.actor.initial_devices) == 0
+        ):
             raise ConfigError(
                 "scheduler.mode=static-disaggregated keeps the initial split for the whole "
                 "run, so rollout.initial_devices and actor.initial_devices must both be > 0",

@@ -30,8 +30,15 @@ InstanceState = Literal["active", "draining"]
 class ItemState:
     """One item on a hyperedge: who holds it and its affinity history."""
 
-    __slots__ = ("enqueued_s", "group", "id", "last_instance", "owner", "prefix_tokens",
-                 "tool_calls")
+    __slots__ = (
+        "enqueued_s",
+        "group",
+        "id",
+        "last_instance",
+        "owner",
+        "prefix_tokens",
+        "tool_calls",
+    )
 
     def __init__(self, item: ItemId, group: GroupId, enqueued_s: float) -> None:
         self.id = item
@@ -46,8 +53,19 @@ class ItemState:
 class Node:
     """One worker instance and its last reported load."""
 
-    __slots__ = ("below_since_s", "busy", "component", "devices", "gen_tokens_per_s", "id",
-                 "items", "kv_usage", "num_queued", "num_running", "state")
+    __slots__ = (
+        "below_since_s",
+        "busy",
+        "component",
+        "devices",
+        "gen_tokens_per_s",
+        "id",
+        "items",
+        "kv_usage",
+        "num_queued",
+        "num_running",
+        "state",
+    )
 
     def __init__(self, spec: InstanceSpec, component: ComponentId, now_s: float) -> None:
         self.id = spec.id
@@ -102,6 +120,7 @@ class HyperEdge:
         self.queue: dict[ItemId, None] = {}
         self.num_in_tool = 0
         self.num_enqueued = 0
+        self.enqueued_this_iteration = 0
         self.num_routed = 0
         self.num_requeued = 0
         self.num_completed = 0
@@ -154,6 +173,8 @@ class Hypergraph:
         self.instances: dict[InstanceId, Node] = {}
         self.device_owner: dict[DeviceId, InstanceId | MigrationId] = {}
         self.free_devices: set[DeviceId] = set(DeviceId(d) for d in range(num_devices))
+        # Free devices whose worker crashed: using them again means a reboot.
+        self.crashed_devices: set[DeviceId] = set()
         self.migrations: dict[MigrationId, Migration] = {}
         self.next_migration_id = MigrationId(0)
         self._instance_serial: dict[ComponentId, int] = dict.fromkeys(self.components, 0)
@@ -219,6 +240,10 @@ class Hypergraph:
             return sum(n.kv_usage for n in active) / len(active)
         return sum(n.busy for n in active) / len(active)
 
+    def of_kind(self, kind: str) -> list[ComponentId]:
+        """Components of ``kind`` (``"rollout"``, ``"actor"``, ...)."""
+        return [c for c, n in self.components.items() if n.spec.kind == kind]
+
     def low_for(self, instance: Node, now_s: float) -> float:
         """Seconds ``instance`` has kept KV usage below ``u_low`` (0 if it is above)."""
         return 0.0 if instance.below_since_s is None else now_s - instance.below_since_s
@@ -241,6 +266,8 @@ class Hypergraph:
         for node in self.components.values():
             node.steps_done = 0
             node.num_steps = 0
+        for edge in self.edges.values():
+            edge.enqueued_this_iteration = 0
 
     def _on_iteration_done(self, e: ev.IterationDone) -> None:
         if e.iteration != self.iteration:
@@ -274,6 +301,7 @@ class Hypergraph:
             edge.items[ref.id] = ItemState(ref.id, ref.group, e.time_s)
             edge.queue[ref.id] = None
         edge.num_enqueued += len(e.items)
+        edge.enqueued_this_iteration += len(e.items)
 
     def _on_item_routed(self, e: ev.ItemRouted) -> None:
         edge = self._edge(e.edge)
@@ -406,6 +434,7 @@ class Hypergraph:
             hn.num_active_devices -= len(node.devices)
         for d in from_free:
             self.free_devices.discard(d)
+            self.crashed_devices.discard(d)
             self.device_owner[d] = m.id
         if m.dst is not None:
             # Reserve the new ids now, so the next plan does not reuse them.
@@ -473,6 +502,7 @@ class Hypergraph:
         else:
             # The devices go back to the pool: the scheduler may reboot an instance there.
             self.free_devices.update(node.devices)
+            self.crashed_devices.update(node.devices)
 
     def _add_instance(self, spec: InstanceSpec, component: ComponentId) -> None:
         node = Node(spec, component, self.now_s)
@@ -531,6 +561,8 @@ class Hypergraph:
         if len(seen) != self.num_devices:
             lost = sorted(set(range(self.num_devices)) - set(seen))
             raise InvariantError(f"devices {lost} are held by nobody: device count not conserved")
+        if not self.crashed_devices <= self.free_devices:
+            raise InvariantError("a crashed device is not in the free pool")
         if len(self.device_owner) + len(self.free_devices) != self.num_devices:
             raise InvariantError("device_owner holds stale entries")
         for hn in self.components.values():

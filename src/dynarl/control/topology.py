@@ -161,20 +161,32 @@ def rl_pipeline(
     """
     components = (
         ComponentSpec(
-            id=ROLLOUT, kind="rollout", devices_per_instance=rollout_tp,
-            interruptible_at="request", scaling="concave",
+            id=ROLLOUT,
+            kind="rollout",
+            devices_per_instance=rollout_tp,
+            interruptible_at="request",
+            scaling="concave",
         ),
         ComponentSpec(
-            id=INFERENCE, kind="inference", devices_per_instance=inference_tp,
-            interruptible_at="micro_batch", scaling="linear",
+            id=INFERENCE,
+            kind="inference",
+            devices_per_instance=inference_tp,
+            interruptible_at="micro_batch",
+            scaling="linear",
         ),
         ComponentSpec(
-            id=REWARD, kind="reward", devices_per_instance=1 if reward_on_devices else 0,
-            interruptible_at="micro_batch", scaling="linear",
+            id=REWARD,
+            kind="reward",
+            devices_per_instance=1 if reward_on_devices else 0,
+            interruptible_at="micro_batch",
+            scaling="linear",
         ),
         ComponentSpec(
-            id=ACTOR, kind="actor", devices_per_instance=actor_devices_per_replica,
-            interruptible_at="optimizer_step", scaling="linear",
+            id=ACTOR,
+            kind="actor",
+            devices_per_instance=actor_devices_per_replica,
+            interruptible_at="optimizer_step",
+            scaling="linear",
             valid_sizes=tuple(actor_dp_sizes),
         ),
     )

@@ -1,0 +1,243 @@
+"""The controller: one event loop that keeps the hypergraph current and acts on it.
+
+Events arrive from an event source (an anyio object stream fed by the data plane, the
+simulator or test fakes); each is applied to the hypergraph, may fire a trigger, and a
+trigger asks the policy for a plan. Committed migrations are recorded in the
+hypergraph as ``MigrationStarted`` and carried out by the :class:`Executor` in tasks of
+the controller's task group; their outcome comes back as ``MigrationDone`` or
+``MigrationFailed``. A periodic tick (on the injected clock) fires the ``tick``
+trigger and feeds the predictor. Nothing here reads the wall clock except to measure
+how long decisions take, so the same controller runs on a virtual clock.
+"""
+
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import anyio
+import msgspec
+from anyio.abc import ObjectReceiveStream, TaskGroup, TaskStatus
+
+from dynarl.control import events as ev
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.plan import Migration, Plan
+from dynarl.control.predictor import Predictor
+from dynarl.control.scheduler import Policy, Trigger, TriggerKind
+from dynarl.core.clock import Clock
+from dynarl.core.errors import EventError
+
+logger = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    """Carries out migrations in some world (real workers, the simulator, fakes)."""
+
+    async def execute(self, migration: Migration) -> None:
+        """Carry out ``migration``; return once the new instances are active.
+
+        Raise to report failure; the drained instances must then still be running
+        where they were (create-before-destroy).
+        """
+        ...
+
+
+class ControllerStats(msgspec.Struct, kw_only=True):
+    """What the controller has done so far."""
+
+    events_applied: int = 0
+    events_rejected: dict[str, int] = msgspec.field(default_factory=dict)
+    decisions: int = 0
+    plans_committed: int = 0
+    migrations_done: int = 0
+    migrations_failed: int = 0
+    decision_s: list[float] = msgspec.field(default_factory=list)
+    """Wall-clock seconds of the most recent decisions (up to 4096)."""
+
+
+_TRIGGERS: dict[type[ev.Event], TriggerKind] = {
+    ev.IterationStarted: "iteration_start",
+    ev.IterationDone: "iteration_end",
+    ev.TrainStepDone: "step_boundary",
+    ev.WorkerIdle: "idle",
+    ev.MigrationDone: "placement_changed",
+    ev.MigrationFailed: "placement_changed",
+    ev.WorkerFailed: "placement_changed",
+}
+
+Listener = Callable[[ev.Event], None]
+
+
+class Controller:
+    """The control loop.
+
+    Args:
+        graph: the hypergraph it keeps current (it owns it from now on).
+        policy: the scheduling policy.
+        executor: carries out committed migrations.
+        clock: the time source (virtual in the simulator).
+        predictor: fed with observed throughputs and migration costs, if given.
+        tick_s: period of the ``tick`` trigger.
+        listeners: called with every applied event (timeline, metrics), in order.
+    """
+
+    def __init__(
+        self,
+        graph: Hypergraph,
+        policy: Policy,
+        executor: Executor,
+        *,
+        clock: Clock,
+        predictor: Predictor | None = None,
+        tick_s: float = 1.0,
+        listeners: Iterable[Listener] = (),
+    ) -> None:
+        self.graph = graph
+        self.policy = policy
+        self.executor = executor
+        self.clock = clock
+        self.predictor = predictor
+        self.tick_s = tick_s
+        self.listeners = list(listeners)
+        self._stats = ControllerStats()
+        self._rejected: Counter[str] = Counter()
+        self._decision_s: deque[float] = deque(maxlen=4096)
+        self._tg: TaskGroup | None = None
+
+    async def run(
+        self,
+        events: ObjectReceiveStream[ev.Event],
+        *,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Apply events from ``events`` until it closes (or this task is cancelled)."""
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self._tick_loop)
+            task_status.started()
+            try:
+                async with events:
+                    async for event in events:
+                        self.handle(event)
+            finally:
+                self._tg = None
+                tg.cancel_scope.cancel()
+
+    def handle(self, event: ev.Event) -> None:
+        """Apply one event now (stamped with the controller's clock) and act on it.
+
+        A contradictory event is rejected, counted and logged once per type; it never
+        stops the loop.
+        """
+        event = msgspec.structs.replace(event, time_s=self.clock.now())
+        if not self._apply(event):
+            return
+        kind = _TRIGGERS.get(type(event))
+        component = None
+        if isinstance(event, ev.ItemCompleted):
+            component = self.graph.instances[event.instance].component
+            if self.graph.pending(component) == 0:
+                kind = "stage_drained"
+        elif isinstance(event, ev.TrainStepDone):
+            component = event.component
+            self._observe_step(event)
+        if kind is not None:
+            self.decide(Trigger(kind=kind, time_s=event.time_s, component=component))
+
+    def decide(self, trigger: Trigger) -> Plan:
+        """Ask the policy for a plan and commit it."""
+        t0 = time.perf_counter()
+        plan = self.policy.decide(self.graph, trigger)
+        self._decision_s.append(time.perf_counter() - t0)
+        self._stats.decisions += 1
+        if plan:
+            self._commit(plan)
+        return plan
+
+    def statistics(self) -> ControllerStats:
+        """A snapshot of the controller's counters."""
+        s = self._stats
+        return ControllerStats(
+            events_applied=s.events_applied,
+            events_rejected=dict(self._rejected),
+            decisions=s.decisions,
+            plans_committed=s.plans_committed,
+            migrations_done=s.migrations_done,
+            migrations_failed=s.migrations_failed,
+            decision_s=list(self._decision_s),
+        )
+
+    # ------------------------------------------------------------------ internals
+
+    def _apply(self, event: ev.Event) -> bool:
+        try:
+            self.graph.apply(event)
+        except EventError as exc:
+            name = type(event).__name__
+            if not self._rejected[name]:
+                logger.warning("rejected %s (further ones are only counted): %s", name, exc)
+            self._rejected[name] += 1
+            return False
+        self._stats.events_applied += 1
+        for listener in self.listeners:
+            listener(event)
+        return True
+
+    def _commit(self, plan: Plan) -> None:
+        if self._tg is None:
+            raise RuntimeError("the controller is not running: start Controller.run first")
+        logger.info("plan (%s): %s", self.policy.name, plan.reason)
+        self._stats.plans_committed += 1
+        for migration in plan.migrations:
+            started = ev.MigrationStarted(migration=migration, time_s=self.clock.now())
+            if self._apply(started):
+                self._tg.start_soon(self._execute, migration)
+
+    async def _execute(self, migration: Migration) -> None:
+        t0 = self.clock.now()
+        try:
+            await self.executor.execute(migration)
+        except Exception as exc:  # the executor reports failure by raising
+            logger.warning("migration %d failed: %s", migration.id, exc)
+            self._stats.migrations_failed += 1
+            self.handle(ev.MigrationFailed(migration=migration.id, reason=str(exc)))
+            return
+        duration = self.clock.now() - t0
+        self._stats.migrations_done += 1
+        if self.predictor is not None:
+            self.predictor.observe_migration(migration.kind, duration)
+        self.handle(ev.MigrationDone(migration=migration.id, duration_s=duration))
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await self.clock.sleep(self.tick_s)
+            now = self.clock.now()
+            self._observe_tick(now)
+            self.decide(Trigger(kind="tick", time_s=now))
+
+    def _observe_tick(self, now: float) -> None:
+        if self.predictor is None:
+            return
+        for cid, node in self.graph.components.items():
+            devices = node.num_active_devices
+            if not devices:
+                continue
+            if node.spec.kind == "rollout":
+                active = list(node.active_instances())
+                load = float(sum(n.num_running for n in active))
+                rate = sum(n.gen_tokens_per_s for n in active)
+            elif node.spec.kind == "actor":
+                continue  # observed per optimizer step instead
+            else:
+                load = float(self.graph.pending(cid))
+                rate = node.work_rate.rate(now)
+            if load > 0 and rate > 0:
+                self.predictor.observe(cid, devices, load, rate)
+
+    def _observe_step(self, event: ev.TrainStepDone) -> None:
+        node = self.graph.components.get(event.component)
+        if self.predictor is None or node is None or event.duration_s <= 0:
+            return
+        rate = event.num_samples / event.duration_s
+        self.predictor.observe(event.component, node.num_active_devices, event.num_samples, rate)

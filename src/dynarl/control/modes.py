@@ -1,0 +1,47 @@
+"""Scheduling modes: which policy each mode runs, as a table."""
+
+from collections.abc import Callable
+
+from dynarl.control.config import SchedulerConfig, SchedulingMode
+from dynarl.control.policies.bottleneck import BottleneckPolicy
+from dynarl.control.policies.colocated import ColocatedPolicy
+from dynarl.control.policies.phases import ActorTakesCluster, RolloutBorrowsActor
+from dynarl.control.policies.recovery import RebootCrashed
+from dynarl.control.predictor import Predictor
+from dynarl.control.scheduler import Baseline, FirstOf, Policy
+
+PolicyFactory = Callable[[SchedulerConfig, Predictor, Baseline], Policy]
+
+
+def _dynamic(cfg: SchedulerConfig, predictor: Predictor, baseline: Baseline) -> Policy:
+    policies: list[Policy] = [RebootCrashed(baseline)]
+    if cfg.actor_takes_cluster:
+        policies.append(ActorTakesCluster())
+    if cfg.rollout_borrows_actor:
+        policies.append(RolloutBorrowsActor(baseline, cfg.borrow_return_fraction))
+    policies.append(BottleneckPolicy(cfg, predictor))
+    return FirstOf("dynamic", policies)
+
+
+def _colocated(cfg: SchedulerConfig, predictor: Predictor, baseline: Baseline) -> Policy:
+    return FirstOf("static-colocated", [ColocatedPolicy()])
+
+
+def _disaggregated(cfg: SchedulerConfig, predictor: Predictor, baseline: Baseline) -> Policy:
+    return FirstOf("static-disaggregated", [RebootCrashed(baseline)])
+
+
+POLICIES: dict[SchedulingMode, PolicyFactory] = {
+    "dynamic": _dynamic,
+    "static-colocated": _colocated,
+    "static-disaggregated": _disaggregated,
+}
+
+
+def make_policy(cfg: SchedulerConfig, predictor: Predictor, baseline: Baseline) -> Policy:
+    """The policy of ``cfg.mode``: ``dynamic`` reboots crashed devices, lets the actor
+    take the cluster before its last minibatch, lends the actor's devices to rollout at
+    iteration start, and otherwise moves devices to the predicted bottleneck;
+    ``static-colocated`` hands every device to each stage in turn;
+    ``static-disaggregated`` keeps the initial split (rebooting crashed devices)."""
+    return POLICIES[cfg.mode](cfg, predictor, baseline)

@@ -1,0 +1,211 @@
+"""Instance-level scheduling: turn "move k devices from A to B" into a concrete plan.
+
+:class:`PlanBuilder` decides which instances to drain (fewest running requests first),
+which devices the new instances get (whole scaling units, devices kept in order so a
+tensor-parallel group stays on neighbouring devices), where the drained instances'
+items go (largest groups first to the least-loaded remaining instance), and which
+actor sizes are allowed. It reads the hypergraph and never changes it; migrations
+added to one builder never reuse a device or an instance id.
+"""
+
+import heapq
+from collections import defaultdict
+from collections.abc import Sequence
+
+from dynarl.control.hypergraph import Hypergraph, Node
+from dynarl.control.plan import InstanceSpec, Migration, MigrationKind, Plan
+from dynarl.core.ids import ComponentId, DeviceId, GroupId, InstanceId, ItemId, MigrationId
+
+
+def migration_kind(
+    src: ComponentId | None, dst: ComponentId | None, graph: Hypergraph
+) -> MigrationKind:
+    """Trainer state moves peer to peer (``reshard``); everything else moves its
+    requests (``workload``)."""
+    for end in (src, dst):
+        if end is not None and graph.components[end].spec.kind == "actor":
+            return "reshard"
+    return "workload"
+
+
+def drain_order(instances: list[Node]) -> list[Node]:
+    """Instances in the order they should be released: fewest items in flight first,
+    then lowest KV usage, then id (for determinism)."""
+    return sorted(instances, key=lambda n: (len(n.items), n.num_running, n.kv_usage, n.id))
+
+
+def redistribute(
+    groups: dict[GroupId, list[ItemId]], loads: dict[InstanceId, int]
+) -> list[tuple[ItemId, InstanceId]]:
+    """Assign whole groups to instances: largest group first to the least-loaded
+    instance (LPT). ``loads`` is each destination's current item count."""
+    if not loads:
+        return []
+    heap = [(load, iid) for iid, load in sorted(loads.items())]
+    heapq.heapify(heap)
+    out: list[tuple[ItemId, InstanceId]] = []
+    for group in sorted(groups, key=lambda g: (-len(groups[g]), g)):
+        load, iid = heapq.heappop(heap)
+        out.extend((item, iid) for item in groups[group])
+        heapq.heappush(heap, (load + len(groups[group]), iid))
+    return out
+
+
+class PlanBuilder:
+    """Accumulates migrations for one decision against one hypergraph snapshot."""
+
+    def __init__(self, graph: Hypergraph) -> None:
+        self.graph = graph
+        self.migrations: list[Migration] = []
+        self._used_devices: set[DeviceId] = set()
+        self._drained: set[InstanceId] = set()
+        self._created: dict[ComponentId, int] = defaultdict(int)
+        self._free = sorted(graph.free_devices)
+
+    # ---------------------------------------------------------------- sizes
+
+    def instances(self, component: ComponentId) -> int:
+        """Active instances ``component`` will have after the migrations so far."""
+        node = self.graph.components[component]
+        drained = sum(1 for n in node.active_instances() if n.id in self._drained)
+        return node.num_active - drained + self._created[component]
+
+    def free_devices(self) -> list[DeviceId]:
+        """Free devices not yet taken by this plan."""
+        return [d for d in self._free if d not in self._used_devices]
+
+    def drainable(self, component: ComponentId) -> list[Node]:
+        """Active instances of ``component`` not yet drained, in drain order."""
+        node = self.graph.components[component]
+        return drain_order([n for n in node.active_instances() if n.id not in self._drained])
+
+    def shrink_targets(self, component: ComponentId) -> list[int]:
+        """Instance counts ``component`` may shrink to, largest first."""
+        spec = self.graph.components[component].spec
+        now = self.instances(component)
+        return [k for k in range(now - 1, -1, -1) if spec.is_valid_size(k)]
+
+    def grow_target(self, component: ComponentId, extra_devices: int) -> int:
+        """The largest valid instance count reachable with ``extra_devices`` more."""
+        spec = self.graph.components[component].spec
+        now = self.instances(component)
+        best = now
+        for k in range(now + 1, now + extra_devices // spec.devices_per_instance + 1):
+            if spec.is_valid_size(k):
+                best = k
+        return best
+
+    # ---------------------------------------------------------------- building
+
+    def move(
+        self,
+        src: ComponentId | None,
+        dst: ComponentId | None,
+        *,
+        drain: int = 0,
+        take_free: int | Sequence[DeviceId] = 0,
+        create: int | None = None,
+    ) -> Migration | None:
+        """Drain ``drain`` instances of ``src`` (in drain order) plus ``take_free``
+        free devices (a count, or the devices themselves), and start ``create``
+        instances of ``dst`` on them (by default as many as fit and keep ``dst`` at a
+        valid size). Returns ``None`` when that moves nothing."""
+        graph = self.graph
+        drained = self.drainable(src)[:drain] if src is not None and drain else []
+        if isinstance(take_free, int):
+            free = self.free_devices()[:take_free]
+        else:
+            free = [d for d in take_free if d in set(self.free_devices())]
+        devices = sorted({d for n in drained for d in n.devices} | set(free))
+        if not devices:
+            return None
+        specs: list[InstanceSpec] = []
+        if dst is not None:
+            unit = graph.components[dst].spec.devices_per_instance
+            if create is None:
+                create = self.grow_target(dst, len(devices)) - self.instances(dst)
+            create = min(create, len(devices) // unit)
+            for i in range(create):
+                iid = graph.new_instance_id(dst, self._created[dst] + i)
+                specs.append(
+                    InstanceSpec(id=iid, devices=tuple(devices[i * unit : (i + 1) * unit]))
+                )
+        reassign: list[tuple[ItemId, InstanceId]] = []
+        if drained and src is not None:
+            reassign = self._reassign(src, drained)
+        kind = migration_kind(src, dst, graph)
+        if any(d in graph.crashed_devices for d in free):
+            kind = "reboot"  # a crashed worker's device: its process restarts
+        migration = Migration(
+            id=MigrationId(graph.next_migration_id + len(self.migrations)),
+            kind=kind,
+            src=src if drained else None,
+            dst=dst if specs else None,
+            devices=tuple(devices),
+            drain=tuple(n.id for n in drained),
+            create=tuple(specs),
+            reassign=tuple(reassign),
+        )
+        self.migrations.append(migration)
+        self._used_devices.update(free)
+        self._drained.update(n.id for n in drained)
+        if dst is not None:
+            self._created[dst] += len(specs)
+        return migration
+
+    def _reassign(self, src: ComponentId, drained: list[Node]) -> list[tuple[ItemId, InstanceId]]:
+        groups: dict[GroupId, list[ItemId]] = defaultdict(list)
+        for node in drained:
+            for item, edge in node.items.items():
+                groups[self.graph.edges[edge].items[item].group].append(item)
+        loads = {n.id: len(n.items) for n in self.drainable(src)}
+        return redistribute(dict(groups), loads)
+
+    def gather(
+        self,
+        dst: ComponentId,
+        target: int,
+        donors: Sequence[ComponentId],
+        *,
+        drain_rest: bool = False,
+    ) -> bool:
+        """Grow ``dst`` to exactly ``target`` instances from the free pool, then from
+        ``donors`` in the given order. With ``drain_rest`` every donor instance is
+        drained even once ``target`` is reached (the extra devices go to the free
+        pool). Returns whether ``target`` was reached; devices that do not fill a whole
+        ``dst`` instance go to the free pool, where the next decision picks them up."""
+        unit = self.graph.components[dst].spec.devices_per_instance
+        missing = target - self.instances(dst)
+        free = self.free_devices()[: max(missing, 0) * unit]
+        if len(free) >= unit:
+            m = self.move(None, dst, take_free=free, create=len(free) // unit)
+            missing -= 0 if m is None else len(m.create)
+        for cid in donors:
+            available = len(self.drainable(cid))
+            if not available or (missing <= 0 and not drain_rest):
+                continue
+            cunit = self.graph.components[cid].spec.devices_per_instance
+            count = available if drain_rest else min(available, -(-missing * unit // cunit))
+            create = max(0, min(missing, count * cunit // unit))
+            m = self.move(cid, dst, drain=count, create=create)
+            missing -= 0 if m is None else len(m.create)
+        return missing == 0
+
+    def moved_devices(self) -> dict[ComponentId, int]:
+        """Active devices per component after the migrations so far."""
+        out = {c: n.num_active_devices for c, n in self.graph.components.items()}
+        for m in self.migrations:
+            if m.src is not None:
+                out[m.src] -= sum(len(self.graph.instances[i].devices) for i in m.drain)
+            if m.dst is not None:
+                out[m.dst] += sum(len(spec.devices) for spec in m.create)
+        return out
+
+    def build(self, reason: str, *, score_before: float = 0.0, score_after: float = 0.0) -> Plan:
+        """The plan of every migration added so far."""
+        return Plan(
+            migrations=tuple(self.migrations),
+            reason=reason,
+            score_before=score_before,
+            score_after=score_after,
+        )

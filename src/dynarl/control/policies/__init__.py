@@ -1,0 +1,2 @@
+"""Scheduling policies, one per module; each implements
+:class:`dynarl.control.scheduler.Policy`."""

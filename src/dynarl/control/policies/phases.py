@@ -1,0 +1,89 @@
+"""Iteration-phase policies (from the reference system, as rules).
+
+* :class:`RolloutBorrowsActor`: at iteration start the actor has nothing to train, so
+  rollout borrows its devices; once rollout's outstanding requests fall below a
+  fraction of the batch, rollout's surplus over its initial share goes back.
+* :class:`ActorTakesCluster`: once every other stage has finished the iteration's work
+  (the actor's last minibatch can only start then), the actor takes every device they
+  hold, at its largest valid data-parallel size.
+"""
+
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.plan import EMPTY_PLAN, Plan
+from dynarl.control.planner import PlanBuilder
+from dynarl.control.scheduler import Baseline, Trigger
+from dynarl.control.scoring import demands
+
+
+class RolloutBorrowsActor:
+    """Lend the actor's devices to rollout at iteration start; return them for the tail."""
+
+    name = "rollout-borrows-actor"
+
+    def __init__(self, baseline: Baseline, return_fraction: float) -> None:
+        self.baseline = dict(baseline)
+        self.return_fraction = return_fraction
+
+    def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
+        """Borrow on ``iteration_start``; hand back on later triggers."""
+        if graph.migrations:
+            return EMPTY_PLAN
+        rollouts, actors = graph.of_kind("rollout"), graph.of_kind("actor")
+        if len(rollouts) != 1 or len(actors) != 1:
+            return EMPTY_PLAN
+        rollout, actor = rollouts[0], actors[0]
+        builder = PlanBuilder(graph)
+        if trigger.kind == "iteration_start":
+            # The actor has nothing to train until a minibatch arrives.
+            if graph.pending(actor) or not graph.components[actor].num_active:
+                return EMPTY_PLAN
+            active = graph.components[actor].num_active
+            keep = min(builder.shrink_targets(actor), default=active)
+            if not builder.move(actor, rollout, drain=active - keep):
+                return EMPTY_PLAN
+            return builder.build("iteration start: rollout borrows the actor's devices")
+        node = graph.components[rollout]
+        surplus = node.num_active_devices - self.baseline.get(rollout, 0)
+        batch = sum(e.enqueued_this_iteration for e in graph.edges_into(rollout))
+        outstanding = graph.pending(rollout)
+        if surplus <= 0 or batch == 0 or outstanding > self.return_fraction * batch:
+            return EMPTY_PLAN
+        unit = node.spec.devices_per_instance
+        builder.move(rollout, actor, drain=surplus // unit)
+        if not builder.migrations:
+            return EMPTY_PLAN
+        return builder.build(
+            f"rollout tail ({outstanding}/{batch} requests left): return borrowed devices"
+        )
+
+
+class ActorTakesCluster:
+    """Before the actor's last minibatch, give it every device other stages hold idle."""
+
+    name = "actor-takes-cluster"
+
+    def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
+        """Grow the actor once it is the only stage with work left."""
+        if graph.migrations or trigger.kind == "tick":
+            return EMPTY_PLAN
+        actors = graph.of_kind("actor")
+        if len(actors) != 1:
+            return EMPTY_PLAN
+        actor = actors[0]
+        demand = demands(graph)
+        if demand[actor].work <= 0:
+            return EMPTY_PLAN
+        if any(d.work > 0 for c, d in demand.items() if c != actor):
+            return EMPTY_PLAN
+        idle = [c for c in demand if c != actor and graph.components[c].num_active]
+        spare = len(graph.free_devices) + sum(graph.components[c].num_active_devices for c in idle)
+        now = graph.components[actor].num_active
+        spec = graph.components[actor].spec
+        top = now + spare // spec.devices_per_instance
+        for target in range(top, now, -1):
+            if spec.is_valid_size(target):
+                builder = PlanBuilder(graph)
+                donors = sorted(idle, key=lambda c: graph.components[c].num_active_devices)
+                if builder.gather(actor, target, donors):
+                    return builder.build("last minibatch: the actor takes the cluster")
+        return EMPTY_PLAN

@@ -1,0 +1,111 @@
+"""Scoring placements: the predicted remaining time of the current iteration.
+
+A component's remaining work is what it still has to do this iteration: its own
+pending items plus what its predecessors have not yet handed it (items flow through
+every stage). Rollout work is measured in tokens (pending requests times the mean
+response length so far), other stages' in items. Its finish time is the later of
+"all its work at its predicted throughput" and "its last input arrives, plus the time
+to process one chunk of it". The iteration's remaining time is the latest finish.
+
+Devices a migration brings arrive only after its cost; a component whose instances
+are drained while they hold requests pays the cost too (its requests re-prefill
+elsewhere). Both enter :func:`remaining_time` as per-component delays.
+"""
+
+import math
+from collections.abc import Mapping
+
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.predictor import Predictor
+from dynarl.core.ids import ComponentId
+
+
+class Demand:
+    """Remaining work of one component, in the units its throughput is measured in."""
+
+    __slots__ = ("load", "tail", "work")
+
+    def __init__(self, work: float, load: float, tail: float) -> None:
+        self.work = work  # units still to process
+        self.load = load  # parallel work items (the batch it can run)
+        self.tail = tail  # units left after its last input arrives
+
+
+def demands(graph: Hypergraph) -> dict[ComponentId, Demand]:
+    """Remaining work of every component on devices."""
+    items: dict[ComponentId, float] = {}
+    out: dict[ComponentId, Demand] = {}
+    for cid in graph.spec.stage_order():
+        node = graph.components[cid]
+        upstream = max((items.get(p, 0.0) for p in graph.spec.predecessors(cid)), default=0.0)
+        own = float(graph.pending(cid))
+        items[cid] = own + upstream
+        total = own + upstream
+        kind = node.spec.kind
+        if kind == "rollout":
+            per_item = node.tokens_completed / node.items_completed if node.items_completed else 1.0
+            in_tool = sum(e.num_in_tool for e in graph.edges_into(cid))
+            load = max(own - in_tool, 0.0)
+            out[cid] = Demand(work=total * per_item, load=load, tail=0.0)
+        elif kind == "actor":
+            steps_left = max(node.num_steps - node.steps_done, 1) if node.num_steps else 1
+            out[cid] = Demand(work=total, load=total, tail=total / steps_left)
+        else:
+            out[cid] = Demand(work=total, load=total, tail=min(total, 1.0))
+    return out
+
+
+def remaining_time(
+    graph: Hypergraph,
+    predictor: Predictor,
+    devices: Mapping[ComponentId, int],
+    *,
+    delays: Mapping[ComponentId, float] | None = None,
+    penalties: Mapping[ComponentId, float] | None = None,
+    before: Mapping[ComponentId, int] | None = None,
+    demand: Mapping[ComponentId, Demand] | None = None,
+) -> float:
+    """Predicted seconds until the iteration's last stage finishes.
+
+    Args:
+        graph: the hypergraph (read only).
+        predictor: throughput model.
+        devices: devices per component after the plan.
+        delays: seconds before a receiver's new devices take effect (it runs on
+            ``before`` until then).
+        penalties: seconds a donor loses (its drained requests re-prefill elsewhere).
+        before: devices per component now (defaults to ``devices``).
+        demand: precomputed :func:`demands` (saves recomputing across candidates).
+    """
+    demand = demands(graph) if demand is None else demand
+    delays = delays or {}
+    penalties = penalties or {}
+    before = before or devices
+    finish: dict[ComponentId, float] = {}
+    for cid in graph.spec.stage_order():
+        d = demand[cid]
+        if d.work <= 0:
+            finish[cid] = 0.0
+            continue
+        n_new = devices.get(cid, 0)
+        n_old = before.get(cid, n_new)
+        delay = delays.get(cid, 0.0)
+        load = max(d.load, 1.0)
+        new = predictor.predict(cid, n_new, load).throughput
+        old = predictor.predict(cid, n_old, load).throughput if n_old != n_new else new
+        own = _time_for(d.work, old, new, delay) + penalties.get(cid, 0.0)
+        preds = graph.spec.predecessors(cid)
+        arrival = max((finish.get(p, 0.0) for p in preds), default=0.0)
+        tail = d.tail / new if new > 0 else math.inf if d.tail > 0 else 0.0
+        finish[cid] = max(own, arrival + tail)
+    return max(finish.values(), default=0.0)
+
+
+def _time_for(work: float, old: float, new: float, delay: float) -> float:
+    """Time to do ``work`` at rate ``old`` for ``delay`` seconds, then at ``new``."""
+    if delay <= 0:
+        return work / new if new > 0 else math.inf
+    if old > 0 and work <= old * delay:
+        return work / old
+    done = old * delay
+    return delay + (work - done) / new if new > 0 else math.inf

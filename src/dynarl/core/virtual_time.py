@@ -1,0 +1,59 @@
+"""An asyncio event loop on virtual time: it jumps forward whenever every task waits.
+
+``loop.time()`` reads a virtual clock; when the loop has nothing ready to run and no
+I/O pending, instead of sleeping until its next timer it moves the clock to that timer.
+Everything built on the loop's time — ``anyio.sleep``, ``anyio.current_time``,
+``fail_after``, :class:`~dynarl.core.clock.LoopClock` — becomes virtual, so the real
+controller runs unchanged against modelled workers (trio's ``MockClock`` with
+autojump is the model). Real I/O still works: it is polled without blocking before
+time jumps, and a loop with no timers blocks on I/O as usual.
+
+Run code on it with ``asyncio.Runner(loop_factory=VirtualTimeLoop)`` (an application
+or test decides that; the library never starts loops itself).
+"""
+
+import asyncio
+import selectors
+from typing import Any
+
+
+class _JumpingSelector(selectors.DefaultSelector):
+    """A selector that advances the loop's virtual clock instead of waiting."""
+
+    def __init__(self, loop: "VirtualTimeLoop") -> None:
+        super().__init__()
+        self._loop = loop
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        ready: list[tuple[selectors.SelectorKey, int]] = super().select(0)
+        if ready or timeout == 0:
+            return ready
+        if timeout is None:
+            # No timer at all: only real I/O (or another thread) can wake the loop.
+            result: list[tuple[selectors.SelectorKey, int]] = super().select(None)
+            return result
+        self._loop.advance(timeout)
+        return ready
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """A selector event loop whose ``time()`` is virtual and jumps to the next timer.
+
+    Args:
+        start_s: the virtual time the loop starts at.
+    """
+
+    def __init__(self, start_s: float = 0.0, **kwargs: Any) -> None:
+        self._virtual_now = start_s
+        self.time_jumps = 0
+        super().__init__(selector=_JumpingSelector(self))
+
+    def time(self) -> float:
+        """Virtual seconds since the loop's origin."""
+        return self._virtual_now
+
+    def advance(self, seconds: float) -> None:
+        """Move virtual time forward (the selector calls this when all tasks wait)."""
+        if seconds > 0:
+            self._virtual_now += seconds
+            self.time_jumps += 1
