@@ -61,7 +61,11 @@ class ItemsRequeued(Event, frozen=True, kw_only=True):
 
 class ItemCompleted(Event, frozen=True, kw_only=True):
     """``instance`` finished ``item`` (a request completed, a sample scored or trained);
-    ``num_tokens`` is the work it did (generated tokens for rollout)."""
+    ``num_tokens`` is the work it did (generated tokens for rollout).
+
+    A producer reports the downstream ``ItemsEnqueued`` *before* the upstream
+    ``ItemCompleted``, so between two events the pipeline's work never seems to vanish.
+    """
 
     edge: EdgeId
     item: ItemId

@@ -62,6 +62,7 @@ class Node:
         "id",
         "items",
         "kv_usage",
+        "last_stats_s",
         "num_queued",
         "num_running",
         "state",
@@ -77,6 +78,7 @@ class Node:
         self.num_running = 0
         self.num_queued = 0
         self.gen_tokens_per_s = 0.0
+        self.last_stats_s: float | None = None
         self.busy = False
         # Since when KV usage has stayed below the hypergraph's low-usage threshold.
         self.below_since_s: float | None = now_s
@@ -93,6 +95,9 @@ class HyperNode:
         self.work_rate = RateMeter(rate_tau_s)  # tokens/s (rollout) or samples/s
         self.items_completed = 0
         self.tokens_completed = 0
+        # This iteration only: tokens generated (from engine reports) and completed.
+        self.tokens_generated_iter = 0.0
+        self.tokens_completed_iter = 0
         self.steps_done = 0
         self.num_steps = 0
         self.last_step_samples_per_s = 0.0
@@ -146,6 +151,8 @@ class Hypergraph:
         placement: initial instances per component; devices not placed are free.
         u_low: KV-usage threshold below which a rollout engine counts as low
             (the donor signal); the time it has stayed below is tracked per engine.
+        expected_tokens_per_request: prior for the response length before any
+            request of the run has completed (refined from completions).
         rate_tau_s: time constant of the measured work rates.
         now_s: time of construction.
     """
@@ -157,12 +164,14 @@ class Hypergraph:
         num_devices: int,
         placement: Mapping[ComponentId, Iterable[InstanceSpec]],
         u_low: float = 0.2,
+        expected_tokens_per_request: float = 256.0,
         rate_tau_s: float = 5.0,
         now_s: float = 0.0,
     ) -> None:
         self.spec = spec
         self.num_devices = num_devices
         self.u_low = u_low
+        self.expected_tokens_per_request = expected_tokens_per_request
         self.now_s = now_s
         self.iteration = -1
         self.iteration_started_s = now_s
@@ -244,6 +253,22 @@ class Hypergraph:
         """Components of ``kind`` (``"rollout"``, ``"actor"``, ...)."""
         return [c for c, n in self.components.items() if n.spec.kind == kind]
 
+    def expected_remaining_tokens(self, component: ComponentId) -> float:
+        """Expected tokens a pending request of a rollout component still generates.
+
+        At least the mean completed response length (the prior before any completes),
+        and at least what the requests still in flight have generated on average so
+        far: with heavy-tailed lengths, the survivors are the long ones.
+        """
+        node = self.components[component]
+        if node.items_completed:
+            mean = node.tokens_completed / node.items_completed
+        else:
+            mean = self.expected_tokens_per_request
+        in_flight = self.pending(component)
+        so_far = max(0.0, node.tokens_generated_iter - node.tokens_completed_iter)
+        return max(mean, so_far / in_flight) if in_flight else mean
+
     def low_for(self, instance: Node, now_s: float) -> float:
         """Seconds ``instance`` has kept KV usage below ``u_low`` (0 if it is above)."""
         return 0.0 if instance.below_since_s is None else now_s - instance.below_since_s
@@ -266,6 +291,8 @@ class Hypergraph:
         for node in self.components.values():
             node.steps_done = 0
             node.num_steps = 0
+            node.tokens_generated_iter = 0.0
+            node.tokens_completed_iter = 0
         for edge in self.edges.values():
             edge.enqueued_this_iteration = 0
 
@@ -349,6 +376,7 @@ class Hypergraph:
         hn = self.components[node.component]
         hn.items_completed += 1
         hn.tokens_completed += e.num_tokens
+        hn.tokens_completed_iter += e.num_tokens
         if hn.spec.kind != "rollout":  # rollout's rate comes from engine stats
             hn.work_rate.add(e.time_s, 1.0)
 
@@ -381,8 +409,12 @@ class Hypergraph:
         node.num_queued = e.num_queued
         node.busy = e.num_running + e.num_queued > 0
         hn = self.components[node.component]
-        # Work between two reports, at the rate of the later one.
-        hn.work_rate.add(e.time_s, e.gen_tokens_per_s - node.gen_tokens_per_s)
+        if node.last_stats_s is not None:
+            # Tokens generated since the last report, at the rate of this one.
+            tokens = e.gen_tokens_per_s * max(0.0, e.time_s - node.last_stats_s)
+            hn.tokens_generated_iter += tokens
+            hn.work_rate.add(e.time_s, tokens)
+        node.last_stats_s = e.time_s
         node.gen_tokens_per_s = e.gen_tokens_per_s
         if e.kv_usage >= self.u_low:
             node.below_since_s = None

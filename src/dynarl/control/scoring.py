@@ -2,8 +2,8 @@
 
 A component's remaining work is what it still has to do this iteration: its own
 pending items plus what its predecessors have not yet handed it (items flow through
-every stage). Rollout work is measured in tokens (pending requests times the mean
-response length so far), other stages' in items. Its finish time is the later of
+every stage). Rollout work is measured in tokens (pending requests times their expected
+remaining length), other stages' in items. Its finish time is the later of
 "all its work at its predicted throughput" and "its last input arrives, plus the time
 to process one chunk of it". The iteration's remaining time is the latest finish.
 
@@ -23,12 +23,13 @@ from dynarl.core.ids import ComponentId
 class Demand:
     """Remaining work of one component, in the units its throughput is measured in."""
 
-    __slots__ = ("load", "tail", "work")
+    __slots__ = ("load", "tail", "upstream", "work")
 
-    def __init__(self, work: float, load: float, tail: float) -> None:
+    def __init__(self, work: float, load: float, tail: float, upstream: float = 0.0) -> None:
         self.work = work  # units still to process
         self.load = load  # parallel work items (the batch it can run)
         self.tail = tail  # units left after its last input arrives
+        self.upstream = upstream  # items still on their way from predecessors
 
 
 def demands(graph: Hypergraph) -> dict[ComponentId, Demand]:
@@ -43,15 +44,15 @@ def demands(graph: Hypergraph) -> dict[ComponentId, Demand]:
         total = own + upstream
         kind = node.spec.kind
         if kind == "rollout":
-            per_item = node.tokens_completed / node.items_completed if node.items_completed else 1.0
+            per_item = graph.expected_remaining_tokens(cid)
             in_tool = sum(e.num_in_tool for e in graph.edges_into(cid))
             load = max(own - in_tool, 0.0)
-            out[cid] = Demand(work=total * per_item, load=load, tail=0.0)
+            out[cid] = Demand(work=total * per_item, load=load, tail=0.0, upstream=upstream)
         elif kind == "actor":
             steps_left = max(node.num_steps - node.steps_done, 1) if node.num_steps else 1
-            out[cid] = Demand(work=total, load=total, tail=total / steps_left)
+            out[cid] = Demand(work=total, load=total, tail=total / steps_left, upstream=upstream)
         else:
-            out[cid] = Demand(work=total, load=total, tail=min(total, 1.0))
+            out[cid] = Demand(work=total, load=total, tail=min(total, 1.0), upstream=upstream)
     return out
 
 
@@ -90,6 +91,17 @@ def remaining_time(
         n_new = devices.get(cid, 0)
         n_old = before.get(cid, n_new)
         delay = delays.get(cid, 0.0)
+        if n_new == 0 and d.upstream > 0:
+            # Its inputs are still coming: devices flow downstream as stages finish,
+            # so count those its predecessors hold, arriving after a migration. (With
+            # no input still coming, zero devices is a stall: infinitely slow.)
+            upstream = sum(devices.get(p, 0) for p in _ancestors(graph, cid))
+            unit = graph.components[cid].spec.devices_per_instance
+            n_new = n_old = max(unit, upstream - upstream % unit)
+            delay = 0.0
+            penalty_zero = predictor.migration_cost("workload")
+        else:
+            penalty_zero = 0.0
         load = max(d.load, 1.0)
         new = predictor.predict(cid, n_new, load).throughput
         old = predictor.predict(cid, n_old, load).throughput if n_old != n_new else new
@@ -97,8 +109,19 @@ def remaining_time(
         preds = graph.spec.predecessors(cid)
         arrival = max((finish.get(p, 0.0) for p in preds), default=0.0)
         tail = d.tail / new if new > 0 else math.inf if d.tail > 0 else 0.0
-        finish[cid] = max(own, arrival + tail)
+        finish[cid] = max(own, arrival + tail) + penalty_zero
     return max(finish.values(), default=0.0)
+
+
+def _ancestors(graph: Hypergraph, cid: ComponentId) -> set[ComponentId]:
+    seen: set[ComponentId] = set()
+    stack = list(graph.spec.predecessors(cid))
+    while stack:
+        c = stack.pop()
+        if c not in seen:
+            seen.add(c)
+            stack.extend(graph.spec.predecessors(c))
+    return seen
 
 
 def _time_for(work: float, old: float, new: float, delay: float) -> float:

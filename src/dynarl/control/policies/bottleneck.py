@@ -37,20 +37,25 @@ class BottleneckPolicy:
         self.predictor = predictor
 
     def donatable(self, graph: Hypergraph, cid: ComponentId, demand: Demand, now_s: float) -> int:
-        """How many instances ``cid`` can give up now (0 if it is not a donor)."""
+        """How many instances ``cid`` can give up now (0 if it is not a donor).
+
+        A component with work left this iteration keeps at least one instance, so
+        the work still flowing to it cannot strand.
+        """
         node = graph.components[cid]
         if not node.num_active:
             return 0
         if demand.work <= 0:
             return node.num_active - node.spec.min_instances
+        keep = max(node.spec.min_instances, 1)
         if node.spec.kind == "rollout":
             active = list(node.active_instances())
             low = sum(1 for n in active if graph.low_for(n, now_s) >= self.cfg.donor_window_s)
             if low <= self.cfg.theta * len(active):
                 return 0
-            return min(low, node.num_active - max(node.spec.min_instances, 1))
+            return max(0, min(low, node.num_active - keep))
         if graph.pending(cid) == 0:
-            return node.num_active - node.spec.min_instances  # idle, waiting for input
+            return max(0, node.num_active - keep)  # idle, waiting for its inputs
         return 0
 
     def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
@@ -67,6 +72,14 @@ class BottleneckPolicy:
         if graph.free_devices:
             donors.append((None, len(graph.free_devices)))
         receivers = [c for c in order if demand[c].work > 0 and self._known(c, demand[c])]
+        if any(not before[c] and not demand[c].upstream for c in receivers):
+            # A component with work and no device stalls the iteration: anyone with an
+            # instance to spare may give one (the predictor still picks the best).
+            named = {c for c, _ in donors}
+            for c in order:
+                spare = graph.components[c].num_active - 1
+                if c not in named and spare > 0:
+                    donors.append((c, spare))
         if not donors or not receivers:
             return EMPTY_PLAN
         base = remaining_time(graph, self.predictor, before, demand=demand)
@@ -130,12 +143,12 @@ class BottleneckPolicy:
                 return None
             builder.move(None, dst, take_free=free[: (target - builder.instances(dst)) * unit])
         else:
-            shrink = [
-                k for k in builder.shrink_targets(src) if k >= builder.instances(src) - amount
-            ]
+            # The smallest valid shrink that gives at least ``amount`` instances.
+            now = builder.instances(src)
+            shrink = [k for k in builder.shrink_targets(src) if k <= now - amount]
             if not shrink:
                 return None
-            drain = builder.instances(src) - min(shrink)
+            drain = now - max(shrink)
             m = builder.move(src, dst, drain=drain)
             if m is None or not m.create:
                 return None
