@@ -158,7 +158,8 @@ class PlanBuilder:
         for node in drained:
             for item, edge in node.items.items():
                 groups[self.graph.edges[edge].items[item].group].append(item)
-        loads = {n.id: len(n.items) for n in self.drainable(src)}
+        leaving = {n.id for n in drained}
+        loads = {n.id: len(n.items) for n in self.drainable(src) if n.id not in leaving}
         return redistribute(dict(groups), loads)
 
     def gather(

@@ -103,10 +103,9 @@ async def run_with_fake_world(
     )
     allocation.append((clock.now(), _devices(graph)))
     send, receive = anyio.create_memory_object_stream[ev.Event](0)
-    async with anyio.create_task_group() as tg:
+    async with anyio.create_task_group() as tg, send:
         await tg.start(controller.run, receive)
         await world.run()
-        send.close()
     return HarnessResult(
         iteration_times_s=world.iteration_times_s,
         tokens_generated=world.tokens_generated,

@@ -2,7 +2,8 @@
 
 At iteration start every device goes to the first stage (rollout); when a stage has
 drained the iteration's work, every device goes to the next stage with work. Devices
-move only at these stage boundaries.
+move only at these stage boundaries (and a boundary move that failed is retried when
+the placement changes).
 """
 
 from dynarl.control.hypergraph import Hypergraph
@@ -19,8 +20,12 @@ class ColocatedPolicy:
 
     def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
         """Move every device to the current stage on ``iteration_start`` and
-        ``stage_drained``; nothing otherwise."""
-        if trigger.kind not in ("iteration_start", "stage_drained") or graph.migrations:
+        ``stage_drained`` (or retry after ``placement_changed``); nothing otherwise."""
+        if graph.migrations or trigger.kind not in (
+            "iteration_start",
+            "stage_drained",
+            "placement_changed",
+        ):
             return EMPTY_PLAN
         order = graph.spec.stage_order()
         if trigger.kind == "iteration_start":

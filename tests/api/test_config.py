@@ -1,0 +1,115 @@
+"""Configuration: files, overrides, and errors that name the field and the fix."""
+
+import json
+
+import msgspec
+import pytest
+
+from dynarl import ConfigError
+from dynarl.api.config import DynaRLConfig
+from dynarl.api.config_io import apply_overrides, convert, dump_config, load_config
+from dynarl.api.pipeline import build_pipeline
+from dynarl.control.config import SchedulerConfig
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".toml", ".json"])
+def test_a_config_survives_a_round_trip_through_each_format(tmp_path, suffix: str) -> None:
+    cfg = apply_overrides(
+        DynaRLConfig(),
+        ["scheduler.u_low=0.3", "rollout.tp=2", "rollout.initial_devices=2", "model.path=/m"],
+    )
+    path = tmp_path / f"run{suffix}"
+    dump_config(cfg, path)
+    assert load_config(path) == cfg
+
+
+def test_overrides_parse_values_by_type() -> None:
+    cfg = apply_overrides(
+        DynaRLConfig(),
+        [
+            "scheduler.mode=static-colocated",
+            "scheduler.rollout_borrows_actor=false",
+            "run.num_iterations=3",
+            "actor.lr=3e-4",
+            "data.path=prompts.jsonl",
+        ],
+    )
+    assert cfg.scheduler.mode == "static-colocated"
+    assert cfg.scheduler.rollout_borrows_actor is False
+    assert (cfg.run.num_iterations, cfg.actor.lr, cfg.data.path) == (3, 3e-4, "prompts.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "says"),
+    [
+        ("scheduler.u_low=1.5", "scheduler.u_low", ["1.5", "< 1.0"]),
+        ("scheduler.mode=fast", "scheduler.mode", ["'fast'", "'dynamic'", "'static-colocated'"]),
+        ("rollout.tp=two", "rollout.tp", ["'two'", "an int >= 1"]),
+        ("rollout.tpp=2", "rollout.tpp", ["known fields", "tp"]),
+        ("bogus.x=1", "bogus.x", ["no field 'bogus'", "scheduler"]),
+        ("scheduler.num_candidates=20", "scheduler.num_candidates", ["<= 10"]),
+        ("cluster.num_devices=2", "cluster.num_devices", ["4 devices", "initial_devices"]),
+        ("algorithm.n_minibatches=3", "algorithm.n_minibatches", ["64 samples"]),
+        ("model.hidden_size=65", "model.hidden_size", ["multiple of model.num_heads"]),
+        ("data.source=file", "data.path", ["needs data.path"]),
+    ],
+)
+def test_bad_values_name_the_field_the_value_and_what_is_allowed(
+    override: str, field: str, says: list[str]
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(DynaRLConfig(), [override])
+    assert info.value.field == field
+    for text in says:
+        assert text in str(info.value)
+
+
+def test_unknown_keys_in_files_are_errors_not_ignored(tmp_path) -> None:
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"rollout": {"tp": 1, "temprature": 0.7}}))
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout\.temprature'") as info:
+        load_config(path)
+    assert "temperature" in str(info.value)
+
+
+def test_unreadable_or_malformed_files_say_what_is_wrong(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"\.yaml, \.yml, \.toml or \.json"):
+        load_config(tmp_path / "cfg.ini")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rollout = [")
+    with pytest.raises(ConfigError, match="not valid toml"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        load_config(listy)
+
+
+def test_sections_are_frozen_and_keyword_only() -> None:
+    cfg = DynaRLConfig()
+    with pytest.raises(AttributeError):
+        cfg.scheduler.u_low = 0.5  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        SchedulerConfig("dynamic")  # type: ignore[misc]
+    assert convert(msgspec.to_builtins(cfg)) == cfg
+
+
+def test_pipeline_places_the_actor_first_then_rollout_then_inference() -> None:
+    cfg = apply_overrides(
+        DynaRLConfig(),
+        [
+            "cluster.num_devices=8",
+            "rollout.tp=2",
+            "rollout.initial_devices=4",
+            "actor.initial_devices=2",
+            "inference.initial_devices=2",
+        ],
+    )
+    spec, placement, baseline = build_pipeline(cfg)
+    assert [i.devices for i in placement["actor"]] == [(0,), (1,)]
+    assert [i.devices for i in placement["rollout"]] == [(2, 3), (4, 5)]
+    assert [i.devices for i in placement["inference"]] == [(6,), (7,)]
+    assert baseline == {"actor": 2, "rollout": 4, "inference": 2}
+    assert spec.component("actor").valid_sizes == (1, 2, 4, 8)  # divide the 32-sample minibatch

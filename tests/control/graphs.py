@@ -1,0 +1,41 @@
+"""Small hypergraphs for control-plane tests."""
+
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.plan import InstanceSpec
+from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT, rl_pipeline
+from dynarl.core.ids import ComponentId, DeviceId, InstanceId
+
+
+def make_graph(
+    *,
+    rollout: int = 4,
+    inference: int = 2,
+    actor: int = 2,
+    free: int = 0,
+    rollout_tp: int = 1,
+    actor_unit: int = 1,
+    actor_sizes: tuple[int, ...] = (1, 2, 4, 8),
+    u_low: float = 0.2,
+) -> Hypergraph:
+    """A math pipeline with the given device counts (actor first, as the launcher lays
+    it out) and ``free`` unplaced devices."""
+    spec = rl_pipeline(
+        rollout_tp=rollout_tp,
+        inference_tp=1,
+        actor_devices_per_replica=actor_unit,
+        actor_dp_sizes=actor_sizes,
+    )
+    placement: dict[ComponentId, list[InstanceSpec]] = {}
+    device = 0
+    for cid, count, unit in (
+        (ACTOR, actor, actor_unit),
+        (ROLLOUT, rollout, rollout_tp),
+        (INFERENCE, inference, 1),
+    ):
+        instances = []
+        for i in range(count // unit):
+            devs = tuple(DeviceId(device + j) for j in range(unit))
+            instances.append(InstanceSpec(id=InstanceId(f"{cid}-{i}"), devices=devs))
+            device += unit
+        placement[cid] = instances
+    return Hypergraph(spec, num_devices=device + free, placement=placement, u_low=u_low)

@@ -1,0 +1,233 @@
+"""Scheduling decisions on hand-built states: donors, valid sizes, scoring, modes."""
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynarl.control import events as ev
+from dynarl.control.config import SchedulerConfig
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.modes import make_policy
+from dynarl.control.policies.bottleneck import BottleneckPolicy
+from dynarl.control.policies.colocated import ColocatedPolicy
+from dynarl.control.policies.phases import ActorTakesCluster, RolloutBorrowsActor
+from dynarl.control.predictor import Predictor
+from dynarl.control.scheduler import Trigger, TriggerKind
+from dynarl.control.scoring import remaining_time
+from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT, TO_ACTOR, TO_INFERENCE
+from dynarl.core.ids import EdgeId, GroupId, InstanceId, ItemId
+
+from .graphs import make_graph
+
+
+def predictor_for(graph: Hypergraph, *, actor_rate: float = 10.0) -> Predictor:
+    """A predictor fitted to a known world: decode step 20 ms + 0.5 ms per sequence per
+    device; inference 100 and actor ``actor_rate`` items/s per device."""
+    p = Predictor({c: n.spec.scaling for c, n in graph.components.items()})
+    for n in (1, 2, 4, 8):
+        for load in (1, 8, 64):
+            p.observe(ROLLOUT, n, load, load / (0.02 + 0.0005 * load / n))
+        p.observe(INFERENCE, n, 512, 100.0 * n)
+        p.observe(ACTOR, n, 512, actor_rate * n)
+    return p
+
+
+def enqueue(g: Hypergraph, edge: EdgeId, n: int, prefix: str) -> list[ItemId]:
+    items = [ItemId(f"{prefix}{k}") for k in range(n)]
+    g.apply(ev.ItemsEnqueued(edge=edge, items=tuple(ev.ItemRef(i, GroupId(i)) for i in items)))
+    return items
+
+
+def tail_state(*, low_engines: int, engines: int = 5, t0: float = 0.0) -> Hypergraph:
+    """Rollout at its tail: one request per engine, ``low_engines`` of them reporting
+    KV usage below u_low since ``t0``; 200 samples wait for the actor."""
+    g = make_graph(rollout=engines, inference=1, actor=1, actor_sizes=(1, 2, 3, 4, 5, 6))
+    g.apply(ev.IterationStarted(iteration=0, time_s=t0))
+    for k, item in enumerate(enqueue(g, PROMPTS, engines, "r")):
+        g.apply(ev.ItemRouted(edge=PROMPTS, item=item, instance=InstanceId(f"rollout-{k}")))
+    enqueue(g, TO_ACTOR, 200, "a")
+    for k in range(engines):
+        usage = 0.05 if k < low_engines else 0.6
+        g.apply(
+            ev.EngineStats(
+                instance=InstanceId(f"rollout-{k}"),
+                kv_usage=usage,
+                num_running=1,
+                num_queued=0,
+                gen_tokens_per_s=40.0,
+                time_s=t0,
+            )
+        )
+    return g
+
+
+def tick(t: float, kind: TriggerKind = "tick") -> Trigger:
+    return Trigger(kind=kind, time_s=t)
+
+
+def test_rollout_donates_only_after_T_seconds_below_u_low_on_more_than_theta() -> None:
+    cfg = SchedulerConfig(theta=0.7, donor_window_s=4.0, u_low=0.2)
+    g = tail_state(low_engines=4)
+    policy = BottleneckPolicy(cfg, predictor_for(g))
+    assert not policy.decide(g, tick(3.9))  # 4/5 low, but not yet for T seconds
+    plan = policy.decide(g, tick(4.0))
+    assert plan and all(m.src == ROLLOUT and m.dst == ACTOR for m in plan.migrations)
+    drained = {i for m in plan.migrations for i in m.drain}
+    assert drained <= {InstanceId(f"rollout-{k}") for k in range(4)}  # never the busy one
+    assert plan.score_after < plan.score_before
+
+    g = tail_state(low_engines=3)  # 60% low: not more than theta
+    assert not BottleneckPolicy(cfg, predictor_for(g)).decide(g, tick(100.0))
+
+
+def test_a_plan_the_predictor_scores_worse_is_never_committed() -> None:
+    cfg = SchedulerConfig(theta=0.5, donor_window_s=0.0)
+    g = tail_state(low_engines=5)
+    # The actor is so fast that its 200 samples take no time: moving rollout engines
+    # can only slow rollout down (and costs a migration).
+    fast_actor = predictor_for(g, actor_rate=1e6)
+    assert not BottleneckPolicy(cfg, fast_actor).decide(g, tick(10.0))
+    # Without a fitted model the policy does not act on guesses.
+    blank = Predictor({c: n.spec.scaling for c, n in g.components.items()})
+    assert not BottleneckPolicy(cfg, blank).decide(g, tick(10.0))
+
+
+def random_state(data: st.DataObject) -> Hypergraph:
+    g = make_graph(
+        rollout=data.draw(st.integers(1, 6)),
+        inference=data.draw(st.integers(0, 2)),
+        actor=data.draw(st.sampled_from([0, 1, 2])),
+        free=data.draw(st.integers(0, 2)),
+        actor_sizes=(1, 2, 4),
+    )
+    g.apply(ev.IterationStarted(iteration=0))
+    for edge, prefix in ((PROMPTS, "p"), (TO_INFERENCE, "i"), (TO_ACTOR, "a")):
+        items = enqueue(g, edge, data.draw(st.integers(0, 40)), prefix)
+        consumers = [
+            n for c in g.edges[edge].spec.consumers for n in g.components[c].active_instances()
+        ]
+        for item in items:
+            if consumers and data.draw(st.booleans()):
+                node = data.draw(st.sampled_from(consumers))
+                g.apply(ev.ItemRouted(edge=edge, item=item, instance=node.id))
+    for node in list(g.components[ROLLOUT].active_instances()):
+        g.apply(
+            ev.EngineStats(
+                instance=node.id,
+                kv_usage=data.draw(st.floats(0, 1)),
+                num_running=len(node.items),
+                num_queued=0,
+                gen_tokens_per_s=data.draw(st.floats(0, 500)),
+            )
+        )
+    return g
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_committed_plans_strictly_improve_and_keep_the_actor_valid(data: st.DataObject) -> None:
+    g = random_state(data)
+    cfg = SchedulerConfig(theta=data.draw(st.floats(0.1, 1.0)), donor_window_s=0.0)
+    predictor = predictor_for(g)
+    plan = BottleneckPolicy(cfg, predictor).decide(g, tick(data.draw(st.floats(0, 50))))
+    if not plan:
+        return
+    assert plan.score_after < plan.score_before * (1 - cfg.min_gain)
+    before = {c: n.num_active_devices for c, n in g.components.items()}
+    assert plan.score_before == pytest.approx(remaining_time(g, predictor, before))
+    for m in plan.migrations:
+        g.apply(ev.MigrationStarted(migration=m))
+    for m in plan.migrations:
+        g.apply(ev.MigrationDone(migration=m.id))
+    g.check()
+    assert g.components[ACTOR].spec.is_valid_size(g.components[ACTOR].num_active)
+
+
+def test_actor_takes_the_cluster_at_its_largest_valid_size_once_alone_with_work() -> None:
+    g = make_graph(rollout=4, inference=2, actor=1, free=1, actor_sizes=(1, 2, 4))
+    enqueue(g, TO_ACTOR, 64, "a")
+    item = enqueue(g, TO_INFERENCE, 1, "i")[0]
+    policy = ActorTakesCluster()
+    assert not policy.decide(g, tick(1.0, "stage_drained"))  # inference still has work
+    g.apply(ev.ItemRouted(edge=TO_INFERENCE, item=item, instance=InstanceId("inference-0")))
+    g.apply(ev.ItemsEnqueued(edge=TO_ACTOR, items=(ev.ItemRef(ItemId("a-last"), GroupId("g")),)))
+    g.apply(ev.ItemCompleted(edge=TO_INFERENCE, item=item, instance=InstanceId("inference-0")))
+    plan = policy.decide(g, tick(2.0, "stage_drained"))
+    assert plan
+    for m in plan.migrations:
+        g.apply(ev.MigrationStarted(migration=m))
+        g.apply(ev.MigrationDone(migration=m.id))
+    g.check()
+    assert g.components[ACTOR].num_active == 4  # 8 devices, but 8 replicas is not valid
+
+
+def test_rollout_borrows_the_actor_at_iteration_start_and_returns_it_for_the_tail() -> None:
+    g = make_graph(rollout=2, inference=1, actor=2)
+    policy = RolloutBorrowsActor({ROLLOUT: 2, INFERENCE: 1, ACTOR: 2}, return_fraction=0.25)
+    g.apply(ev.IterationStarted(iteration=0))
+    plan = policy.decide(g, tick(0.0, "iteration_start"))
+    assert [(m.src, m.dst, len(m.create)) for m in plan.migrations] == [(ACTOR, ROLLOUT, 2)]
+    for m in plan.migrations:
+        g.apply(ev.MigrationStarted(migration=m))
+        g.apply(ev.MigrationDone(migration=m.id))
+    items = enqueue(g, PROMPTS, 8, "p")
+    assert not policy.decide(g, tick(1.0))  # 8/8 outstanding: keep borrowing
+    for k, item in enumerate(items[:6]):
+        inst = sorted(g.components[ROLLOUT].instances)[k % 4]
+        g.apply(ev.ItemRouted(edge=PROMPTS, item=item, instance=inst))
+        g.apply(ev.ItemCompleted(edge=PROMPTS, item=item, instance=inst))
+    plan = policy.decide(g, tick(2.0))  # 2/8 outstanding <= 25%: hand back the surplus
+    assert [(m.src, m.dst) for m in plan.migrations] == [(ROLLOUT, ACTOR)]
+    assert sum(len(s.devices) for m in plan.migrations for s in m.create) == 2
+
+
+ALL_TRIGGERS: list[TriggerKind] = [
+    "tick",
+    "idle",
+    "step_boundary",
+    "iteration_start",
+    "iteration_end",
+    "stage_drained",
+    "placement_changed",
+]
+
+
+def test_colocated_moves_devices_only_at_stage_boundaries() -> None:
+    g = make_graph(rollout=2, inference=1, actor=1)
+    enqueue(g, PROMPTS, 4, "p")
+    policy = ColocatedPolicy()
+    for kind in ALL_TRIGGERS:
+        plan = policy.decide(g, tick(1.0, kind))
+        boundary = kind in ("iteration_start", "stage_drained", "placement_changed")
+        assert bool(plan) == boundary, kind
+    plan = policy.decide(g, tick(1.0, "iteration_start"))
+    for m in plan.migrations:
+        g.apply(ev.MigrationStarted(migration=m))
+        g.apply(ev.MigrationDone(migration=m.id))
+    assert g.components[ROLLOUT].num_active_devices == 4
+    assert not policy.decide(g, tick(2.0, "stage_drained"))  # rollout still has work
+
+
+def test_disaggregated_keeps_its_split_and_only_reboots_crashed_devices() -> None:
+    g = tail_state(low_engines=5)
+    baseline = {c: n.num_active_devices for c, n in g.components.items() if n.spec.on_devices}
+    policy = make_policy(
+        SchedulerConfig(mode="static-disaggregated", rollout_borrows_actor=False),
+        predictor_for(g),
+        baseline,
+    )
+    for kind in ALL_TRIGGERS:
+        assert not policy.decide(g, tick(100.0, kind)), kind
+    g.apply(ev.WorkerFailed(instance=InstanceId("rollout-1"), reason="oom"))
+    plan = policy.decide(g, tick(101.0, "placement_changed"))
+    assert [(m.kind, m.dst, len(m.create)) for m in plan.migrations] == [("reboot", ROLLOUT, 1)]
+
+
+def test_modes_are_a_table_of_policies() -> None:
+    g = make_graph()
+    for mode in ("dynamic", "static-colocated", "static-disaggregated"):
+        policy = make_policy(
+            msgspec.structs.replace(SchedulerConfig(), mode=mode), predictor_for(g), {}
+        )
+        assert policy.name == mode

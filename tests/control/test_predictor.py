@@ -1,0 +1,81 @@
+"""The predictor fits throughput models, learns online, and says how sure it is."""
+
+import math
+
+import numpy as np
+import pytest
+
+from dynarl.control.predictor import Predictor, Profile, ProfileRow
+from dynarl.core.ids import ComponentId
+
+R, A = ComponentId("rollout"), ComponentId("actor")
+
+
+def decode_rate(n: int, load: float) -> float:
+    return load / (0.02 + 0.0005 * load / n)
+
+
+def test_concave_model_recovers_the_decode_cost_and_extrapolates() -> None:
+    p = Predictor({R: "concave"})
+    for n in (1, 2, 4):
+        for load in (4, 32, 128):
+            p.observe(R, n, load, decode_rate(n, load))
+    est = p.predict(R, 16, 64)
+    assert est.throughput == pytest.approx(decode_rate(16, 64), rel=1e-3)
+    assert est.rel_std < 0.01 and est.num_observations == 9
+    # Concave: doubling devices at a small load barely helps.
+    assert p.predict(R, 8, 4).throughput < 1.1 * p.predict(R, 4, 4).throughput
+
+
+def test_linear_model_learns_data_parallel_efficiency() -> None:
+    p = Predictor({A: "linear"})
+    for n in (1, 2, 4, 8):
+        p.observe(A, n, 1024, 10.0 * n**0.9)
+    assert p.predict(A, 16, 1024).throughput == pytest.approx(10 * 16**0.9, rel=1e-3)
+    # Devices beyond the load do nothing.
+    assert p.predict(A, 16, 4).throughput == pytest.approx(p.predict(A, 4, 4).throughput)
+
+
+def test_a_component_always_on_one_size_keeps_linear_scaling() -> None:
+    p = Predictor({A: "linear"})
+    for _ in range(20):
+        p.observe(A, 4, 1024, 40.0)
+    assert p.predict(A, 8, 1024).throughput == pytest.approx(80.0, rel=1e-2)
+
+
+def test_uncertainty_reflects_noise_and_missing_data() -> None:
+    rng = np.random.default_rng(0)
+    quiet, noisy = Predictor({A: "linear"}), Predictor({A: "linear"})
+    for n in (1, 2, 4, 8) * 10:
+        quiet.observe(A, n, 1024, 10.0 * n)
+        noisy.observe(A, n, 1024, 10.0 * n * math.exp(0.3 * rng.standard_normal()))
+    assert quiet.predict(A, 4, 1024).rel_std < 0.01
+    assert 0.15 < noisy.predict(A, 4, 1024).rel_std < 0.5
+    blank = Predictor({A: "linear"}, prior_per_device={A: 3.0})
+    guess = blank.predict(A, 4, 1024)
+    assert (guess.throughput, guess.rel_std, guess.num_observations) == (12.0, 1.0, 0)
+    assert blank.predict(A, 0, 1024).throughput == 0.0
+
+
+def test_online_refinement_follows_a_drifting_component() -> None:
+    p = Predictor({A: "linear"}, forget=0.9)
+    for n in (1, 2, 4) * 5:
+        p.observe(A, n, 1024, 10.0 * n)
+    for n in (1, 2, 4) * 20:
+        p.observe(A, n, 1024, 5.0 * n)  # the model got bigger: half as fast
+    assert p.predict(A, 2, 1024).throughput == pytest.approx(10.0, rel=0.05)
+
+
+def test_profile_round_trips_and_seeds_the_fit(tmp_path) -> None:
+    rows = tuple(
+        ProfileRow(component=R, devices=n, load=load, throughput=decode_rate(n, load))
+        for n in (1, 2)
+        for load in (8, 64)
+    )
+    path = tmp_path / "profile.json"
+    Profile(rows=rows, migration_s={"workload": 2.5}).save(path)
+    p = Predictor({R: "concave"}, profile=Profile.load(path))
+    assert p.predict(R, 2, 64).throughput == pytest.approx(decode_rate(2, 64), rel=1e-3)
+    assert p.migration_cost("workload") == 2.5
+    p.observe_migration("workload", 4.5, alpha=0.5)
+    assert p.migration_cost("workload") == pytest.approx(3.5)
