@@ -32,6 +32,8 @@ def build_pipeline(
         rollout_tp=cfg.rollout.tp,
         inference_tp=cfg.inference.tp,
         actor_devices_per_replica=actor_unit,
+        rollout_max_running=cfg.rollout.max_running_requests,
+        actor_steps_per_iteration=cfg.algorithm.n_minibatches,
         actor_dp_sizes=valid_dp_sizes(
             cfg.algorithm.samples_per_minibatch,
             max_dp,
@@ -64,6 +66,7 @@ def build_hypergraph(cfg: DynaRLConfig, *, now_s: float = 0.0) -> tuple[Hypergra
         placement=placement,
         u_low=cfg.scheduler.u_low,
         expected_tokens_per_request=cfg.rollout.max_new_tokens / 2,
+        max_tokens_per_request=cfg.rollout.max_new_tokens,
         now_s=now_s,
     )
     return graph, baseline

@@ -95,6 +95,10 @@ class HyperNode:
         self.work_rate = RateMeter(rate_tau_s)  # tokens/s (rollout) or samples/s
         self.items_completed = 0
         self.tokens_completed = 0
+        # Longest response of finished iterations (this one's is biased short: its
+        # longest responses have not finished yet) and of this one so far.
+        self.max_tokens_completed = 0
+        self.max_tokens_iter = 0
         # This iteration only: tokens generated (from engine reports) and completed.
         self.tokens_generated_iter = 0.0
         self.tokens_completed_iter = 0
@@ -153,6 +157,8 @@ class Hypergraph:
             (the donor signal); the time it has stayed below is tracked per engine.
         expected_tokens_per_request: prior for the response length before any
             request of the run has completed (refined from completions).
+        max_tokens_per_request: the response-length cap: the prior for the longest
+            response (refined by the longest one seen).
         rate_tau_s: time constant of the measured work rates.
         now_s: time of construction.
     """
@@ -165,6 +171,7 @@ class Hypergraph:
         placement: Mapping[ComponentId, Iterable[InstanceSpec]],
         u_low: float = 0.2,
         expected_tokens_per_request: float = 256.0,
+        max_tokens_per_request: float = 1024.0,
         rate_tau_s: float = 5.0,
         now_s: float = 0.0,
     ) -> None:
@@ -172,6 +179,7 @@ class Hypergraph:
         self.num_devices = num_devices
         self.u_low = u_low
         self.expected_tokens_per_request = expected_tokens_per_request
+        self.max_tokens_per_request = max_tokens_per_request
         self.now_s = now_s
         self.iteration = -1
         self.iteration_started_s = now_s
@@ -253,6 +261,13 @@ class Hypergraph:
         """Components of ``kind`` (``"rollout"``, ``"actor"``, ...)."""
         return [c for c, n in self.components.items() if n.spec.kind == kind]
 
+    def _progress(self, component: ComponentId) -> float:
+        """Mean tokens the pending requests of a rollout component have generated."""
+        node = self.components[component]
+        in_flight = self.pending(component)
+        so_far = max(0.0, node.tokens_generated_iter - node.tokens_completed_iter)
+        return so_far / in_flight if in_flight else 0.0
+
     def expected_remaining_tokens(self, component: ComponentId) -> float:
         """Expected tokens a pending request of a rollout component still generates.
 
@@ -265,9 +280,17 @@ class Hypergraph:
             mean = node.tokens_completed / node.items_completed
         else:
             mean = self.expected_tokens_per_request
-        in_flight = self.pending(component)
-        so_far = max(0.0, node.tokens_generated_iter - node.tokens_completed_iter)
-        return max(mean, so_far / in_flight) if in_flight else mean
+        return max(mean, self._progress(component))
+
+    def expected_longest_remaining(self, component: ComponentId) -> float:
+        """Tokens the longest pending request of a rollout component still generates:
+        the longest response seen (or the cap, before any) less the progress so far.
+        The rollout cannot end sooner, however many devices it has."""
+        if not self.pending(component):
+            return 0.0
+        node = self.components[component]
+        longest = node.max_tokens_completed or self.max_tokens_per_request
+        return max(self.expected_remaining_tokens(component), longest - self._progress(component))
 
     def low_for(self, instance: Node, now_s: float) -> float:
         """Seconds ``instance`` has kept KV usage below ``u_low`` (0 if it is above)."""
@@ -293,6 +316,8 @@ class Hypergraph:
             node.num_steps = 0
             node.tokens_generated_iter = 0.0
             node.tokens_completed_iter = 0
+            node.max_tokens_completed = max(node.max_tokens_completed, node.max_tokens_iter)
+            node.max_tokens_iter = 0
         for edge in self.edges.values():
             edge.enqueued_this_iteration = 0
 
@@ -377,6 +402,7 @@ class Hypergraph:
         hn.items_completed += 1
         hn.tokens_completed += e.num_tokens
         hn.tokens_completed_iter += e.num_tokens
+        hn.max_tokens_iter = max(hn.max_tokens_iter, e.num_tokens)
         if hn.spec.kind != "rollout":  # rollout's rate comes from engine stats
             hn.work_rate.add(e.time_s, 1.0)
 

@@ -5,6 +5,7 @@ from collections.abc import Callable
 from dynarl.control.config import SchedulerConfig, SchedulingMode
 from dynarl.control.policies.bottleneck import BottleneckPolicy
 from dynarl.control.policies.colocated import ColocatedPolicy
+from dynarl.control.policies.gate import PredictorGate
 from dynarl.control.policies.phases import ActorTakesCluster, RolloutBorrowsActor
 from dynarl.control.policies.recovery import RebootCrashed
 from dynarl.control.predictor import Predictor
@@ -16,9 +17,10 @@ PolicyFactory = Callable[[SchedulerConfig, Predictor, Baseline], Policy]
 def _dynamic(cfg: SchedulerConfig, predictor: Predictor, baseline: Baseline) -> Policy:
     policies: list[Policy] = [RebootCrashed(baseline)]
     if cfg.actor_takes_cluster:
-        policies.append(ActorTakesCluster())
+        policies.append(PredictorGate(ActorTakesCluster(), predictor, cfg.min_gain))
     if cfg.rollout_borrows_actor:
-        policies.append(RolloutBorrowsActor(baseline, cfg.borrow_return_fraction))
+        borrow = RolloutBorrowsActor(baseline, cfg.borrow_return_fraction)
+        policies.append(PredictorGate(borrow, predictor, cfg.min_gain))
     policies.append(BottleneckPolicy(cfg, predictor))
     return FirstOf("dynamic", policies)
 
@@ -41,7 +43,8 @@ POLICIES: dict[SchedulingMode, PolicyFactory] = {
 def make_policy(cfg: SchedulerConfig, predictor: Predictor, baseline: Baseline) -> Policy:
     """The policy of ``cfg.mode``: ``dynamic`` reboots crashed devices, lets the actor
     take the cluster before its last minibatch, lends the actor's devices to rollout at
-    iteration start, and otherwise moves devices to the predicted bottleneck;
+    iteration start (these two only when the predictor says they pay), and otherwise
+    moves devices to the predicted bottleneck;
     ``static-colocated`` hands every device to each stage in turn;
     ``static-disaggregated`` keeps the initial split (rebooting crashed devices)."""
     return POLICIES[cfg.mode](cfg, predictor, baseline)

@@ -54,11 +54,14 @@ def redistribute(
 class PlanBuilder:
     """Accumulates migrations for one decision against one hypergraph snapshot."""
 
-    def __init__(self, graph: Hypergraph) -> None:
+    def __init__(self, graph: Hypergraph, *, reassign: bool = True) -> None:
         self.graph = graph
+        self.reassign = reassign  # candidates being scored can skip it: O(items)
         self.migrations: list[Migration] = []
         self._used_devices: set[DeviceId] = set()
         self._drained: set[InstanceId] = set()
+        self._num_drained: dict[ComponentId, int] = defaultdict(int)
+        self._order: dict[ComponentId, list[Node]] = {}
         self._created: dict[ComponentId, int] = defaultdict(int)
         self._free = sorted(graph.free_devices)
 
@@ -67,8 +70,7 @@ class PlanBuilder:
     def instances(self, component: ComponentId) -> int:
         """Active instances ``component`` will have after the migrations so far."""
         node = self.graph.components[component]
-        drained = sum(1 for n in node.active_instances() if n.id in self._drained)
-        return node.num_active - drained + self._created[component]
+        return node.num_active - self._num_drained[component] + self._created[component]
 
     def free_devices(self) -> list[DeviceId]:
         """Free devices not yet taken by this plan."""
@@ -76,8 +78,11 @@ class PlanBuilder:
 
     def drainable(self, component: ComponentId) -> list[Node]:
         """Active instances of ``component`` not yet drained, in drain order."""
-        node = self.graph.components[component]
-        return drain_order([n for n in node.active_instances() if n.id not in self._drained])
+        order = self._order.get(component)
+        if order is None:
+            order = drain_order(list(self.graph.components[component].active_instances()))
+            self._order[component] = order
+        return [n for n in order if n.id not in self._drained]
 
     def shrink_targets(self, component: ComponentId) -> list[int]:
         """Instance counts ``component`` may shrink to, largest first."""
@@ -131,7 +136,7 @@ class PlanBuilder:
                     InstanceSpec(id=iid, devices=tuple(devices[i * unit : (i + 1) * unit]))
                 )
         reassign: list[tuple[ItemId, InstanceId]] = []
-        if drained and src is not None:
+        if drained and src is not None and self.reassign:
             reassign = self._reassign(src, drained)
         kind = migration_kind(src, dst, graph)
         if any(d in graph.crashed_devices for d in free):
@@ -149,6 +154,8 @@ class PlanBuilder:
         self.migrations.append(migration)
         self._used_devices.update(free)
         self._drained.update(n.id for n in drained)
+        if src is not None:
+            self._num_drained[src] += len(drained)
         if dst is not None:
             self._created[dst] += len(specs)
         return migration

@@ -210,6 +210,13 @@ class Predictor:
             return Estimate(value, 1.0, fit.count)
         return Estimate(value, fit.rel_std(), fit.count)
 
+    def step_costs(self, component: ComponentId) -> tuple[float, float] | None:
+        """A concave component's fitted decode-step costs ``(a, b)``: a step takes
+        ``a + b * load / devices`` seconds. ``None`` before the fit exists."""
+        fit = self._fits[component]
+        coef = fit.solve() if fit.scaling == "concave" else None
+        return None if coef is None else (float(coef[0]), float(coef[1]))
+
     def to_profile(self, rows: Iterable[ProfileRow] = ()) -> Profile:
         """A profile holding ``rows`` and the learned migration costs."""
         return Profile(rows=tuple(rows), migration_s=dict(self.migration_s))

@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping
 
 from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.plan import Plan
 from dynarl.control.predictor import Predictor
 from dynarl.core.ids import ComponentId
 
@@ -23,10 +24,13 @@ from dynarl.core.ids import ComponentId
 class Demand:
     """Remaining work of one component, in the units its throughput is measured in."""
 
-    __slots__ = ("load", "tail", "upstream", "work")
+    __slots__ = ("load", "longest", "tail", "upstream", "work")
 
-    def __init__(self, work: float, load: float, tail: float, upstream: float = 0.0) -> None:
+    def __init__(
+        self, work: float, load: float, tail: float, upstream: float = 0.0, longest: float = 0.0
+    ) -> None:
         self.work = work  # units still to process
+        self.longest = longest  # rollout: tokens of the longest remaining response
         self.load = load  # parallel work items (the batch it can run)
         self.tail = tail  # units left after its last input arrives
         self.upstream = upstream  # items still on their way from predecessors
@@ -47,9 +51,13 @@ def demands(graph: Hypergraph) -> dict[ComponentId, Demand]:
             per_item = graph.expected_remaining_tokens(cid)
             in_tool = sum(e.num_in_tool for e in graph.edges_into(cid))
             load = max(own - in_tool, 0.0)
-            out[cid] = Demand(work=total * per_item, load=load, tail=0.0, upstream=upstream)
+            longest = graph.expected_longest_remaining(cid) if own else 0.0
+            out[cid] = Demand(
+                work=total * per_item, load=load, tail=0.0, upstream=upstream, longest=longest
+            )
         elif kind == "actor":
-            steps_left = max(node.num_steps - node.steps_done, 1) if node.num_steps else 1
+            num_steps = node.num_steps or node.spec.steps_per_iteration
+            steps_left = max(num_steps - node.steps_done, 1)
             out[cid] = Demand(work=total, load=total, tail=total / steps_left, upstream=upstream)
         else:
             out[cid] = Demand(work=total, load=total, tail=min(total, 1.0), upstream=upstream)
@@ -90,27 +98,88 @@ def remaining_time(
             continue
         n_new = devices.get(cid, 0)
         n_old = before.get(cid, n_new)
-        delay = delays.get(cid, 0.0)
-        if n_new == 0 and d.upstream > 0:
-            # Its inputs are still coming: devices flow downstream as stages finish,
-            # so count those its predecessors hold, arriving after a migration. (With
-            # no input still coming, zero devices is a stall: infinitely slow.)
-            upstream = sum(devices.get(p, 0) for p in _ancestors(graph, cid))
-            unit = graph.components[cid].spec.devices_per_instance
-            n_new = n_old = max(unit, upstream - upstream % unit)
-            delay = 0.0
-            penalty_zero = predictor.migration_cost("workload")
-        else:
-            penalty_zero = 0.0
-        load = max(d.load, 1.0)
-        new = predictor.predict(cid, n_new, load).throughput
-        old = predictor.predict(cid, n_old, load).throughput if n_old != n_new else new
-        own = _time_for(d.work, old, new, delay) + penalties.get(cid, 0.0)
         preds = graph.spec.predecessors(cid)
         arrival = max((finish.get(p, 0.0) for p in preds), default=0.0)
+        if n_new == 0 and d.upstream > 0:
+            # Its inputs are still coming: devices flow downstream as stages finish,
+            # so count those its predecessors hold, arriving after a migration; all
+            # its work waits until then. (With no input still coming, zero devices
+            # is a stall: infinitely slow.)
+            upstream = sum(devices.get(p, 0) for p in _ancestors(graph, cid))
+            unit = graph.components[cid].spec.devices_per_instance
+            later = rate(graph, predictor, cid, max(unit, upstream - upstream % unit), d)
+            cost = predictor.migration_cost("workload")
+            finish[cid] = arrival + cost + (d.work / later if later > 0 else math.inf)
+            continue
+        new = rate(graph, predictor, cid, n_new, d)
+        old = rate(graph, predictor, cid, n_old, d) if n_old != n_new else new
+        own = _time_for(d.work, old, new, delays.get(cid, 0.0)) + penalties.get(cid, 0.0)
         tail = d.tail / new if new > 0 else math.inf if d.tail > 0 else 0.0
-        finish[cid] = max(own, arrival + tail) + penalty_zero
+        finish[cid] = max(own, arrival + tail)
     return max(finish.values(), default=0.0)
+
+
+def rate(
+    graph: Hypergraph, predictor: Predictor, cid: ComponentId, devices: int, d: Demand
+) -> float:
+    """Effective rate at which ``cid`` gets through its remaining work on ``devices``.
+
+    For rollout with a fitted step cost the finish time is ``a * longest + b * work /
+    devices``: every step pays the fixed cost ``a`` until the longest response ends,
+    while the per-sequence cost ``b`` is shared by the devices. So the tail cannot be
+    bought down with devices, and devices given to a rollout at its tail are wasted.
+    With more requests than its engines run at once, rollout works in waves at full
+    batch, ``work * (a + b * cap) / (instances * cap)``, and the longest response may
+    start only after them.
+    """
+    load = max(d.load, 1.0)
+    costs = predictor.step_costs(cid) if d.longest > 0 else None
+    if costs is None or devices <= 0:
+        return predictor.predict(cid, devices, load).throughput
+    a, b = costs
+    shared = b * d.work / devices
+    spec = graph.components[cid].spec
+    if spec.max_load_per_instance:
+        cap = spec.max_load_per_instance
+        instances = max(1, devices // spec.devices_per_instance)
+        if load > cap * instances:
+            # The longest response may wait behind the waves of the others.
+            step = a + b * cap / spec.devices_per_instance
+            shared = max(shared, d.work * step / (instances * cap))
+    finish = a * d.longest + shared
+    return d.work / finish
+
+
+def score_plan(
+    graph: Hypergraph,
+    predictor: Predictor,
+    plan: Plan,
+    before: Mapping[ComponentId, int] | None = None,
+    demand: Mapping[ComponentId, Demand] | None = None,
+) -> float:
+    """Predicted remaining iteration seconds if ``plan`` is carried out now.
+
+    A receiver's new devices arrive after its migration's cost; a donor whose drained
+    instances hold requests loses that cost too (they re-prefill elsewhere).
+    """
+    if before is None:
+        before = {c: n.num_active_devices for c, n in graph.components.items()}
+    after = dict(before)
+    delays: dict[ComponentId, float] = {}
+    penalties: dict[ComponentId, float] = {}
+    for m in plan.migrations:
+        cost = predictor.migration_cost(m.kind)
+        if m.src is not None:
+            drained = [graph.instances[i] for i in m.drain]
+            after[m.src] -= sum(len(n.devices) for n in drained)
+            if any(n.items for n in drained):
+                penalties[m.src] = max(penalties.get(m.src, 0.0), cost)
+        if m.dst is not None:
+            after[m.dst] += sum(len(s.devices) for s in m.create)
+            delays[m.dst] = max(delays.get(m.dst, 0.0), cost)
+    return remaining_time(
+        graph, predictor, after, delays=delays, penalties=penalties, before=before, demand=demand
+    )
 
 
 def _ancestors(graph: Hypergraph, cid: ComponentId) -> set[ComponentId]:

@@ -27,8 +27,11 @@ class ComponentSpec(msgspec.Struct, frozen=True, kw_only=True):
     ``devices_per_instance`` is the scaling unit (rollout TP; actor TP x PP).
     ``valid_sizes`` restricts the number of instances (actor data-parallel sizes that
     divide the global batch); empty means any count in ``[min_instances,
-    max_instances]``. A component with ``devices_per_instance == 0`` runs off the
-    devices (a rule-based reward, a tool sandbox) and never takes part in migrations.
+    max_instances]``. ``max_load_per_instance`` is how many requests one instance runs
+    at once (a rollout engine's max running requests; 0: unbounded). A component with
+    ``devices_per_instance == 0`` runs off the devices (a rule-based reward, a tool
+    sandbox) and never takes part in migrations. ``steps_per_iteration`` is how many
+    chunks the iteration's work is processed in (the actor's ``n_minibatches``).
     """
 
     id: ComponentId
@@ -39,6 +42,8 @@ class ComponentSpec(msgspec.Struct, frozen=True, kw_only=True):
     min_instances: int = 0
     max_instances: int = 1 << 30
     valid_sizes: tuple[int, ...] = ()
+    max_load_per_instance: int = 0
+    steps_per_iteration: int = 1
 
     def is_valid_size(self, num_instances: int) -> bool:
         """Whether the component may run with ``num_instances`` instances."""
@@ -154,6 +159,8 @@ def rl_pipeline(
     actor_devices_per_replica: int,
     actor_dp_sizes: Sequence[int],
     reward_on_devices: bool = False,
+    rollout_max_running: int = 0,
+    actor_steps_per_iteration: int = 1,
 ) -> PipelineSpec:
     """The standard RL pipeline: prompts -> rollout -> (reward, inference) -> actor.
 
@@ -166,6 +173,7 @@ def rl_pipeline(
             devices_per_instance=rollout_tp,
             interruptible_at="request",
             scaling="concave",
+            max_load_per_instance=rollout_max_running,
         ),
         ComponentSpec(
             id=INFERENCE,
@@ -188,6 +196,7 @@ def rl_pipeline(
             interruptible_at="optimizer_step",
             scaling="linear",
             valid_sizes=tuple(actor_dp_sizes),
+            steps_per_iteration=actor_steps_per_iteration,
         ),
     )
     edges = (

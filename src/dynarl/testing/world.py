@@ -170,7 +170,9 @@ class FakeWorld:
 
     def _advance_rollout(self, dt: float) -> None:
         cfg = self.cfg
-        for node in self._active(ROLLOUT):
+        # A draining engine keeps decoding until its migration aborts its requests.
+        engines = sorted(self.graph.components[ROLLOUT].instances.values(), key=lambda n: n.id)
+        for node in engines:
             running = [i for i in node.items if i in self.requests]
             generated = 0.0
             if running:
@@ -265,7 +267,8 @@ class FakeWorld:
         """Carry out a migration: abort and re-route the drained instances' items
         (keeping their progress), wait out the cost, then report."""
         if migration.kind == "reshard":
-            # The trainer moves only at optimizer-step boundaries.
+            # The trainer moves only at optimizer-step boundaries; the drained
+            # instances keep working until then.
             while self.actor_busy_until is not None:
                 await self.clock.sleep(self.cfg.dt_s)
         by_edge: dict[EdgeId, list[ItemId]] = {}

@@ -23,7 +23,7 @@ from dynarl.control.plan import EMPTY_PLAN, Plan
 from dynarl.control.planner import PlanBuilder
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Trigger
-from dynarl.control.scoring import Demand, demands, remaining_time
+from dynarl.control.scoring import Demand, demands, rate, remaining_time, score_plan
 from dynarl.core.ids import ComponentId
 
 
@@ -85,7 +85,7 @@ class BottleneckPolicy:
         base = remaining_time(graph, self.predictor, before, demand=demand)
         # The slowest receiver first: it is the one a move most likely helps.
         receivers.sort(key=lambda c: -self._alone(graph, c, before, demand))
-        best: tuple[float, Plan] | None = None
+        best: tuple[float, tuple[ComponentId | None, ComponentId, int]] | None = None
         tried = 0
         for dst in receivers:
             for src, give in donors:
@@ -96,16 +96,19 @@ class BottleneckPolicy:
                 for amount in _amounts(give):
                     if tried >= self.cfg.num_candidates:
                         break
-                    candidate = self._candidate(graph, src, dst, amount)
+                    candidate = self._candidate(graph, src, dst, amount, reassign=False)
                     if candidate is None:
                         continue
                     tried += 1
-                    score = self._score(graph, candidate, before, demand)
+                    score = score_plan(graph, self.predictor, candidate, before, demand)
                     if best is None or score < best[0]:
-                        best = (score, candidate)
+                        best = (score, (src, dst, amount))
         if best is None or not best[0] < base * (1.0 - self.cfg.min_gain):
             return EMPTY_PLAN
-        score, plan = best
+        score, (src, dst, amount) = best
+        # Only the winner needs its requests redistributed.
+        plan = self._candidate(graph, src, dst, amount, reassign=True)
+        assert plan is not None
         return Plan(
             migrations=plan.migrations,
             reason=f"{plan.reason}: predicted {base:.1f}s -> {score:.1f}s",
@@ -128,13 +131,19 @@ class BottleneckPolicy:
         demand: dict[ComponentId, Demand],
     ) -> float:
         d = demand[cid]
-        rate = self.predictor.predict(cid, devices[cid], max(d.load, 1.0)).throughput
-        return d.work / rate if rate > 0 else float("inf")
+        speed = rate(graph, self.predictor, cid, devices[cid], d)
+        return d.work / speed if speed > 0 else float("inf")
 
     def _candidate(
-        self, graph: Hypergraph, src: ComponentId | None, dst: ComponentId, amount: int
+        self,
+        graph: Hypergraph,
+        src: ComponentId | None,
+        dst: ComponentId,
+        amount: int,
+        *,
+        reassign: bool,
     ) -> Plan | None:
-        builder = PlanBuilder(graph)
+        builder = PlanBuilder(graph, reassign=reassign)
         if src is None:
             free = builder.free_devices()[:amount]
             unit = graph.components[dst].spec.devices_per_instance
@@ -154,36 +163,6 @@ class BottleneckPolicy:
                 return None
         label = "free devices" if src is None else f"{src}"
         return builder.build(f"{label} -> {dst}")
-
-    def _score(
-        self,
-        graph: Hypergraph,
-        plan: Plan,
-        before: dict[ComponentId, int],
-        demand: dict[ComponentId, Demand],
-    ) -> float:
-        after = dict(before)
-        delays: dict[ComponentId, float] = {}
-        penalties: dict[ComponentId, float] = {}
-        for m in plan.migrations:
-            cost = self.predictor.migration_cost(m.kind)
-            if m.src is not None:
-                drained = [graph.instances[i] for i in m.drain]
-                after[m.src] -= sum(len(n.devices) for n in drained)
-                if any(n.items for n in drained):
-                    penalties[m.src] = max(penalties.get(m.src, 0.0), cost)
-            if m.dst is not None:
-                after[m.dst] += sum(len(s.devices) for s in m.create)
-                delays[m.dst] = max(delays.get(m.dst, 0.0), cost)
-        return remaining_time(
-            graph,
-            self.predictor,
-            after,
-            delays=delays,
-            penalties=penalties,
-            before=before,
-            demand=demand,
-        )
 
 
 def _amounts(give: int) -> list[int]:

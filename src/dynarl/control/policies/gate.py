@@ -1,0 +1,43 @@
+"""Commit a rule's plan only if the predictor says it pays.
+
+The iteration-phase rules of the reference system (rollout borrows the actor's
+devices; the actor takes the cluster) ignore what a move costs. Behind
+:class:`PredictorGate` they obey the same contract as every dynamic decision: a plan is
+committed only when its predicted remaining iteration time, migration costs included,
+beats keeping the placement by ``min_gain``.
+"""
+
+import msgspec
+
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.plan import EMPTY_PLAN, Plan
+from dynarl.control.predictor import Predictor
+from dynarl.control.scheduler import Policy, Trigger
+from dynarl.control.scoring import remaining_time, score_plan
+
+
+class PredictorGate:
+    """Wraps a policy; passes its plans on only when they strictly improve."""
+
+    def __init__(self, policy: Policy, predictor: Predictor, min_gain: float) -> None:
+        self.policy = policy
+        self.predictor = predictor
+        self.min_gain = min_gain
+        self.name = f"gated-{policy.name}"
+
+    def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
+        """The wrapped policy's plan, if it beats doing nothing."""
+        plan = self.policy.decide(graph, trigger)
+        if not plan:
+            return plan
+        before = {c: n.num_active_devices for c, n in graph.components.items()}
+        base = remaining_time(graph, self.predictor, before)
+        after = score_plan(graph, self.predictor, plan, before)
+        if not after < base * (1.0 - self.min_gain):
+            return EMPTY_PLAN
+        return msgspec.structs.replace(
+            plan,
+            reason=f"{plan.reason}: predicted {base:.1f}s -> {after:.1f}s",
+            score_before=base,
+            score_after=after,
+        )
