@@ -1,0 +1,354 @@
+"""A modelled rollout engine: continuous batching on a KV-cache budget, analytically.
+
+It behaves like an SGLang engine seen from outside: requests (:class:`Job`s) are
+submitted, queue, are admitted while the KV cache and ``max_running_requests`` allow,
+prefill (compute-bound; running requests stall meanwhile), then decode one token per
+step together. A decode step costs ``overhead + (weight bytes / tp + KV bytes read) /
+HBM bandwidth``; KV read grows by one token per running request per step. When the
+cache is full the youngest running request is preempted: its KV is freed, it goes to
+the front of the queue and re-prefills later. A job that ends in a tool call leaves its
+KV in a prefix cache (LRU, evicted by tokens from the least recent entry's tail), so
+its next turn re-prefills only what was evicted and the tool's output.
+
+Time moves analytically. Between events every running request advances the same
+number of steps, and step ``k`` from now costs ``a + b * (A + k * B)`` (``B`` running,
+``A`` tokens of context held), so the time of ``n`` steps has a closed form and the
+steps that fit in an interval solve a quadratic. Events are completions, cache
+overflows and admissions; nothing is simulated token by token, and between events the
+engine's state is only materialised when someone looks (submit, abort).
+"""
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Iterable
+
+import msgspec
+
+from dynarl.control.events import EngineStats
+from dynarl.core.ids import InstanceId, ItemId
+from dynarl.sim.engine_config import EngineConfig
+from dynarl.sim.errors import SimError
+from dynarl.sim.jobs import Job, JobDone, JobProgress
+from dynarl.sim.prefix_cache import PrefixCache
+
+
+class EngineTotals(msgspec.Struct, frozen=True, kw_only=True):
+    """Counters since the engine was made: tokens generated and prefilled (prefix-cache
+    hits excluded), prefix-cache hit tokens, preemptions, decode steps."""
+
+    generated_tokens: int
+    prefill_tokens: int
+    cached_tokens: int
+    num_preemptions: int
+    num_steps: int
+
+
+class _Entry:
+    """A job inside the engine. ``done`` counts the tokens it generated here before its
+    current admission; while running it gains one per step since ``start_step``."""
+
+    __slots__ = ("done", "job", "seq", "start_step")
+
+    def __init__(self, job: Job, done: int = 0) -> None:
+        self.job, self.done, self.seq, self.start_step = job, done, 0, 0
+
+    @property
+    def queued_context(self) -> int:
+        """Context while not running (what a re-prefill must cover)."""
+        return self.job.context_tokens + self.done
+
+    @property
+    def finish_step(self) -> int:
+        """Engine step count at which it completes, while running."""
+        return self.start_step + self.job.output_tokens - self.done
+
+
+class SimEngine:
+    """A modelled rollout engine on a virtual clock (see the module docstring).
+
+    Drive it with :meth:`advance_to` (process everything up to a time, get the
+    completions) and :meth:`next_event_time`; it never reads a real clock.
+
+    Running jobs advance together, so the engine keeps one step counter: a job admitted
+    at step ``s`` has generated ``done + (step - s)`` tokens; completions come off a heap
+    of finish steps. An event costs O(log running), whatever the batch.
+    """
+
+    def __init__(self, config: EngineConfig, *, instance: InstanceId, start_s: float = 0.0):
+        self.config = config
+        self.instance = instance
+        self._a, self._b = config.step_coefficients()
+        self._capacity = config.kv_tokens_capacity
+        self._admit_limit = config.admit_fraction * self._capacity
+        # prefill of n new tokens after h cached ones: n * (fixed + per_context * (h + n/2))
+        # FLOPs at _flops_rate FLOP/s (as EngineConfig.prefill_s)
+        self._flops_fixed = config.model.forward_flops_per_token(0.0)
+        self._flops_per_context = config.model.forward_flops_per_token(1.0) - self._flops_fixed
+        self._flops_rate = config.tp * config.gpu.bf16_flops_per_s * config.prefill_mfu
+        self._now = start_s
+        self._t = start_s  # the running state is exact at _t, a step boundary
+        self._step_count = 0
+        self._running: dict[ItemId, _Entry] = {}  # in admission order: last is youngest
+        self._finish_heap: list[tuple[int, int, ItemId]] = []  # (finish step, seq, id)
+        self._held = 0  # context tokens of the running jobs
+        self._queue: deque[_Entry] = deque()
+        self._queued_ids: set[ItemId] = set()
+        self._cache = PrefixCache()
+        self._admit_pending = False
+        self._seq = 0
+        self._event: tuple[float, int] | None = None  # memoised (time, steps)
+        self._generated = self._prefilled = self._hits = self._preemptions = 0
+
+    # ---- the public surface -------------------------------------------------------
+
+    @property
+    def now(self) -> float:
+        """The engine's virtual time (last ``advance_to`` or construction)."""
+        return self._now
+
+    def submit(self, jobs: Iterable[Job]) -> None:
+        """Queue ``jobs`` at the current time; they are admitted at the next step
+        boundary (at once when the engine is idle).
+
+        Raises:
+            SimError: a job can never fit in the KV cache, has nothing to generate, or
+                is already here.
+        """
+        jobs = tuple(jobs)
+        for job in jobs:
+            if job.output_tokens <= 0 or job.context_tokens + job.output_tokens > self._capacity:
+                raise SimError(
+                    f"job {job.id}: context {job.context_tokens} + output {job.output_tokens} "
+                    f"tokens must be positive and fit the KV cache ({self._capacity} tokens); "
+                    "raise tp or lower the max length"
+                )
+            if job.id in self._running or job.id in self._queued_ids:
+                raise SimError(
+                    f"job {job.id} is already on engine {self.instance}; abort it "
+                    "before submitting it again"
+                )
+        self._materialise()
+        self._queue.extend(_Entry(job) for job in jobs)
+        self._queued_ids.update(job.id for job in jobs)
+        if self._t >= self._now or not self._running:
+            # at a step boundary (or idle, or stalled in a prefill that ends at _t):
+            # admit now rather than one step later
+            self._t = max(self._t, self._now)
+            self._schedule()
+        else:
+            self._admit_pending = True
+        self._event = None
+
+    def abort(self, ids: Iterable[ItemId]) -> list[JobProgress]:
+        """Remove ``ids`` (running or queued) now and return what each generated here.
+
+        Ids the engine does not hold (finished meanwhile) are skipped. A step in flight
+        is lost for the aborted jobs; their KV is dropped, prefix cache included.
+        """
+        wanted = set(ids)
+        self._materialise()
+        out = [
+            JobProgress(id=e.job.id, generated_tokens=e.done)
+            for e in self._queue
+            if e.job.id in wanted
+        ]
+        if out:
+            self._queue = deque(e for e in self._queue if e.job.id not in wanted)
+            self._queued_ids -= wanted
+        for item in wanted & self._running.keys():
+            entry = self._remove(item)
+            out.append(JobProgress(id=item, generated_tokens=entry.done))
+        for item in wanted:
+            self._cache.take(item)
+        self._event = None
+        return out
+
+    def abort_all(self) -> list[JobProgress]:
+        """Abort everything running or queued (a drained engine)."""
+        return self.abort(self._running.keys() | self._queued_ids)
+
+    def next_event_time(self) -> float:
+        """When the next completion, preemption or admission happens (``inf`` if idle)."""
+        event = self._next_event()
+        return math.inf if event is None else event[0]
+
+    def advance_to(self, time_s: float) -> list[JobDone]:
+        """Run until ``time_s``; return the jobs that finished, in time order."""
+        if time_s < self._now:
+            raise SimError(
+                f"engine {self.instance} is at {self._now} s; cannot go back to {time_s} s"
+            )
+        done: list[JobDone] = []
+        while (event := self._next_event()) is not None and event[0] <= time_s:
+            self._step(event[1])
+            done += self._finish()
+            self._schedule()
+            self._event = None
+        self._now = time_s
+        return done
+
+    def stats(self) -> EngineStats:
+        """What a real engine reports now: KV usage (held / capacity, prefix cache not
+        counted), running and queued jobs, and the current decode rate."""
+        batch = len(self._running)
+        held = self._held
+        if batch and self._t < self._now:
+            held += batch * self._steps_within(self._now - self._t)
+        decoding = batch > 0 and self._t <= self._now
+        return EngineStats(
+            time_s=self._now,
+            instance=self.instance,
+            kv_usage=held / self._capacity,
+            num_running=batch,
+            num_queued=len(self._queue),
+            gen_tokens_per_s=batch / (self._a + self._b * held) if decoding else 0.0,
+        )
+
+    def totals(self) -> EngineTotals:
+        """Counters since construction (whole steps up to the last event)."""
+        return EngineTotals(
+            generated_tokens=self._generated,
+            prefill_tokens=self._prefilled,
+            cached_tokens=self._hits,
+            num_preemptions=self._preemptions,
+            num_steps=self._step_count,
+        )
+
+    @property
+    def prefix_cache_tokens(self) -> int:
+        """Tokens held in the prefix cache for jobs away on tool calls."""
+        return self._cache.tokens
+
+    def cached_prefix(self, item: ItemId) -> int:
+        """Tokens of ``item``'s context this engine holds cached (0 if none)."""
+        return self._cache.get(item)
+
+    # ---- time --------------------------------------------------------------------
+
+    def _span_s(self, steps: int) -> float:
+        """Time of the next ``steps`` decode steps from the current state."""
+        batch = len(self._running)
+        return steps * self._a + self._b * (steps * self._held + batch * steps * (steps - 1) / 2)
+
+    def _steps_within(self, dt: float) -> int:
+        """Whole decode steps that fit in ``dt`` seconds from the current state."""
+        batch = len(self._running)
+        if dt <= 0 or not batch:
+            return 0
+        qa = self._b * batch / 2
+        qb = self._a + self._b * self._held - qa
+        n = int((-qb + math.sqrt(qb * qb + 4 * qa * dt)) / (2 * qa))
+        while n > 0 and self._span_s(n) > dt:
+            n -= 1
+        while self._span_s(n + 1) <= dt:
+            n += 1
+        return n
+
+    def _next_event(self) -> tuple[float, int] | None:
+        if self._event is not None:
+            return self._event
+        batch = len(self._running)
+        if not batch:
+            return None
+        heap = self._finish_heap
+        while heap[0][2] not in self._running or self._running[heap[0][2]].seq != heap[0][1]:
+            heapq.heappop(heap)  # stale: aborted or preempted
+        steps = min(heap[0][0] - self._step_count, (self._capacity - self._held) // batch)
+        if self._admit_pending:
+            steps = min(steps, 0 if self._t >= self._now else 1)
+        self._event = (self._t + self._span_s(steps), steps)
+        return self._event
+
+    def _materialise(self) -> None:
+        """Apply the whole steps done by now (no event lies before now)."""
+        if self._running and self._t < self._now:
+            event = self._next_event()
+            assert event is not None
+            self._step(min(self._steps_within(self._now - self._t), event[1]))
+            self._event = None
+
+    def _step(self, steps: int) -> None:
+        self._t += self._span_s(steps)
+        self._step_count += steps
+        self._held += len(self._running) * steps
+        self._generated += len(self._running) * steps
+
+    # ---- events ------------------------------------------------------------------
+
+    def _remove(self, item: ItemId) -> _Entry:
+        """Take ``item`` out of the running set, folding its progress into ``done``."""
+        entry = self._running.pop(item)
+        entry.done += self._step_count - entry.start_step
+        self._held -= entry.queued_context
+        return entry
+
+    def _finish(self) -> list[JobDone]:
+        out = []
+        heap = self._finish_heap
+        while heap and heap[0][0] <= self._step_count:
+            _, seq, item = heapq.heappop(heap)
+            entry = self._running.get(item)
+            if entry is None or entry.seq != seq:
+                continue
+            self._remove(item)
+            job, ctx = entry.job, entry.queued_context
+            out.append(
+                JobDone(
+                    id=item,
+                    time_s=self._t,
+                    generated_tokens=entry.done,
+                    context_tokens=ctx,
+                    tool_call=job.tool_call_after,
+                )
+            )
+            if job.tool_call_after:
+                self._cache.put(item, ctx)
+        return out
+
+    def _schedule(self) -> None:
+        """At a step boundary: preempt while the next step does not fit, then admit."""
+        self._admit_pending = False
+        while self._running and self._held + len(self._running) > self._capacity:
+            youngest = next(reversed(self._running))
+            self._queue.appendleft(self._remove(youngest))
+            self._queued_ids.add(youngest)
+            self._preemptions += 1
+        self._cache.shrink_to(self._capacity - self._held)
+        admitted: list[_Entry] = []
+        held = self._held
+        limit = self.config.max_running_requests - len(self._running)
+        while self._queue and len(admitted) < limit:
+            entry = self._queue[0]
+            if (self._running or admitted) and (
+                held + entry.queued_context > self._admit_limit
+                # room for the next step too, or a job preempted here would come straight
+                # back and be preempted again
+                or held + entry.queued_context + len(self._running) + len(admitted) + 1
+                > self._capacity
+            ):
+                break
+            admitted.append(self._queue.popleft())
+            self._queued_ids.discard(entry.job.id)
+            held += entry.queued_context
+        if admitted:
+            self._prefill(admitted)
+
+    def _prefill(self, admitted: list[_Entry]) -> None:
+        """Admit ``admitted``: prefill what the prefix cache does not hold; running
+        jobs stall meanwhile."""
+        flops = 0.0
+        for entry in admitted:
+            context = entry.queued_context
+            hit = min(self._cache.take(entry.job.id), context)
+            new = context - hit
+            flops += new * (self._flops_fixed + self._flops_per_context * (hit + new / 2))
+            self._prefilled += new
+            self._hits += hit
+            self._seq += 1
+            entry.seq, entry.start_step = self._seq, self._step_count
+            self._running[entry.job.id] = entry
+            heapq.heappush(self._finish_heap, (entry.finish_step, entry.seq, entry.job.id))
+            self._held += context
+        self._t += self.config.prefill_overhead_s + flops / self._flops_rate
+        self._cache.shrink_to(self._capacity - self._held)

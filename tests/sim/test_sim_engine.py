@@ -1,0 +1,250 @@
+"""The modelled rollout engine: its step-time anchor, its analytic time against a
+token-by-token reference, conservation across migrations, preemption, prefix reuse."""
+
+import math
+import random
+
+import pytest
+
+from dynarl.core.ids import GroupId, InstanceId, ItemId
+from dynarl.sim import H100, EngineConfig, Job, JobDone, SimEngine, SimError, model
+
+SMALL = model("R1-Distill-Qwen-1.5B")
+
+
+def _config(**overrides: object) -> EngineConfig:
+    return EngineConfig(gpu=H100, model=SMALL, **overrides)  # type: ignore[arg-type]
+
+
+def _job(name: str, context: int, output: int, *, tool: bool = False) -> Job:
+    return Job(
+        id=ItemId(name),
+        group=GroupId("g"),
+        context_tokens=context,
+        output_tokens=output,
+        tool_call_after=tool,
+    )
+
+
+def _engine(config: EngineConfig, name: str = "e0") -> SimEngine:
+    return SimEngine(config, instance=InstanceId(name))
+
+
+def test_decode_step_is_anchored_to_the_reference() -> None:
+    # 1.5B at batch 128 and mean context 10K on an H100: ≈12 ms per step
+    step = _config().decode_step_s(128, 128 * 10_000)
+    assert step == pytest.approx(0.012, rel=0.3)
+    # the tail at batch 8 decodes ≈1–2K tokens/s
+    assert 1000 < 8 / _config().decode_step_s(8, 8 * 20_000) < 2500
+
+
+def test_analytic_time_matches_token_by_token_reference() -> None:
+    config = _config()
+    rng = random.Random(3)
+    jobs = [_job(f"r{i}", rng.randint(16, 1024), rng.randint(1, 3000)) for i in range(40)]
+    engine = _engine(config)
+    engine.submit(jobs)
+    done = engine.advance_to(1e9)
+
+    # reference: one prefill of everything, then one token per running job per step
+    a, b = config.step_coefficients()
+    t = config.prefill_overhead_s + sum(config.prefill_s(j.context_tokens) for j in jobs)
+    ctx = {j.id: j.context_tokens for j in jobs}
+    left = {j.id: j.output_tokens for j in jobs}
+    expected: dict[ItemId, float] = {}
+    while left:
+        t += a + b * sum(ctx[i] for i in left)
+        for i in list(left):
+            ctx[i] += 1
+            left[i] -= 1
+            if not left[i]:
+                expected[i] = t
+                del left[i]
+    assert {d.id: d.time_s for d in done} == pytest.approx(expected, rel=1e-9)
+    assert [d.time_s for d in done] == sorted(d.time_s for d in done)
+    assert engine.totals().generated_tokens == sum(j.output_tokens for j in jobs)
+
+
+def test_ticking_and_looking_do_not_change_the_outcome() -> None:
+    jobs = [_job(f"r{i}", 100 + 7 * i, 50 + 13 * i) for i in range(30)]
+    one_jump, ticked = _engine(_config()), _engine(_config())
+    one_jump.submit(jobs)
+    ticked.submit(jobs)
+    expected = one_jump.advance_to(100.0)
+    got: list[JobDone] = []
+    t = 0.0
+    while t < 100.0:
+        t += 0.0137
+        got += ticked.advance_to(t)
+        stats = ticked.stats()
+        assert 0.0 <= stats.kv_usage <= 1.0
+    assert [(d.id, d.generated_tokens) for d in got] == [
+        (d.id, d.generated_tokens) for d in expected
+    ]
+    assert [d.time_s for d in got] == pytest.approx([d.time_s for d in expected], rel=1e-9)
+
+
+def test_stats_report_running_queued_and_usage() -> None:
+    config = _config(max_running_requests=4, kv_capacity_tokens=100_000)
+    engine = _engine(config)
+    assert engine.next_event_time() == math.inf
+    engine.submit([_job(f"r{i}", 1000, 5000) for i in range(6)])
+    engine.advance_to(1.0)
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_queued) == (4, 2)
+    a, b = config.step_coefficients()
+    held = stats.kv_usage * 100_000
+    assert 4000 < held < 4000 + 4 * 5000
+    assert stats.gen_tokens_per_s == pytest.approx(4 / (a + b * held))
+    assert stats.instance == "e0"
+    assert stats.time_s == 1.0
+
+
+def test_preemption_when_kv_is_full_keeps_every_token() -> None:
+    # 8 jobs that would need 8 x 2500 tokens at the end, in a 12K-token cache
+    engine = _engine(_config(kv_capacity_tokens=12_000))
+    jobs = [_job(f"r{i}", 500, 2000) for i in range(8)]
+    engine.submit(jobs)
+    done: list[JobDone] = []
+    t = 0.0
+    while len(done) < len(jobs):
+        t += 0.05
+        done += engine.advance_to(t)
+        assert engine.stats().kv_usage <= 1.0
+    assert engine.totals().num_preemptions > 0
+    assert sorted(d.id for d in done) == sorted(j.id for j in jobs)
+    assert all(d.generated_tokens == 2000 and d.context_tokens == 2500 for d in done)
+    assert engine.totals().generated_tokens == 8 * 2000
+    # preempted jobs re-prefill their prompt and partial output
+    assert engine.totals().prefill_tokens > 8 * 500
+
+
+def test_conservation_across_migrations() -> None:
+    """Abort random jobs mid-flight and resubmit what is left elsewhere: every requested
+    token is generated exactly once (preemptions included)."""
+    rng = random.Random(7)
+    engines = [_engine(_config(kv_capacity_tokens=60_000), f"e{k}") for k in range(3)]
+    requested: dict[ItemId, int] = {}
+    jobs: dict[ItemId, Job] = {}
+    for k, engine in enumerate(engines):
+        batch = [_job(f"e{k}r{i}", rng.randint(10, 800), rng.randint(1, 4000)) for i in range(40)]
+        engine.submit(batch)
+        for job in batch:
+            requested[job.id], jobs[job.id] = job.output_tokens, job
+    generated = dict.fromkeys(requested, 0)
+    finished: list[ItemId] = []
+    t = 0.0
+    while len(finished) < len(requested):
+        t += rng.uniform(0.05, 2.0)
+        for engine in engines:
+            for d in engine.advance_to(t):
+                generated[d.id] += d.generated_tokens
+                finished.append(d.id)
+        src, dst = rng.sample(engines, 2)
+        held = [j for j in jobs if j not in finished and rng.random() < 0.3]
+        moved = []
+        for progress in src.abort(held):
+            generated[progress.id] += progress.generated_tokens
+            jobs[progress.id] = jobs[progress.id].resume(progress)
+            moved.append(jobs[progress.id])
+        dst.submit(moved)
+    assert sorted(finished) == sorted(requested)  # each finished exactly once
+    assert generated == requested
+    assert sum(e.totals().generated_tokens for e in engines) == sum(requested.values())
+    assert sum(e.totals().num_preemptions for e in engines) > 0
+
+
+def test_prefix_cache_reuse_after_a_tool_call() -> None:
+    home, other = _engine(_config(), "home"), _engine(_config(), "other")
+    home.submit([_job("a", 1000, 500, tool=True)])
+    (first,) = home.advance_to(60.0)
+    assert first.tool_call and first.context_tokens == 1500
+    assert home.cached_prefix(ItemId("a")) == 1500
+    assert home.stats().kv_usage == 0.0  # the cache is evictable, not counted as usage
+
+    before = home.totals().prefill_tokens
+    home.submit([_job("a", 1500 + 80, 300)])  # tool output: 80 tokens
+    home.advance_to(120.0)
+    assert home.totals().prefill_tokens - before == 80
+    assert home.totals().cached_tokens == 1500
+
+    other.submit([_job("a", 1580, 300)])  # routed away from its prefix
+    other.advance_to(60.0)
+    assert other.totals().prefill_tokens == 1580
+
+
+def test_evicted_prefix_is_re_prefilled() -> None:
+    engine = _engine(_config(kv_capacity_tokens=10_000))
+    engine.submit([_job("a", 2000, 1000, tool=True)])
+    engine.advance_to(60.0)
+    assert engine.cached_prefix(ItemId("a")) == 3000
+    # a big job needs room: the cache gives up the tail of a's prefix
+    engine.submit([_job("b", 8000, 10)])
+    engine.advance_to(120.0)
+    kept = engine.cached_prefix(ItemId("a"))
+    assert 0 < kept < 3000
+    before = engine.totals().prefill_tokens
+    engine.submit([_job("a", 3050, 10)])
+    engine.advance_to(180.0)
+    assert engine.totals().prefill_tokens - before == 3050 - kept
+
+
+def test_abort_reports_progress_and_skips_unknown_ids() -> None:
+    engine = _engine(_config(max_running_requests=1))
+    engine.submit([_job("run", 100, 10_000), _job("wait", 100, 10)])
+    engine.advance_to(2.0)
+    progress = {p.id: p.generated_tokens for p in engine.abort([ItemId("run"), ItemId("gone")])}
+    assert set(progress) == {"run"}
+    assert 0 < progress[ItemId("run")] < 10_000
+    rest = engine.abort_all()
+    assert [(p.id, p.generated_tokens) for p in rest] == [("wait", 0)]
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_queued, stats.kv_usage) == (0, 0, 0.0)
+    assert engine.next_event_time() == math.inf
+
+
+def test_contract_errors() -> None:
+    engine = _engine(_config(kv_capacity_tokens=1000))
+    with pytest.raises(SimError, match="fit the KV cache"):
+        engine.submit([_job("big", 900, 200)])
+    with pytest.raises(SimError, match="positive"):
+        engine.submit([_job("none", 10, 0)])
+    engine.submit([_job("x", 10, 10)])
+    with pytest.raises(SimError, match="already on engine"):
+        engine.submit([_job("x", 10, 10)])
+    engine.advance_to(5.0)
+    with pytest.raises(SimError, match="cannot go back"):
+        engine.advance_to(4.0)
+    with pytest.raises(SimError, match="raise tp"):
+        _ = EngineConfig(
+            gpu=H100, model=model("R1-Distill-Qwen-32B"), mem_fraction=0.7
+        ).kv_tokens_capacity
+
+
+def test_tensor_parallel_splits_weights_and_kv() -> None:
+    big = model("R1-Distill-Qwen-32B")
+    tp4 = EngineConfig(gpu=H100, model=big, tp=4, max_running_requests=160)
+    a, b = tp4.step_coefficients()
+    assert a > big.weight_bytes / 4 / H100.hbm_bytes_per_s
+    assert b == pytest.approx(big.kv_bytes_per_token / 4 / H100.hbm_bytes_per_s)
+    # 4 x 80 GB holds the 65.5 GB of weights and ≈0.8M tokens of KV
+    assert 600_000 < tp4.kv_tokens_capacity < 1_000_000
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_crowded_cache_thrashes_but_finishes(seed: int) -> None:
+    """Many jobs in a cache a few of them fill: preemption churns, yet every job
+    finishes with exactly its tokens and usage never exceeds the capacity."""
+    rng = random.Random(seed)
+    engine = _engine(_config(kv_capacity_tokens=2_000, max_running_requests=64))
+    jobs = [_job(f"r{i}", rng.randint(1, 200), rng.randint(1, 600)) for i in range(60)]
+    engine.submit(jobs)
+    done: list[JobDone] = []
+    t = 0.0
+    while len(done) < len(jobs):
+        t += 0.5
+        done += engine.advance_to(t)
+        assert engine.stats().kv_usage <= 1.0
+        assert t < 3600, "the engine stopped making progress"
+    assert {d.id: d.generated_tokens for d in done} == {j.id: j.output_tokens for j in jobs}
+    assert engine.totals().num_preemptions > 0
