@@ -1,0 +1,176 @@
+"""Building the policy model and its tokenizer from a :class:`~dynarl.api.config.ModelConfig`.
+
+Two sources, one result (a ``transformers`` causal LM in eval mode and a fast tokenizer):
+
+- ``config.path`` set: the real ``from_pretrained`` path, so any causal LM checkpoint
+  ``transformers`` can load works (a local directory; nothing is downloaded).
+- ``config.path`` unset: a random-init ``qwen2`` or ``llama`` of the configured shape,
+  seeded, with the character-level tokenizer built in code by :func:`build_tokenizer`.
+
+:func:`save_pretrained` writes both to a directory that the first path loads back.
+"""
+
+import contextlib
+import logging
+import string
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+from transformers.utils import logging as hf_logging
+
+from dynarl.api.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+PAD_TOKEN = "<pad>"
+"""Padding token of the built-in tokenizer (id 0)."""
+EOS_TOKEN = "<eos>"
+"""End-of-sequence token of the built-in tokenizer (id 1); generation stops on it."""
+BOS_TOKEN = "<bos>"
+"""Beginning-of-sequence token of the built-in tokenizer (id 2)."""
+UNK_TOKEN = "<unk>"
+"""Stand-in for characters outside the built-in vocabulary (id 3)."""
+
+_SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, UNK_TOKEN)
+_CHARACTERS = string.printable  # digits, letters, punctuation, space and \t\n\r\x0b\x0c
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer built in code: one token per printable ASCII character.
+
+    Ids 0-3 are ``<pad>``, ``<eos>``, ``<bos>``, ``<unk>``; decoding joins characters back
+    without separators, so ``decode(encode(text)) == text`` for printable ASCII text. No
+    BOS/EOS is added automatically; callers add the tokens they mean.
+    """
+    vocab = {token: i for i, token in enumerate(_SPECIAL_TOKENS)}
+    for char in _CHARACTERS:
+        vocab.setdefault(char, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=core,
+        pad_token=PAD_TOKEN,
+        eos_token=EOS_TOKEN,
+        bos_token=BOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with the checkpoint at ``config.path``, else :func:`build_tokenizer`.
+
+    A checkpoint's ``tokenizer.json`` is loaded as written. ``AutoTokenizer`` is used only
+    when there is none: for some model types (``qwen2`` among them) it swaps in the
+    family's own tokenizer class, which re-derives the pre-tokenizer and would drop the
+    spaces of the built-in character-level tokenizer.
+    """
+    if config.path is None:
+        return build_tokenizer()
+    tokenizer: PreTrainedTokenizerBase
+    if (Path(config.path) / "tokenizer.json").is_file():
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(config.path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(config.path)
+    return tokenizer
+
+
+def model_config(config: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """The ``transformers`` config of a random-init model of ``config``'s shape whose
+    vocabulary and special ids match ``tokenizer``."""
+    fields: dict[str, Any] = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "intermediate_size": config.intermediate_size,
+        "max_position_embeddings": config.max_seq_len,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "tie_word_embeddings": False,
+        "dtype": config.dtype,
+    }
+    if config.arch == "qwen2":
+        return Qwen2Config(**fields)
+    return LlamaConfig(**fields)
+
+
+def build_model(
+    config: ModelConfig,
+    *,
+    seed: int = 0,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    device: str | torch.device = "cpu",
+) -> PreTrainedModel:
+    """The policy model of ``config``, in eval mode on ``device``.
+
+    With ``config.path`` set it is loaded with ``AutoModelForCausalLM.from_pretrained``
+    (``seed`` is unused). Otherwise its weights are initialised from ``seed`` alone
+    (the global torch RNG is left as it was), with the vocabulary of ``tokenizer``
+    (default: :func:`build_tokenizer`).
+    """
+    dtype = _DTYPES[config.dtype]
+    model: PreTrainedModel
+    if config.path is not None:
+        with _no_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(config.path, dtype=dtype)
+        logger.info("loaded %s from %s", type(model).__name__, config.path)
+    else:
+        hf_config = model_config(config, tokenizer or build_tokenizer())
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+                hf_config, dtype=dtype
+            )
+        logger.info(
+            "built a random-init %s (%d parameters, seed %d)",
+            config.arch,
+            sum(p.numel() for p in model.parameters()),
+            seed,
+        )
+    module: torch.nn.Module = model  # nn.Module's typed to/eval (they work in place)
+    module.to(device)
+    module.eval()
+    return model
+
+
+def save_pretrained(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: str | Path
+) -> None:
+    """Write ``model`` and ``tokenizer`` to directory ``path`` (created if missing), so a
+    :class:`ModelConfig` with ``path=...`` loads them back."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    with _no_progress_bars():
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Silence ``transformers``' progress bars for one call (the library never prints);
+    their switch is global, so it is put back as it was."""
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]

@@ -1,0 +1,127 @@
+"""What goes into a rollout engine and what comes out: requests, sampling parameters,
+streamed tokens, completions and load figures.
+
+Definitions only, and no torch: these are frozen ``msgspec.Struct``s so they cross
+process boundaries as msgpack unchanged, and the SGLang backend speaks the same types
+(``SamplingParams`` maps onto SGLang's ``sampling_params``, ``priority`` onto its
+per-request priority, ``weight_version`` onto its ``weight_version``).
+
+A request aborted on one engine comes back as a :class:`GenerateRequest` holding its
+partial output (``output_ids``, ``output_logprobs``, the ``seed`` it was sampled with);
+submitted to any engine, it re-prefills prompt + partial output and continues.
+"""
+
+from typing import Annotated, Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length"]
+"""Why a request finished: it sampled a stop token (``stop``), or it reached its
+``max_new_tokens`` or the model's maximum sequence length (``length``)."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to sample one request's tokens.
+
+    Attributes:
+        temperature: softmax temperature; ``0`` is greedy decoding (argmax).
+        top_p: nucleus sampling: sample among the most likely tokens whose probabilities
+            sum to at least ``top_p``.
+        max_new_tokens: most tokens to generate (counting tokens generated before an
+            abort, so a resumed request stops where an uninterrupted one would).
+        stop_token_ids: tokens that end the request (kept in the output).
+        ignore_eos: do not stop on the tokenizer's end-of-sequence token.
+        seed: seed of this request's sampling randomness; the engine draws one when
+            unset. A token's randomness depends only on the seed and the token's index
+            in the output, so results do not depend on batch composition or on where
+            the request ran.
+    """
+
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] = 128
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One generation request, fresh or resumed with its partial output.
+
+    Attributes:
+        request_id: unique among the requests an engine holds.
+        prompt_ids: the prompt's token ids.
+        sampling: sampling parameters.
+        priority: passed to engines with priority scheduling (SGLang: larger first);
+            the reference engine orders its queue with a ``RequestOrder`` instead.
+        tool_calls: tool calls this multi-turn request has completed (for the order).
+        stream: emit a :class:`TokenDelta` for every generated token, not only the
+            final :class:`Completion`.
+        output_ids: tokens already generated (by an engine the request was aborted
+            from); empty for a fresh request.
+        output_logprobs: log-probs of ``output_ids``, one each.
+        weight_version: oldest weight version that generated any of ``output_ids``
+            (``None`` while there are none).
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    priority: int = 0
+    tool_calls: int = 0
+    stream: bool = False
+    output_ids: tuple[int, ...] = ()
+    output_logprobs: tuple[float, ...] = ()
+    weight_version: int | None = None
+
+
+class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Tokens a streaming request generated in one engine step, with their log-probs."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """A finished request: its whole output, including any generated before an abort.
+
+    Attributes:
+        request_id: the request's id.
+        prompt_ids: the prompt.
+        output_ids: generated tokens (the stop token, when there is one, is the last).
+        output_logprobs: log-prob of each output token under the model's own
+            distribution (``log_softmax`` of the logits: temperature 1, no top-p
+            truncation), i.e. what a teacher-forced forward over prompt + output gives.
+        finish_reason: why it finished.
+        weight_version: oldest weight version that generated any of its tokens; equal
+            to the engine's version unless the request straddled a weight update.
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    output_logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+    weight_version: int
+
+
+StepOutput = TokenDelta | Completion
+"""What an engine step reports for one request."""
+
+
+class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine's load, the numbers of the control plane's ``EngineStats`` event.
+
+    Attributes:
+        kv_usage: KV-cache tokens held by running requests / the engine's capacity.
+        num_running: requests being decoded.
+        num_queued: requests waiting to be admitted (including preempted ones).
+        gen_tokens_per_s: tokens generated per second of stepping, over the steps of
+            the last few seconds (0 when there were none).
+    """
+
+    kv_usage: float
+    num_running: int
+    num_queued: int
+    gen_tokens_per_s: float

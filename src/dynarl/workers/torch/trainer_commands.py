@@ -1,0 +1,157 @@
+"""Messages between a :class:`~dynarl.workers.torch.trainer_pool.TrainerPool` and its
+worker processes: commands in, replies out. Definitions only, no logic.
+
+They are tagged ``msgspec.Struct``s encoded as msgpack, so the same messages can later
+travel over the data plane behind a typed handle. Model state never rides them: weights
+and optimizer state move over torch.distributed.
+"""
+
+from typing import Annotated
+
+import msgspec
+
+
+class Array(msgspec.Struct, frozen=True, kw_only=True):
+    """A dense array on the wire: numpy/torch dtype name, shape and C-order bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+class ReshardFault(msgspec.Struct, frozen=True, kw_only=True):
+    """Fault injection for resizes: worker ``worker`` raises
+    :class:`~dynarl.workers.torch.trainer_errors.InjectedFault` after it has received
+    ``after_buckets`` buckets of the state transfer (a joiner failing mid-receive)."""
+
+    worker: int
+    after_buckets: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+
+class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
+    """What one optimizer step reports (identical on every rank).
+
+    Attributes:
+        loss: global loss, summed over ranks and divided by the global normaliser.
+        normaliser: global normaliser (e.g. loss tokens in the minibatch).
+        grad_norm: global gradient norm before clipping.
+        num_steps: optimizer steps this trainer has taken, this one included.
+    """
+
+    loss: float
+    normaliser: float
+    grad_norm: float
+    num_steps: int
+
+
+class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Base of the commands a worker accepts."""
+
+
+class StartTraining(_Command, frozen=True, kw_only=True):
+    """Every worker: build the data-parallel group of ``members`` (world ranks, in DP
+    rank order); members build the model from the seed."""
+
+    members: tuple[int, ...]
+
+
+class TrainStep(_Command, frozen=True, kw_only=True):
+    """Members: one optimizer step on the global ``minibatch``; each rank takes its own
+    contiguous shard of the samples."""
+
+    minibatch: dict[str, Array]
+
+
+class PrepareResize(_Command, frozen=True, kw_only=True):
+    """Every worker: create the groups of a resize ``old_members -> new_members``;
+    joiners receive the state from ``source``. Nothing switches yet."""
+
+    epoch: int
+    old_members: tuple[int, ...]
+    new_members: tuple[int, ...]
+    source: int
+    fault: ReshardFault | None = None
+
+
+class CommitResize(_Command, frozen=True, kw_only=True):
+    """Every worker: switch to the prepared group of ``epoch``; leavers release memory."""
+
+    epoch: int
+
+
+class AbortResize(_Command, frozen=True, kw_only=True):
+    """Every worker: drop what ``epoch`` prepared; the old group stays as it was."""
+
+    epoch: int
+
+
+class SaveCheckpoint(_Command, frozen=True, kw_only=True):
+    """One member: write model and optimizer state to ``path`` with ``torch.save``."""
+
+    path: str
+
+
+class ConnectWeightSync(_Command, frozen=True, kw_only=True):
+    """One member: join the weight-sync group at ``host:port`` as its rank 0 (hosting
+    the group's store), beside ``world_size - 1`` rollout engines."""
+
+    host: str
+    port: int
+    world_size: int
+    timeout_s: float
+
+
+class SyncWeights(_Command, frozen=True, kw_only=True):
+    """The member in the weight-sync group: broadcast the weights, tagged ``version``."""
+
+    version: int
+
+
+class Shutdown(_Command, frozen=True, kw_only=True):
+    """Every worker: tear down its process groups and exit."""
+
+
+Command = (
+    StartTraining
+    | TrainStep
+    | PrepareResize
+    | CommitResize
+    | AbortResize
+    | SaveCheckpoint
+    | ConnectWeightSync
+    | SyncWeights
+    | Shutdown
+)
+"""Everything a worker accepts."""
+
+
+class _Reply(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Base of a worker's replies; ``worker`` is its index in the pool."""
+
+    worker: int
+
+
+class Done(_Reply, frozen=True, kw_only=True):
+    """The command succeeded after ``elapsed_s`` seconds in the worker, which sent
+    ``bytes_moved`` bytes of tensors over torch.distributed for it."""
+
+    elapsed_s: float
+    bytes_moved: int = 0
+
+
+class StepDone(_Reply, frozen=True, kw_only=True):
+    """An optimizer step finished after ``elapsed_s`` seconds in the worker."""
+
+    metrics: StepMetrics
+    elapsed_s: float
+
+
+class Failed(_Reply, frozen=True, kw_only=True):
+    """The command raised ``error`` (exception type name) with ``message``."""
+
+    error: str
+    message: str
+
+
+Reply = Done | StepDone | Failed
+"""Everything a worker answers."""

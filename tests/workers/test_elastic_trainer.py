@@ -1,0 +1,232 @@
+"""The elastic trainer with real worker processes and real gloo process groups.
+
+Starting a worker costs seconds (importing torch and transformers), so the tests share
+one pool of four pre-started workers, as the library intends, and each test restarts
+training on it: resizing does not change the maths, a failed resize leaves the old
+group training, and weights reach a stand-in rollout engine with their version.
+"""
+
+import functools
+import socket
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from dynarl.workers.torch.loss import weighted_nll  # noqa: E402
+from dynarl.workers.torch.trainer import ElasticTrainer  # noqa: E402
+from dynarl.workers.torch.trainer_commands import ReshardFault  # noqa: E402
+from dynarl.workers.torch.trainer_config import TrainerConfig  # noqa: E402
+from dynarl.workers.torch.trainer_errors import ReshardError  # noqa: E402
+from dynarl.workers.torch.trainer_pool import TrainerPool  # noqa: E402
+from dynarl.workers.torch.weight_sync import join_weight_sync_group, receive_weights  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+Minibatch = dict[str, npt.NDArray[Any]]
+
+TINY_QWEN2 = functools.partial(
+    transformers.Qwen2ForCausalLM,
+    transformers.Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=64,
+    ),
+)
+"""A picklable factory of a tiny random-init Qwen2 (~23k parameters)."""
+
+CONFIG = TrainerConfig(
+    micro_batch_size=2,
+    lr=1e-2,
+    grad_clip=1.0,
+    seed=7,
+    bucket_bytes=16 * 1024,  # the tiny model's state spans many buckets
+    timeout_s=60.0,
+    reshard_timeout_s=3.0,
+)
+
+
+def minibatches(seed: int, *, num_samples: int = 8, seq_len: int = 12) -> Iterator[Minibatch]:
+    """Deterministic minibatches: random tokens, right padding, random loss weights."""
+    rng = np.random.default_rng(seed)
+    positions = np.arange(seq_len)
+    while True:
+        lengths = rng.integers(seq_len // 2, seq_len + 1, size=num_samples)
+        mask = (positions[None, :] < lengths[:, None]).astype(np.int64)
+        yield {
+            "input_ids": rng.integers(4, 64, size=(num_samples, seq_len)) * mask,
+            "attention_mask": mask,
+            "loss_weights": (rng.uniform(0.0, 1.0, size=mask.shape) * mask).astype(np.float32),
+        }
+
+
+def reference_run(batches: list[Minibatch]) -> dict[str, Any]:
+    """The same steps on one rank in this process, without torch.distributed."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer = ElasticTrainer.build(
+            TINY_QWEN2, loss_fn=weighted_nll, config=CONFIG, device=torch.device("cpu"), group=None
+        )
+        losses = [
+            trainer.train_step({k: torch.from_numpy(v) for k, v in batch.items()}).loss
+            for batch in batches
+        ]
+        return {"model": trainer.model.state_dict(), "losses": losses}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def relative_errors(actual: dict[str, Any], expected: dict[str, Any]) -> dict[str, float]:
+    """``max|a - e| / max|e|`` of each tensor."""
+    assert actual.keys() == expected.keys()
+    return {
+        k: float((actual[k] - expected[k]).abs().max() / expected[k].abs().max().clamp_min(1e-12))
+        for k in expected
+    }
+
+
+def global_relative_error(actual: dict[str, Any], expected: dict[str, Any]) -> float:
+    """``|a - e| / |e|`` over all tensors as one vector."""
+    diff = sum(float((actual[k] - expected[k]).double().square().sum()) for k in expected)
+    norm = sum(float(expected[k].double().square().sum()) for k in expected)
+    return (diff / norm) ** 0.5
+
+
+# The loss does not depend on an attention layer's key bias (softmax is invariant to
+# adding q·b_k to every score of a query), so that bias's gradient is pure rounding
+# noise, which Adam normalises into real steps: no change of summation order (a different
+# data-parallel size, or thread count) reproduces it. It is held to the global bound.
+NOISE_ONLY = ".self_attn.k_proj.bias"
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[TrainerPool]:
+    with TrainerPool(
+        CONFIG, num_workers=4, model_factory=TINY_QWEN2, loss_fn=weighted_nll
+    ) as started:
+        yield started
+
+
+def load_model(path: Path) -> dict[str, Any]:
+    state: dict[str, Any] = torch.load(path, weights_only=True)["model"]
+    return state
+
+
+@pytest.mark.timeout(120)  # includes starting the shared pool
+def test_resizing_1_2_4_1_matches_a_fixed_size_run(pool: TrainerPool, tmp_path: Path) -> None:
+    batches = [b for b, _ in zip(minibatches(0), range(8), strict=False)]
+    # The last size-1 group is worker 2: the original rank 0 leaves on the way.
+    schedule = [(0,), (0,), (0, 1), (0, 1), (0, 1, 2, 3), (0, 1, 2, 3), (2,), (2,)]
+    pool.start_training([0])
+    losses = []
+    for members, batch in zip(schedule, batches, strict=True):
+        if members != pool.members:
+            result = pool.resize(members)
+            assert result.new_members == members == pool.members
+        losses.append(pool.train_step(batch).loss)
+    pool.save_checkpoint(tmp_path / "resized.pt")
+
+    expected = reference_run(batches)
+    actual = load_model(tmp_path / "resized.pt")
+    initial = ElasticTrainer.build(
+        TINY_QWEN2, loss_fn=weighted_nll, config=CONFIG, device=torch.device("cpu"), group=None
+    ).model.state_dict()
+    assert global_relative_error(expected["model"], initial) > 1e-2  # training moved them
+
+    errors = relative_errors(actual, expected["model"])
+    error = global_relative_error(actual, expected["model"])
+    worst = max((e, k) for k, e in errors.items() if NOISE_ONLY not in k)
+    print(f"\nresized vs fixed: relative error {error:.1e} overall, worst tensor {worst}")
+    assert error < 1e-5
+    assert worst[0] < 1e-5
+    np.testing.assert_allclose(losses, expected["losses"], rtol=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_resize_leaves_the_old_group_training(pool: TrainerPool, tmp_path: Path) -> None:
+    batches = [b for b, _ in zip(minibatches(1), range(3), strict=False)]
+    pool.start_training([0])
+    pool.train_step(batches[0])
+
+    # The joiner fails after the first buckets; the source times out sending the rest.
+    with pytest.raises(ReshardError, match="rolled back"):
+        pool.resize([0, 1, 3], fault=ReshardFault(worker=3, after_buckets=2))
+    assert pool.members == (0,)
+
+    pool.train_step(batches[1])  # the old group keeps training
+    pool.resize([0, 1, 3])  # and the worker that failed can still join
+    pool.train_step(batches[2])
+    pool.save_checkpoint(tmp_path / "after.pt")
+
+    expected = reference_run(batches)
+    actual = load_model(tmp_path / "after.pt")
+    assert global_relative_error(actual, expected["model"]) < 1e-5
+
+
+def _engine_standin(port: int, conn: Connection) -> None:
+    """A rollout engine stand-in: its own copy of the model (other seed), receiving two
+    weight syncs and sending back each version and the received values."""
+    torch.set_num_threads(1)
+    torch.manual_seed(12345)
+    model = TINY_QWEN2()
+    group = join_weight_sync_group(
+        host="127.0.0.1", port=port, rank=1, world_size=2, device=torch.device("cpu"), timeout_s=60
+    )
+    for _ in range(2):
+        version = receive_weights(model, group=group)
+        conn.send((version, {k: v.numpy().copy() for k, v in model.state_dict().items()}))
+    conn.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@pytest.mark.timeout(60)
+def test_weight_sync_delivers_weights_and_version_to_an_engine(
+    pool: TrainerPool, tmp_path: Path
+) -> None:
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    port = _free_port()
+    engine = context.Process(target=_engine_standin, args=(port, theirs), daemon=True)
+    batches = minibatches(2)
+    try:
+        engine.start()
+        theirs.close()
+        pool.start_training([1, 2])
+        pool.connect_weight_sync("127.0.0.1", port, world_size=2)
+        for version in (1, 2):
+            pool.train_step(next(batches))
+            assert pool.sync_weights(version) > 0
+            pool.save_checkpoint(tmp_path / f"v{version}.pt")
+            assert ours.poll(30), "the engine stand-in received nothing"
+            received_version, received = ours.recv()
+            assert received_version == version
+            trained = load_model(tmp_path / f"v{version}.pt")
+            for name, value in trained.items():
+                np.testing.assert_array_equal(received[name], value.numpy(), err_msg=name)
+        engine.join(timeout=10)
+        assert engine.exitcode == 0
+    finally:
+        if engine.is_alive():
+            engine.kill()
+            engine.join()
+        ours.close()

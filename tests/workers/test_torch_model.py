@@ -1,0 +1,54 @@
+"""Building the policy model and tokenizer from ModelConfig, and loading them back."""
+
+import msgspec
+import pytest
+import torch
+
+from dynarl.api.config import ModelConfig
+from dynarl.workers.torch.model import build_model, build_tokenizer, load_tokenizer, save_pretrained
+
+TEXT = "Q: 12+30=?\nA: 42. (done)"
+
+
+def test_tokenizer_round_trips_text_and_has_special_tokens() -> None:
+    tokenizer = build_tokenizer()
+    ids = tokenizer.encode(TEXT)
+    assert len(ids) == len(TEXT)  # one token per character, spaces included
+    assert tokenizer.decode(ids) == TEXT
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.bos_token_id) == (0, 1, 2)
+    assert tokenizer.decode([tokenizer.bos_token_id, *ids]).removeprefix("<bos>") == TEXT
+
+
+def test_random_init_is_a_function_of_the_seed_alone() -> None:
+    config = ModelConfig()
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    a = build_model(config, seed=0)
+    b = build_model(config, seed=0)
+    c = build_model(config, seed=1)
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(1), before)  # the global RNG was left alone
+    pairs = list(zip(a.parameters(), b.parameters(), strict=True))
+    assert all(torch.equal(x, y) for x, y in pairs)
+    assert not all(torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters(), strict=True))
+    assert a.config.vocab_size == len(build_tokenizer())
+    assert a.config.num_hidden_layers == config.num_layers
+    assert not a.training
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_saved_checkpoint_loads_through_from_pretrained(tmp_path: object, arch: str) -> None:
+    config = ModelConfig(arch=arch, hidden_size=32, num_heads=4, num_kv_heads=2)
+    model = build_model(config, seed=3)
+    tokenizer = load_tokenizer(config)
+    save_pretrained(model, tokenizer, str(tmp_path))
+
+    loaded_config = msgspec.structs.replace(config, path=str(tmp_path))
+    loaded = build_model(loaded_config, seed=99)  # the seed is irrelevant for a checkpoint
+    loaded_tokenizer = load_tokenizer(loaded_config)
+
+    assert type(loaded) is type(model)
+    ids = torch.tensor([loaded_tokenizer.encode(TEXT)])
+    assert loaded_tokenizer.decode(ids[0].tolist()) == TEXT
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)
