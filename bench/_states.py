@@ -21,8 +21,9 @@ def pipeline(num_components: int, max_dp: int) -> PipelineSpec:
     (rollout, tool, reward, reference, old-policy inference, critic, actor)."""
     sizes = valid_dp_sizes(2048, max_dp)
     if num_components <= 4:
-        return rl_pipeline(rollout_tp=1, inference_tp=1, actor_devices_per_replica=1,
-                           actor_dp_sizes=sizes)
+        return rl_pipeline(
+            rollout_tp=1, inference_tp=1, actor_devices_per_replica=1, actor_dp_sizes=sizes
+        )
     c = ComponentId
     comps = (
         ComponentSpec(id=c("rollout"), kind="rollout", scaling="concave"),
@@ -30,10 +31,12 @@ def pipeline(num_components: int, max_dp: int) -> PipelineSpec:
         ComponentSpec(id=c("reward"), kind="reward", devices_per_instance=0),
         ComponentSpec(id=c("reference"), kind="inference", interruptible_at="micro_batch"),
         ComponentSpec(id=c("inference"), kind="inference", interruptible_at="micro_batch"),
-        ComponentSpec(id=c("critic"), kind="actor", interruptible_at="optimizer_step",
-                      valid_sizes=sizes),
-        ComponentSpec(id=c("actor"), kind="actor", interruptible_at="optimizer_step",
-                      valid_sizes=sizes),
+        ComponentSpec(
+            id=c("critic"), kind="actor", interruptible_at="optimizer_step", valid_sizes=sizes
+        ),
+        ComponentSpec(
+            id=c("actor"), kind="actor", interruptible_at="optimizer_step", valid_sizes=sizes
+        ),
     )
     e = EdgeId
     edges = (
@@ -59,7 +62,9 @@ def mid_iteration(num_devices: int, num_components: int, seed: int = 0) -> Hyper
     for cid in on:
         placement[cid] = []
         for k in range(share[cid]):
-            placement[cid].append(InstanceSpec(id=InstanceId(f"{cid}-{k}"), devices=(DeviceId(dev),)))
+            placement[cid].append(
+                InstanceSpec(id=InstanceId(f"{cid}-{k}"), devices=(DeviceId(dev),))
+            )
             dev += 1
     g = Hypergraph(spec, num_devices=num_devices, placement=placement, u_low=0.2)
     rng = np.random.default_rng(seed)
@@ -70,22 +75,48 @@ def mid_iteration(num_devices: int, num_components: int, seed: int = 0) -> Hyper
     engines = sorted(g.components[ComponentId("rollout")].instances)
     running = rng.choice(n_items, size=max(len(engines), n_items // 10), replace=False)
     for k, idx in enumerate(sorted(running)):
-        g.apply(ev.ItemRouted(edge=EdgeId("prompts"), item=ItemId(f"s{idx}"),
-                              instance=engines[k % len(engines)], time_s=1.0))
+        g.apply(
+            ev.ItemRouted(
+                edge=EdgeId("prompts"),
+                item=ItemId(f"s{idx}"),
+                instance=engines[k % len(engines)],
+                time_s=1.0,
+            )
+        )
     done = [i for i in range(n_items) if i not in set(running.tolist())]
     downstream = [e.id for e in g.edges.values() if e.spec.producer == ComponentId("rollout")]
     for k, idx in enumerate(done):
         item = ItemId(f"s{idx}")
-        g.apply(ev.ItemRouted(edge=EdgeId("prompts"), item=item,
-                              instance=engines[k % len(engines)], time_s=2.0))
+        g.apply(
+            ev.ItemRouted(
+                edge=EdgeId("prompts"), item=item, instance=engines[k % len(engines)], time_s=2.0
+            )
+        )
         for edge in downstream:
-            g.apply(ev.ItemsEnqueued(edge=edge, items=(ev.ItemRef(item, GroupId("p")),), time_s=2.0))
-        g.apply(ev.ItemCompleted(edge=EdgeId("prompts"), item=item,
-                                 instance=engines[k % len(engines)], num_tokens=1000, time_s=2.0))
+            g.apply(
+                ev.ItemsEnqueued(edge=edge, items=(ev.ItemRef(item, GroupId("p")),), time_s=2.0)
+            )
+        g.apply(
+            ev.ItemCompleted(
+                edge=EdgeId("prompts"),
+                item=item,
+                instance=engines[k % len(engines)],
+                num_tokens=1000,
+                time_s=2.0,
+            )
+        )
     for k, inst in enumerate(engines):
         usage = 0.05 if k % 10 else 0.6
-        g.apply(ev.EngineStats(instance=inst, kv_usage=usage, num_running=6, num_queued=0,
-                               gen_tokens_per_s=600.0, time_s=3.0))
+        g.apply(
+            ev.EngineStats(
+                instance=inst,
+                kv_usage=usage,
+                num_running=6,
+                num_queued=0,
+                gen_tokens_per_s=600.0,
+                time_s=3.0,
+            )
+        )
     return g
 
 

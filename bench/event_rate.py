@@ -25,14 +25,18 @@ PROMPTS, TO_INF = EdgeId("prompts"), EdgeId("to_inference")
 
 def fresh(num_devices: int) -> Hypergraph:
     spec = pipeline(4, num_devices)
-    engines = [InstanceSpec(id=InstanceId(f"rollout-{k}"), devices=(DeviceId(k),))
-               for k in range(num_devices - 2)]
+    engines = [
+        InstanceSpec(id=InstanceId(f"rollout-{k}"), devices=(DeviceId(k),))
+        for k in range(num_devices - 2)
+    ]
     placement = {
         ComponentId("rollout"): engines,
-        ComponentId("inference"): [InstanceSpec(id=InstanceId("inference-0"),
-                                                devices=(DeviceId(num_devices - 2),))],
-        ComponentId("actor"): [InstanceSpec(id=InstanceId("actor-0"),
-                                            devices=(DeviceId(num_devices - 1),))],
+        ComponentId("inference"): [
+            InstanceSpec(id=InstanceId("inference-0"), devices=(DeviceId(num_devices - 2),))
+        ],
+        ComponentId("actor"): [
+            InstanceSpec(id=InstanceId("actor-0"), devices=(DeviceId(num_devices - 1),))
+        ],
     }
     return Hypergraph(spec, num_devices=num_devices, placement=placement)
 
@@ -41,17 +45,33 @@ def events(num_devices: int, num_items: int) -> list[ev.Event]:
     engines = [InstanceId(f"rollout-{k}") for k in range(num_devices - 2)]
     out: list[ev.Event] = [ev.IterationStarted(iteration=0)]
     for start in range(0, num_items, 256):
-        refs = tuple(ev.ItemRef(ItemId(f"s{k}"), GroupId(f"g{k // 16}"))
-                     for k in range(start, min(num_items, start + 256)))
+        refs = tuple(
+            ev.ItemRef(ItemId(f"s{k}"), GroupId(f"g{k // 16}"))
+            for k in range(start, min(num_items, start + 256))
+        )
         out.append(ev.ItemsEnqueued(edge=PROMPTS, items=refs))
     for k in range(num_items):
-        out.append(ev.ItemRouted(edge=PROMPTS, item=ItemId(f"s{k}"), instance=engines[k % len(engines)]))
+        out.append(
+            ev.ItemRouted(edge=PROMPTS, item=ItemId(f"s{k}"), instance=engines[k % len(engines)])
+        )
     for k in range(num_items):
         inst = engines[k % len(engines)]
-        out.append(ev.EngineStats(instance=inst, kv_usage=0.5, num_running=8, num_queued=0,
-                                  gen_tokens_per_s=500.0, time_s=float(k)))
-        out.append(ev.ItemsEnqueued(edge=TO_INF, items=(ev.ItemRef(ItemId(f"s{k}"), GroupId("g")),)))
-        out.append(ev.ItemCompleted(edge=PROMPTS, item=ItemId(f"s{k}"), instance=inst, num_tokens=900))
+        out.append(
+            ev.EngineStats(
+                instance=inst,
+                kv_usage=0.5,
+                num_running=8,
+                num_queued=0,
+                gen_tokens_per_s=500.0,
+                time_s=float(k),
+            )
+        )
+        out.append(
+            ev.ItemsEnqueued(edge=TO_INF, items=(ev.ItemRef(ItemId(f"s{k}"), GroupId("g")),))
+        )
+        out.append(
+            ev.ItemCompleted(edge=PROMPTS, item=ItemId(f"s{k}"), instance=inst, num_tokens=900)
+        )
     return out
 
 
@@ -92,8 +112,16 @@ def main() -> None:
     print(f"{'path':<24} {'events':>8} {'events/s':>12}")
     print(f"{'Hypergraph.apply':<24} {len(stream):>8} {best_graph:>12,.0f}")
     print(f"{'Controller.handle':<24} {len(stream):>8} {best_ctl:>12,.0f}")
-    print(json.dumps({"bench": "event_rate", "events_per_s": round(best_graph),
-                      "controller_events_per_s": round(best_ctl), "events": len(stream)}))
+    print(
+        json.dumps(
+            {
+                "bench": "event_rate",
+                "events_per_s": round(best_graph),
+                "controller_events_per_s": round(best_ctl),
+                "events": len(stream),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -19,8 +19,11 @@ from dynarl.control.scheduler import Trigger
 
 def measure(num_devices: int, num_components: int, repeats: int) -> tuple[float, float, int]:
     g = mid_iteration(num_devices, num_components)
-    policy = make_policy(SchedulerConfig(donor_window_s=0.5), fitted_predictor(g),
-                         {c: n.num_active_devices for c, n in g.components.items()})
+    policy = make_policy(
+        SchedulerConfig(donor_window_s=0.5),
+        fitted_predictor(g),
+        {c: n.num_active_devices for c, n in g.components.items()},
+    )
     times = []
     committed = 0
     for k in range(repeats):

@@ -62,9 +62,8 @@ def _demo(args: argparse.Namespace) -> int:
         f"fake pipeline on virtual time: {cfg.cluster.num_devices} devices, "
         f"{algo.samples_per_iteration} sequences/iteration, {args.iterations} iterations"
     )
-    print(
-        f"{'mode':<22} {'mean iter s':>11} {'tokens/s':>10} {'migrations':>10} {'decide p99 ms':>14}"
-    )
+    header = ("mode", "mean iter s", "tokens/s", "migrations", "decide p99 ms")
+    print(f"{header[0]:<22} {header[1]:>11} {header[2]:>10} {header[3]:>10} {header[4]:>14}")
     for mode in MODES:
         mode_cfg = apply_overrides(cfg, [f"scheduler.mode={mode}"])
         with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
