@@ -1,0 +1,162 @@
+"""The router's record of one connected worker, and its configuration and statistics.
+
+:class:`WorkerState` is what the router knows about a worker: its instance, capacity,
+request queue, items in flight, liveness and load (it is the routing policy's
+:class:`~dynarl.data.routing.Target`). The router owns and mutates it.
+"""
+
+from typing import Annotated
+
+import anyio
+import msgspec
+
+from dynarl.core.ids import ComponentId, InstanceId, ItemId
+from dynarl.data import wire
+from dynarl.data.codec import DEFAULT_MAX_FRAME_BYTES
+from dynarl.data.request_queue import DEFAULT_AGING, AgingBound, QueueStatistics, RequestQueue
+from dynarl.data.transport import PeerId, TransportStatistics
+
+
+class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The data router's section of the configuration.
+
+    Attributes:
+        heartbeat_interval_s: how often each worker is pinged.
+        liveness_timeout_s: a worker silent this long is declared failed and its items
+            are routed elsewhere.
+        max_frame_bytes: larger frames are rejected unread.
+        max_batch_items: most items in one ``WorkBatch`` frame.
+        max_queued_per_instance: size of each instance's request queue.
+        max_backlog_items: items no instance can take now wait here; ``submit`` waits
+            while it is full.
+        sticky_max_queued: a ``prefer`` session returns to its instance only while that
+            instance's queue is shorter than this.
+        kv_full: ... and while its reported KV usage is below this.
+        aging: the request queues' starvation bound (``None``: none, for comparisons).
+        results_buffer: completions buffered for the caller before the router stops
+            reading frames.
+        receive_batch_frames: most frames handled per wake-up of the receive loop.
+    """
+
+    heartbeat_interval_s: Annotated[float, msgspec.Meta(gt=0.0)] = 0.5
+    liveness_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
+    max_frame_bytes: Annotated[int, msgspec.Meta(ge=1024)] = DEFAULT_MAX_FRAME_BYTES
+    max_batch_items: Annotated[int, msgspec.Meta(ge=1)] = 256
+    max_queued_per_instance: Annotated[int, msgspec.Meta(ge=1)] = 4096
+    max_backlog_items: Annotated[int, msgspec.Meta(ge=1)] = 65536
+    sticky_max_queued: Annotated[int, msgspec.Meta(ge=1)] = 64
+    kv_full: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.95
+    aging: AgingBound | None = DEFAULT_AGING
+    results_buffer: Annotated[int, msgspec.Meta(ge=1)] = 65536
+    receive_batch_frames: Annotated[int, msgspec.Meta(ge=1)] = 256
+
+
+class RouterStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of the router.
+
+    Items are pending from ``submit`` to completion: in the backlog, queued at an
+    instance, in flight on a worker, or out on a tool call. ``rejected`` counts bad
+    input by kind (see :data:`dynarl.data.codec.REJECT_KINDS`; ``framing`` for
+    transport-level drops); ``num_frames_unsent`` counts control frames (pings,
+    refusals) dropped because the peer was not reading or gone.
+    """
+
+    num_workers: int
+    num_active: int
+    num_pending: int
+    num_backlog: int
+    num_queued: int
+    num_in_flight: int
+    num_in_tool: int
+    num_routed: int
+    num_completed: int
+    num_requeued: int
+    num_workers_failed: int
+    num_frames_unsent: int
+    rejected: dict[str, int]
+    transport: TransportStatistics
+    queues: dict[InstanceId, QueueStatistics]
+
+
+class WorkerState:
+    """One connected worker as the router sees it."""
+
+    __slots__ = (
+        "active",
+        "capacity",
+        "component",
+        "credit",
+        "idle",
+        "in_flight",
+        "instance",
+        "kv_full",
+        "kv_usage",
+        "last_seen_s",
+        "peer",
+        "queue",
+        "scope",
+        "sticky_max_queued",
+    )
+
+    def __init__(
+        self,
+        peer: PeerId,
+        *,
+        instance: InstanceId,
+        component: ComponentId,
+        capacity: int,
+        queue: RequestQueue[wire.Item],
+        now_s: float,
+        sticky_max_queued: int,
+        kv_full: float,
+    ) -> None:
+        self.peer = peer
+        self.instance = instance
+        self.component = component
+        self.capacity = capacity
+        self.queue = queue
+        self.in_flight: dict[ItemId, wire.Item] = {}
+        self.active = True
+        self.last_seen_s = now_s
+        self.kv_usage = 0.0
+        self.sticky_max_queued = sticky_max_queued
+        self.kv_full = kv_full
+        self.credit = anyio.Event()
+        self.idle = anyio.Event()
+        self.scope = anyio.CancelScope()
+
+    @property
+    def load(self) -> float:
+        """Items queued and in flight per unit of capacity."""
+        return (len(self.in_flight) + len(self.queue)) / self.capacity
+
+    @property
+    def has_room(self) -> bool:
+        """A returning session may come back: short queue, KV cache not full."""
+        return len(self.queue) < self.sticky_max_queued and self.kv_usage < self.kv_full
+
+    @property
+    def is_full(self) -> bool:
+        """Its request queue is full."""
+        return len(self.queue) >= self.queue.max_size
+
+    def after_results(self) -> None:
+        """Results came back: wake the pump if it waits for capacity; note idleness."""
+        self.credit.set()
+        self.check_idle()
+
+    def check_idle(self) -> None:
+        """Set :attr:`idle` once a draining worker holds nothing."""
+        if not self.active and not self.in_flight and not len(self.queue):
+            self.idle.set()
+
+
+class Call:
+    """A request awaiting its correlated reply."""
+
+    __slots__ = ("done", "error", "worker")
+
+    def __init__(self, worker: WorkerState) -> None:
+        self.worker = worker
+        self.done = anyio.Event()
+        self.error: Exception | None = None

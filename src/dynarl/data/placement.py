@@ -1,0 +1,232 @@
+"""Placement: where every pending item is, and where it goes next.
+
+Synchronous bookkeeping and decisions, no sockets or awaits: the router calls it as
+frames arrive. An item is pending from submission to completion and is in exactly one
+place: the backlog (no instance can take it now), an instance's request queue, in
+flight on that instance's worker, or out on a tool call. Every move is reported as a
+control-plane event, in an order the hypergraph accepts (see :mod:`dynarl.data.router`).
+"""
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import msgspec
+
+from dynarl.control import events as ev
+from dynarl.core.ids import ComponentId, EdgeId, InstanceId, ItemId
+from dynarl.data import wire
+from dynarl.data.errors import RoutingError
+from dynarl.data.peers import WorkerState
+from dynarl.data.routing import RoutingPolicy
+
+logger = logging.getLogger(__name__)
+
+_MAX_REFILL_MISSES = 4
+
+
+class Completion(msgspec.Struct, frozen=True, kw_only=True):
+    """A result handed to the caller: ``item`` as it was routed, what ``instance``
+    returned for it. ``result.status`` is ``"done"`` or ``"tool_call"`` (then resume
+    the session with the tool's output for its next turn)."""
+
+    item: wire.Item
+    result: wire.ItemResult
+    instance: InstanceId
+
+
+class Placement:
+    """The router's item table and its routing decisions.
+
+    Args:
+        consumers: the components that consume each edge.
+        policy: chooses an instance for each item.
+        emit: receives every event, synchronously, in order.
+    """
+
+    def __init__(
+        self,
+        consumers: Mapping[EdgeId, Iterable[ComponentId]],
+        *,
+        policy: RoutingPolicy,
+        emit: Callable[[ev.Event], object],
+    ) -> None:
+        self.consumers = {e: frozenset(cs) for e, cs in consumers.items()}
+        self.policy = policy
+        self.emit = emit
+        self.workers: dict[InstanceId, WorkerState] = {}
+        self.candidates: dict[EdgeId, list[WorkerState]] = {e: [] for e in self.consumers}
+        self.pending: set[ItemId] = set()
+        self.in_tool: dict[ItemId, wire.Item] = {}
+        self.backlog: deque[wire.Item] = deque()
+        self.num_routed = 0
+        self.num_completed = 0
+        self.num_requeued = 0
+        self.num_workers_failed = 0
+
+    # ------------------------------------------------------------------ workers
+
+    def add_worker(self, w: WorkerState, now: float) -> None:
+        """A worker joined: route to it, starting with the backlog."""
+        self.workers[w.instance] = w
+        self._refresh_candidates()
+        self.refill(now)
+
+    def set_active(self, w: WorkerState, active: bool, now: float) -> None:
+        """Stop (drain) or resume routing to ``w``; stopping takes back its queued
+        items and routes them elsewhere."""
+        if w.active != active:
+            w.active = active
+            self._refresh_candidates()
+        if active:
+            self.refill(now)
+        else:
+            self._requeue(w.queue.take_all(), now)
+
+    def remove_worker(self, w: WorkerState) -> list[wire.Item]:
+        """Forget ``w``; returns the items it held (queued, then in flight)."""
+        del self.workers[w.instance]
+        items = w.queue.take_all() + list(w.in_flight.values())
+        w.in_flight.clear()
+        w.queue.close()
+        self._refresh_candidates()
+        return items
+
+    def fail_worker(self, w: WorkerState, reason: str, now: float) -> None:
+        """``w`` died or left: report it and route everything it held elsewhere."""
+        items = self.remove_worker(w)
+        self.num_workers_failed += 1
+        logger.warning(
+            "worker %s failed: %s; routing its %d items elsewhere", w.instance, reason, len(items)
+        )
+        # The hypergraph puts the items a failed instance held back in their queues.
+        self.emit(ev.WorkerFailed(time_s=now, instance=w.instance, reason=reason))
+        for item in items:
+            self._place(item, now)
+
+    def _refresh_candidates(self) -> None:
+        for edge, components in self.consumers.items():
+            self.candidates[edge] = [
+                w for w in self.workers.values() if w.active and w.component in components
+            ]
+
+    # ------------------------------------------------------------------ items in
+
+    def check_new(self, items: Sequence[wire.Item]) -> None:
+        """Raise :class:`RoutingError` unless every item may be submitted."""
+        ids = set()
+        for item in items:
+            if item.edge not in self.consumers:
+                raise RoutingError(
+                    f"item {item.id!r} is on edge {item.edge!r}, which no "
+                    f"component consumes; known edges: {sorted(self.consumers)}"
+                )
+            if item.id in self.pending or item.id in ids:
+                raise RoutingError(f"item {item.id!r} is already pending; ids must be unique")
+            ids.add(item.id)
+
+    def admit(self, items: Sequence[wire.Item], now: float) -> None:
+        """Enqueue checked new items and route them."""
+        by_edge: dict[EdgeId, list[ev.ItemRef]] = {}
+        for item in items:
+            by_edge.setdefault(item.edge, []).append(ev.ItemRef(item.id, item.group))
+        for edge, refs in by_edge.items():
+            self.emit(ev.ItemsEnqueued(time_s=now, edge=edge, items=tuple(refs)))
+        self.pending.update(item.id for item in items)
+        for item in items:
+            self._place(item, now)
+
+    def resume(
+        self, item_id: ItemId, payload: bytes, now: float, *, latency_s: float, ok: bool
+    ) -> None:
+        """The next turn of a session back from a tool call."""
+        item = self.in_tool.pop(item_id, None)
+        if item is None:
+            raise RoutingError(f"item {item_id!r} is not out on a tool call")
+        self.emit(
+            ev.ToolCallFinished(
+                time_s=now, edge=item.edge, item=item_id, latency_s=latency_s, ok=ok
+            )
+        )
+        self._place(
+            msgspec.structs.replace(item, payload=payload, tool_calls=item.tool_calls + 1), now
+        )
+
+    def on_result(self, w: WorkerState, r: wire.ItemResult, now: float) -> Completion | None:
+        """Apply one result from ``w``; the completion to hand to the caller, if any.
+        Raises :class:`RoutingError` if ``w`` does not hold the item (a stale result)."""
+        item = w.in_flight.pop(r.item, None)
+        if item is None:
+            raise RoutingError(f"{w.instance!r} returned {r.item!r}, which it does not hold")
+        if r.status == "done":
+            self.pending.discard(item.id)
+            self.num_completed += 1
+            self.emit(
+                ev.ItemCompleted(
+                    time_s=now,
+                    edge=item.edge,
+                    item=item.id,
+                    instance=w.instance,
+                    num_tokens=r.num_tokens,
+                )
+            )
+            return Completion(item=item, result=r, instance=w.instance)
+        served = msgspec.structs.replace(
+            item, payload=r.payload, instance=w.instance, prefix_tokens=r.prefix_tokens
+        )
+        if r.status == "tool_call":
+            self.in_tool[item.id] = served
+            self.emit(
+                ev.ToolCallStarted(
+                    time_s=now,
+                    edge=item.edge,
+                    item=item.id,
+                    instance=w.instance,
+                    prefix_tokens=r.prefix_tokens,
+                )
+            )
+            return Completion(item=item, result=r, instance=w.instance)
+        self._requeue([served], now)  # aborted: routed again with its partial output
+        return None
+
+    # ------------------------------------------------------------------ routing
+
+    def _place(self, item: wire.Item, now: float) -> None:
+        candidates = self.candidates[item.edge]
+        previous = None
+        if item.instance is not None and item.affinity != "none":
+            prev = self.workers.get(item.instance)
+            if prev is not None and prev.active and prev in candidates:
+                previous = prev
+        target = self.policy.select(item, previous, candidates)
+        if target is None:
+            self.backlog.append(item)
+            return
+        target.queue.put_nowait(item, now_s=now)
+        self.num_routed += 1
+        self.emit(ev.ItemRouted(time_s=now, edge=item.edge, item=item.id, instance=target.instance))
+
+    def refill(self, now: float) -> None:
+        """Route backlogged items, oldest first, until a few in a row find no instance
+        with room (those go to the back), so each call costs O(items placed)."""
+        misses = 0
+        for _ in range(len(self.backlog)):
+            n = len(self.backlog)
+            self._place(self.backlog.popleft(), now)
+            if len(self.backlog) == n:  # it went back: no room for it
+                misses += 1
+                if misses >= _MAX_REFILL_MISSES:
+                    return
+            else:
+                misses = 0
+
+    def _requeue(self, items: list[wire.Item], now: float) -> None:
+        """Report items taken back from an instance and route them again."""
+        by_edge: dict[EdgeId, list[ItemId]] = {}
+        for item in items:
+            by_edge.setdefault(item.edge, []).append(item.id)
+        for edge, ids in by_edge.items():
+            self.emit(ev.ItemsRequeued(time_s=now, edge=edge, items=tuple(ids)))
+        self.num_requeued += len(items)
+        for item in items:
+            self._place(item, now)

@@ -1,0 +1,529 @@
+"""The data router: the controller's end of the data plane.
+
+It accepts workers (hello, version check), watches their liveness (pings; silence or a
+vanished peer makes a ``WorkerFailed`` event), routes every item to an instance by its
+affinity and load (:mod:`dynarl.data.routing`) into that instance's request queue
+(:mod:`dynarl.data.request_queue`), feeds each worker from its queue within the
+worker's capacity (batching items into one frame), and hands results to the caller.
+
+Every routing decision is reported as a control-plane event, in an order the
+hypergraph accepts: ``ItemsEnqueued`` (submitted), ``ItemRouted`` (put in an
+instance's queue), ``ToolCallStarted`` / ``ToolCallFinished`` (a session leaves for a
+tool and comes back), ``ItemsRequeued`` (taken back from a draining instance),
+``ItemCompleted`` and ``WorkerFailed`` (whose items the hypergraph puts back in the
+queue; the router then routes them again). No item is lost or delivered twice: a
+result counts only from the instance that holds the item.
+
+Memory is bounded: instance queues and the backlog (items no instance can take now)
+have fixed sizes, ``submit`` waits while the backlog is full, and a consumer that does
+not read results stops the router reading frames, which stops the workers (ZeroMQ
+high-water marks), which stops taking items.
+"""
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Self
+
+import anyio
+import anyio.abc
+import msgspec
+
+from dynarl.control import events as ev
+from dynarl.control.request_order import FifoOrder, RequestOrder
+from dynarl.core.clock import Clock, LoopClock
+from dynarl.core.ids import ComponentId, EdgeId, InstanceId, ItemId
+from dynarl.data import wire
+from dynarl.data._tasks import task_group
+from dynarl.data.codec import Rejections, controller_codec, peek_hello_version
+from dynarl.data.errors import PeerLostError, PeerUnreachableError, RoutingError
+from dynarl.data.peers import Call, RouterConfig, RouterStatistics, WorkerState
+from dynarl.data.placement import Completion, Placement
+from dynarl.data.request_queue import RequestQueue
+from dynarl.data.routing import AffinityRouting, RoutingPolicy
+from dynarl.data.transport import PeerId, Transport
+
+logger = logging.getLogger(__name__)
+
+_Handler = Callable[[PeerId, WorkerState | None, Any, float], None]
+
+
+class Router:
+    """Routes items to workers over a transport; use as ``async with Router(...)``.
+
+    Args:
+        transport: the controller's end (bound); the caller owns and closes it, after
+            the router has exited.
+        consumers: the components that consume each edge (from the pipeline spec).
+        config: timeouts, sizes and batching.
+        order: the request order of every instance's queue (default FIFO).
+        policy: the routing policy (default :class:`AffinityRouting`).
+        on_event: receives every control-plane event, synchronously, in order (e.g.
+            ``hypergraph.apply``).
+        clock: where time comes from (default the event loop's).
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        consumers: Mapping[EdgeId, Iterable[ComponentId]],
+        config: RouterConfig | None = None,
+        order: RequestOrder | None = None,
+        policy: RoutingPolicy | None = None,
+        on_event: Callable[[ev.Event], object] | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.config = config or RouterConfig()
+        self._transport = transport
+        self._order = order or FifoOrder()
+        self._clock = clock or LoopClock()
+        self._placement = Placement(
+            consumers, policy=policy or AffinityRouting(), emit=on_event or (lambda e: None)
+        )
+        self.rejections = Rejections("router")
+        self._codec = controller_codec(self.rejections, max_frame_bytes=self.config.max_frame_bytes)
+        self._by_peer: dict[PeerId, WorkerState] = {}
+        self._backlog_space = anyio.Event()
+        self._joined = anyio.Event()
+        self._calls: dict[int, Call] = {}
+        self._next_corr = 1
+        self._outbox: list[Completion] = []
+        self._stalled = False
+        self._resumed_s = float("-inf")
+        self._num_frames_unsent = 0
+        send, receive = anyio.create_memory_object_stream[Completion](self.config.results_buffer)
+        self._results_send = send
+        self.results = receive
+        """Completions in arrival order (a memory object stream); see also
+        :meth:`receive_batch`."""
+        self._handlers: dict[type[Any], _Handler] = {
+            wire.Hello: self._on_hello,
+            wire.Pong: self._on_pong,
+            wire.Done: self._on_done,
+            wire.DoneBatch: self._on_done_batch,
+            wire.Report: self._on_report,
+            wire.Bye: self._on_bye,
+        }
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._stack = contextlib.AsyncExitStack()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> Self:
+        self._stack = contextlib.AsyncExitStack()
+        async with contextlib.AsyncExitStack() as stack:
+            self._tg = await stack.enter_async_context(task_group())
+            self._tg.start_soon(self._receive_loop)
+            self._tg.start_soon(self._heartbeat_loop)
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        try:
+            return await self._stack.__aexit__(*exc_info)
+        finally:
+            self._results_send.close()
+            self.results.close()
+
+    # ------------------------------------------------------------------ items
+
+    async def submit(self, items: Sequence[wire.Item]) -> None:
+        """Route new items, waiting while the backlog is full.
+
+        Raises :class:`RoutingError` (routing none of them) if an item's edge has no
+        consumer or its id is already pending.
+        """
+        p = self._placement
+        p.check_new(items)
+        start = 0
+        while start < len(items):
+            room = self.config.max_backlog_items - len(p.backlog)
+            if room <= 0:
+                await self._wait_backlog_space()
+                continue
+            chunk = items[start : start + room]
+            p.admit(chunk, self._clock.now())
+            start += len(chunk)
+        await anyio.lowlevel.checkpoint()
+
+    def submit_nowait(self, items: Sequence[wire.Item]) -> None:
+        """Route new items now, or raise ``anyio.WouldBlock`` (routing none) if the
+        backlog could not take them all; otherwise as :meth:`submit`."""
+        p = self._placement
+        p.check_new(items)
+        if len(p.backlog) + len(items) > self.config.max_backlog_items:
+            raise anyio.WouldBlock
+        p.admit(items, self._clock.now())
+
+    async def resume(
+        self, item_id: ItemId, payload: bytes, *, latency_s: float = 0.0, ok: bool = True
+    ) -> None:
+        """Route the next turn of a session back from a tool call: ``payload`` is its
+        new context; by its affinity it returns to the instance that holds its prefix
+        while that instance lives and has room."""
+        if item_id not in self._placement.in_tool:
+            raise RoutingError(f"item {item_id!r} is not out on a tool call")
+        while len(self._placement.backlog) >= self.config.max_backlog_items:
+            await self._wait_backlog_space()
+        self._placement.resume(item_id, payload, self._clock.now(), latency_s=latency_s, ok=ok)
+
+    async def _wait_backlog_space(self) -> None:
+        self._backlog_space = anyio.Event()
+        await self._backlog_space.wait()
+
+    async def receive_batch(self, max_items: int = 1024) -> list[Completion]:
+        """Wait for at least one completion; return up to ``max_items`` of those
+        already waiting (one await for many results)."""
+        out = [await self.results.receive()]
+        try:
+            while len(out) < max_items:
+                out.append(self.results.receive_nowait())
+        except anyio.WouldBlock:
+            pass
+        return out
+
+    # ------------------------------------------------------------------ instances
+
+    async def wait_for_instances(self, num_instances: int) -> None:
+        """Wait until at least ``num_instances`` workers have said hello and live."""
+        while len(self._placement.workers) < num_instances:
+            self._joined = anyio.Event()
+            await self._joined.wait()
+
+    @property
+    def instances(self) -> list[InstanceId]:
+        """Connected instances, active or draining."""
+        return list(self._placement.workers)
+
+    async def drain(self, instance: InstanceId, *, abort: bool = True) -> None:
+        """Stop routing to ``instance``, route its queued items elsewhere and wait until
+        it holds nothing; with ``abort``, ask it to hand in-flight items back now (they
+        are routed elsewhere with their partial output). Returns early if it fails."""
+        w = self._worker(instance)
+        self._placement.set_active(w, False, self._clock.now())
+        self._backlog_space.set()
+        if abort and w.in_flight:
+            await self._send(w, wire.Abort(tuple(w.in_flight)))
+        w.check_idle()
+        await w.idle.wait()
+
+    def reactivate(self, instance: InstanceId) -> None:
+        """Route to a drained instance again (its migration failed)."""
+        self._placement.set_active(self._worker(instance), True, self._clock.now())
+
+    async def retire(self, instance: InstanceId, reason: str = "retired") -> None:
+        """Forget a drained instance that holds nothing and tell its worker to close its
+        link (the hypergraph removes it on ``MigrationDone``)."""
+        w = self._worker(instance)
+        if w.active or w.in_flight or len(w.queue):
+            raise RoutingError(f"drain {instance!r} before retiring it")
+        self._forget(w)
+        await self._send(w, wire.Retire(reason))
+
+    async def ping(self, instance: InstanceId) -> float:
+        """Round-trip time to ``instance``'s worker in seconds (a correlated request:
+        the reply carries the request's ``corr``)."""
+        w = self._worker(instance)
+        corr = self._next_corr
+        self._next_corr += 1
+        call = Call(w)
+        self._calls[corr] = call
+        start_s = self._clock.now()
+        try:
+            await self._send(w, wire.Ping(corr))
+            await call.done.wait()
+        finally:
+            del self._calls[corr]
+        if call.error is not None:
+            raise call.error
+        return self._clock.now() - start_s
+
+    def statistics(self) -> RouterStatistics:
+        """Workers, items by state, counters, rejected input and per-queue statistics."""
+        p = self._placement
+        workers = list(p.workers.values())
+        rejected = dict(self.rejections.counts)
+        transport = self._transport.statistics()
+        if transport.frames_rejected:
+            rejected["framing"] = transport.frames_rejected
+        return RouterStatistics(
+            num_workers=len(workers),
+            num_active=sum(w.active for w in workers),
+            num_pending=len(p.pending),
+            num_backlog=len(p.backlog),
+            num_queued=sum(len(w.queue) for w in workers),
+            num_in_flight=sum(len(w.in_flight) for w in workers),
+            num_in_tool=len(p.in_tool),
+            num_routed=p.num_routed,
+            num_completed=p.num_completed,
+            num_requeued=p.num_requeued,
+            num_workers_failed=p.num_workers_failed,
+            num_frames_unsent=self._num_frames_unsent,
+            rejected=rejected,
+            transport=transport,
+            queues={w.instance: w.queue.statistics() for w in workers},
+        )
+
+    def _worker(self, instance: InstanceId) -> WorkerState:
+        try:
+            return self._placement.workers[instance]
+        except KeyError:
+            raise RoutingError(
+                f"no connected instance {instance!r}; connected: {sorted(self._placement.workers)}"
+            ) from None
+
+    # ------------------------------------------------------------------ worker feed
+
+    async def _run_pump(self, w: WorkerState) -> None:
+        with w.scope:
+            await self._pump(w)
+
+    async def _pump(self, w: WorkerState) -> None:
+        """Feed ``w`` from its queue, at most its capacity in flight, batched."""
+        max_batch = self.config.max_batch_items
+        p = self._placement
+        while True:
+            while len(w.in_flight) >= w.capacity:
+                w.credit = anyio.Event()
+                await w.credit.wait()
+            try:
+                batch = [await w.queue.get()]
+            except anyio.EndOfStream:
+                return
+            batch += w.queue.get_batch_nowait(min(w.capacity - len(w.in_flight), max_batch) - 1)
+            for item in batch:
+                w.in_flight[item.id] = item
+            if p.backlog:
+                p.refill(self._clock.now())
+                if len(p.backlog) < self.config.max_backlog_items:
+                    self._backlog_space.set()
+            msg = wire.Work(batch[0]) if len(batch) == 1 else wire.WorkBatch(tuple(batch))
+            await self._send(w, msg)
+
+    async def _send(self, w: WorkerState, msg: wire.ToWorker) -> None:
+        try:
+            await self._transport.send(w.peer, self._codec.encode(msg))
+        except PeerUnreachableError:
+            self._fail(w, "its connection is gone", self._clock.now())
+
+    def _send_nowait(self, peer: PeerId, msg: wire.ToWorker) -> None:
+        try:
+            self._transport.send_nowait(peer, self._codec.encode(msg))
+        except (anyio.WouldBlock, PeerUnreachableError):
+            self._num_frames_unsent += 1
+
+    # ------------------------------------------------------------------ frames in
+
+    async def _receive_loop(self) -> None:
+        codec, by_peer, handlers = self._codec, self._by_peer, self._handlers
+        max_frames = self.config.receive_batch_frames
+        while True:
+            frames = await self._transport.receive_batch(max_frames)
+            now = self._clock.now()
+            for peer, frame in frames:
+                w = by_peer.get(peer)
+                if w is not None:
+                    w.last_seen_s = now
+                msg = codec.decode(frame)
+                if msg is not None:
+                    handlers[type(msg)](peer, w, msg, now)
+                elif w is None:
+                    version = peek_hello_version(frame)
+                    if version is not None and version != wire.PROTOCOL_VERSION:
+                        self._refuse_version(peer, version)
+            if self._outbox:
+                await self._deliver()
+
+    async def _deliver(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        send = self._results_send
+        for i, completion in enumerate(outbox):
+            try:
+                send.send_nowait(completion)
+            except anyio.WouldBlock:
+                # The consumer is slow: stop reading frames (so workers slow down) and
+                # do not count the silence this causes against anyone's liveness.
+                self._stalled = True
+                try:
+                    for c in outbox[i:]:
+                        await send.send(c)
+                finally:
+                    self._stalled = False
+                    self._resumed_s = self._clock.now()
+                return
+
+    def _refuse_version(self, peer: PeerId, version: int) -> None:
+        logger.warning(
+            "refused a worker speaking protocol version %d (ours: %d)",
+            version,
+            wire.PROTOCOL_VERSION,
+        )
+        self._send_nowait(
+            peer,
+            wire.Refused(
+                "version",
+                f"this worker speaks data-plane protocol version {version} but the controller "
+                f"speaks version {wire.PROTOCOL_VERSION}: install the same dynarl version on "
+                f"the controller and the workers",
+            ),
+        )
+
+    def _on_hello(self, peer: PeerId, w: WorkerState | None, msg: wire.Hello, now: float) -> None:
+        if w is not None:
+            self.rejections.add("unexpected", f"second hello from {w.instance!r}")
+            return
+        if msg.protocol != wire.PROTOCOL_VERSION:
+            self._refuse_version(peer, msg.protocol)
+            return
+        if msg.instance in self._placement.workers:
+            self._send_nowait(
+                peer,
+                wire.Refused(
+                    "duplicate",
+                    f"instance {msg.instance!r} is already connected; give each "
+                    f"worker its own instance id",
+                ),
+            )
+            return
+        if msg.capacity < 1:
+            self.rejections.add(
+                "invalid", f"hello from {msg.instance!r} with capacity {msg.capacity}"
+            )
+            self._send_nowait(peer, wire.Refused("invalid", "capacity must be >= 1"))
+            return
+        cfg = self.config
+        queue: RequestQueue[wire.Item] = RequestQueue(
+            self._order, max_size=cfg.max_queued_per_instance, clock=self._clock, aging=cfg.aging
+        )
+        w = WorkerState(
+            peer,
+            instance=msg.instance,
+            component=msg.component,
+            capacity=msg.capacity,
+            queue=queue,
+            now_s=now,
+            sticky_max_queued=cfg.sticky_max_queued,
+            kv_full=cfg.kv_full,
+        )
+        self._by_peer[peer] = w
+        assert self._tg is not None
+        self._tg.start_soon(self._run_pump, w)
+        self._send_nowait(
+            peer,
+            wire.Welcome(
+                wire.PROTOCOL_VERSION, w.instance, cfg.heartbeat_interval_s, cfg.liveness_timeout_s
+            ),
+        )
+        logger.info("worker %s (%s, capacity %d) joined", w.instance, w.component, w.capacity)
+        self._placement.add_worker(w, now)
+        self._joined.set()
+
+    def _unknown(self, peer: PeerId, what: str) -> None:
+        self.rejections.add("unexpected", f"{what} from a peer that is not a worker")
+        self._send_nowait(
+            peer,
+            wire.Refused(
+                "unknown",
+                "this worker is not connected (it never said hello, or it was "
+                "declared failed): restart it",
+            ),
+        )
+
+    def _on_pong(self, peer: PeerId, w: WorkerState | None, msg: wire.Pong, now: float) -> None:
+        if w is None:
+            self._unknown(peer, "a pong")
+            return
+        call = self._calls.get(msg.corr)
+        if call is not None and call.worker is w:
+            call.done.set()
+
+    def _on_done(self, peer: PeerId, w: WorkerState | None, msg: wire.Done, now: float) -> None:
+        self._on_results(peer, w, (msg.result,), now)
+
+    def _on_done_batch(
+        self, peer: PeerId, w: WorkerState | None, msg: wire.DoneBatch, now: float
+    ) -> None:
+        self._on_results(peer, w, msg.results, now)
+
+    def _on_results(
+        self, peer: PeerId, w: WorkerState | None, results: Sequence[wire.ItemResult], now: float
+    ) -> None:
+        if w is None:
+            self._unknown(peer, "results")
+            return
+        on_result, outbox = self._placement.on_result, self._outbox
+        for r in results:
+            try:
+                completion = on_result(w, r, now)
+            except RoutingError as e:
+                self.rejections.add("stale", str(e))
+                continue
+            if completion is not None:
+                outbox.append(completion)
+        w.after_results()
+
+    def _on_report(self, peer: PeerId, w: WorkerState | None, msg: wire.Report, now: float) -> None:
+        if w is None:
+            self._unknown(peer, "a report")
+            return
+        event = msgspec.structs.replace(msg.event, time_s=now)
+        if isinstance(event, ev.EngineStats) and event.instance == w.instance:
+            w.kv_usage = event.kv_usage
+        self._placement.emit(event)
+
+    def _on_bye(self, peer: PeerId, w: WorkerState | None, msg: wire.Bye, now: float) -> None:
+        if w is None:
+            self._unknown(peer, "a bye")
+            return
+        self._fail(w, f"it left ({msg.reason or 'no reason given'})", now)
+
+    # ------------------------------------------------------------------ liveness
+
+    async def _heartbeat_loop(self) -> None:
+        cfg = self.config
+        while True:
+            await self._clock.sleep(cfg.heartbeat_interval_s)
+            now = self._clock.now()
+            ping = self._codec.encode(wire.Ping(0))
+            for w in list(self._by_peer.values()):
+                # While stalled on a slow consumer we read nothing, so silence proves
+                # nothing; we keep pinging so that workers do not give up on us either.
+                silent_s = now - max(w.last_seen_s, self._resumed_s)
+                if silent_s > cfg.liveness_timeout_s and not self._stalled:
+                    self._fail(
+                        w,
+                        f"silent for {silent_s:.2f} s "
+                        f"(liveness_timeout_s={cfg.liveness_timeout_s})",
+                        now,
+                    )
+                    continue
+                try:
+                    self._transport.send_nowait(w.peer, ping)
+                except anyio.WouldBlock:
+                    pass  # it is not reading; its silence will tell
+                except PeerUnreachableError:
+                    self._fail(w, "its connection is gone", now)
+
+    def _fail(self, w: WorkerState, reason: str, now: float) -> None:
+        """Declare ``w`` failed; its items are routed elsewhere."""
+        if self._by_peer.get(w.peer) is not w:
+            return  # already gone
+        self._release(w)
+        self._placement.fail_worker(w, reason, now)
+
+    def _forget(self, w: WorkerState) -> None:
+        self._release(w)
+        items = self._placement.remove_worker(w)
+        assert not items, "only workers that hold nothing are forgotten"
+
+    def _release(self, w: WorkerState) -> None:
+        del self._by_peer[w.peer]
+        w.scope.cancel()
+        w.idle.set()
+        for call in self._calls.values():
+            if call.worker is w:
+                call.error = PeerLostError(f"worker {w.instance!r} is gone")
+                call.done.set()

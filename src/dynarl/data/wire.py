@@ -1,0 +1,183 @@
+"""Wire messages between the controller and its workers: definitions only, no logic.
+
+Every message is a frozen ``msgspec.Struct`` encoded as a msgpack array whose first
+element is its tag (the class name). Messages fall in two tagged unions, one per
+direction (:data:`AnyToWorker`, :data:`AnyToController`), each decoded by its own
+decoder (:mod:`dynarl.data.codec`). A message type carries either one item or a batch,
+never both: :class:`Work` / :class:`WorkBatch`, :class:`Done` / :class:`DoneBatch`.
+
+Requests that expect a reply carry ``corr``, a correlation id the sender picks and the
+reply echoes (:class:`Ping` / :class:`Pong`); typed worker handles build on the same
+convention.
+
+:class:`Hello` and :class:`Refused` keep their layout in every protocol version (the
+version comes first), so a worker speaking another version is told so in words.
+"""
+
+from typing import Final, Literal
+
+import msgspec
+
+from dynarl.control.events import AnyEvent
+from dynarl.core.ids import ComponentId, EdgeId, GroupId, InstanceId, ItemId
+
+PROTOCOL_VERSION: Final = 1
+"""Version of this module's messages; a worker announcing another one is refused."""
+
+Affinity = Literal["must", "prefer", "none"]
+"""Whether an item returns to the instance that served it before: ``must`` (only
+there, while it lives), ``prefer`` (there while it lives and has room, otherwise the
+least-loaded instance) or ``none`` (the least-loaded instance)."""
+
+ResultStatus = Literal["done", "tool_call", "aborted"]
+"""How a worker hands an item back: finished (``done``); left the engine to run a tool
+call and will return for its next turn (``tool_call``); or given back unfinished with
+its partial output because the controller asked for it (``aborted``)."""
+
+
+class Item(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One unit of work for a worker (a request, a trajectory, a sample).
+
+    ``payload`` is opaque to the data plane (the worker's own msgpack, say);
+    ``instance`` is the instance that served it before, if any, and ``affinity`` says
+    whether it should return there. ``tool_calls`` and ``prefix_tokens`` (completed
+    tool calls, reusable KV prefix length) drive the request queue's priority order.
+    """
+
+    id: ItemId
+    group: GroupId
+    edge: EdgeId
+    payload: bytes = b""
+    affinity: Affinity = "none"
+    instance: InstanceId | None = None
+    tool_calls: int = 0
+    prefix_tokens: int = 0
+
+
+class ItemResult(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """What a worker hands back for one item.
+
+    ``payload`` is the output (for ``aborted``: the partial output, which replaces the
+    item's payload when it is routed again); ``num_tokens`` is the work done
+    (generated tokens for rollout); ``prefix_tokens`` the context the engine now holds
+    cached for it (its reusable KV prefix).
+    """
+
+    item: ItemId
+    status: ResultStatus = "done"
+    payload: bytes = b""
+    num_tokens: int = 0
+    prefix_tokens: int = 0
+
+
+class ToWorker(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """Base of the messages the controller sends to a worker."""
+
+
+class ToController(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """Base of the messages a worker sends to the controller."""
+
+
+# ------------------------------------------------------------ controller -> worker
+
+
+class Welcome(ToWorker, frozen=True):
+    """Hello accepted: the worker is ``instance`` and must answer pings; the controller
+    pings every ``heartbeat_interval_s`` and declares it failed after
+    ``liveness_timeout_s`` of silence (the worker may do the same the other way)."""
+
+    protocol: int
+    instance: InstanceId
+    heartbeat_interval_s: float
+    liveness_timeout_s: float
+
+
+class Refused(ToWorker, frozen=True):
+    """Hello refused, or a message from a worker the controller no longer knows.
+    ``code`` is ``"version"``, ``"duplicate"`` or ``"unknown"``; ``reason`` says what
+    to do."""
+
+    code: str
+    reason: str
+
+
+class Work(ToWorker, frozen=True):
+    """One item to serve."""
+
+    item: Item
+
+
+class WorkBatch(ToWorker, frozen=True):
+    """A batch of items to serve."""
+
+    items: tuple[Item, ...]
+
+
+class Abort(ToWorker, frozen=True):
+    """Hand these items back (status ``aborted``, with their partial output) as soon as
+    possible: their instance is being drained."""
+
+    items: tuple[ItemId, ...]
+
+
+class Ping(ToWorker, frozen=True):
+    """Liveness probe and round-trip measurement; answered by :class:`Pong`."""
+
+    corr: int
+
+
+class Retire(ToWorker, frozen=True):
+    """The controller is done with this instance; the worker should close its link."""
+
+    reason: str
+
+
+# ------------------------------------------------------------ worker -> controller
+
+
+class Hello(ToController, frozen=True):
+    """First message of a worker: its protocol version, the instance it runs, the
+    component it belongs to and how many items it serves at once."""
+
+    protocol: int
+    instance: InstanceId
+    component: ComponentId
+    capacity: int
+
+
+class Pong(ToController, frozen=True):
+    """Answer to :class:`Ping` with the same ``corr``."""
+
+    corr: int
+
+
+class Done(ToController, frozen=True):
+    """One item handed back."""
+
+    result: ItemResult
+
+
+class DoneBatch(ToController, frozen=True):
+    """A batch of items handed back."""
+
+    results: tuple[ItemResult, ...]
+
+
+class Report(ToController, frozen=True):
+    """A control-plane event the worker observed (engine stats, a finished train
+    step); the controller stamps its own time on it."""
+
+    event: AnyEvent
+
+
+class Bye(ToController, frozen=True):
+    """The worker leaves; the items it still holds are routed elsewhere."""
+
+    reason: str = ""
+
+
+AnyToWorker = Welcome | Refused | Work | WorkBatch | Abort | Ping | Retire
+"""Every message the controller sends to a worker."""
+
+AnyToController = Hello | Pong | Done | DoneBatch | Report | Bye
+"""Every message a worker sends to the controller."""

@@ -1,0 +1,366 @@
+"""The data router with real worker links: routing, affinity, drain, failure, bad
+input and backpressure. Every event goes through a real hypergraph, which rejects an
+inconsistent one."""
+
+from collections import Counter
+
+import anyio
+import msgspec
+import pytest
+
+from dynarl.control import events as ev
+from dynarl.control.request_order import ToolCallPriorityOrder
+from dynarl.core.ids import EdgeId, InstanceId, ItemId
+from dynarl.data import (
+    CONTROLLER,
+    HelloRefusedError,
+    ItemResult,
+    PeerLostError,
+    ProtocolVersionError,
+    RouterConfig,
+    RoutingError,
+    WorkerLink,
+    open_worker_link,
+    wire,
+)
+from dynarl.data.codec import Rejections, worker_codec
+
+from .helpers import PROMPTS, ROLLOUT, Net, cluster, echo, item, wait_until
+
+FAST = RouterConfig(heartbeat_interval_s=0.05, liveness_timeout_s=0.4)
+
+
+def _encode(msg: msgspec.Struct) -> bytes:
+    return msgspec.msgpack.encode(msg)
+
+
+async def test_every_item_completes_exactly_once_on_every_transport(net: Net) -> None:
+    async with cluster(net, ["w0", "w1", "w2"]) as c:
+        items = [item(k) for k in range(300)]
+        for k in range(0, 300, 50):
+            await c.router.submit(items[k : k + 50])
+        done = await c.collect(300)
+        stats = c.router.statistics()
+    assert sorted(d.item.id for d in done) == sorted(i.id for i in items)
+    for d in done:
+        assert d.result.payload == d.item.payload + b"@" + d.instance.encode()
+    assert Counter(d.instance for d in done).keys() == {"w0", "w1", "w2"}
+    c.graph.check()
+    assert c.graph.graph.edges[PROMPTS].num_completed == 300
+    assert len(c.graph.of(ev.ItemRouted)) == 300
+    assert (stats.num_completed, stats.num_pending, stats.rejected) == (300, 0, {})
+
+
+async def test_submit_rejects_bad_batches_whole(inproc: Net) -> None:
+    async with cluster(inproc, ["w0"]) as c:
+        with pytest.raises(RoutingError, match="no component consumes"):
+            await c.router.submit(
+                [item(1), msgspec.structs.replace(item(2), edge=EdgeId("nowhere"))]
+            )
+        with pytest.raises(RoutingError, match="already pending"):
+            await c.router.submit([item(3), item(3)])
+        assert c.graph.events == []
+        await c.router.submit([item(3)])
+        with pytest.raises(RoutingError, match="already pending"):
+            c.router.submit_nowait([item(3)])
+        await c.collect(1)
+
+
+async def test_a_worker_of_another_protocol_version_is_refused_in_words(net: Net) -> None:
+    async with cluster(net, ["w0"]) as c:
+        raw = net.connect(c.server)
+        codec = worker_codec(Rejections("test"))
+        for hello in (
+            wire.Hello(wire.PROTOCOL_VERSION + 1, InstanceId("x"), ROLLOUT, 1),
+            ["Hello", 7, {"a future": "layout"}],
+        ):
+            await raw.send(CONTROLLER, msgspec.msgpack.encode(hello))
+            with anyio.fail_after(5):
+                [(_, frame)] = await raw.receive_batch(1)
+            refused = codec.decode(frame)
+            assert isinstance(refused, wire.Refused) and refused.code == "version"
+            assert f"version {wire.PROTOCOL_VERSION}" in refused.reason
+        assert c.router.instances == ["w0"]
+
+
+async def test_open_worker_link_raises_on_a_version_refusal(inproc: Net) -> None:
+    server = inproc.bind()
+    worker = inproc.connect(server)
+
+    async def controller() -> None:
+        [(peer, _)] = await server.receive_batch(1)
+        await server.send(peer, _encode(wire.Refused("version", "speak version 9")))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(controller)
+        with pytest.raises(ProtocolVersionError, match="speak version 9"):
+            async with open_worker_link(
+                worker, instance=InstanceId("w"), component=ROLLOUT, capacity=1
+            ):
+                pass
+
+
+async def test_a_duplicate_instance_is_refused(inproc: Net) -> None:
+    async with cluster(inproc, ["w0"]) as c:
+        with pytest.raises(HelloRefusedError, match="already connected"):
+            async with open_worker_link(
+                inproc.connect(c.server), instance=InstanceId("w0"), component=ROLLOUT, capacity=1
+            ):
+                pass
+
+
+async def test_no_controller_means_peer_lost(inproc: Net) -> None:
+    server = inproc.bind()
+    with pytest.raises(PeerLostError, match="no answer to hello"):
+        async with open_worker_link(
+            inproc.connect(server),
+            instance=InstanceId("w"),
+            component=ROLLOUT,
+            capacity=1,
+            hello_timeout_s=0.2,
+        ):
+            pass
+
+
+async def test_a_silent_worker_fails_and_its_items_are_served_elsewhere(net: Net) -> None:
+    async with cluster(net, ["w1"], all_instances=["w0", "w1"], config=FAST) as c:
+        silent = net.connect(c.server)
+        await silent.send(CONTROLLER, _encode(wire.Hello(1, InstanceId("w0"), ROLLOUT, 8)))
+        with anyio.fail_after(5):
+            await c.router.wait_for_instances(2)
+        await c.router.submit([item(k) for k in range(40)])
+        done = await c.collect(40)
+    failed = c.graph.of(ev.WorkerFailed)
+    assert [(f.instance, "silent" in f.reason) for f in failed] == [("w0", True)]
+    routed_to_w0 = {e.item for e in c.graph.of(ev.ItemRouted) if e.instance == "w0"}
+    assert routed_to_w0, "the silent worker held nothing: the test proves nothing"
+    assert sorted(d.item.id for d in done) == sorted(f"i{k}" for k in range(40))
+    assert {d.instance for d in done} == {"w1"}
+    c.graph.check()
+
+
+async def test_bad_input_is_counted_and_harms_nothing(net: Net) -> None:
+    config = RouterConfig(max_frame_bytes=4096)
+    async with cluster(net, ["w0", "w1"], all_instances=["w0", "w1", "w2"], config=config) as c:
+        stranger = net.connect(c.server)
+        good = _encode(wire.Done(ItemResult(item=ItemId("i1"))))
+        bad = [
+            b"\xc1\xc1",
+            good[:-2],
+            b"x" * 5000,
+            _encode(["Launch", 1]),
+            _encode(["Done", "not a result"]),
+        ]
+        for frame in bad:
+            await stranger.send(CONTROLLER, frame)
+        await stranger.send(CONTROLLER, good)  # valid, from a peer that never said hello
+        # A connected worker returning an item it does not hold.
+        liar = net.connect(c.server)
+        await liar.send(CONTROLLER, _encode(wire.Hello(1, InstanceId("w2"), ROLLOUT, 1)))
+        with anyio.fail_after(5):
+            await c.router.wait_for_instances(3)
+        await liar.send(CONTROLLER, _encode(wire.Done(ItemResult(item=ItemId("ghost")))))
+        await liar.send(CONTROLLER, b"\xc1")
+        await liar.send(CONTROLLER, _encode(wire.Hello(1, InstanceId("w2"), ROLLOUT, 1)))
+        # Meanwhile, real work goes through the two honest workers.
+        with anyio.fail_after(5):
+            await c.router.drain(InstanceId("w2"))
+        await c.router.submit([item(k) for k in range(50)])
+        done = await c.collect(50)
+        stats = c.router.statistics()
+    assert sorted(d.item.id for d in done) == sorted(f"i{k}" for k in range(50))
+    assert {d.instance for d in done} <= {"w0", "w1"}
+    assert stats.rejected == {
+        "malformed": 2,
+        "truncated": 1,
+        "oversized": 1,
+        "unknown_type": 1,
+        "invalid": 1,
+        "unexpected": 2,
+        "stale": 1,
+    }
+    c.graph.check()
+
+
+async def test_sessions_stick_to_the_engine_holding_their_prefix(inproc: Net) -> None:
+    def three_turns(it: wire.Item) -> str:
+        return "tool_call" if it.tool_calls < 2 else "done"
+
+    async def serve(link: WorkerLink) -> None:
+        await echo(link, status=three_turns)
+
+    async with cluster(inproc, [], all_instances=["w0", "w1", "w2"]) as c:
+        for name in ("w0", "w1", "w2"):
+            c.add_worker(name, serve=serve)
+        await c.router.wait_for_instances(3)
+        sessions = [item(k, affinity="prefer") for k in range(30)]
+        await c.router.submit(sessions)
+        served: dict[str, list[str]] = {}
+        finished = 0
+        while finished < 30:
+            for d in await c.collect(1):
+                served.setdefault(d.item.id, []).append(d.instance)
+                if d.result.status == "tool_call":
+                    await c.router.resume(d.item.id, d.result.payload + b"+tool")
+                else:
+                    finished += 1
+                    assert d.item.payload.count(b"+tool") == 2
+    assert all(len(turns) == 3 and len(set(turns)) == 1 for turns in served.values())
+    assert len(c.graph.of(ev.ToolCallStarted)) == len(c.graph.of(ev.ToolCallFinished)) == 60
+    c.graph.check()
+
+
+async def test_a_session_moves_when_its_engine_has_no_room(inproc: Net) -> None:
+    async with cluster(
+        inproc,
+        ["w0", "w1"],
+    ) as c:
+        stats = ev.EngineStats(
+            instance=InstanceId("w0"), kv_usage=0.99, num_running=1, num_queued=0
+        )
+        await c.router.submit([item(1, affinity="prefer", instance=InstanceId("w0"))])
+        [first] = await c.collect(1)
+        assert first.instance == "w0"
+        await c.links["w0"].report(stats)
+        await wait_until(lambda: c.graph.of(ev.EngineStats))
+        await c.router.submit([item(2, affinity="prefer", instance=InstanceId("w0"))])
+        [second] = await c.collect(1)
+        assert second.instance == "w1"
+        await c.router.submit([item(3, affinity="must", instance=InstanceId("w0"))])
+        [third] = await c.collect(1)
+        assert third.instance == "w0"
+
+
+async def test_drain_reroutes_queued_and_in_flight_items(inproc: Net) -> None:
+    async def hold_until_aborted(link: WorkerLink) -> None:
+        held: list[wire.Item] = []
+        try:
+            while True:
+                held += link.receive_nowait()
+                for it in [h for h in held if link.abort_requested(h.id)]:
+                    held.remove(it)
+                    link.complete(
+                        ItemResult(item=it.id, status="aborted", payload=b"partial:" + it.payload)
+                    )
+                await anyio.sleep(0.005)
+        except PeerLostError:
+            pass
+
+    async with cluster(inproc, [], all_instances=["w0", "w1"]) as c:
+        c.add_worker("w0", capacity=2, serve=hold_until_aborted)
+        await c.router.wait_for_instances(1)
+        await c.router.submit([item(k) for k in range(6)])
+        # Two items in the worker's hands (not just sent), four queued in front of it.
+        await wait_until(
+            lambda: (
+                "w0" in c.links
+                and c.links["w0"].statistics().num_held == 2
+                and c.links["w0"].statistics().num_waiting == 0
+            )
+        )
+        assert c.router.statistics().num_queued == 4
+        c.add_worker("w1")
+        await c.router.wait_for_instances(2)
+        with anyio.fail_after(5):
+            await c.router.drain(InstanceId("w0"))
+        done = await c.collect(6)
+        await c.router.retire(InstanceId("w0"))
+        assert c.router.instances == ["w1"]
+    assert sorted(d.item.id for d in done) == sorted(f"i{k}" for k in range(6))
+    assert {d.instance for d in done} == {"w1"}
+    partial = [d for d in done if d.item.payload.startswith(b"partial:")]
+    assert len(partial) == 2 and all(d.item.instance == "w0" for d in partial)
+    requeued = [i for e in c.graph.of(ev.ItemsRequeued) for i in e.items]
+    assert sorted(requeued) == sorted(f"i{k}" for k in range(6))
+    c.graph.check()
+
+
+async def test_each_engine_serves_its_queue_in_priority_order(inproc: Net) -> None:
+    gate = anyio.Event()
+    order: list[str] = []
+
+    async def one_at_a_time(link: WorkerLink) -> None:
+        await gate.wait()
+        await echo(link)
+
+    async with cluster(inproc, [], all_instances=["w0"], order=ToolCallPriorityOrder()) as c:
+        c.add_worker("w0", capacity=1, serve=one_at_a_time)
+        await c.router.wait_for_instances(1)
+        await c.router.submit([item("first")])
+        await wait_until(lambda: c.router.statistics().num_in_flight >= 1)
+        await c.router.submit(
+            [
+                item("fresh"),
+                item("t1", tool_calls=1),
+                item("t3", tool_calls=3),
+                item("t1-long", tool_calls=1, prefix_tokens=900),
+            ]
+        )
+        gate.set()
+        order = [d.item.id for d in await c.collect(5)]
+    assert order == ["ifirst", "it3", "it1-long", "it1", "ifresh"]
+
+
+async def test_a_slow_consumer_slows_producers_without_failing_workers(inproc: Net) -> None:
+    config = RouterConfig(
+        heartbeat_interval_s=0.05,
+        liveness_timeout_s=0.3,
+        results_buffer=8,
+        max_backlog_items=16,
+        max_queued_per_instance=8,
+    )
+    async with cluster(inproc, ["w0", "w1"], config=config) as c:
+        submitted = 0
+        while submitted < 5000:
+            with anyio.move_on_after(0.5) as blocked:
+                await c.router.submit([item(submitted)])
+            if blocked.cancelled_caught:
+                break
+            submitted += 1
+        assert 0 < submitted < 1000, "submit never pushed back"
+        await anyio.sleep(0.6)  # longer than the liveness timeout, while stalled
+        assert c.graph.of(ev.WorkerFailed) == []
+        done = await c.collect(submitted)
+        assert c.router.statistics().num_workers == 2
+    assert len({d.item.id for d in done}) == submitted
+
+
+async def test_ping_round_trip_and_a_worker_that_leaves(inproc: Net) -> None:
+    async with cluster(inproc, ["w0", "w1"]) as c:
+        rtt = await c.router.ping(InstanceId("w0"))
+        assert 0 < rtt < 1
+        c.scopes["w1"].cancel()  # its link says bye on the way out
+        await wait_until(lambda: len(c.router.instances) == 1)
+        [failed] = c.graph.of(ev.WorkerFailed)
+        assert failed.instance == "w1" and "left" in failed.reason
+        with pytest.raises(RoutingError, match="no connected instance"):
+            await c.router.ping(InstanceId("w1"))
+
+
+async def test_a_retired_worker_sees_the_end(inproc: Net) -> None:
+    outcome: list[str] = []
+
+    async def serve(link: WorkerLink) -> None:
+        try:
+            while True:
+                await link.receive()
+        except PeerLostError as e:
+            outcome.append(str(e))
+
+    async with cluster(inproc, [], all_instances=["w0"]) as c:
+        c.add_worker("w0", serve=serve)
+        await c.router.wait_for_instances(1)
+        with pytest.raises(RoutingError, match="drain"):
+            await c.router.retire(InstanceId("w0"))
+        await c.router.drain(InstanceId("w0"))
+        await c.router.retire(InstanceId("w0"), "scaled in")
+        await wait_until(lambda: outcome)
+    assert "scaled in" in outcome[0]
+
+
+async def test_reports_are_stamped_and_forwarded(inproc: Net) -> None:
+    async with cluster(inproc, ["w0"]) as c:
+        await c.links["w0"].report(ev.WorkerIdle(instance=InstanceId("w0"), time_s=-5.0))
+        await wait_until(lambda: c.graph.of(ev.WorkerIdle))
+    [idle] = c.graph.of(ev.WorkerIdle)
+    assert idle.time_s > 0
