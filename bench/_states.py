@@ -22,20 +22,35 @@ def pipeline(num_components: int, max_dp: int) -> PipelineSpec:
     sizes = valid_dp_sizes(2048, max_dp)
     if num_components <= 4:
         return rl_pipeline(
-            rollout_tp=1, inference_tp=1, actor_devices_per_replica=1, actor_dp_sizes=sizes
+            rollout_tp=1,
+            inference_tp=1,
+            actor_devices_per_replica=1,
+            actor_dp_sizes=sizes,
+            rollout_max_running=128,
+            actor_steps_per_iteration=4,
         )
     c = ComponentId
     comps = (
-        ComponentSpec(id=c("rollout"), kind="rollout", scaling="concave"),
+        ComponentSpec(
+            id=c("rollout"), kind="rollout", scaling="concave", max_load_per_instance=128
+        ),
         ComponentSpec(id=c("tool"), kind="tool", devices_per_instance=0),
         ComponentSpec(id=c("reward"), kind="reward", devices_per_instance=0),
         ComponentSpec(id=c("reference"), kind="inference", interruptible_at="micro_batch"),
         ComponentSpec(id=c("inference"), kind="inference", interruptible_at="micro_batch"),
         ComponentSpec(
-            id=c("critic"), kind="actor", interruptible_at="optimizer_step", valid_sizes=sizes
+            id=c("critic"),
+            kind="actor",
+            interruptible_at="optimizer_step",
+            valid_sizes=sizes,
+            steps_per_iteration=4,
         ),
         ComponentSpec(
-            id=c("actor"), kind="actor", interruptible_at="optimizer_step", valid_sizes=sizes
+            id=c("actor"),
+            kind="actor",
+            interruptible_at="optimizer_step",
+            valid_sizes=sizes,
+            steps_per_iteration=4,
         ),
     )
     e = EdgeId

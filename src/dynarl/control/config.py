@@ -4,10 +4,11 @@ from typing import Annotated, Literal
 
 import msgspec
 
-SchedulingMode = Literal["dynamic", "static-colocated", "static-disaggregated"]
+SchedulingMode = Literal["dynamic", "static-colocated", "static-disaggregated", "rlhfuse"]
 """Policies of one system: move devices to the bottleneck (``dynamic``), give all
-devices to each stage in turn (``static-colocated``, like verl), or keep a fixed split
-and pipeline (``static-disaggregated``, like RLinf)."""
+devices to each stage in turn (``static-colocated``, like verl), keep a fixed split
+and pipeline (``static-disaggregated``, like RLinf), or the colocated schedule with
+RLHFuse-style fusion of the rollout tail with inference (``rlhfuse``)."""
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -30,6 +31,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         borrow_return_fraction: see ``rollout_borrows_actor``.
         actor_takes_cluster: (dynamic mode) before the actor's last minibatch, give it every device
             the other components no longer need.
+        fusion_tail_fraction: (rlhfuse mode) once rollout's outstanding requests fall
+            below this fraction of the batch, they are consolidated onto as few engines
+            as hold them and the freed devices start inference.
     """
 
     mode: SchedulingMode = "dynamic"
@@ -42,3 +46,4 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     rollout_borrows_actor: bool = True
     borrow_return_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.2
     actor_takes_cluster: bool = True
+    fusion_tail_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.2

@@ -8,6 +8,7 @@ from dynarl.control.policies.colocated import ColocatedPolicy
 from dynarl.control.policies.gate import PredictorGate
 from dynarl.control.policies.phases import ActorTakesCluster, RolloutBorrowsActor
 from dynarl.control.policies.recovery import RebootCrashed
+from dynarl.control.policies.rlhfuse import RlhfusePolicy
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Baseline, FirstOf, Policy
 
@@ -33,10 +34,15 @@ def _disaggregated(cfg: SchedulerConfig, predictor: Predictor, baseline: Baselin
     return FirstOf("static-disaggregated", [RebootCrashed(baseline)])
 
 
+def _rlhfuse(cfg: SchedulerConfig, predictor: Predictor, baseline: Baseline) -> Policy:
+    return FirstOf("rlhfuse", [RlhfusePolicy(cfg.fusion_tail_fraction)])
+
+
 POLICIES: dict[SchedulingMode, PolicyFactory] = {
     "dynamic": _dynamic,
     "static-colocated": _colocated,
     "static-disaggregated": _disaggregated,
+    "rlhfuse": _rlhfuse,
 }
 
 
@@ -46,5 +52,7 @@ def make_policy(cfg: SchedulerConfig, predictor: Predictor, baseline: Baseline) 
     iteration start (these two only when the predictor says they pay), and otherwise
     moves devices to the predicted bottleneck;
     ``static-colocated`` hands every device to each stage in turn;
-    ``static-disaggregated`` keeps the initial split (rebooting crashed devices)."""
+    ``static-disaggregated`` keeps the initial split (rebooting crashed devices);
+    ``rlhfuse`` is colocated, but consolidates the rollout tail onto few engines and
+    starts inference on the freed devices."""
     return POLICIES[cfg.mode](cfg, predictor, baseline)

@@ -17,6 +17,9 @@ the placement by ``min_gain``. Devices can move in every direction: rollout, inf
 and the actor each grow and shrink within an iteration.
 """
 
+import itertools
+from collections.abc import Iterator
+
 from dynarl.control.config import SchedulerConfig
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
@@ -83,26 +86,33 @@ class BottleneckPolicy:
         if not donors or not receivers:
             return EMPTY_PLAN
         base = remaining_time(graph, self.predictor, before, demand=demand)
-        # The slowest receiver first: it is the one a move most likely helps.
-        receivers.sort(key=lambda c: -self._alone(graph, c, before, demand))
+        # Receivers that gain most from one more instance first; candidates are taken
+        # round-robin over receivers so one receiver cannot use up the budget.
+        receivers.sort(key=lambda c: -self._gain(graph, c, before, demand))
+        per_receiver = [
+            [
+                (src, dst, amount)
+                for src, give in donors
+                if src != dst and (src is None or self._known(src, demand[src]))
+                for amount in _amounts(give)
+            ]
+            for dst in receivers
+        ]
         best: tuple[float, tuple[ComponentId | None, ComponentId, int]] | None = None
-        tried = 0
-        for dst in receivers:
-            for src, give in donors:
-                if src == dst:
-                    continue
-                if src is not None and not self._known(src, demand[src]):
-                    continue
-                for amount in _amounts(give):
-                    if tried >= self.cfg.num_candidates:
-                        break
-                    candidate = self._candidate(graph, src, dst, amount, reassign=False)
-                    if candidate is None:
-                        continue
-                    tried += 1
-                    score = score_plan(graph, self.predictor, candidate, before, demand)
-                    if best is None or score < best[0]:
-                        best = (score, (src, dst, amount))
+        seen: set[tuple[object, ...]] = set()
+        for src, dst, amount in _round_robin(per_receiver):
+            if len(seen) >= self.cfg.num_candidates:
+                break
+            candidate = self._candidate(graph, src, dst, amount, reassign=False)
+            if candidate is None:
+                continue
+            signature = tuple((m.src, m.dst, m.drain, m.devices) for m in candidate.migrations)
+            if signature in seen:
+                continue  # another amount that snapped to the same valid size
+            seen.add(signature)
+            score = score_plan(graph, self.predictor, candidate, before, demand)
+            if best is None or score < best[0]:
+                best = (score, (src, dst, amount))
         if best is None or not best[0] < base * (1.0 - self.cfg.min_gain):
             return EMPTY_PLAN
         score, (src, dst, amount) = best
@@ -123,16 +133,21 @@ class BottleneckPolicy:
             return True
         return self.predictor.predict(cid, 1, max(demand.load, 1.0)).num_observations >= 2
 
-    def _alone(
+    def _gain(
         self,
         graph: Hypergraph,
         cid: ComponentId,
         devices: dict[ComponentId, int],
         demand: dict[ComponentId, Demand],
     ) -> float:
+        """Seconds of ``cid``'s own work one more instance would save."""
         d = demand[cid]
-        speed = rate(graph, self.predictor, cid, devices[cid], d)
-        return d.work / speed if speed > 0 else float("inf")
+        unit = graph.components[cid].spec.devices_per_instance
+        now = rate(graph, self.predictor, cid, devices[cid], d)
+        more = rate(graph, self.predictor, cid, devices[cid] + unit, d)
+        if more <= 0:
+            return 0.0
+        return (d.work / now if now > 0 else float("inf")) - d.work / more
 
     def _candidate(
         self,
@@ -163,6 +178,14 @@ class BottleneckPolicy:
                 return None
         label = "free devices" if src is None else f"{src}"
         return builder.build(f"{label} -> {dst}")
+
+
+def _round_robin(
+    lists: list[list[tuple[ComponentId | None, ComponentId, int]]],
+) -> Iterator[tuple[ComponentId | None, ComponentId, int]]:
+    """Items of ``lists`` interleaved: the first of each, then the second of each..."""
+    for row in itertools.zip_longest(*lists):
+        yield from (x for x in row if x is not None)
 
 
 def _amounts(give: int) -> list[int]:
