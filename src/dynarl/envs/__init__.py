@@ -1,0 +1,4 @@
+"""Tasks: prompt sources, verifiers, and the embedded synthetic task.
+
+None of these modules imports torch.
+"""
