@@ -36,7 +36,7 @@ TO_WORKER: list[wire.ToWorker] = [
     wire.Retire("done"),
 ]
 TO_CONTROLLER: list[wire.ToController] = [
-    wire.Hello(1, InstanceId("w0"), ComponentId("rollout"), 4),
+    wire.Hello(wire.PROTOCOL_VERSION, InstanceId("w0"), ComponentId("rollout"), 4),
     wire.Pong(7),
     wire.Done(RESULT),
     wire.DoneBatch((RESULT, RESULT)),
@@ -69,7 +69,9 @@ def test_each_direction_decodes_only_its_own_messages() -> None:
     assert codec.rejections.counts == {"unknown_type": 1}
 
 
-GOOD = msgspec.msgpack.encode(wire.Hello(1, InstanceId("w0"), ComponentId("r"), 4))
+GOOD = msgspec.msgpack.encode(
+    wire.Hello(wire.PROTOCOL_VERSION, InstanceId("w0"), ComponentId("r"), 4)
+)
 
 
 @pytest.mark.parametrize(
@@ -103,7 +105,7 @@ def test_each_kind_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
 
 
 def test_hello_of_any_version_is_recognised() -> None:
-    assert peek_hello_version(GOOD) == 1
+    assert peek_hello_version(GOOD) == wire.PROTOCOL_VERSION
     assert peek_hello_version(msgspec.msgpack.encode(["Hello", 9, {"new": "layout"}])) == 9
     assert peek_hello_version(msgspec.msgpack.encode(["Pong", 9])) is None
     assert peek_hello_version(msgspec.msgpack.encode(["Hello", True])) is None

@@ -125,7 +125,9 @@ async def test_no_controller_means_peer_lost(inproc: Net) -> None:
 async def test_a_silent_worker_fails_and_its_items_are_served_elsewhere(net: Net) -> None:
     async with cluster(net, ["w1"], all_instances=["w0", "w1"], config=FAST) as c:
         silent = net.connect(c.server)
-        await silent.send(CONTROLLER, _encode(wire.Hello(1, InstanceId("w0"), ROLLOUT, 8)))
+        await silent.send(
+            CONTROLLER, _encode(wire.Hello(wire.PROTOCOL_VERSION, InstanceId("w0"), ROLLOUT, 8))
+        )
         with anyio.fail_after(5):
             await c.router.wait_for_instances(2)
         await c.router.submit([item(k) for k in range(40)])
@@ -156,12 +158,16 @@ async def test_bad_input_is_counted_and_harms_nothing(net: Net) -> None:
         await stranger.send(CONTROLLER, good)  # valid, from a peer that never said hello
         # A connected worker returning an item it does not hold.
         liar = net.connect(c.server)
-        await liar.send(CONTROLLER, _encode(wire.Hello(1, InstanceId("w2"), ROLLOUT, 1)))
+        await liar.send(
+            CONTROLLER, _encode(wire.Hello(wire.PROTOCOL_VERSION, InstanceId("w2"), ROLLOUT, 1))
+        )
         with anyio.fail_after(5):
             await c.router.wait_for_instances(3)
         await liar.send(CONTROLLER, _encode(wire.Done(ItemResult(item=ItemId("ghost")))))
         await liar.send(CONTROLLER, b"\xc1")
-        await liar.send(CONTROLLER, _encode(wire.Hello(1, InstanceId("w2"), ROLLOUT, 1)))
+        await liar.send(
+            CONTROLLER, _encode(wire.Hello(wire.PROTOCOL_VERSION, InstanceId("w2"), ROLLOUT, 1))
+        )
         # Meanwhile, real work goes through the two honest workers.
         with anyio.fail_after(5):
             await c.router.drain(InstanceId("w2"))

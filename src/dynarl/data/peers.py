@@ -149,14 +149,3 @@ class WorkerState:
         """Set :attr:`idle` once a draining worker holds nothing."""
         if not self.active and not self.in_flight and not len(self.queue):
             self.idle.set()
-
-
-class Call:
-    """A request awaiting its correlated reply."""
-
-    __slots__ = ("done", "error", "worker")
-
-    def __init__(self, worker: WorkerState) -> None:
-        self.worker = worker
-        self.done = anyio.Event()
-        self.error: Exception | None = None

@@ -22,12 +22,11 @@ high-water marks), which stops taking items.
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any, Self
 
 import anyio
 import anyio.abc
-import msgspec
 
 from dynarl.control import events as ev
 from dynarl.control.request_order import FifoOrder, RequestOrder
@@ -35,17 +34,16 @@ from dynarl.core.clock import Clock, LoopClock
 from dynarl.core.ids import ComponentId, EdgeId, InstanceId, ItemId
 from dynarl.data import wire
 from dynarl.data._tasks import task_group
-from dynarl.data.codec import Rejections, controller_codec, peek_hello_version
-from dynarl.data.errors import PeerLostError, PeerUnreachableError, RoutingError
-from dynarl.data.peers import Call, RouterConfig, RouterStatistics, WorkerState
+from dynarl.data.calls import Call
+from dynarl.data.codec import Rejections, controller_codec
+from dynarl.data.errors import RoutingError
+from dynarl.data.peers import RouterConfig, RouterStatistics, WorkerState
 from dynarl.data.placement import Completion, Placement
-from dynarl.data.request_queue import RequestQueue
 from dynarl.data.routing import AffinityRouting, RoutingPolicy
-from dynarl.data.transport import PeerId, Transport
+from dynarl.data.sessions import Sessions
+from dynarl.data.transport import Transport
 
 logger = logging.getLogger(__name__)
-
-_Handler = Callable[[PeerId, WorkerState | None, Any, float], None]
 
 
 class Router:
@@ -83,28 +81,23 @@ class Router:
         )
         self.rejections = Rejections("router")
         self._codec = controller_codec(self.rejections, max_frame_bytes=self.config.max_frame_bytes)
-        self._by_peer: dict[PeerId, WorkerState] = {}
+        self._sessions = Sessions(
+            transport,
+            self._codec,
+            config=self.config,
+            order=self._order,
+            clock=self._clock,
+            placement=self._placement,
+            on_join=self._on_join,
+            on_results=self._on_results,
+        )
         self._backlog_space = anyio.Event()
-        self._joined = anyio.Event()
-        self._calls: dict[int, Call] = {}
-        self._next_corr = 1
         self._outbox: list[Completion] = []
-        self._stalled = False
-        self._resumed_s = float("-inf")
-        self._num_frames_unsent = 0
         send, receive = anyio.create_memory_object_stream[Completion](self.config.results_buffer)
         self._results_send = send
         self.results = receive
         """Completions in arrival order (a memory object stream); see also
         :meth:`receive_batch`."""
-        self._handlers: dict[type[Any], _Handler] = {
-            wire.Hello: self._on_hello,
-            wire.Pong: self._on_pong,
-            wire.Done: self._on_done,
-            wire.DoneBatch: self._on_done_batch,
-            wire.Report: self._on_report,
-            wire.Bye: self._on_bye,
-        }
         self._tg: anyio.abc.TaskGroup | None = None
         self._stack = contextlib.AsyncExitStack()
 
@@ -115,7 +108,7 @@ class Router:
         async with contextlib.AsyncExitStack() as stack:
             self._tg = await stack.enter_async_context(task_group())
             self._tg.start_soon(self._receive_loop)
-            self._tg.start_soon(self._heartbeat_loop)
+            self._tg.start_soon(self._sessions.heartbeat_loop)
             self._stack = stack.pop_all()
         return self
 
@@ -190,8 +183,24 @@ class Router:
     async def wait_for_instances(self, num_instances: int) -> None:
         """Wait until at least ``num_instances`` workers have said hello and live."""
         while len(self._placement.workers) < num_instances:
-            self._joined = anyio.Event()
-            await self._joined.wait()
+            await self._next_join()
+
+    async def wait_for_instance(self, instance: InstanceId) -> None:
+        """Wait until ``instance`` has said hello (returns at once if it is connected)."""
+        while instance not in self._placement.workers:
+            await self._next_join()
+
+    async def _next_join(self) -> None:
+        # Waiters share one event; whoever finds it set replaces it, so that several
+        # can wait at once.
+        if self._sessions.joined.is_set():
+            self._sessions.joined = anyio.Event()
+        await self._sessions.joined.wait()
+
+    @property
+    def address(self) -> str:
+        """Where workers connect: the transport's address (with the actual port)."""
+        return self._transport.address
 
     @property
     def instances(self) -> list[InstanceId]:
@@ -206,7 +215,7 @@ class Router:
         self._placement.set_active(w, False, self._clock.now())
         self._backlog_space.set()
         if abort and w.in_flight:
-            await self._send(w, wire.Abort(tuple(w.in_flight)))
+            await self._sessions.send(w, wire.Abort(tuple(w.in_flight)))
         w.check_idle()
         await w.idle.wait()
 
@@ -220,26 +229,50 @@ class Router:
         w = self._worker(instance)
         if w.active or w.in_flight or len(w.queue):
             raise RoutingError(f"drain {instance!r} before retiring it")
-        self._forget(w)
-        await self._send(w, wire.Retire(reason))
+        self._sessions.forget(w)
+        await self._sessions.send(w, wire.Retire(reason))
 
     async def ping(self, instance: InstanceId) -> float:
         """Round-trip time to ``instance``'s worker in seconds (a correlated request:
         the reply carries the request's ``corr``)."""
-        w = self._worker(instance)
-        corr = self._next_corr
-        self._next_corr += 1
-        call = Call(w)
-        self._calls[corr] = call
         start_s = self._clock.now()
-        try:
-            await self._send(w, wire.Ping(corr))
-            await call.done.wait()
-        finally:
-            del self._calls[corr]
-        if call.error is not None:
-            raise call.error
+        async with self._open(instance, wire.Ping) as call:
+            await call.receive()
         return self._clock.now() - start_s
+
+    async def call(self, instance: InstanceId, body: bytes) -> bytes:
+        """Send ``body`` to ``instance``'s worker as a :class:`~dynarl.data.wire.Call`
+        and return the body of its (last) reply.
+
+        Raises :class:`RoutingError` if the instance is not connected,
+        :class:`~dynarl.data.errors.PeerLostError` if it goes away before replying.
+        """
+        async with self.open_call(instance, body) as call:
+            last = await call.receive()
+            async for more in call:
+                last = more
+            return last
+
+    @contextlib.asynccontextmanager
+    async def open_call(self, instance: InstanceId, body: bytes) -> AsyncIterator[Call]:
+        """Send ``body`` as a call and yield the :class:`~dynarl.data.calls.Call` that
+        receives its replies (``async for reply in call``); leaving the block stops
+        listening. For streamed replies; otherwise as :meth:`call`."""
+        async with self._open(instance, lambda corr: wire.Call(corr, body)) as call:
+            yield call
+
+    @contextlib.asynccontextmanager
+    async def _open(
+        self, instance: InstanceId, message: Callable[[int], wire.ToWorker]
+    ) -> AsyncIterator[Call]:
+        w = self._worker(instance)
+        calls = self._sessions.calls
+        corr, call = calls.open(w)
+        try:
+            await self._sessions.send(w, message(corr))
+            yield call
+        finally:
+            calls.close(corr)
 
     def statistics(self) -> RouterStatistics:
         """Workers, items by state, counters, rejected input and per-queue statistics."""
@@ -261,7 +294,7 @@ class Router:
             num_completed=p.num_completed,
             num_requeued=p.num_requeued,
             num_workers_failed=p.num_workers_failed,
-            num_frames_unsent=self._num_frames_unsent,
+            num_frames_unsent=self._sessions.num_frames_unsent,
             rejected=rejected,
             transport=transport,
             queues={w.instance: w.queue.statistics() for w in workers},
@@ -301,39 +334,19 @@ class Router:
                 if len(p.backlog) < self.config.max_backlog_items:
                     self._backlog_space.set()
             msg = wire.Work(batch[0]) if len(batch) == 1 else wire.WorkBatch(tuple(batch))
-            await self._send(w, msg)
-
-    async def _send(self, w: WorkerState, msg: wire.ToWorker) -> None:
-        try:
-            await self._transport.send(w.peer, self._codec.encode(msg))
-        except PeerUnreachableError:
-            self._fail(w, "its connection is gone", self._clock.now())
-
-    def _send_nowait(self, peer: PeerId, msg: wire.ToWorker) -> None:
-        try:
-            self._transport.send_nowait(peer, self._codec.encode(msg))
-        except (anyio.WouldBlock, PeerUnreachableError):
-            self._num_frames_unsent += 1
+            await self._sessions.send(w, msg)
 
     # ------------------------------------------------------------------ frames in
 
+    def _on_join(self, w: WorkerState) -> None:
+        assert self._tg is not None
+        self._tg.start_soon(self._run_pump, w)
+
     async def _receive_loop(self) -> None:
-        codec, by_peer, handlers = self._codec, self._by_peer, self._handlers
         max_frames = self.config.receive_batch_frames
         while True:
             frames = await self._transport.receive_batch(max_frames)
-            now = self._clock.now()
-            for peer, frame in frames:
-                w = by_peer.get(peer)
-                if w is not None:
-                    w.last_seen_s = now
-                msg = codec.decode(frame)
-                if msg is not None:
-                    handlers[type(msg)](peer, w, msg, now)
-                elif w is None:
-                    version = peek_hello_version(frame)
-                    if version is not None and version != wire.PROTOCOL_VERSION:
-                        self._refuse_version(peer, version)
+            self._sessions.dispatch(frames, self._clock.now())
             if self._outbox:
                 await self._deliver()
 
@@ -346,114 +359,16 @@ class Router:
             except anyio.WouldBlock:
                 # The consumer is slow: stop reading frames (so workers slow down) and
                 # do not count the silence this causes against anyone's liveness.
-                self._stalled = True
+                self._sessions.stalled = True
                 try:
                     for c in outbox[i:]:
                         await send.send(c)
                 finally:
-                    self._stalled = False
-                    self._resumed_s = self._clock.now()
+                    self._sessions.stalled = False
+                    self._sessions.resumed_s = self._clock.now()
                 return
 
-    def _refuse_version(self, peer: PeerId, version: int) -> None:
-        logger.warning(
-            "refused a worker speaking protocol version %d (ours: %d)",
-            version,
-            wire.PROTOCOL_VERSION,
-        )
-        self._send_nowait(
-            peer,
-            wire.Refused(
-                "version",
-                f"this worker speaks data-plane protocol version {version} but the controller "
-                f"speaks version {wire.PROTOCOL_VERSION}: install the same dynarl version on "
-                f"the controller and the workers",
-            ),
-        )
-
-    def _on_hello(self, peer: PeerId, w: WorkerState | None, msg: wire.Hello, now: float) -> None:
-        if w is not None:
-            self.rejections.add("unexpected", f"second hello from {w.instance!r}")
-            return
-        if msg.protocol != wire.PROTOCOL_VERSION:
-            self._refuse_version(peer, msg.protocol)
-            return
-        if msg.instance in self._placement.workers:
-            self._send_nowait(
-                peer,
-                wire.Refused(
-                    "duplicate",
-                    f"instance {msg.instance!r} is already connected; give each "
-                    f"worker its own instance id",
-                ),
-            )
-            return
-        if msg.capacity < 1:
-            self.rejections.add(
-                "invalid", f"hello from {msg.instance!r} with capacity {msg.capacity}"
-            )
-            self._send_nowait(peer, wire.Refused("invalid", "capacity must be >= 1"))
-            return
-        cfg = self.config
-        queue: RequestQueue[wire.Item] = RequestQueue(
-            self._order, max_size=cfg.max_queued_per_instance, clock=self._clock, aging=cfg.aging
-        )
-        w = WorkerState(
-            peer,
-            instance=msg.instance,
-            component=msg.component,
-            capacity=msg.capacity,
-            queue=queue,
-            now_s=now,
-            sticky_max_queued=cfg.sticky_max_queued,
-            kv_full=cfg.kv_full,
-        )
-        self._by_peer[peer] = w
-        assert self._tg is not None
-        self._tg.start_soon(self._run_pump, w)
-        self._send_nowait(
-            peer,
-            wire.Welcome(
-                wire.PROTOCOL_VERSION, w.instance, cfg.heartbeat_interval_s, cfg.liveness_timeout_s
-            ),
-        )
-        logger.info("worker %s (%s, capacity %d) joined", w.instance, w.component, w.capacity)
-        self._placement.add_worker(w, now)
-        self._joined.set()
-
-    def _unknown(self, peer: PeerId, what: str) -> None:
-        self.rejections.add("unexpected", f"{what} from a peer that is not a worker")
-        self._send_nowait(
-            peer,
-            wire.Refused(
-                "unknown",
-                "this worker is not connected (it never said hello, or it was "
-                "declared failed): restart it",
-            ),
-        )
-
-    def _on_pong(self, peer: PeerId, w: WorkerState | None, msg: wire.Pong, now: float) -> None:
-        if w is None:
-            self._unknown(peer, "a pong")
-            return
-        call = self._calls.get(msg.corr)
-        if call is not None and call.worker is w:
-            call.done.set()
-
-    def _on_done(self, peer: PeerId, w: WorkerState | None, msg: wire.Done, now: float) -> None:
-        self._on_results(peer, w, (msg.result,), now)
-
-    def _on_done_batch(
-        self, peer: PeerId, w: WorkerState | None, msg: wire.DoneBatch, now: float
-    ) -> None:
-        self._on_results(peer, w, msg.results, now)
-
-    def _on_results(
-        self, peer: PeerId, w: WorkerState | None, results: Sequence[wire.ItemResult], now: float
-    ) -> None:
-        if w is None:
-            self._unknown(peer, "results")
-            return
+    def _on_results(self, w: WorkerState, results: Sequence[wire.ItemResult], now: float) -> None:
         on_result, outbox = self._placement.on_result, self._outbox
         for r in results:
             try:
@@ -464,66 +379,3 @@ class Router:
             if completion is not None:
                 outbox.append(completion)
         w.after_results()
-
-    def _on_report(self, peer: PeerId, w: WorkerState | None, msg: wire.Report, now: float) -> None:
-        if w is None:
-            self._unknown(peer, "a report")
-            return
-        event = msgspec.structs.replace(msg.event, time_s=now)
-        if isinstance(event, ev.EngineStats) and event.instance == w.instance:
-            w.kv_usage = event.kv_usage
-        self._placement.emit(event)
-
-    def _on_bye(self, peer: PeerId, w: WorkerState | None, msg: wire.Bye, now: float) -> None:
-        if w is None:
-            self._unknown(peer, "a bye")
-            return
-        self._fail(w, f"it left ({msg.reason or 'no reason given'})", now)
-
-    # ------------------------------------------------------------------ liveness
-
-    async def _heartbeat_loop(self) -> None:
-        cfg = self.config
-        while True:
-            await self._clock.sleep(cfg.heartbeat_interval_s)
-            now = self._clock.now()
-            ping = self._codec.encode(wire.Ping(0))
-            for w in list(self._by_peer.values()):
-                # While stalled on a slow consumer we read nothing, so silence proves
-                # nothing; we keep pinging so that workers do not give up on us either.
-                silent_s = now - max(w.last_seen_s, self._resumed_s)
-                if silent_s > cfg.liveness_timeout_s and not self._stalled:
-                    self._fail(
-                        w,
-                        f"silent for {silent_s:.2f} s "
-                        f"(liveness_timeout_s={cfg.liveness_timeout_s})",
-                        now,
-                    )
-                    continue
-                try:
-                    self._transport.send_nowait(w.peer, ping)
-                except anyio.WouldBlock:
-                    pass  # it is not reading; its silence will tell
-                except PeerUnreachableError:
-                    self._fail(w, "its connection is gone", now)
-
-    def _fail(self, w: WorkerState, reason: str, now: float) -> None:
-        """Declare ``w`` failed; its items are routed elsewhere."""
-        if self._by_peer.get(w.peer) is not w:
-            return  # already gone
-        self._release(w)
-        self._placement.fail_worker(w, reason, now)
-
-    def _forget(self, w: WorkerState) -> None:
-        self._release(w)
-        items = self._placement.remove_worker(w)
-        assert not items, "only workers that hold nothing are forgotten"
-
-    def _release(self, w: WorkerState) -> None:
-        del self._by_peer[w.peer]
-        w.scope.cancel()
-        w.idle.set()
-        for call in self._calls.values():
-            if call.worker is w:
-                call.error = PeerLostError(f"worker {w.instance!r} is gone")
-                call.done.set()

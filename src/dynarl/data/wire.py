@@ -7,8 +7,10 @@ decoder (:mod:`dynarl.data.codec`). A message type carries either one item or a 
 never both: :class:`Work` / :class:`WorkBatch`, :class:`Done` / :class:`DoneBatch`.
 
 Requests that expect a reply carry ``corr``, a correlation id the sender picks and the
-reply echoes (:class:`Ping` / :class:`Pong`); typed worker handles build on the same
-convention.
+reply echoes (:class:`Ping` / :class:`Pong`). Typed worker handles build on the same
+convention: a :class:`Call` carries a request the data plane does not read (the
+worker's own msgpack message, see :mod:`dynarl.workers.protocol`) and is answered by
+one or more :class:`Reply` frames with its ``corr``, the last with ``more=False``.
 
 :class:`Hello` and :class:`Refused` keep their layout in every protocol version (the
 version comes first), so a worker speaking another version is told so in words.
@@ -21,7 +23,7 @@ import msgspec
 from dynarl.control.events import AnyEvent
 from dynarl.core.ids import ComponentId, EdgeId, GroupId, InstanceId, ItemId
 
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 """Version of this module's messages; a worker announcing another one is refused."""
 
 Affinity = Literal["must", "prefer", "none"]
@@ -132,6 +134,14 @@ class Retire(ToWorker, frozen=True):
     reason: str
 
 
+class Call(ToWorker, frozen=True):
+    """A request to the worker itself (not an item): ``body`` is opaque to the data
+    plane; the worker answers with :class:`Reply` frames carrying the same ``corr``."""
+
+    corr: int
+    body: bytes
+
+
 # ------------------------------------------------------------ worker -> controller
 
 
@@ -170,14 +180,23 @@ class Report(ToController, frozen=True):
     event: AnyEvent
 
 
+class Reply(ToController, frozen=True):
+    """One answer to the :class:`Call` with the same ``corr``; ``more`` says whether
+    further answers follow (a streamed reply)."""
+
+    corr: int
+    body: bytes
+    more: bool = False
+
+
 class Bye(ToController, frozen=True):
     """The worker leaves; the items it still holds are routed elsewhere."""
 
     reason: str = ""
 
 
-AnyToWorker = Welcome | Refused | Work | WorkBatch | Abort | Ping | Retire
+AnyToWorker = Welcome | Refused | Work | WorkBatch | Abort | Ping | Retire | Call
 """Every message the controller sends to a worker."""
 
-AnyToController = Hello | Pong | Done | DoneBatch | Report | Bye
+AnyToController = Hello | Pong | Done | DoneBatch | Report | Reply | Bye
 """Every message a worker sends to the controller."""

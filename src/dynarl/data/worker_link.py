@@ -5,7 +5,9 @@
 protocol version), then runs the link's tasks: it answers pings, collects items, sends
 results in batches (every result already waiting goes out in one frame), hands
 aborted items back, and notices when the controller goes silent. The worker's own
-loop only calls :meth:`WorkerLink.receive` and :meth:`WorkerLink.complete`.
+loop only calls :meth:`WorkerLink.receive` and :meth:`WorkerLink.complete`; a worker
+that serves typed calls too (:mod:`dynarl.workers.main`) takes them with
+:meth:`WorkerLink.receive_call` and answers with :meth:`WorkerLink.reply`.
 """
 
 import contextlib
@@ -64,6 +66,8 @@ class WorkerLink:
         self._clock = clock
         self._max_batch_items = max_batch_items
         self._inbox: deque[wire.Item] = deque()
+        self._calls: deque[wire.Call] = deque()
+        self._has_calls = anyio.Event()
         self._held: dict[ItemId, wire.Item] = {}
         self._aborting: set[ItemId] = set()
         self._outbox: list[wire.ItemResult] = []
@@ -78,6 +82,7 @@ class WorkerLink:
             wire.WorkBatch: lambda m: self._accept(m.items),
             wire.Abort: self._on_abort,
             wire.Ping: self._on_ping,
+            wire.Call: self._on_call,
             wire.Retire: lambda m: self._lose(f"the controller retired this worker: {m.reason}"),
             wire.Refused: lambda m: self._lose(f"the controller dropped this worker: {m.reason}"),
             wire.Welcome: lambda m: self._codec.rejections.add("unexpected", "second welcome"),
@@ -122,6 +127,23 @@ class WorkerLink:
         self._outbox.append(result)
         self._num_completed += 1
         self._has_results.set()
+
+    async def receive_call(self) -> wire.Call:
+        """Wait for the controller's next call (in arrival order).
+
+        Raises :class:`PeerLostError` once the controller is gone, has retired this
+        worker or declared it failed.
+        """
+        while not self._calls:
+            if self._lost is not None:
+                raise self._lost
+            self._has_calls = anyio.Event()
+            await self._has_calls.wait()
+        return self._calls.popleft()
+
+    async def reply(self, corr: int, body: bytes, *, more: bool = False) -> None:
+        """Answer call ``corr``; ``more`` if further answers follow."""
+        await self._transport.send(CONTROLLER, self._codec.encode(wire.Reply(corr, body, more)))
 
     def abort_requested(self, item: ItemId) -> bool:
         """Whether the controller asked for ``item`` back (hand it back soon with
@@ -198,6 +220,10 @@ class WorkerLink:
             wanted.discard(item.id)
         self._aborting |= wanted
 
+    def _on_call(self, msg: wire.Call) -> None:
+        self._calls.append(msg)
+        self._has_calls.set()
+
     def _on_ping(self, msg: wire.Ping) -> None:
         # If the controller is not reading, it does not count our silence either.
         with contextlib.suppress(anyio.WouldBlock):
@@ -208,6 +234,7 @@ class WorkerLink:
             logger.warning("link of %s lost: %s", self.instance, reason)
             self._lost = PeerLostError(reason)
             self._has_items.set()
+            self._has_calls.set()
 
 
 @asynccontextmanager

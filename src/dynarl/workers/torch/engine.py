@@ -127,9 +127,11 @@ class RolloutEngine:
         seed: int = 0,
         device: str | torch.device = "cpu",
         order: RequestOrder | None = None,
+        queue: WaitingQueue[Sequence] | None = None,
     ) -> "RolloutEngine":
         """An engine over the model of ``model_config`` (loaded or random-init from
-        ``seed``) with the limits of ``rollout_config``."""
+        ``seed``) with the limits of ``rollout_config``; ``order`` and ``queue`` as in
+        the constructor."""
         tokenizer = load_tokenizer(model_config)
         model = build_model(model_config, seed=seed, tokenizer=tokenizer, device=device)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -141,6 +143,7 @@ class RolloutEngine:
             kv_capacity_tokens=rollout_config.kv_capacity_tokens,
             max_seq_len=model_config.max_seq_len,
             order=order,
+            queue=queue,
             seed=seed,
         )
 

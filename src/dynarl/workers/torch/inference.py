@@ -11,7 +11,6 @@ import collections
 import logging
 from collections.abc import Iterable, Mapping
 
-import msgspec
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
@@ -19,49 +18,18 @@ from transformers import PreTrainedModel
 from dynarl.api.config import InferenceConfig, ModelConfig
 from dynarl.workers.torch import weight_sync, weights
 from dynarl.workers.torch.errors import EngineError
+from dynarl.workers.torch.inference_request import (
+    InferenceProgress,
+    LogprobRequest,
+    LogprobResult,
+)
 from dynarl.workers.torch.logprobs import sequence_logprobs
 from dynarl.workers.torch.memory import ParameterMemory
 from dynarl.workers.torch.model import build_model, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-
-class LogprobRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """A sample to score: prompt + response tokens and where the response starts.
-
-    Attributes:
-        item_id: the sample's id.
-        token_ids: prompt followed by response.
-        response_start: index of the first response token (the prompt's length, >= 1).
-    """
-
-    item_id: str
-    token_ids: tuple[int, ...]
-    response_start: int
-
-
-class LogprobResult(msgspec.Struct, frozen=True, kw_only=True):
-    """Log-probs of one sample's response tokens.
-
-    Attributes:
-        item_id: the sample's id.
-        logprobs: one per response token, under the policy (``log_softmax`` of its
-            logits, divided by the worker's temperature).
-        ref_logprobs: the same under the reference model, when the worker has one.
-        weight_version: version of the policy weights that scored it.
-    """
-
-    item_id: str
-    logprobs: tuple[float, ...]
-    ref_logprobs: tuple[float, ...] | None
-    weight_version: int
-
-
-class InferenceProgress(msgspec.Struct, frozen=True, kw_only=True):
-    """Where a worker stands: samples scored so far and samples still waiting."""
-
-    num_done: int
-    num_pending: int
+__all__ = ["InferenceProgress", "InferenceWorker", "LogprobRequest", "LogprobResult"]
 
 
 class InferenceWorker:

@@ -1,0 +1,149 @@
+"""The local launcher: one worker process per device slot on this machine.
+
+Slots are started once, before any work, with the ``spawn`` start method (no forked
+copies of the controller's threads or sockets); each says hello to the data router as
+a free slot and is then given roles through its
+:class:`~dynarl.workers.handles.SlotHandle`. Moving a device between components
+releases and resumes memory inside the slot; no process starts on the hot path.
+
+Shutdown is graceful first, forceful after: the router takes back what each slot holds
+and retires it (it exits on its own), then stragglers are terminated, then killed, each
+step bounded by a timeout. If the launcher's process dies without shutting down (a
+crash, ``SIGKILL``), each slot notices that its parent is gone and exits
+(:func:`dynarl.workers.main.watch_parent`): no orphan survives either way.
+"""
+
+import contextlib
+import logging
+import multiprocessing
+from multiprocessing.process import BaseProcess
+from types import TracebackType
+from typing import Self
+
+import anyio
+import msgspec
+
+from dynarl.data.errors import DataPlaneError
+from dynarl.data.router import Router
+from dynarl.workers.errors import LaunchError
+from dynarl.workers.handles import SlotHandle
+from dynarl.workers.main import slot_main
+from dynarl.workers.slot import SlotConfig
+
+logger = logging.getLogger(__name__)
+
+
+class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the local launcher starts and stops slots.
+
+    Attributes:
+        num_slots: device slots (processes) to start.
+        slot: how each slot runs (torch threads, preloading, ...).
+        name_prefix: slot ``i`` is named ``f"{name_prefix}-{i}"``.
+        start_timeout_s: most time for every slot to say hello.
+        stop_timeout_s: most time for each shutdown step (retire, terminate, kill).
+    """
+
+    num_slots: int = 1
+    slot: SlotConfig = msgspec.field(default_factory=SlotConfig)
+    name_prefix: str = "slot"
+    start_timeout_s: float = 120.0
+    stop_timeout_s: float = 10.0
+
+
+class Slot:
+    """One started slot: its process and its handle."""
+
+    def __init__(self, name: str, process: BaseProcess, handle: SlotHandle) -> None:
+        self.name = name
+        self.process = process
+        self.handle = handle
+
+    @property
+    def pid(self) -> int:
+        """The slot's process id."""
+        pid = self.process.pid
+        assert pid is not None, "a started process has a pid"
+        return pid
+
+
+class LocalLauncher:
+    """Worker processes for the device slots of this machine; ``async with`` it.
+
+    Args:
+        router: the data router the slots connect to (bound and running).
+        config: how many slots, and how they run.
+        endpoint: where the slots connect (default: the router's transport address).
+    """
+
+    def __init__(
+        self, router: Router, config: LaunchConfig | None = None, *, endpoint: str | None = None
+    ) -> None:
+        self.router = router
+        self.config = config or LaunchConfig()
+        self.endpoint = endpoint or router.address
+        self.slots: list[Slot] = []
+        """The started slots, in order."""
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.aclose()
+
+    async def start(self) -> None:
+        """Spawn every slot and wait until each has said hello.
+
+        Raises :class:`LaunchError` if a slot exits or is not connected in time.
+        """
+        if self.slots:
+            raise LaunchError("the launcher is already started")
+        context = multiprocessing.get_context("spawn")
+        cfg = self.config
+        for i in range(cfg.num_slots):
+            name = f"{cfg.name_prefix}-{i}"
+            process = context.Process(
+                target=slot_main,
+                args=(self.endpoint, name, cfg.slot),
+                name=f"dynarl-{name}",
+                daemon=True,
+            )
+            process.start()
+            handle = SlotHandle(self.router, name, pid=process.pid, alive=process.is_alive)
+            self.slots.append(Slot(name, process, handle))
+        logger.info("started %d slots; waiting for their hello", len(self.slots))
+        with anyio.fail_after(cfg.start_timeout_s):
+            for slot in self.slots:
+                await slot.handle.wait_connected(cfg.start_timeout_s)
+
+    async def aclose(self) -> None:
+        """Stop every slot: retire it, then terminate, then kill what is left.
+        Idempotent; never raises for a slot that is already gone."""
+        slots, self.slots = self.slots, []
+        timeout_s = self.config.stop_timeout_s
+        for slot in slots:
+            if slot.process.is_alive():
+                with anyio.move_on_after(timeout_s), contextlib.suppress(DataPlaneError):
+                    await self.router.drain(slot.handle.instance)
+                    await self.router.retire(slot.handle.instance, reason="shutdown")
+        for slot in slots:
+            for stop in (None, BaseProcess.terminate, BaseProcess.kill):
+                if stop is not None and slot.process.is_alive():
+                    logger.warning("slot %s did not exit; %s it", slot.name, stop.__name__)
+                    stop(slot.process)
+                await anyio.to_thread.run_sync(slot.process.join, timeout_s)
+                if not slot.process.is_alive():
+                    break
+            slot.process.close()

@@ -1,0 +1,32 @@
+"""Errors of worker processes, their lifecycle, typed handles and launchers; all derive
+from :class:`dynarl.core.errors.DynaRLError`."""
+
+from dynarl.core.errors import DynaRLError
+
+
+class WorkerError(DynaRLError):
+    """Root of the errors of worker processes and their handles."""
+
+
+class LifecycleError(WorkerError):
+    """A worker was asked for something its lifecycle state does not allow (generate
+    before it has a role, a transition the state machine forbids); the message names
+    the state and what to do first."""
+
+
+class WorkerCallError(WorkerError):
+    """A worker could not carry out a typed call; ``error`` names the exception type it
+    raised there, and the message is that exception's message.
+
+    Attributes:
+        error: the worker-side exception's type name, e.g. ``"EngineError"``.
+    """
+
+    def __init__(self, message: str, *, error: str) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+class LaunchError(WorkerError):
+    """Worker processes could not be started, or one exited before saying hello; the
+    message gives its exit code and what to check."""
