@@ -2,6 +2,7 @@
 ``msgspec.structs.replace`` or :func:`dynarl.api.config_io.apply_overrides`."""
 
 from dynarl.api.config import DynaRLConfig
+from recipes.paper import agentic_7b_64, math_1_5b_64, math_7b_64, math_32b_64, paper_setting
 
 
 def default() -> DynaRLConfig:
@@ -14,4 +15,12 @@ def math_tiny() -> DynaRLConfig:
     return default()
 
 
-__all__ = ["default", "math_tiny"]
+__all__ = [
+    "agentic_7b_64",
+    "default",
+    "math_1_5b_64",
+    "math_7b_64",
+    "math_32b_64",
+    "math_tiny",
+    "paper_setting",
+]

@@ -16,6 +16,7 @@ def make_graph(
     actor_unit: int = 1,
     actor_sizes: tuple[int, ...] = (1, 2, 4, 8),
     u_low: float = 0.2,
+    actor_steps: int = 1,
 ) -> Hypergraph:
     """A math pipeline with the given device counts (actor first, as the launcher lays
     it out) and ``free`` unplaced devices."""
@@ -24,6 +25,7 @@ def make_graph(
         inference_tp=1,
         actor_devices_per_replica=actor_unit,
         actor_dp_sizes=actor_sizes,
+        actor_steps_per_iteration=actor_steps,
     )
     placement: dict[ComponentId, list[InstanceSpec]] = {}
     device = 0

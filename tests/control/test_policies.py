@@ -41,12 +41,15 @@ def enqueue(g: Hypergraph, edge: EdgeId, n: int, prefix: str) -> list[ItemId]:
 
 def tail_state(*, low_engines: int, engines: int = 5, t0: float = 0.0) -> Hypergraph:
     """Rollout at its tail: one request per engine, ``low_engines`` of them reporting
-    KV usage below u_low since ``t0``; 200 samples wait for the actor."""
-    g = make_graph(rollout=engines, inference=1, actor=1, actor_sizes=(1, 2, 3, 4, 5, 6))
+    KV usage below u_low since ``t0``; 2000 samples (most of 4 minibatches) wait for
+    the actor, more than it can train before the tail ends."""
+    g = make_graph(
+        rollout=engines, inference=1, actor=1, actor_sizes=(1, 2, 3, 4, 5, 6), actor_steps=4
+    )
     g.apply(ev.IterationStarted(iteration=0, time_s=t0))
     for k, item in enumerate(enqueue(g, PROMPTS, engines, "r")):
         g.apply(ev.ItemRouted(edge=PROMPTS, item=item, instance=InstanceId(f"rollout-{k}")))
-    enqueue(g, TO_ACTOR, 200, "a")
+    enqueue(g, TO_ACTOR, 2000, "a")
     for k in range(engines):
         usage = 0.05 if k < low_engines else 0.6
         g.apply(
@@ -84,7 +87,7 @@ def test_rollout_donates_only_after_T_seconds_below_u_low_on_more_than_theta() -
 def test_a_plan_the_predictor_scores_worse_is_never_committed() -> None:
     cfg = SchedulerConfig(theta=0.5, donor_window_s=0.0)
     g = tail_state(low_engines=5)
-    # The actor is so fast that its 200 samples take no time: moving rollout engines
+    # The actor is so fast that its 2000 samples take no time: moving rollout engines
     # can only slow rollout down (and costs a migration).
     fast_actor = predictor_for(g, actor_rate=1e6)
     assert not BottleneckPolicy(cfg, fast_actor).decide(g, tick(10.0))

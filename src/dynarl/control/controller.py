@@ -229,6 +229,11 @@ class Controller:
                 rate = sum(n.gen_tokens_per_s for n in active)
             elif node.spec.kind == "actor":
                 continue  # observed per optimizer step instead
+            elif not self.graph.queue_depth(cid):
+                # Nothing waits for it: its rate is its inputs' arrival rate, not what
+                # its devices can do; observing it would teach the predictor that the
+                # stage is slow exactly when it is starved.
+                continue
             else:
                 load = float(self.graph.pending(cid))
                 rate = node.work_rate.rate(now)

@@ -102,6 +102,7 @@ class HyperNode:
         # This iteration only: tokens generated (from engine reports) and completed.
         self.tokens_generated_iter = 0.0
         self.tokens_completed_iter = 0
+        self.items_completed_iter = 0
         self.steps_done = 0
         self.num_steps = 0
         self.last_step_samples_per_s = 0.0
@@ -271,13 +272,16 @@ class Hypergraph:
     def expected_remaining_tokens(self, component: ComponentId) -> float:
         """Expected tokens a pending request of a rollout component still generates.
 
-        At least the mean completed response length (the prior before any completes),
-        and at least what the requests still in flight have generated on average so
-        far: with heavy-tailed lengths, the survivors are the long ones.
+        At least the mean response length of finished iterations (the prior during
+        the first: this iteration's completions are the short ones, so their mean is
+        biased low until it ends), and at least what the requests still in flight have
+        generated on average so far: with heavy-tailed lengths, the survivors are the
+        long ones.
         """
         node = self.components[component]
-        if node.items_completed:
-            mean = node.tokens_completed / node.items_completed
+        done = node.items_completed - node.items_completed_iter
+        if done:
+            mean = (node.tokens_completed - node.tokens_completed_iter) / done
         else:
             mean = self.expected_tokens_per_request
         return max(mean, self._progress(component))
@@ -316,6 +320,7 @@ class Hypergraph:
             node.num_steps = 0
             node.tokens_generated_iter = 0.0
             node.tokens_completed_iter = 0
+            node.items_completed_iter = 0
             node.max_tokens_completed = max(node.max_tokens_completed, node.max_tokens_iter)
             node.max_tokens_iter = 0
         for edge in self.edges.values():
@@ -402,6 +407,7 @@ class Hypergraph:
         hn.items_completed += 1
         hn.tokens_completed += e.num_tokens
         hn.tokens_completed_iter += e.num_tokens
+        hn.items_completed_iter += 1
         hn.max_tokens_iter = max(hn.max_tokens_iter, e.num_tokens)
         if hn.spec.kind != "rollout":  # rollout's rate comes from engine stats
             hn.work_rate.add(e.time_s, 1.0)

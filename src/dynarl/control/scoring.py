@@ -5,7 +5,9 @@ pending items plus what its predecessors have not yet handed it (items flow thro
 every stage). Rollout work is measured in tokens (pending requests times their expected
 remaining length), other stages' in items. Its finish time is the later of
 "all its work at its predicted throughput" and "its last input arrives, plus the time
-to process one chunk of it". The iteration's remaining time is the latest finish.
+to process one chunk of it" -- or, if sooner, "its last input arrives, then its
+predecessors' devices join it (after a migration) for the work left": devices flow
+downstream as stages finish. The iteration's remaining time is the latest finish.
 
 Devices a migration brings arrive only after its cost; a component whose instances
 are drained while they hold requests pays the cost too (its requests re-prefill
@@ -116,6 +118,21 @@ def remaining_time(
         own = _time_for(d.work, old, new, delays.get(cid, 0.0)) + penalties.get(cid, 0.0)
         tail = d.tail / new if new > 0 else math.inf if d.tail > 0 else 0.0
         finish[cid] = max(own, arrival + tail)
+        if d.upstream > 0 and arrival > 0:
+            # Devices flow downstream: once its predecessors finish, their devices can
+            # join this stage (after a migration) for the work still left then. A stage
+            # fed by others need not hold now the devices it will need at the end.
+            spec = graph.components[cid].spec
+            unit = spec.devices_per_instance
+            pooled = n_new + sum(devices.get(p, 0) for p in _ancestors(graph, cid))
+            pooled -= pooled % unit
+            if pooled > n_new:
+                done = min(max(d.work - d.tail, 0.0), new * arrival)
+                later = rate(graph, predictor, cid, pooled, d)
+                kind = "reshard" if spec.kind == "actor" else "workload"
+                if later > 0:
+                    joined = arrival + predictor.migration_cost(kind) + (d.work - done) / later
+                    finish[cid] = min(finish[cid], joined)
     return max(finish.values(), default=0.0)
 
 

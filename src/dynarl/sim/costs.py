@@ -13,6 +13,7 @@ import math
 import msgspec
 
 from dynarl.control.plan import MigrationKind
+from dynarl.core.ids import ComponentKind
 from dynarl.sim.errors import SimError
 from dynarl.sim.hardware import GpuProfile
 from dynarl.sim.models import ModelProfile
@@ -162,6 +163,29 @@ class MigrationCostModel(msgspec.Struct, frozen=True, kw_only=True):
     def time_s(self, kind: MigrationKind, model: ModelProfile) -> float:
         """Seconds of one ``kind`` migration of ``model``."""
         return self.cost(kind).time_s(self.bytes_moved(kind, model))
+
+    def move_time_s(
+        self,
+        kind: MigrationKind,
+        src: ComponentKind | None,
+        dst: ComponentKind | None,
+        model: ModelProfile,
+    ) -> float:
+        """Seconds of one migration from a ``src`` component to a ``dst`` one (``None``:
+        the free pool). The source releases its devices first (the trainer reshards
+        its state onto the ranks it keeps; an engine just stops), then the destination
+        brings them up (an engine or inference replica loads the weights; the trainer
+        reshards onto its new ranks). A reboot pays the reboot cost."""
+        if kind == "reboot":
+            return self.time_s("reboot", model)
+        release = self.time_s("reshard", model) if src == "actor" else 0.0
+        if dst == "actor":
+            acquire = self.time_s("reshard", model)
+        elif dst is not None:
+            acquire = self.time_s("workload", model)
+        else:
+            acquire = 0.0
+        return release + acquire
 
     def cost(self, kind: MigrationKind) -> MigrationCost:
         """The cost parameters of ``kind``."""

@@ -2,9 +2,9 @@
 
 *Donors* are components that can give devices without slowing the iteration much:
 
-* a rollout component when more than ``theta`` of its engines have kept KV usage
-  below ``u_low`` for ``donor_window_s`` seconds (it may give up to those engines,
-  keeping one while it has work);
+* a rollout component when no request waits for a slot and more than ``theta`` of
+  its engines have kept KV usage below ``u_low`` for ``donor_window_s`` seconds with
+  nothing queued (it may give up to those engines, keeping one while it has work);
 * any component with no work left in this iteration (all its instances);
 * a component that is idle, waiting for its inputs (all but its minimum);
 * the free pool.
@@ -52,8 +52,16 @@ class BottleneckPolicy:
             return node.num_active - node.spec.min_instances
         keep = max(node.spec.min_instances, 1)
         if node.spec.kind == "rollout":
+            if graph.queue_depth(cid):
+                # Requests are waiting for a slot: the engines are full, however little
+                # KV their (young, short-context) requests hold yet.
+                return 0
             active = list(node.active_instances())
-            low = sum(1 for n in active if graph.low_for(n, now_s) >= self.cfg.donor_window_s)
+            low = sum(
+                1
+                for n in active
+                if not n.num_queued and graph.low_for(n, now_s) >= self.cfg.donor_window_s
+            )
             if low <= self.cfg.theta * len(active):
                 return 0
             return max(0, min(low, node.num_active - keep))

@@ -1,0 +1,67 @@
+"""The allocation timeline picture: device x time, coloured by component, one panel
+per run (scheduling mode). matplotlib is imported only when a picture is drawn."""
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from dynarl.obs.timeline import FREE, MIGRATING, Interval, Mark, TimelineLine
+
+COLOURS = {
+    "rollout": "#4c72b0",
+    "inference": "#55a868",
+    "actor": "#c44e52",
+    "reward": "#8172b2",
+    MIGRATING: "#dd8452",
+    FREE: "#e5e5e5",
+}
+"""Colour of each component (others get grey)."""
+
+
+def plot_timeline(lines: Sequence[TimelineLine], path: str | Path, *, title: str = "") -> None:
+    """Draw ``lines`` (from :func:`~dynarl.obs.timeline.read_timeline`) to ``path``
+    (PNG): one panel per run, devices on the y axis, iteration ends as dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    runs = list(dict.fromkeys(line.run for line in lines))
+    if not runs:
+        runs = [""]
+    num_devices = 1 + max((iv.device for iv in lines if isinstance(iv, Interval)), default=0)
+    end = max((iv.end_s for iv in lines if isinstance(iv, Interval)), default=1.0)
+    fig, axes = plt.subplots(
+        len(runs),
+        1,
+        figsize=(12, 1.2 + 0.04 * num_devices * len(runs) + 1.0 * len(runs)),
+        squeeze=False,
+        sharex=True,
+    )
+    seen: dict[str, None] = {}
+    for ax, run in zip(axes[:, 0], runs, strict=True):
+        by: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        for line in lines:
+            if isinstance(line, Interval) and line.run == run:
+                by.setdefault((line.device, line.component), []).append(
+                    (line.start_s, line.end_s - line.start_s)
+                )
+                seen[line.component] = None
+        for (device, component), spans in by.items():
+            ax.broken_barh(spans, (device, 1.0), facecolors=COLOURS.get(component, "#999999"))
+        for line in lines:
+            if isinstance(line, Mark) and line.run == run and line.what == "iteration_end":
+                ax.axvline(line.time_s, color="black", linestyle="--", linewidth=0.8)
+        ax.set_xlim(0, end)
+        ax.set_ylim(0, num_devices)
+        ax.invert_yaxis()
+        ax.set_ylabel("device")
+        ax.set_title(run, loc="left", fontsize=10)
+    axes[-1, 0].set_xlabel("time (s)")
+    handles = [Patch(color=COLOURS.get(c, "#999999"), label=c) for c in seen]
+    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8)
+    if title:
+        fig.suptitle(title, x=0.01, ha="left", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

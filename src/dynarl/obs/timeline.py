@@ -1,0 +1,155 @@
+"""The device-allocation timeline: which component held each device, and when.
+
+:class:`TimelineRecorder` is a controller listener (``Controller(listeners=[...])``):
+on every placement event it reads the hypergraph and closes the interval of each
+device whose holder changed. A device is held by a component's active instance, is
+``migrating`` (its instance is being drained, or it is in transit), or is ``free``.
+The timeline is written as JSON lines (``timeline.jsonl``): one line per interval and
+one per iteration boundary, each tagged with the run (the scheduling mode).
+"""
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import msgspec
+
+from dynarl.control import events as ev
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.core.ids import DeviceId
+
+MIGRATING = "migrating"
+"""Label of a device between two components."""
+FREE = "free"
+"""Label of a device no component holds."""
+
+_PLACEMENT_EVENTS = (ev.MigrationStarted, ev.MigrationDone, ev.MigrationFailed, ev.WorkerFailed)
+
+
+class Interval(msgspec.Struct, frozen=True, kw_only=True, tag="interval", tag_field="kind"):
+    """``device`` was held by ``component`` from ``start_s`` to ``end_s``."""
+
+    run: str
+    device: int
+    component: str
+    start_s: float
+    end_s: float
+
+
+class Mark(msgspec.Struct, frozen=True, kw_only=True, tag="mark", tag_field="kind"):
+    """An iteration boundary (``what`` is ``iteration_start`` or ``iteration_end``)."""
+
+    run: str
+    what: str
+    iteration: int
+    time_s: float
+
+
+TimelineLine = Interval | Mark
+
+
+class TimelineRecorder:
+    """Records device -> component intervals from controller events; times are
+    seconds since the recorder was made.
+
+    Args:
+        graph: the controller's hypergraph (read after each placement event).
+        run: the run's name in the written lines (e.g. the scheduling mode).
+    """
+
+    def __init__(self, graph: Hypergraph, *, run: str = "") -> None:
+        self.graph = graph
+        self.run = run
+        self.intervals: list[Interval] = []
+        self.marks: list[Mark] = []
+        self.origin_s = graph.now_s
+        self._open: dict[DeviceId, tuple[str, float]] = {
+            DeviceId(d): (self._label(DeviceId(d)), 0.0) for d in range(graph.num_devices)
+        }
+
+    def __call__(self, event: ev.Event) -> None:
+        """Listener: update on placement events and iteration boundaries."""
+        if isinstance(event, _PLACEMENT_EVENTS):
+            self._refresh(event.time_s)
+        elif isinstance(event, ev.IterationStarted):
+            self.marks.append(
+                Mark(
+                    run=self.run,
+                    what="iteration_start",
+                    iteration=event.iteration,
+                    time_s=event.time_s - self.origin_s,
+                )
+            )
+        elif isinstance(event, ev.IterationDone):
+            self.marks.append(
+                Mark(
+                    run=self.run,
+                    what="iteration_end",
+                    iteration=event.iteration,
+                    time_s=event.time_s - self.origin_s,
+                )
+            )
+
+    def close(self, now_s: float) -> None:
+        """End every open interval at ``now_s`` (the run is over)."""
+        now_s -= self.origin_s
+        for d, (label, since) in self._open.items():
+            if now_s > since:
+                self.intervals.append(
+                    Interval(run=self.run, device=d, component=label, start_s=since, end_s=now_s)
+                )
+            self._open[d] = (label, now_s)
+
+    def device_seconds(self, start_s: float, end_s: float) -> dict[str, float]:
+        """Device-seconds per label between ``start_s`` and ``end_s`` (on the clock the
+        events were stamped with; closed intervals only: call :meth:`close` first)."""
+        start_s -= self.origin_s
+        end_s -= self.origin_s
+        out: dict[str, float] = {}
+        for iv in self.intervals:
+            overlap = min(iv.end_s, end_s) - max(iv.start_s, start_s)
+            if overlap > 0:
+                out[iv.component] = out.get(iv.component, 0.0) + overlap
+        return out
+
+    def lines(self) -> Iterator[TimelineLine]:
+        """Every interval and mark, in time order."""
+        items: list[TimelineLine] = [*self.intervals, *self.marks]
+        yield from sorted(items, key=lambda x: x.start_s if isinstance(x, Interval) else x.time_s)
+
+    def _label(self, d: DeviceId) -> str:
+        owner = self.graph.device_owner.get(d)
+        if owner is None:
+            return FREE
+        node = self.graph.instances.get(owner) if isinstance(owner, str) else None
+        if node is None or node.state != "active":
+            return MIGRATING
+        return str(node.component)
+
+    def _refresh(self, now_s: float) -> None:
+        now_s -= self.origin_s
+        for d, (label, since) in self._open.items():
+            new = self._label(d)
+            if new != label:
+                if now_s > since:
+                    self.intervals.append(
+                        Interval(
+                            run=self.run, device=d, component=label, start_s=since, end_s=now_s
+                        )
+                    )
+                self._open[d] = (new, now_s)
+
+
+def write_timeline(path: str | Path, recorders: Iterable[TimelineRecorder]) -> None:
+    """Write the recorders' lines as JSON lines to ``path``."""
+    encoder = msgspec.json.Encoder()
+    with Path(path).open("wb") as out:
+        for rec in recorders:
+            for line in rec.lines():
+                out.write(encoder.encode(line) + b"\n")
+
+
+def read_timeline(path: str | Path) -> list[TimelineLine]:
+    """Read a file written by :func:`write_timeline`."""
+    decoder = msgspec.json.Decoder(TimelineLine)
+    with Path(path).open("rb") as src:
+        return [decoder.decode(line) for line in src if line.strip()]

@@ -1,0 +1,162 @@
+"""The modelled cluster of a configuration: every cost model and the workload, built
+once from the config tree, and the profile those models would show a profiling run.
+
+:class:`ClusterModel` is what :class:`~dynarl.sim.world.SimWorld` and the
+work-conserving bound read; :func:`sim_profile` seeds the real controller's predictor
+with the throughputs these models deliver (as a short profiling run would measure),
+so the simulated controller starts from the same knowledge a real one would.
+"""
+
+import math
+from collections.abc import Sequence
+
+import msgspec
+
+from dynarl.api.config import DynaRLConfig
+from dynarl.control.predictor import Profile, ProfileRow
+from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
+from dynarl.sim.costs import (
+    ActorCost,
+    InferenceCost,
+    MigrationCostModel,
+    WeightSyncCost,
+)
+from dynarl.sim.engine_config import EngineConfig
+from dynarl.sim.hardware import GpuProfile, gpu
+from dynarl.sim.models import ModelProfile, model
+from dynarl.sim.workloads import AgenticWorkload, MathWorkload, Request, ToolLatency
+
+
+class ClusterModel(msgspec.Struct, frozen=True, kw_only=True):
+    """Cost models and workload of one simulated configuration."""
+
+    gpu: GpuProfile
+    model: ModelProfile
+    engine: EngineConfig
+    inference: InferenceCost
+    actor: ActorCost
+    migration: MigrationCostModel
+    weight_sync: WeightSyncCost
+    workload: MathWorkload | AgenticWorkload
+
+    @classmethod
+    def from_config(cls, cfg: DynaRLConfig) -> "ClusterModel":
+        """Build every model from ``cfg`` (its ``sim`` section and the component
+        sections: parallel sizes, batch caps, batch shape, length cap)."""
+        sim, algo = cfg.sim, cfg.algorithm
+        device, shape = gpu(sim.gpu), model(sim.model)
+        workload: MathWorkload | AgenticWorkload
+        if sim.workload == "math":
+            workload = MathWorkload(
+                num_prompts=algo.num_prompts,
+                group_size=algo.group_size,
+                median_output_tokens=sim.median_output_tokens,
+                max_output_tokens=cfg.rollout.max_new_tokens,
+            )
+        else:
+            workload = AgenticWorkload(
+                num_prompts=algo.num_prompts,
+                group_size=algo.group_size,
+                mean_tool_calls=sim.mean_tool_calls,
+                first_turn_median_tokens=sim.first_turn_median_tokens,
+                max_output_tokens=cfg.rollout.max_new_tokens,
+                tool=ToolLatency(mean_s=sim.tool_mean_s, timeout_s=sim.tool_timeout_s),
+            )
+        return cls(
+            gpu=device,
+            model=shape,
+            engine=EngineConfig(
+                gpu=device,
+                model=shape,
+                tp=cfg.rollout.tp,
+                max_running_requests=cfg.rollout.max_running_requests,
+            ),
+            inference=InferenceCost(
+                gpu=device,
+                model=shape,
+                tp=cfg.inference.tp,
+                num_forwards=2 if cfg.inference.compute_ref_logprobs else 1,
+            ),
+            actor=ActorCost(
+                gpu=device,
+                model=shape,
+                tp=cfg.actor.tp,
+                pp=cfg.actor.pp,
+                n_minibatches=algo.n_minibatches,
+            ),
+            migration=MigrationCostModel(),
+            weight_sync=WeightSyncCost(),
+            workload=workload,
+        )
+
+
+def sequence_tokens(request: Request) -> int:
+    """Tokens a trained sample holds: prompt, every turn and every tool output."""
+    return request.total_tokens
+
+
+def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices: int) -> Profile:
+    """What a short profiling run on ``cluster`` would measure, as predictor seed rows.
+
+    Rollout rows come from the engine's decode step at the context the workload's
+    tokens are generated at (token-weighted mean, from ``requests``); inference and
+    actor rows (samples/s) from their cost models at the workload's mean sample
+    length; migration costs from the migration model.
+    """
+    eng = cluster.engine
+    turns = [(r.prompt_tokens, n) for r in requests for n in r.output_tokens]
+    tokens = sum(n for _, n in turns) or 1
+    # Mean context a generated token reads: prompt plus half its own response.
+    context = sum(n * (p + n / 2) for p, n in turns) / tokens
+    a, b = eng.step_coefficients()
+    cap = eng.max_running_requests
+    mean_tokens = sum(sequence_tokens(r) for r in requests) / max(len(requests), 1)
+    samples_per_step = max(1, len(requests) // cluster.actor.n_minibatches)
+    rows: list[ProfileRow] = []
+    for n in range(eng.tp, num_devices + 1, eng.tp):
+        engines = n // eng.tp
+        for load in (1, 4, 16, 64, 256, 1024, 4096, 16384):
+            running = min(load, cap * engines)
+            step = a + b * context * running / engines
+            rows.append(
+                ProfileRow(component=ROLLOUT, devices=n, load=running, throughput=running / step)
+            )
+    unit = cluster.inference.tp
+    for n in range(unit, num_devices + 1, unit):
+        per_item = cluster.inference.time_s(mean_tokens, unit, mean_tokens / 2) / (n // unit)
+        rows.append(
+            ProfileRow(component=INFERENCE, devices=n, load=1024, throughput=1.0 / per_item)
+        )
+    unit = cluster.actor.replica_devices
+    for n in range(unit, num_devices + 1, unit):
+        step_s = cluster.actor.step_time_s(samples_per_step * mean_tokens, n, mean_tokens / 2)
+        rows.append(
+            ProfileRow(
+                component=ACTOR,
+                devices=n,
+                load=samples_per_step,
+                throughput=samples_per_step / step_s,
+            )
+        )
+    mig, shape = cluster.migration, cluster.model
+    migration_s = {
+        "workload": mig.time_s("workload", shape),
+        "reshard": mig.time_s("reshard", shape) + mig.time_s("workload", shape) / 2,
+        "reboot": mig.time_s("reboot", shape),
+    }
+    return Profile(rows=tuple(rows), migration_s=migration_s)
+
+
+def longest_decode_s(cluster: ClusterModel, requests: Sequence[Request]) -> float:
+    """The rollout's critical path: the longest request decoded alone (every step
+    pays the engine's fixed cost), whatever the device count."""
+    a, b = cluster.engine.step_coefficients()
+    worst = 0.0
+    for r in requests:
+        context, total = float(r.prompt_tokens), 0.0
+        for k, n in enumerate(r.output_tokens):
+            total += n * a + b * (n * context + n * (n - 1) / 2)
+            context += n + (r.tool_output_tokens[k] if k < r.num_tool_calls else 0)
+        total += sum(r.tool_latency_s)
+        worst = max(worst, total)
+    return worst if math.isfinite(worst) else 0.0
