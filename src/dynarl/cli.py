@@ -2,6 +2,9 @@
 
 ``dynarl demo`` runs the real controller under every scheduling mode against the
 in-process fake pipeline on virtual time and prints what each mode did;
+``dynarl sim`` runs the real controller against the calibrated cluster simulator under
+several modes and writes a run directory (metrics, allocation timeline and its
+picture); ``dynarl plot`` redraws a run directory's picture;
 ``dynarl config`` prints a resolved configuration. The CLI is the application: it may
 print and start event loops; the library never does.
 """
@@ -11,6 +14,7 @@ import asyncio
 import importlib
 import logging
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -81,6 +85,120 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sim(args: argparse.Namespace) -> int:
+    from dynarl.core.virtual_time import VirtualTimeLoop
+    from dynarl.obs.plot import plot_timeline
+    from dynarl.obs.timeline import read_timeline, write_timeline
+    from dynarl.sim.run import simulate
+
+    cfg = resolve_config(args.config, args.set)
+    modes = args.modes.split(",") if args.modes else [cfg.scheduler.mode]
+    if args.compare:
+        modes = ["dynamic", "static-colocated", "static-disaggregated"]
+        modes.append("rlhfuse" if cfg.sim.workload == "math" else "dynamic+priority")
+    run_dir = Path(args.out or cfg.run.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
+    algo = cfg.algorithm
+    print(
+        f"simulating {cfg.sim.workload} on {cfg.cluster.num_devices} x {cfg.sim.gpu}, "
+        f"{cfg.sim.model}, {algo.samples_per_iteration} sequences/iteration, "
+        f"{cfg.run.num_iterations} iterations ({cfg.sim.warmup_iterations} warm-up)"
+    )
+    print(
+        f"{'mode':<22} {'throughput':>14} {'mean iter s':>11} {'bound s':>8} "
+        f"{'above bound':>11} {'migrations':>10}"
+    )
+    recorders = []
+    with (run_dir / "metrics.jsonl").open("wb") as metrics:
+        for mode in modes:
+            base, _, extra = mode.partition("+")
+            mode_cfg = apply_overrides(cfg, [f"scheduler.mode={base}"])
+            if extra:
+                mode_cfg = apply_overrides(mode_cfg, [f"sim.request_order={extra}"])
+            with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+                result, recorder = runner.run(simulate(mode_cfg, name=mode))
+            recorders.append(recorder)
+            metrics.write(msgspec.json.encode({"run": mode, "result": result}) + b"\n")
+            print(
+                f"{mode:<22} {result.throughput:>10.1f} {result.unit.split('/')[0][:3]}/s "
+                f"{result.mean_iteration_s:>11.1f} {result.bound_s:>8.1f} "
+                f"{result.bound_gap:>10.0%} {result.num_migrations:>10}"
+            )
+            busy = ", ".join(
+                f"{c} {t.busy:.0f}/{t.held:.0f}" for c, t in result.devices.items() if t.held
+            )
+            print(f"{'':<22} busy/held device-s: {busy}")
+    write_timeline(run_dir / "timeline.jsonl", recorders)
+    title = f"{cfg.sim.workload} {cfg.sim.model} on {cfg.cluster.num_devices} x {cfg.sim.gpu}"
+    plot_timeline(read_timeline(run_dir / "timeline.jsonl"), run_dir / "timeline.png", title=title)
+    print(f"wrote {run_dir}/: config.yaml, metrics.jsonl, timeline.jsonl, timeline.png")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from dynarl.obs.plot import plot_timeline
+    from dynarl.obs.timeline import read_timeline
+
+    run_dir = Path(args.run_dir)
+    source = run_dir / "timeline.jsonl"
+    if not source.exists():
+        raise ConfigError(f"{source} does not exist: pass a run directory `dynarl sim` wrote")
+    plot_timeline(read_timeline(source), run_dir / "timeline.png", title=str(run_dir))
+    print(f"wrote {run_dir / 'timeline.png'}")
+    return 0
+
+
+# ---------------------------------------------------------------- dynarl run
+
+
+def _run(args: argparse.Namespace) -> int:
+    """``dynarl run``: a real run of the config, with a progress display."""
+    from dynarl.api.facade import DynaRL
+    from dynarl.api.iteration import Progress
+
+    cfg = resolve_config(args.config, args.set)
+    if args.quiet:
+        logging.getLogger("dynarl").setLevel(logging.INFO)
+    live = not args.quiet and sys.stderr.isatty()
+
+    def show(p: Progress) -> None:
+        if live:
+            print(
+                f"\r  iteration {p.iteration}: {p.stage} {p.done}/{p.total}   ",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    async def main() -> None:
+        started = time.perf_counter()
+        async with DynaRL(cfg, run_dir=args.out, on_progress=show) as rl:
+            if not args.quiet:
+                print(
+                    f"dynarl run: {cfg.scheduler.mode}, {cfg.cluster.num_devices} devices, "
+                    f"run directory {rl.run_dir} (started in "
+                    f"{time.perf_counter() - started:.1f} s)"
+                )
+            async for s in rl.iterations():
+                if live:
+                    print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
+                if not args.quiet:
+                    devices = " ".join(f"{c}={n}" for c, n in s.allocation.items())
+                    print(
+                        f"iter {s.iteration:3d}  reward {s.mean_reward:.3f}  "
+                        f"solved {s.solved_fraction:.2f}  {s.tokens_per_s:7.0f} tok/s  "
+                        f"{s.elapsed_s:5.1f} s  migrations {len(s.migrations)}  [{devices}]",
+                        flush=True,
+                    )
+            path = await rl.save_checkpoint()
+            if not args.quiet:
+                print(f"done in {time.perf_counter() - started:.1f} s; checkpoint {path}")
+
+    asyncio.run(main())
+    return 0
+
+
 def _config(args: argparse.Namespace) -> int:
     cfg = resolve_config(args.config, args.set)
     print(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False), end="")
@@ -108,6 +226,26 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--iterations", type=int, default=3)
     demo.add_argument("-v", "--verbose", action="store_true", help="print allocation changes")
     demo.set_defaults(func=_demo)
+    sim = sub.add_parser("sim", help="simulate a job on a modelled cluster; write a run directory")
+    common(sim)
+    sim.add_argument(
+        "--modes",
+        help="comma-separated modes (default: scheduler.mode); +priority: "
+        "with priority request order, e.g. dynamic+priority",
+    )
+    sim.add_argument(
+        "--compare", action="store_true", help="every mode of the reference comparison"
+    )
+    sim.add_argument("--out", help="run directory (default: run.run_dir)")
+    sim.set_defaults(func=_sim)
+    plot = sub.add_parser("plot", help="redraw a run directory's timeline.png")
+    plot.add_argument("run_dir")
+    plot.set_defaults(func=_plot)
+    run = sub.add_parser("run", help="train: a real run of a recipe or config file")
+    common(run)
+    run.add_argument("--out", help="run directory (default: run.run_dir)")
+    run.add_argument("--quiet", action="store_true", help="logs instead of a progress display")
+    run.set_defaults(func=_run)
     config = sub.add_parser("config", help="print the resolved configuration")
     common(config)
     config.set_defaults(func=_config)

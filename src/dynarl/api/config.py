@@ -12,6 +12,7 @@ import msgspec
 
 from dynarl.control.config import SchedulerConfig
 from dynarl.core.errors import ConfigError
+from dynarl.sim.config import SimConfig
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -134,8 +135,8 @@ class ActorConfig(_Section, frozen=True, kw_only=True):
     tp: PositiveInt = 1
     pp: PositiveInt = 1
     initial_devices: NonNegativeInt = 1
-    micro_batch_size: PositiveInt = 8
-    lr: PositiveFloat = 1e-3
+    micro_batch_size: PositiveInt = 32
+    lr: PositiveFloat = 3e-3
     weight_decay: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     grad_clip: PositiveFloat = 1.0
     allow_uneven_micro_batches: bool = False
@@ -227,6 +228,7 @@ class DynaRLConfig(_Section, frozen=True, kw_only=True):
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     run: RunConfig = msgspec.field(default_factory=RunConfig)
+    sim: SimConfig = msgspec.field(default_factory=SimConfig)
 
     def __post_init__(self) -> None:
         n = self.cluster.num_devices

@@ -1,0 +1,324 @@
+"""One GRPO iteration over the real world's handles, reported to the controller.
+
+The maths is :class:`~dynarl.rl.loop.InprocessLoop`'s: the same prompts, request seeds,
+rewards, group advantages, minibatch split and loss; only where it runs differs.
+Requests go through the data router to the rollout engines (which route, drain and
+requeue them with their partial output); finished responses are rewarded by an
+:class:`~dynarl.envs.verifier.AsyncVerifier` and scored for old log-probs by the
+inference instances as they arrive; then the actor takes ``n_minibatches`` optimizer
+steps and the engines get the new weights.
+
+Every step is reported to the controller as events (``IterationStarted``,
+``ItemsEnqueued``, ``ItemRouted``, ``ItemCompleted``, ``TrainStepDone``,
+``IterationDone``; the router reports its own routing, ``EngineStats`` and failures), so
+the hypergraph and the scheduler see the run as it happens.
+"""
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import msgspec
+import numpy as np
+
+from dynarl.api.config import DynaRLConfig
+from dynarl.api.world import RealWorld
+from dynarl.control import events as ev
+from dynarl.control.hypergraph import Hypergraph, Node
+from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, TO_ACTOR, TO_INFERENCE
+from dynarl.core.ids import ComponentId, EdgeId, GroupId, ItemId
+from dynarl.data.wire import Item
+from dynarl.envs.prompts import Prompt, PromptSampler
+from dynarl.envs.verifier import AsyncVerifier
+from dynarl.obs.metrics import IterationStats
+from dynarl.rl.batch import Trajectory, from_completion, to_arrays, with_advantages
+from dynarl.workers.torch.inference_request import LogprobRequest
+from dynarl.workers.torch.request import Completion, GenerateRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Emit = Callable[[ev.Event], None]
+
+_DECODER = msgspec.msgpack.Decoder(Completion)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class Progress(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the running iteration is (for a progress display).
+
+    Attributes:
+        iteration: 0-based index.
+        stage: ``rollout``, ``train`` or ``sync``.
+        done, total: responses finished out of those requested (rollout), or
+            optimizer steps taken out of ``n_minibatches`` (train).
+    """
+
+    iteration: int
+    stage: str
+    done: int
+    total: int
+
+
+class GrpoIteration:
+    """Runs iterations over a :class:`RealWorld`.
+
+    Args:
+        cfg: the run's configuration.
+        world: the started workers.
+        graph: the controller's hypergraph (read only: which instances are active).
+        emit: where events go (the controller).
+        sampler: where prompts come from.
+        verifier: the reward rule, run off the event loop.
+        tokenizer: encodes prompts and decodes responses (the model's).
+        on_progress: sees the iteration's progress as it happens.
+    """
+
+    def __init__(
+        self,
+        cfg: DynaRLConfig,
+        world: RealWorld,
+        graph: Hypergraph,
+        *,
+        emit: Emit,
+        sampler: PromptSampler,
+        verifier: AsyncVerifier,
+        tokenizer: Any,
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.world = world
+        self.graph = graph
+        self.emit = emit
+        self.sampler = sampler
+        self.verifier = verifier
+        self.tokenizer: Any = tokenizer  # transformers' (kept untyped: no torch here)
+        self.on_progress = on_progress or (lambda p: None)
+        self.groups: dict[ItemId, GroupId] = {}
+        """Group of every item of the running iteration (for the event bridge)."""
+        self.uses_inference = bool(graph.components[INFERENCE].instances) or (
+            cfg.scheduler.mode != "static-disaggregated"
+        )
+        """Whether old log-probs come from inference instances (else the engines')."""
+
+    def downstream(self) -> EdgeId:
+        """The edge finished rollout items go to next."""
+        return TO_INFERENCE if self.uses_inference else TO_ACTOR
+
+    async def run(self, iteration: int) -> IterationStats:
+        """Run iteration ``iteration`` and return what it measured."""
+        algo = self.cfg.algorithm
+        started = time.perf_counter()
+        stage_s: dict[str, float] = {}
+        self.emit(ev.IterationStarted(iteration=iteration))
+        prompts = self.sampler.take(algo.num_prompts)
+        requests = self._requests(prompts, iteration)
+        group_of = {r.request_id: i // algo.group_size for i, r in enumerate(requests)}
+        self.groups = {
+            ItemId(r.request_id): GroupId(f"{iteration}/{group_of[r.request_id]}") for r in requests
+        }
+        items = [
+            Item(
+                id=ItemId(r.request_id),
+                group=self.groups[ItemId(r.request_id)],
+                edge=PROMPTS,
+                payload=_ENCODER.encode(r),
+            )
+            for r in requests
+        ]
+        completions: dict[str, Completion] = {}
+        rewards: dict[str, float] = {}
+        old_logprobs: dict[str, tuple[float, ...]] = {}
+        score_s = [0.0]
+
+        async def score(chunk: list[Completion]) -> None:
+            t0 = time.perf_counter()
+            pairs = [(prompts[group_of[c.request_id]], self._decode(c)) for c in chunk]
+            values = await self.verifier.score_many(pairs)
+            rewards.update((c.request_id, v) for c, v in zip(chunk, values, strict=True))
+            old_logprobs.update(await self._old_logprobs(chunk))
+            score_s[0] += time.perf_counter() - t0
+
+        await self.world.router.submit(items)
+        async with anyio.create_task_group() as tg:
+            while len(completions) < len(items):
+                chunk = []
+                for done in await self.world.router.receive_batch():
+                    completion = _DECODER.decode(done.result.payload)
+                    completions[completion.request_id] = completion
+                    chunk.append(completion)
+                if chunk:
+                    tg.start_soon(score, chunk)
+                self.on_progress(
+                    Progress(
+                        iteration=iteration,
+                        stage="rollout",
+                        done=len(completions),
+                        total=len(items),
+                    )
+                )
+            stage_s["rollout"] = time.perf_counter() - started
+        stage_s["score"] = score_s[0]
+
+        ordered = [completions[r.request_id] for r in requests]
+        trajectories = with_advantages(
+            [
+                msgspec.structs.replace(
+                    from_completion(
+                        c, group_id=group_of[c.request_id], reward=rewards[c.request_id]
+                    ),
+                    old_logprobs=old_logprobs[c.request_id],
+                )
+                for c in ordered
+            ]
+        )
+        t0 = time.perf_counter()
+        losses, norms = await self._train(
+            iteration, trajectories, [ItemId(r.request_id) for r in requests]
+        )
+        stage_s["train"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.on_progress(Progress(iteration=iteration, stage="sync", done=0, total=1))
+        await self.world.sync_weights(iteration + 1)
+        stage_s["sync"] = time.perf_counter() - t0
+        self.emit(ev.IterationDone(iteration=iteration))
+
+        elapsed = time.perf_counter() - started
+        reward_values = np.array([rewards[r.request_id] for r in requests])
+        gen_tokens = sum(len(c.output_ids) for c in ordered)
+        return IterationStats(
+            iteration=iteration,
+            mean_reward=float(reward_values.mean()),
+            solved_fraction=float(np.mean(reward_values >= 1.0)),
+            num_samples=len(ordered),
+            gen_tokens=gen_tokens,
+            mean_response_tokens=gen_tokens / len(ordered),
+            tokens_per_s=gen_tokens / elapsed,
+            loss=float(np.mean(losses)),
+            grad_norm=float(np.mean(norms)),
+            weight_version=iteration + 1,
+            stage_s=stage_s,
+            elapsed_s=elapsed,
+        )
+
+    # ------------------------------------------------------------------ stages
+
+    def _requests(self, prompts: Sequence[Prompt], iteration: int) -> list[GenerateRequest]:
+        # The in-process loop's request seeds, so both loops sample the same way.
+        algo, rollout = self.cfg.algorithm, self.cfg.rollout
+        seeds = np.random.default_rng([self.cfg.run.seed, iteration]).integers(
+            2**62, size=(len(prompts), algo.group_size)
+        )
+        return [
+            GenerateRequest(
+                request_id=f"{iteration}-{p}-{g}",
+                prompt_ids=self._encode(prompt),
+                sampling=SamplingParams(
+                    temperature=rollout.temperature,
+                    top_p=rollout.top_p,
+                    max_new_tokens=rollout.max_new_tokens,
+                    seed=int(seeds[p, g]),
+                ),
+            )
+            for p, prompt in enumerate(prompts)
+            for g in range(algo.group_size)
+        ]
+
+    def _encode(self, prompt: Prompt) -> tuple[int, ...]:
+        tok = self.tokenizer
+        ids = tok.encode(prompt.text, add_special_tokens=False)
+        bos = tok.bos_token_id
+        return tuple(([] if bos is None else [bos]) + list(ids))
+
+    def _decode(self, completion: Completion) -> str:
+        ids = list(completion.output_ids)
+        if completion.finish_reason == "stop" and ids:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(ids)
+        assert isinstance(text, str)
+        return text
+
+    async def _old_logprobs(
+        self, chunk: Sequence[Completion]
+    ) -> list[tuple[str, tuple[float, ...]]]:
+        """The behaviour policy's log-probs of ``chunk``: from an inference instance
+        (reported as the inference stage), or the engines' own."""
+        if not self.uses_inference:
+            return [(c.request_id, c.output_logprobs) for c in chunk]
+        with anyio.fail_after(600):
+            # Inference holds no devices now (a migration is moving some): wait.
+            while not (active := self._active(INFERENCE)):  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        target = min(active, key=lambda n: (len(n.items), n.id))
+        handle = self.world.inference[target.id]
+        for c in chunk:
+            self.emit(
+                ev.ItemRouted(edge=TO_INFERENCE, item=ItemId(c.request_id), instance=target.id)
+            )
+        results = await handle.score(
+            [
+                LogprobRequest(
+                    item_id=c.request_id,
+                    token_ids=c.prompt_ids + c.output_ids,
+                    response_start=len(c.prompt_ids),
+                )
+                for c in chunk
+            ]
+        )
+        refs = tuple(
+            ev.ItemRef(ItemId(c.request_id), self.groups[ItemId(c.request_id)]) for c in chunk
+        )
+        self.emit(ev.ItemsEnqueued(edge=TO_ACTOR, items=refs))
+        for c in chunk:
+            self.emit(
+                ev.ItemCompleted(edge=TO_INFERENCE, item=ItemId(c.request_id), instance=target.id)
+            )
+        return [(r.item_id, tuple(r.logprobs)) for r in results]
+
+    async def _train(
+        self, iteration: int, trajectories: Sequence[Trajectory], ids: Sequence[ItemId]
+    ) -> tuple[list[float], list[float]]:
+        """``n_minibatches`` optimizer steps, split as
+        :func:`~dynarl.rl.batch.split_minibatches` splits."""
+        algo = self.cfg.algorithm
+        trainer = self.world.trainer
+        assert trainer is not None, "start the world first"
+        pad = getattr(self.tokenizer, "pad_token_id", None) or 0
+        order = np.random.default_rng([self.cfg.run.seed, iteration]).permutation(len(trajectories))
+        losses, norms = [], []
+        for step, part in enumerate(np.array_split(order, algo.n_minibatches)):
+            self.on_progress(
+                Progress(iteration=iteration, stage="train", done=step, total=algo.n_minibatches)
+            )
+            actors = self._active(ACTOR)
+            batch = [ids[int(i)] for i in part]
+            for k, item in enumerate(batch):
+                self.emit(
+                    ev.ItemRouted(edge=TO_ACTOR, item=item, instance=actors[k % len(actors)].id)
+                )
+            t0 = time.perf_counter()
+            metrics = await trainer.train_step(
+                to_arrays([trajectories[int(i)] for i in part], pad_token_id=pad)
+            )
+            duration = time.perf_counter() - t0
+            for item in batch:
+                owner = self.graph.edges[TO_ACTOR].items[item].owner
+                if owner is not None:
+                    self.emit(ev.ItemCompleted(edge=TO_ACTOR, item=item, instance=owner))
+            self.emit(
+                ev.TrainStepDone(
+                    component=ACTOR,
+                    step=step,
+                    num_steps=algo.n_minibatches,
+                    num_samples=len(batch),
+                    duration_s=duration,
+                )
+            )
+            losses.append(metrics.loss)
+            norms.append(metrics.grad_norm)
+        return losses, norms
+
+    def _active(self, component: ComponentId) -> list[Node]:
+        node = self.graph.components.get(component)
+        return [] if node is None else sorted(node.active_instances(), key=lambda n: n.id)

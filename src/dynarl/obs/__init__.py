@@ -1,0 +1,1 @@
+"""Observability: allocation timelines recorded from controller events, and plots."""

@@ -1,0 +1,179 @@
+"""Per-iteration metrics of a real run: the record, the device-seconds meter behind it,
+and the ``metrics.jsonl`` writer (one JSON object per line, one line per iteration).
+"""
+
+import json
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Self
+
+import msgspec
+
+from dynarl.control import events as ev
+from dynarl.control.hypergraph import Hypergraph
+
+
+class MigrationRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One migration of the iteration: what moved, and what it cost.
+
+    Attributes:
+        kind: ``workload``, ``reshard`` or ``reboot``.
+        src, dst: components (``None``: the free pool).
+        num_devices: devices moved.
+        duration_s: wall time from commit to done or failed.
+        ok: whether it succeeded.
+    """
+
+    kind: str
+    src: str | None
+    dst: str | None
+    num_devices: int
+    duration_s: float
+    ok: bool
+
+
+class IterationStats(msgspec.Struct, frozen=True, kw_only=True):
+    """What one RL iteration of a real run measured (a line of ``metrics.jsonl``).
+
+    Attributes:
+        iteration: 0-based index.
+        mean_reward: mean verifier reward over the iteration's responses.
+        solved_fraction: responses with reward 1.
+        num_samples: responses generated.
+        gen_tokens: tokens generated.
+        mean_response_tokens: mean response length in tokens.
+        tokens_per_s: generated tokens per second of the iteration's wall time.
+        loss, grad_norm: means over the iteration's optimizer steps.
+        weight_version: the weight version the engines hold after the iteration.
+        stage_s: wall seconds of each stage (``rollout``, ``score``, ``train``,
+            ``sync``); stages may overlap.
+        elapsed_s: wall time of the whole iteration.
+        device_s: device-seconds each component held during the iteration.
+        allocation: devices per component when the iteration ended.
+        migrations: the migrations that finished during the iteration.
+    """
+
+    iteration: int
+    mean_reward: float
+    solved_fraction: float
+    num_samples: int
+    gen_tokens: int
+    mean_response_tokens: float
+    tokens_per_s: float
+    loss: float
+    grad_norm: float
+    weight_version: int
+    stage_s: dict[str, float]
+    elapsed_s: float
+    device_s: dict[str, float] = msgspec.field(default_factory=dict)
+    allocation: dict[str, int] = msgspec.field(default_factory=dict)
+    migrations: list[MigrationRecord] = msgspec.field(default_factory=list)
+
+
+class DeviceMeter:
+    """Device-seconds per component and finished migrations, from the controller's
+    events; a controller listener.
+
+    Args:
+        graph: the controller's hypergraph (read only).
+        now_s: the clock's time when metering starts.
+    """
+
+    def __init__(self, graph: Hypergraph, *, now_s: float) -> None:
+        self._graph = graph
+        self._last_s = now_s
+        self._device_s: dict[str, float] = {}
+        self._started: dict[int, tuple[float, MigrationRecord]] = {}
+        self._migrations: list[MigrationRecord] = []
+
+    def __call__(self, event: ev.Event) -> None:
+        """Account the time since the previous event at the placement before ``event``
+        (listeners see events after they are applied; the difference is one event)."""
+        self.advance(event.time_s)
+        if isinstance(event, ev.MigrationStarted):
+            m = event.migration
+            record = MigrationRecord(
+                kind=m.kind,
+                src=m.src,
+                dst=m.dst,
+                num_devices=len(m.devices),
+                duration_s=0.0,
+                ok=False,
+            )
+            self._started[int(m.id)] = (event.time_s, record)
+        elif isinstance(event, ev.MigrationDone | ev.MigrationFailed):
+            started = self._started.pop(int(event.migration), None)
+            if started is not None:
+                t0, record = started
+                self._migrations.append(
+                    msgspec.structs.replace(
+                        record,
+                        duration_s=event.time_s - t0,
+                        ok=isinstance(event, ev.MigrationDone),
+                    )
+                )
+
+    def advance(self, now_s: float) -> None:
+        """Account device time up to ``now_s``."""
+        dt = max(0.0, now_s - self._last_s)
+        self._last_s = max(self._last_s, now_s)
+        for cid, devices in self.allocation().items():
+            self._device_s[cid] = self._device_s.get(cid, 0.0) + dt * devices
+
+    def allocation(self) -> dict[str, int]:
+        """Active devices per component on devices now."""
+        return {
+            str(cid): node.num_active_devices
+            for cid, node in self._graph.components.items()
+            if node.spec.on_devices
+        }
+
+    def take(self, now_s: float) -> tuple[dict[str, float], list[MigrationRecord]]:
+        """Device-seconds and migrations since the previous call, and reset."""
+        self.advance(now_s)
+        device_s, self._device_s = self._device_s, {}
+        migrations, self._migrations = self._migrations, []
+        return device_s, migrations
+
+
+class MetricsWriter:
+    """Appends :class:`IterationStats` to ``metrics.jsonl`` in a run directory, one
+    flushed line each; ``with`` it or call :meth:`close`.
+
+    Args:
+        path: the file to write (created, truncated).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file: IO[str] | None = None
+
+    def write(self, stats: IterationStats) -> None:
+        """Append one record."""
+        if self._file is None:
+            self._file = self.path.open("w", encoding="utf-8")
+        self._file.write(msgspec.json.encode(stats).decode() + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file; idempotent."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[IterationStats]:
+    """The records of a ``metrics.jsonl`` file, in order."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return [msgspec.convert(json.loads(line), IterationStats) for line in lines if line.strip()]

@@ -1,0 +1,103 @@
+"""The DynaRL facade on real worker processes: a short run learns and writes its run
+directory; leaving the context, by error or cancellation, leaves no process behind; it
+runs inside an already-running loop (the test's own, like a notebook's)."""
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import anyio
+import pytest
+
+pytest.importorskip("torch")
+
+from dynarl.api.config import DynaRLConfig
+from dynarl.api.config_io import apply_overrides
+from dynarl.api.facade import DynaRL
+from dynarl.obs.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+FAST = [
+    "scheduler.mode=static-disaggregated",
+    "run.checkpoint_every=0",
+]
+# Two device slots (actor, rollout): the cheapest real pipeline to start.
+SMALL = [
+    *FAST,
+    "cluster.num_devices=2",
+    "rollout.initial_devices=1",
+    "inference.initial_devices=0",
+    "algorithm.num_prompts=8",
+]
+
+
+def config(tmp_path: Path, *overrides: str) -> DynaRLConfig:
+    return apply_overrides(DynaRLConfig(), [*overrides, f"run.run_dir={tmp_path / 'run'}"])
+
+
+def worker_pids(rl: DynaRL) -> list[int]:
+    assert rl._iteration is not None
+    world = rl._iteration.world
+    assert world.trainer is not None
+    slots = [s.pid for s in world.launcher.slots]
+    trainers = [p.pid for p in world.trainer.pool._processes if p.pid is not None]
+    return slots + trainers
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(150)
+async def test_a_short_run_learns_and_writes_its_run_directory(tmp_path: Path) -> None:
+    cfg = config(tmp_path, *FAST, "run.num_iterations=4")
+    async with DynaRL(cfg) as rl:
+        history = await rl.run()
+    assert [s.iteration for s in history] == [0, 1, 2, 3]
+    run_dir = tmp_path / "run"
+    assert (run_dir / "config.yaml").is_file()
+    assert read_metrics(run_dir / "metrics.jsonl") == history
+    assert (run_dir / "checkpoints" / "iter_0004.pt").is_file()
+    first, last = history[0], history[-1]
+    assert last.mean_reward > first.mean_reward, [s.mean_reward for s in history]
+    assert first.allocation == {"rollout": 2, "inference": 1, "actor": 1}
+    assert first.device_s["rollout"] > 0 and first.migrations == []
+    assert {"rollout", "score", "train", "sync"} <= set(first.stage_s)
+    assert all(s.gen_tokens > 0 and s.tokens_per_s > 0 for s in history)
+
+
+@pytest.mark.timeout(90)
+async def test_an_error_inside_the_run_leaves_no_worker_process(tmp_path: Path) -> None:
+    pids: list[int] = []
+    with pytest.raises(RuntimeError, match="user code failed"):
+        async with DynaRL(config(tmp_path, *SMALL)) as rl:
+            pids = worker_pids(rl)
+            assert pids and all(alive(p) for p in pids)
+            raise RuntimeError("user code failed")
+    assert not [p for p in pids if alive(p)]
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.timeout(90)
+async def test_runs_inside_a_running_loop_and_a_cancelled_iteration_stops_cleanly(
+    tmp_path: Path,
+) -> None:
+    """The test's loop is already running, as a notebook's is; cancelling the caller
+    mid-iteration shuts the run down with no process left."""
+    cfg = config(tmp_path, *SMALL, "run.num_iterations=3")
+    seen = []
+    with anyio.move_on_after(60) as scope:
+        async with DynaRL(cfg) as rl:
+            pids = worker_pids(rl)
+            async for stats in rl.iterations():
+                seen.append(stats)
+                scope.deadline = anyio.current_time() + 0.3  # cancel the next one midway
+    assert scope.cancelled_caught
+    assert len(seen) == 1 and seen[0].mean_reward >= 0.0
+    assert not [p for p in pids if alive(p)]
+    assert multiprocessing.active_children() == []
