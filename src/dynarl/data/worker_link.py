@@ -83,7 +83,9 @@ class WorkerLink:
             wire.Abort: self._on_abort,
             wire.Ping: self._on_ping,
             wire.Call: self._on_call,
-            wire.Retire: lambda m: self._lose(f"the controller retired this worker: {m.reason}"),
+            wire.Retire: lambda m: self._lose(
+                f"the controller retired this worker: {m.reason}", expected=True
+            ),
             wire.Refused: lambda m: self._lose(f"the controller dropped this worker: {m.reason}"),
             wire.Welcome: lambda m: self._codec.rejections.add("unexpected", "second welcome"),
         }
@@ -229,9 +231,11 @@ class WorkerLink:
         with contextlib.suppress(anyio.WouldBlock):
             self._transport.send_nowait(CONTROLLER, self._codec.encode(wire.Pong(msg.corr)))
 
-    def _lose(self, reason: str) -> None:
+    def _lose(self, reason: str, *, expected: bool = False) -> None:
         if self._lost is None:
-            logger.warning("link of %s lost: %s", self.instance, reason)
+            # A retirement is the controller's decision (shutdown, a role switch).
+            level = logging.INFO if expected else logging.WARNING
+            logger.log(level, "link of %s lost: %s", self.instance, reason)
             self._lost = PeerLostError(reason)
             self._has_items.set()
             self._has_calls.set()
