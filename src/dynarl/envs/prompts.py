@@ -72,7 +72,7 @@ def read_parquet(path: str | Path) -> list[Prompt]:
     """The prompts of a Parquet file with a string column ``prompt``, optional
     ``answer`` and ``id`` columns and any others (kept as metadata). Needs ``pyarrow``."""
     try:
-        import pyarrow.parquet as pq  # type: ignore[import-not-found, unused-ignore]
+        import pyarrow.parquet as pq
     except ImportError as exc:
         raise PromptError(
             f"reading {str(path)!r} needs pyarrow; install it with `pip install pyarrow` "
