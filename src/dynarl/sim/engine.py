@@ -4,9 +4,14 @@ It behaves like an SGLang engine seen from outside: requests (:class:`Job`s) are
 submitted, queue, are admitted while the KV cache and ``max_running_requests`` allow,
 prefill (compute-bound; running requests stall meanwhile), then decode one token per
 step together. A decode step costs ``overhead + (weight bytes / tp + KV bytes read) /
-HBM bandwidth``; KV read grows by one token per running request per step. When the
-cache is full the youngest running request is preempted: its KV is freed, it goes to
-the front of the queue and re-prefills later. A job that ends in a tool call leaves its
+HBM bandwidth``; KV read grows by one token per running request per step. As in
+SGLang, admission reserves KV for a share (the "new token ratio") of each running
+job's future tokens, and when the cache is full anyway the youngest running requests
+are retracted until the rest have headroom for many steps
+(``retract_headroom_steps``): their KV is freed, they go to the front of the queue and
+re-prefill their whole context later. A retraction raises the ratio to 1, so admission
+is conservative right after it; the ratio then decays step by step back to its floor.
+Retractions are therefore rare events, not one per step. A job that ends in a tool call leaves its
 KV in a prefix cache (LRU, evicted by tokens from the least recent entry's tail), so
 its next turn re-prefills only what was evicted and the tool's output.
 
@@ -32,15 +37,21 @@ from dynarl.sim.errors import SimError
 from dynarl.sim.jobs import Job, JobDone, JobProgress
 from dynarl.sim.prefix_cache import PrefixCache
 
+# events this close after the target time are due (as the world's own tolerance): a
+# clock that lands one ulp short of an event must not leave it pending forever
+_DUE_S = 1e-9
+
 
 class EngineTotals(msgspec.Struct, frozen=True, kw_only=True):
     """Counters since the engine was made: tokens generated and prefilled (prefix-cache
-    hits excluded), prefix-cache hit tokens, preemptions, decode steps."""
+    hits excluded), prefix-cache hit tokens, preemptions (jobs retracted), retractions
+    (the events, each retracting one or more jobs), decode steps."""
 
     generated_tokens: int
     prefill_tokens: int
     cached_tokens: int
     num_preemptions: int
+    num_retractions: int
     num_steps: int
 
 
@@ -81,6 +92,13 @@ class SimEngine:
         self._a, self._b = config.step_coefficients()
         self._capacity = config.kv_tokens_capacity
         self._admit_limit = config.admit_fraction * self._capacity
+        self._headroom_steps = max(1, config.retract_headroom_steps)
+        self._min_ratio = config.min_new_token_ratio
+        self._ratio_decay = (config.init_new_token_ratio - config.min_new_token_ratio) / max(
+            1, config.new_token_ratio_decay_steps
+        )
+        # the new token ratio is _ratio_base at step _ratio_step, decaying since
+        self._ratio_base, self._ratio_step = config.init_new_token_ratio, 0
         # prefill of n new tokens after h cached ones: n * (fixed + per_context * (h + n/2))
         # FLOPs at _flops_rate FLOP/s (as EngineConfig.prefill_s)
         self._flops_fixed = config.model.forward_flops_per_token(0.0)
@@ -99,6 +117,7 @@ class SimEngine:
         self._seq = 0
         self._event: tuple[float, int] | None = None  # memoised (time, steps)
         self._generated = self._prefilled = self._hits = self._preemptions = 0
+        self._retractions = 0
 
     # ---- the public surface -------------------------------------------------------
 
@@ -156,7 +175,7 @@ class SimEngine:
         if out:
             self._queue = deque(e for e in self._queue if e.job.id not in wanted)
             self._queued_ids -= wanted
-        for item in wanted & self._running.keys():
+        for item in [i for i in self._running if i in wanted]:  # in admission order
             entry = self._remove(item)
             out.append(JobProgress(id=item, generated_tokens=entry.done))
         for item in wanted:
@@ -180,7 +199,7 @@ class SimEngine:
                 f"engine {self.instance} is at {self._now} s; cannot go back to {time_s} s"
             )
         done: list[JobDone] = []
-        while (event := self._next_event()) is not None and event[0] <= time_s:
+        while (event := self._next_event()) is not None and event[0] <= time_s + _DUE_S:
             self._step(event[1])
             done += self._finish()
             self._schedule()
@@ -212,6 +231,7 @@ class SimEngine:
             prefill_tokens=self._prefilled,
             cached_tokens=self._hits,
             num_preemptions=self._preemptions,
+            num_retractions=self._retractions,
             num_steps=self._step_count,
         )
 
@@ -306,31 +326,67 @@ class SimEngine:
                 self._cache.put(item, ctx)
         return out
 
+    def _ratio(self) -> float:
+        """The new token ratio now (SGLang's): decays linearly to its floor."""
+        decayed = self._ratio_base - self._ratio_decay * (self._step_count - self._ratio_step)
+        return max(self._min_ratio, decayed)
+
+    def _set_ratio(self, ratio: float) -> None:
+        self._ratio_base, self._ratio_step = ratio, self._step_count
+
+    def _reserve(self, remaining: int) -> int:
+        """Future tokens admission counts for a job with ``remaining`` to generate."""
+        return min(remaining, self.config.new_token_clip)
+
     def _schedule(self) -> None:
-        """At a step boundary: preempt while the next step does not fit, then admit."""
+        """At a step boundary: retract if the next step does not fit, then admit."""
         self._admit_pending = False
-        while self._running and self._held + len(self._running) > self._capacity:
+        if self._running and self._held + len(self._running) > self._capacity:
+            self._retract()
+        self._cache.shrink_to(self._capacity - self._held)
+        if self._queue and len(self._running) < self.config.max_running_requests:
+            self._admit()
+
+    def _retract(self) -> None:
+        """SGLang's retract decode: retract the youngest running jobs until the rest
+        can decode ``retract_headroom_steps`` steps (a lone job always stays), then make
+        admission conservative."""
+        while len(self._running) > 1 and (
+            self._held + len(self._running) * self._headroom_steps > self._capacity
+        ):
             youngest = next(reversed(self._running))
             self._queue.appendleft(self._remove(youngest))
             self._queued_ids.add(youngest)
             self._preemptions += 1
-        self._cache.shrink_to(self._capacity - self._held)
+        self._retractions += 1
+        self._set_ratio(max(1.0, self._ratio()))
+
+    def _admit(self) -> None:
+        """Admit queued jobs in order while their context plus the reserved share of
+        every job's future tokens fits (a lone job is always admitted)."""
+        ratio = self._ratio()
+        step = self._step_count
+        future = sum(self._reserve(e.finish_step - step) for e in self._running.values())
         admitted: list[_Entry] = []
         held = self._held
-        limit = self.config.max_running_requests - len(self._running)
+        batch = len(self._running)
+        limit = self.config.max_running_requests - batch
         while self._queue and len(admitted) < limit:
             entry = self._queue[0]
-            if (self._running or admitted) and (
-                held + entry.queued_context > self._admit_limit
-                # room for the next step too, or a job preempted here would come straight
-                # back and be preempted again
-                or held + entry.queued_context + len(self._running) + len(admitted) + 1
-                > self._capacity
+            context = entry.queued_context
+            need = self._reserve(entry.job.output_tokens - entry.done)
+            if (batch or admitted) and (
+                held + context > self._admit_limit
+                or held + context + ratio * (future + need) > self._capacity
+                # room for the next step too, or a job retracted here would come straight
+                # back and be retracted again
+                or held + context + batch + len(admitted) + 1 > self._capacity
             ):
                 break
             admitted.append(self._queue.popleft())
             self._queued_ids.discard(entry.job.id)
-            held += entry.queued_context
+            held += context
+            future += need
         if admitted:
             self._prefill(admitted)
 

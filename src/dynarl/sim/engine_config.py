@@ -30,6 +30,17 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         prefill_mfu: achieved share of peak FLOP/s during prefill.
         prefill_overhead_s: fixed cost of one prefill batch.
         kv_capacity_tokens: override of the KV capacity derived from memory (0: derive).
+        retract_headroom_steps: when the cache overflows, retract running jobs until
+            the rest can decode this many steps (SGLang's retract decode, with a wider
+            margin so that retractions stay rare).
+        init_new_token_ratio: share of a running job's future tokens (clipped at
+            ``new_token_clip``) that admission reserves KV for (SGLang's
+            ``new_token_ratio``); a retraction raises it to 1, and it falls back by
+            ``(init - min) / new_token_ratio_decay_steps`` a step to ``min_new_token_ratio``.
+        min_new_token_ratio: the floor of that share.
+        new_token_ratio_decay_steps: steps to decay from the initial ratio to the floor.
+        new_token_clip: cap on the future tokens reserved per job (SGLang's
+            ``CLIP_MAX_NEW_TOKENS``).
     """
 
     gpu: GpuProfile
@@ -43,6 +54,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     prefill_mfu: float = 0.5
     prefill_overhead_s: float = 5e-3
     kv_capacity_tokens: int = 0
+    retract_headroom_steps: int = 256
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay_steps: int = 600
+    new_token_clip: int = 4096
 
     @property
     def kv_tokens_capacity(self) -> int:
