@@ -34,8 +34,12 @@ logger = logging.getLogger(__name__)
 class Executor(Protocol):
     """Carries out migrations in some world (real workers, the simulator, fakes)."""
 
-    async def execute(self, migration: Migration) -> None:
+    async def execute(self, migration: Migration) -> float | None:
         """Carry out ``migration``; return once the new instances are active.
+
+        May return the seconds it waited before the move began (a trainer is resized
+        only at an optimizer-step boundary): that wait is not the move's cost, and is
+        left out of the cost the predictor learns.
 
         Raise to report failure; the drained instances must then still be running
         where they were (create-before-destroy).
@@ -197,7 +201,7 @@ class Controller:
     async def _execute(self, migration: Migration) -> None:
         t0 = self.clock.now()
         try:
-            await self.executor.execute(migration)
+            waited = await self.executor.execute(migration)
         except Exception as exc:  # the executor reports failure by raising
             logger.warning("migration %d failed: %s", migration.id, exc)
             self._stats.migrations_failed += 1
@@ -206,7 +210,7 @@ class Controller:
         duration = self.clock.now() - t0
         self._stats.migrations_done += 1
         if self.predictor is not None:
-            self.predictor.observe_migration(migration.kind, duration)
+            self.predictor.observe_migration(migration.kind, max(0.0, duration - (waited or 0.0)))
         self.handle(ev.MigrationDone(migration=migration.id, duration_s=duration))
 
     async def _tick_loop(self) -> None:

@@ -112,6 +112,11 @@ class HyperNode:
         """The component's id."""
         return self.spec.id
 
+    def restart_rate(self, time_s: float) -> None:
+        """Measure the work rate afresh from ``time_s`` (the component was resized)."""
+        self.work_rate.reset()
+        self.work_rate.add(time_s, 0.0)
+
     def active_instances(self) -> Iterable[Node]:
         """Instances not being drained."""
         return (n for n in self.instances.values() if n.state == "active")
@@ -496,6 +501,10 @@ class Hypergraph:
             hn = self.components[node.component]
             hn.num_active -= 1
             hn.num_active_devices -= len(node.devices)
+        if drained and m.src is not None:
+            # A measured rate belongs to a device count: what the component did on its
+            # old devices must not be read as the rate of its new ones.
+            self.components[m.src].restart_rate(e.time_s)
         for d in from_free:
             self.free_devices.discard(d)
             self.crashed_devices.discard(d)
@@ -535,6 +544,8 @@ class Hypergraph:
             assert m.dst is not None
             self._add_instance(spec, m.dst)
             placed.update(spec.devices)
+        if m.create and m.dst is not None:
+            self.components[m.dst].restart_rate(e.time_s)  # resized: see _on_migration_started
         self.free_devices.update(d for d in m.devices if d not in placed)
 
     def _on_migration_failed(self, e: ev.MigrationFailed) -> None:
@@ -547,6 +558,8 @@ class Hypergraph:
                 hn = self.components[node.component]
                 hn.num_active += 1
                 hn.num_active_devices += len(node.devices)
+        if m.drain and m.src is not None:
+            self.components[m.src].restart_rate(e.time_s)  # resized back
         for d in m.devices:
             if self.device_owner.get(d) == m.id:
                 del self.device_owner[d]

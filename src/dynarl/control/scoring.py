@@ -115,6 +115,19 @@ def remaining_time(
             continue
         new = rate(graph, predictor, cid, n_new, d)
         old = rate(graph, predictor, cid, n_old, d) if n_old != n_new else new
+        if graph.components[cid].spec.kind == "actor" and d.tail > 0:
+            finish[cid] = _actor_finish(
+                graph,
+                predictor,
+                cid,
+                d,
+                n_old=n_old,
+                n_new=n_new,
+                delay=delays.get(cid, 0.0),
+                arrival=arrival,
+                devices=devices,
+            ) + penalties.get(cid, 0.0)
+            continue
         own = _time_for(d.work, old, new, delays.get(cid, 0.0)) + penalties.get(cid, 0.0)
         tail = d.tail / new if new > 0 else math.inf if d.tail > 0 else 0.0
         finish[cid] = max(own, arrival + tail)
@@ -134,6 +147,64 @@ def remaining_time(
                     joined = arrival + predictor.migration_cost(kind) + (d.work - done) / later
                     finish[cid] = min(finish[cid], joined)
     return max(finish.values(), default=0.0)
+
+
+def _actor_finish(
+    graph: Hypergraph,
+    predictor: Predictor,
+    cid: ComponentId,
+    d: Demand,
+    *,
+    n_old: int,
+    n_new: int,
+    delay: float,
+    arrival: float,
+    devices: Mapping[ComponentId, int],
+) -> float:
+    """When the trainer finishes its remaining optimizer steps.
+
+    The trainer works in whole minibatches and is resized only between steps: a step
+    starts as soon as its minibatch is complete, on the devices the trainer holds
+    then, and runs on them to its end, whatever devices free up meanwhile. A step in
+    progress (the trainer holds samples) runs on the current devices, and a plan that
+    resizes the trainer takes effect ``delay`` after that step ends (after ``delay``
+    if none runs; the next step waits for it). The samples already here make the
+    first minibatches; the rest arrive evenly until the predecessors finish
+    (``arrival``). A step that starts after that may instead wait for the
+    predecessors' devices to join (a reshard), if that ends it sooner.
+    """
+    size = d.tail
+    steps = max(1, round(d.work / size))
+    own = max(d.work - d.upstream, 0.0)
+    node = graph.components[cid]
+    unit = node.spec.devices_per_instance
+    pooled = n_new + sum(devices.get(p, 0) for p in _ancestors(graph, cid))
+    pooled -= pooled % unit
+    join = arrival + predictor.migration_cost("reshard") if arrival > 0 else math.inf
+    rates: dict[int, float] = {}
+
+    def step_s(n: int) -> float:
+        if n not in rates:
+            rates[n] = rate(graph, predictor, cid, n, d)
+        return size / rates[n] if rates[n] > 0 else math.inf
+
+    t, first = 0.0, 1
+    resized = delay > 0 and n_new != n_old
+    if node.num_in_flight():
+        t, first = step_s(n_old), 2
+    ready_new = t + delay if resized else 0.0
+    n = n_new
+    for j in range(first, steps + 1):
+        need = j * size - own
+        ready = 0.0 if need <= 1e-9 else arrival * min(1.0, need / max(d.upstream, 1e-9))
+        start = max(t, ready, ready_new)
+        end = start + step_s(n)
+        if pooled > n and start >= arrival:
+            joined = max(start, join) + step_s(pooled)
+            if joined < end:
+                n, end = pooled, joined
+        t = end
+    return t
 
 
 def rate(

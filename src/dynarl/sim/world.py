@@ -466,14 +466,17 @@ class SimWorld:
 
     # ------------------------------------------------------------------ executor
 
-    async def execute(self, migration: Migration) -> None:
-        """Carry out ``migration`` (see the module docstring)."""
+    async def execute(self, migration: Migration) -> float:
+        """Carry out ``migration`` (see the module docstring); return the seconds it
+        waited for the optimizer-step boundary."""
         comps = self.graph.components
         src = comps[migration.src].spec.kind if migration.src is not None else None
         dst = comps[migration.dst].spec.kind if migration.dst is not None else None
+        t0 = self._now()
         if "actor" in (src, dst):
             while self._step is not None:
                 await self._step_ended.wait()
+        waited = self._now() - t0
         try:
             self._release(migration, self._now())
             cost = self.cluster.migration.move_time_s(migration.kind, src, dst, self.cluster.model)
@@ -482,6 +485,7 @@ class SimWorld:
         finally:
             self._dirty = True
             self._wake.set()
+        return waited
 
     def _release(self, migration: Migration, now: float) -> None:
         """Abort the drained instances' work, requeue it and route it as planned."""
