@@ -1,6 +1,7 @@
 """The controller runs the real loop against in-process fake workers on virtual time."""
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -17,8 +18,9 @@ from dynarl.control.modes import make_policy
 from dynarl.control.plan import Migration
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Trigger
+from dynarl.control.topology import PROMPTS
 from dynarl.core.clock import LoopClock
-from dynarl.core.ids import InstanceId
+from dynarl.core.ids import GroupId, InstanceId, ItemId
 from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.testing.harness import HarnessResult, fake_profile, run_with_fake_world
 from dynarl.testing.world import FakeWorldConfig
@@ -167,3 +169,51 @@ def test_commit_outside_a_running_controller_is_an_error() -> None:
     )
     with pytest.raises(RuntimeError, match="not running"):
         controller.decide(Trigger(kind="iteration_start", time_s=0.0))
+
+
+class AlwaysFails:
+    def __init__(self) -> None:
+        self.attempts: list[float] = []
+
+    async def execute(self, migration: Migration) -> None:
+        self.attempts.append(anyio.current_time())
+        await anyio.sleep(0.5)
+        raise RuntimeError("no route to that device")
+
+
+def test_a_failing_move_is_retried_with_exponential_back_off() -> None:
+    cfg = apply_overrides(DynaRLConfig(), [*CLUSTER, "scheduler.mode=static-colocated"])
+
+    async def main() -> tuple[Controller, AlwaysFails]:
+        graph, baseline = build_hypergraph(cfg)
+        predictor = Predictor({c: n.spec.scaling for c, n in graph.components.items()})
+        executor = AlwaysFails()
+        controller = Controller(
+            graph,
+            make_policy(cfg.scheduler, predictor, baseline),
+            executor,
+            clock=LoopClock(),
+            tick_s=1.0,
+            max_backoff_s=16.0,
+        )
+        send, receive = anyio.create_memory_object_stream[ev.Event](4)
+        async with anyio.create_task_group() as tg:
+            await tg.start(controller.run, receive)
+            async with send:
+                # Colocated moves every device to rollout at iteration start, and
+                # retries whenever the placement changes (here: each failure).
+                await send.send(ev.IterationStarted(iteration=0))
+                refs = tuple(ev.ItemRef(ItemId(f"p{k}"), GroupId("g")) for k in range(4))
+                await send.send(ev.ItemsEnqueued(edge=PROMPTS, items=refs))
+                await anyio.sleep(120.0)
+        return controller, executor
+
+    controller, executor = virtual(main)
+    stats = controller.statistics()
+    starts = sorted(set(executor.attempts))
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    # Without back-off each failure would be retried at once (every ~0.5 s: ~240 tries).
+    assert 5 <= len(starts) <= 15, starts
+    assert gaps == sorted(gaps) and max(gaps) <= 16.0 + 1.5 + 0.5
+    assert stats.plans_held_back > 0
+    assert controller.graph.components["rollout"].num_active_devices == 3  # old placement kept

@@ -56,6 +56,8 @@ class ControllerStats(msgspec.Struct, kw_only=True):
     plans_committed: int = 0
     migrations_done: int = 0
     migrations_failed: int = 0
+    plans_held_back: int = 0
+    """Plans not committed because one of their moves failed recently (back-off)."""
     decision_s: list[float] = msgspec.field(default_factory=list)
     """Wall-clock seconds of the most recent decisions (up to 4096)."""
 
@@ -73,6 +75,11 @@ _TRIGGERS: dict[type[ev.Event], TriggerKind] = {
 Listener = Callable[[ev.Event], None]
 
 
+def _move(m: Migration) -> tuple[str | None, str | None, str]:
+    """What a migration does, for back-off: from where, to where, how."""
+    return (m.src, m.dst, m.kind)
+
+
 class Controller:
     """The control loop.
 
@@ -83,6 +90,9 @@ class Controller:
         clock: the time source (virtual in the simulator).
         predictor: fed with observed throughputs and migration costs, if given.
         tick_s: period of the ``tick`` trigger.
+        max_backoff_s: a move that failed is not retried for ``tick_s * 2**failures``
+            seconds, at most this long (a success resets it); when the back-off ends
+            the policy is asked again.
         listeners: called with every applied event (timeline, metrics), in order.
     """
 
@@ -95,6 +105,7 @@ class Controller:
         clock: Clock,
         predictor: Predictor | None = None,
         tick_s: float = 1.0,
+        max_backoff_s: float = 60.0,
         listeners: Iterable[Listener] = (),
     ) -> None:
         self.graph = graph
@@ -103,11 +114,14 @@ class Controller:
         self.clock = clock
         self.predictor = predictor
         self.tick_s = tick_s
+        self.max_backoff_s = max_backoff_s
         self.listeners = list(listeners)
         self._stats = ControllerStats()
         self._rejected: Counter[str] = Counter()
         self._decision_s: deque[float] = deque(maxlen=4096)
         self._tg: TaskGroup | None = None
+        # Moves that failed recently, by (src, dst, kind): (retry not before, failures).
+        self._backoff: dict[tuple[str | None, str | None, str], tuple[float, int]] = {}
 
     async def run(
         self,
@@ -169,6 +183,7 @@ class Controller:
             plans_committed=s.plans_committed,
             migrations_done=s.migrations_done,
             migrations_failed=s.migrations_failed,
+            plans_held_back=s.plans_held_back,
             decision_s=list(self._decision_s),
         )
 
@@ -191,6 +206,17 @@ class Controller:
     def _commit(self, plan: Plan) -> None:
         if self._tg is None:
             raise RuntimeError("the controller is not running: start Controller.run first")
+        now = self.clock.now()
+        # (1 µs of slack: a sleep until the expiry may wake an ulp before it.)
+        blocked = [
+            m for m in plan.migrations if self._backoff.get(_move(m), (0.0, 0))[0] > now + 1e-6
+        ]
+        if blocked:
+            # A move that just failed is not retried until its back-off has passed,
+            # however often the (pure, memoryless) policy proposes it again.
+            logger.debug("plan held back: %s failed recently", _move(blocked[0]))
+            self._stats.plans_held_back += 1
+            return
         logger.info("plan (%s): %s", self.policy.name, plan.reason)
         self._stats.plans_committed += 1
         for migration in plan.migrations:
@@ -205,13 +231,25 @@ class Controller:
         except Exception as exc:  # the executor reports failure by raising
             logger.warning("migration %d failed: %s", migration.id, exc)
             self._stats.migrations_failed += 1
+            _, failures = self._backoff.get(_move(migration), (0.0, 0))
+            delay = min(self.max_backoff_s, self.tick_s * 2**failures)
+            self._backoff[_move(migration)] = (self.clock.now() + delay, failures + 1)
+            if self._tg is not None:
+                self._tg.start_soon(self._ask_again_after, delay)
             self.handle(ev.MigrationFailed(migration=migration.id, reason=str(exc)))
             return
         duration = self.clock.now() - t0
         self._stats.migrations_done += 1
+        self._backoff.pop(_move(migration), None)
         if self.predictor is not None:
             self.predictor.observe_migration(migration.kind, max(0.0, duration - (waited or 0.0)))
         self.handle(ev.MigrationDone(migration=migration.id, duration_s=duration))
+
+    async def _ask_again_after(self, delay_s: float) -> None:
+        # Policies that act only on placement changes (the static ones) would never
+        # see a trigger once the failed move's back-off has passed.
+        await self.clock.sleep(delay_s)
+        self.decide(Trigger(kind="placement_changed", time_s=self.clock.now()))
 
     async def _tick_loop(self) -> None:
         while True:
