@@ -3,7 +3,7 @@
 import pytest
 
 from dynarl.control import events as ev
-from dynarl.control.hypergraph import TOOL
+from dynarl.control.elements import TOOL
 from dynarl.control.plan import InstanceSpec, Migration
 from dynarl.control.topology import ACTOR, PROMPTS, ROLLOUT, TO_INFERENCE
 from dynarl.core.errors import EventError, InvariantError

@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from dynarl.control import events as ev
-from dynarl.control.hypergraph import TOOL, Hypergraph
+from dynarl.control.elements import TOOL
+from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.planner import PlanBuilder
 from dynarl.control.topology import PROMPTS
 from dynarl.core.errors import EventError

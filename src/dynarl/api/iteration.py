@@ -26,7 +26,8 @@ import numpy as np
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.world import RealWorld
 from dynarl.control import events as ev
-from dynarl.control.hypergraph import Hypergraph, Node
+from dynarl.control.elements import Node
+from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, TO_ACTOR, TO_INFERENCE
 from dynarl.core.ids import ComponentId, EdgeId, GroupId, ItemId
 from dynarl.data.wire import Item

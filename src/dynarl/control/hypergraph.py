@@ -12,144 +12,15 @@ validates before it mutates, so a rejected event (:class:`EventError`) changes n
 """
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 from dynarl.control import events as ev
-from dynarl.control.meter import RateMeter
+from dynarl.control.elements import TOOL, HyperEdge, HyperNode, ItemState, Node
+from dynarl.control.invariants import check_invariants
 from dynarl.control.plan import InstanceSpec, Migration
-from dynarl.control.topology import ComponentSpec, EdgeSpec, PipelineSpec
-from dynarl.core.errors import EventError, InvariantError
-from dynarl.core.ids import ComponentId, DeviceId, EdgeId, GroupId, InstanceId, ItemId, MigrationId
-
-TOOL = InstanceId("<tool>")
-"""Owner of an item while it is out of its engine running a tool call."""
-
-InstanceState = Literal["active", "draining"]
-
-
-class ItemState:
-    """One item on a hyperedge: who holds it and its affinity history."""
-
-    __slots__ = (
-        "enqueued_s",
-        "group",
-        "id",
-        "last_instance",
-        "owner",
-        "prefix_tokens",
-        "tool_calls",
-    )
-
-    def __init__(self, item: ItemId, group: GroupId, enqueued_s: float) -> None:
-        self.id = item
-        self.group = group
-        self.owner: InstanceId | None = None  # None: waiting in the edge's queue
-        self.last_instance: InstanceId | None = None
-        self.tool_calls = 0
-        self.prefix_tokens = 0
-        self.enqueued_s = enqueued_s
-
-
-class Node:
-    """One worker instance and its last reported load."""
-
-    __slots__ = (
-        "below_since_s",
-        "busy",
-        "component",
-        "devices",
-        "gen_tokens_per_s",
-        "id",
-        "items",
-        "kv_usage",
-        "last_stats_s",
-        "num_queued",
-        "num_running",
-        "state",
-    )
-
-    def __init__(self, spec: InstanceSpec, component: ComponentId, now_s: float) -> None:
-        self.id = spec.id
-        self.component = component
-        self.devices = spec.devices
-        self.state: InstanceState = "active"
-        self.items: dict[ItemId, EdgeId] = {}
-        self.kv_usage = 0.0
-        self.num_running = 0
-        self.num_queued = 0
-        self.gen_tokens_per_s = 0.0
-        self.last_stats_s: float | None = None
-        self.busy = False
-        # Since when KV usage has stayed below the hypergraph's low-usage threshold.
-        self.below_since_s: float | None = now_s
-
-
-class HyperNode:
-    """One component: static spec, its instances and measured rates."""
-
-    def __init__(self, spec: ComponentSpec, *, rate_tau_s: float) -> None:
-        self.spec = spec
-        self.instances: dict[InstanceId, Node] = {}
-        self.num_active = 0
-        self.num_active_devices = 0
-        self.work_rate = RateMeter(rate_tau_s)  # tokens/s (rollout) or samples/s
-        self.items_completed = 0
-        self.tokens_completed = 0
-        # Longest response of finished iterations (this one's is biased short: its
-        # longest responses have not finished yet) and of this one so far.
-        self.max_tokens_completed = 0
-        self.max_tokens_iter = 0
-        # This iteration only: tokens generated (from engine reports) and completed.
-        self.tokens_generated_iter = 0.0
-        self.tokens_completed_iter = 0
-        self.items_completed_iter = 0
-        self.steps_done = 0
-        self.num_steps = 0
-        self.last_step_samples_per_s = 0.0
-
-    @property
-    def id(self) -> ComponentId:
-        """The component's id."""
-        return self.spec.id
-
-    def restart_rate(self, time_s: float) -> None:
-        """Measure the work rate afresh from ``time_s`` (the component was resized)."""
-        self.work_rate.reset()
-        self.work_rate.add(time_s, 0.0)
-
-    def active_instances(self) -> Iterable[Node]:
-        """Instances not being drained."""
-        return (n for n in self.instances.values() if n.state == "active")
-
-    def num_in_flight(self) -> int:
-        """Items held by this component's active instances."""
-        return sum(len(n.items) for n in self.active_instances())
-
-
-class HyperEdge:
-    """One dataflow: its items, its queue (insertion-ordered) and progress counters."""
-
-    def __init__(self, spec: EdgeSpec) -> None:
-        self.spec = spec
-        self.items: dict[ItemId, ItemState] = {}
-        self.queue: dict[ItemId, None] = {}
-        self.num_in_tool = 0
-        self.num_enqueued = 0
-        self.enqueued_this_iteration = 0
-        self.num_routed = 0
-        self.num_requeued = 0
-        self.num_completed = 0
-        self.tokens_completed = 0
-
-    @property
-    def id(self) -> EdgeId:
-        """The edge's id."""
-        return self.spec.id
-
-    @property
-    def num_pending(self) -> int:
-        """Items not yet completed (queued, in flight or in a tool call)."""
-        return len(self.items)
+from dynarl.control.topology import ComponentSpec, PipelineSpec
+from dynarl.core.errors import EventError
+from dynarl.core.ids import ComponentId, DeviceId, EdgeId, InstanceId, ItemId, MigrationId
 
 
 class Hypergraph:
@@ -611,70 +482,6 @@ class Hypergraph:
     def check(self) -> None:
         """Verify every invariant from scratch; raises :class:`InvariantError`.
 
-        A device is held by at most one instance or migration, or is free; device
-        counts are conserved; every pending item is held by exactly one consumer
-        instance, the tool stage, or its edge's queue; cached counters agree.
+        See :func:`dynarl.control.invariants.check_invariants`.
         """
-        seen: dict[DeviceId, str] = {}
-
-        def claim(d: DeviceId, who: str) -> None:
-            if d in seen:
-                raise InvariantError(f"device {d} is in {seen[d]} and in {who}")
-            if not 0 <= d < self.num_devices:
-                raise InvariantError(f"device {d} is outside the cluster ({who})")
-            seen[d] = who
-
-        for node in self.instances.values():
-            for d in node.devices:
-                claim(d, f"instance {node.id}")
-                if self.device_owner.get(d) != node.id:
-                    raise InvariantError(f"device_owner[{d}] is not {node.id}")
-        for m in self.migrations.values():
-            for d in m.devices:
-                if self.device_owner.get(d) == m.id:
-                    claim(d, f"migration {m.id}")
-        for d in self.free_devices:
-            claim(d, "the free pool")
-        if len(seen) != self.num_devices:
-            lost = sorted(set(range(self.num_devices)) - set(seen))
-            raise InvariantError(f"devices {lost} are held by nobody: device count not conserved")
-        if not self.crashed_devices <= self.free_devices:
-            raise InvariantError("a crashed device is not in the free pool")
-        if len(self.device_owner) + len(self.free_devices) != self.num_devices:
-            raise InvariantError("device_owner holds stale entries")
-        for hn in self.components.values():
-            active = [n for n in hn.instances.values() if n.state == "active"]
-            if hn.num_active != len(active):
-                raise InvariantError(f"{hn.id}: num_active {hn.num_active} != {len(active)}")
-            if hn.num_active_devices != sum(len(n.devices) for n in active):
-                raise InvariantError(f"{hn.id}: num_active_devices out of date")
-            for n in hn.instances.values():
-                if self.instances.get(n.id) is not n or n.component != hn.id:
-                    raise InvariantError(f"instance {n.id} is filed under the wrong component")
-        for node in self.instances.values():
-            for item, edge_id in node.items.items():
-                st = self.edges[edge_id].items.get(item)
-                if st is None or st.owner != node.id:
-                    raise InvariantError(f"{node.id} holds {item!r}, which it does not own")
-        for edge in self.edges.values():
-            in_tool = 0
-            for st in edge.items.values():
-                if st.owner is None:
-                    if st.id not in edge.queue:
-                        raise InvariantError(f"{st.id!r} on {edge.id} is owned by nobody")
-                elif st.owner == TOOL:
-                    in_tool += 1
-                else:
-                    holder = self.instances.get(st.owner)
-                    if holder is None or holder.items.get(st.id) != edge.id:
-                        raise InvariantError(f"{st.id!r} on {edge.id} claims owner {st.owner}")
-                    if holder.component not in edge.spec.consumers:
-                        raise InvariantError(f"{st.owner} holds {st.id!r}, not a consumer")
-                    if st.id in edge.queue:
-                        raise InvariantError(f"{st.id!r} is both queued and held by {st.owner}")
-            if any(i not in edge.items for i in edge.queue):
-                raise InvariantError(f"{edge.id} queue holds completed items")
-            if in_tool != edge.num_in_tool:
-                raise InvariantError(f"{edge.id}: num_in_tool {edge.num_in_tool} != {in_tool}")
-            if edge.num_enqueued != edge.num_completed + len(edge.items):
-                raise InvariantError(f"{edge.id}: enqueued != completed + pending")
+        check_invariants(self)

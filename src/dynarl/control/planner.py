@@ -12,7 +12,8 @@ import heapq
 from collections import defaultdict
 from collections.abc import Sequence
 
-from dynarl.control.hypergraph import Hypergraph, Node
+from dynarl.control.elements import Node
+from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import InstanceSpec, Migration, MigrationKind, Plan
 from dynarl.core.ids import ComponentId, DeviceId, GroupId, InstanceId, ItemId, MigrationId
 

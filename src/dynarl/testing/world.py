@@ -24,7 +24,8 @@ import msgspec
 import numpy as np
 
 from dynarl.control import events as ev
-from dynarl.control.hypergraph import Hypergraph, Node
+from dynarl.control.elements import Node
+from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import Migration
 from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT, TO_ACTOR, TO_INFERENCE
 from dynarl.core.clock import Clock

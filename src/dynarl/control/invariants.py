@@ -1,0 +1,82 @@
+"""The hypergraph's invariants, verified from scratch (for tests and debugging)."""
+
+from typing import TYPE_CHECKING
+
+from dynarl.control.elements import TOOL
+from dynarl.core.errors import InvariantError
+from dynarl.core.ids import DeviceId
+
+if TYPE_CHECKING:
+    from dynarl.control.hypergraph import Hypergraph
+
+
+def check_invariants(graph: "Hypergraph") -> None:
+    """Verify every invariant from scratch; raises :class:`InvariantError`.
+
+    A device is held by at most one instance or migration, or is free; device
+    counts are conserved; every pending item is held by exactly one consumer
+    instance, the tool stage, or its edge's queue; cached counters agree.
+    """
+    seen: dict[DeviceId, str] = {}
+
+    def claim(d: DeviceId, who: str) -> None:
+        if d in seen:
+            raise InvariantError(f"device {d} is in {seen[d]} and in {who}")
+        if not 0 <= d < graph.num_devices:
+            raise InvariantError(f"device {d} is outside the cluster ({who})")
+        seen[d] = who
+
+    for node in graph.instances.values():
+        for d in node.devices:
+            claim(d, f"instance {node.id}")
+            if graph.device_owner.get(d) != node.id:
+                raise InvariantError(f"device_owner[{d}] is not {node.id}")
+    for m in graph.migrations.values():
+        for d in m.devices:
+            if graph.device_owner.get(d) == m.id:
+                claim(d, f"migration {m.id}")
+    for d in graph.free_devices:
+        claim(d, "the free pool")
+    if len(seen) != graph.num_devices:
+        lost = sorted(set(range(graph.num_devices)) - set(seen))
+        raise InvariantError(f"devices {lost} are held by nobody: device count not conserved")
+    if not graph.crashed_devices <= graph.free_devices:
+        raise InvariantError("a crashed device is not in the free pool")
+    if len(graph.device_owner) + len(graph.free_devices) != graph.num_devices:
+        raise InvariantError("device_owner holds stale entries")
+    for hn in graph.components.values():
+        active = [n for n in hn.instances.values() if n.state == "active"]
+        if hn.num_active != len(active):
+            raise InvariantError(f"{hn.id}: num_active {hn.num_active} != {len(active)}")
+        if hn.num_active_devices != sum(len(n.devices) for n in active):
+            raise InvariantError(f"{hn.id}: num_active_devices out of date")
+        for n in hn.instances.values():
+            if graph.instances.get(n.id) is not n or n.component != hn.id:
+                raise InvariantError(f"instance {n.id} is filed under the wrong component")
+    for node in graph.instances.values():
+        for item, edge_id in node.items.items():
+            st = graph.edges[edge_id].items.get(item)
+            if st is None or st.owner != node.id:
+                raise InvariantError(f"{node.id} holds {item!r}, which it does not own")
+    for edge in graph.edges.values():
+        in_tool = 0
+        for st in edge.items.values():
+            if st.owner is None:
+                if st.id not in edge.queue:
+                    raise InvariantError(f"{st.id!r} on {edge.id} is owned by nobody")
+            elif st.owner == TOOL:
+                in_tool += 1
+            else:
+                holder = graph.instances.get(st.owner)
+                if holder is None or holder.items.get(st.id) != edge.id:
+                    raise InvariantError(f"{st.id!r} on {edge.id} claims owner {st.owner}")
+                if holder.component not in edge.spec.consumers:
+                    raise InvariantError(f"{st.owner} holds {st.id!r}, not a consumer")
+                if st.id in edge.queue:
+                    raise InvariantError(f"{st.id!r} is both queued and held by {st.owner}")
+        if any(i not in edge.items for i in edge.queue):
+            raise InvariantError(f"{edge.id} queue holds completed items")
+        if in_tool != edge.num_in_tool:
+            raise InvariantError(f"{edge.id}: num_in_tool {edge.num_in_tool} != {in_tool}")
+        if edge.num_enqueued != edge.num_completed + len(edge.items):
+            raise InvariantError(f"{edge.id}: enqueued != completed + pending")
