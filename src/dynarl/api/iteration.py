@@ -34,9 +34,16 @@ from dynarl.data.wire import Item
 from dynarl.envs.prompts import Prompt, PromptSampler
 from dynarl.envs.verifier import AsyncVerifier
 from dynarl.obs.metrics import IterationStats
-from dynarl.rl.batch import Trajectory, from_completion, to_arrays, with_advantages
+from dynarl.rl.batch import (
+    Trajectory,
+    from_completion,
+    minibatch_indices,
+    to_arrays,
+    with_advantages,
+)
+from dynarl.rl.requests import group_requests
 from dynarl.workers.torch.inference_request import LogprobRequest
-from dynarl.workers.torch.request import Completion, GenerateRequest, SamplingParams
+from dynarl.workers.torch.request import Completion, GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -206,25 +213,8 @@ class GrpoIteration:
     # ------------------------------------------------------------------ stages
 
     def _requests(self, prompts: Sequence[Prompt], iteration: int) -> list[GenerateRequest]:
-        # The in-process loop's request seeds, so both loops sample the same way.
-        algo, rollout = self.cfg.algorithm, self.cfg.rollout
-        seeds = np.random.default_rng([self.cfg.run.seed, iteration]).integers(
-            2**62, size=(len(prompts), algo.group_size)
-        )
-        return [
-            GenerateRequest(
-                request_id=f"{iteration}-{p}-{g}",
-                prompt_ids=self._encode(prompt),
-                sampling=SamplingParams(
-                    temperature=rollout.temperature,
-                    top_p=rollout.top_p,
-                    max_new_tokens=rollout.max_new_tokens,
-                    seed=int(seeds[p, g]),
-                ),
-            )
-            for p, prompt in enumerate(prompts)
-            for g in range(algo.group_size)
-        ]
+        # The in-process loop's requests, so both loops sample the same way.
+        return group_requests(self.cfg, [self._encode(p) for p in prompts], iteration)
 
     def _encode(self, prompt: Prompt) -> tuple[int, ...]:
         tok = self.tokenizer
@@ -286,9 +276,11 @@ class GrpoIteration:
         trainer = self.world.trainer
         assert trainer is not None, "start the world first"
         pad = getattr(self.tokenizer, "pad_token_id", None) or 0
-        order = np.random.default_rng([self.cfg.run.seed, iteration]).permutation(len(trajectories))
+        parts = minibatch_indices(
+            len(trajectories), algo.n_minibatches, seed=[self.cfg.run.seed, iteration]
+        )
         losses, norms = [], []
-        for step, part in enumerate(np.array_split(order, algo.n_minibatches)):
+        for step, part in enumerate(parts):
             self.on_progress(
                 Progress(iteration=iteration, stage="train", done=step, total=algo.n_minibatches)
             )

@@ -159,8 +159,15 @@ def split_minibatches(
             f"cannot split {len(trajectories)} trajectories into {n_minibatches} "
             "minibatches; lower algorithm.n_minibatches or generate more samples"
         )
-    order = np.random.default_rng(seed).permutation(len(trajectories))
     return [
         to_arrays([trajectories[int(i)] for i in part], pad_token_id=pad_token_id)
-        for part in np.array_split(order, n_minibatches)
+        for part in minibatch_indices(len(trajectories), n_minibatches, seed=seed)
     ]
+
+
+def minibatch_indices(
+    num_trajectories: int, n_minibatches: int, *, seed: int | Sequence[int]
+) -> list[np.ndarray]:
+    """The trajectory indices of each minibatch :func:`split_minibatches` makes."""
+    order = np.random.default_rng(seed).permutation(num_trajectories)
+    return list(np.array_split(order, n_minibatches))

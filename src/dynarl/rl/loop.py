@@ -31,10 +31,11 @@ from dynarl.envs.synthetic import SyntheticTask
 from dynarl.envs.verifier import MatchVerifier, Verifier, score_all
 from dynarl.rl.batch import Trajectory, from_completion, split_minibatches, with_advantages
 from dynarl.rl.grpo import GrpoLoss
+from dynarl.rl.requests import group_requests
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.logprobs import sequence_logprobs
 from dynarl.workers.torch.model import build_model, load_tokenizer
-from dynarl.workers.torch.request import Completion, GenerateRequest, SamplingParams
+from dynarl.workers.torch.request import Completion, GenerateRequest
 from dynarl.workers.torch.trainer import ElasticTrainer
 from dynarl.workers.torch.trainer_config import TrainerConfig
 
@@ -180,24 +181,7 @@ class InprocessLoop:
         return text
 
     def _requests(self, prompts: Sequence[Prompt]) -> list[GenerateRequest]:
-        algo, rollout = self.config.algorithm, self.config.rollout
-        seeds = np.random.default_rng([self.config.run.seed, self.iteration]).integers(
-            2**62, size=(len(prompts), algo.group_size)
-        )
-        return [
-            GenerateRequest(
-                request_id=f"{self.iteration}-{p}-{g}",
-                prompt_ids=self.encode(prompt),
-                sampling=SamplingParams(
-                    temperature=rollout.temperature,
-                    top_p=rollout.top_p,
-                    max_new_tokens=rollout.max_new_tokens,
-                    seed=int(seeds[p, g]),
-                ),
-            )
-            for p, prompt in enumerate(prompts)
-            for g in range(algo.group_size)
-        ]
+        return group_requests(self.config, [self.encode(p) for p in prompts], self.iteration)
 
     def _reference_logprobs(
         self, completions: Sequence[Completion]

@@ -1,0 +1,37 @@
+"""An iteration's rollout requests: G samples per prompt, seeded per (run, iteration).
+
+The in-process reference loop and the distributed run build their requests here, so
+both sample exactly the same way for the same seed.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from dynarl.api.config import DynaRLConfig
+from dynarl.workers.torch.request import GenerateRequest, SamplingParams
+
+
+def group_requests(
+    cfg: DynaRLConfig, prompt_ids: Sequence[tuple[int, ...]], iteration: int
+) -> list[GenerateRequest]:
+    """``algorithm.group_size`` requests per prompt (ids ``"{iteration}-{p}-{g}"``),
+    with rollout's sampling parameters and a seed drawn from ``(run.seed, iteration)``."""
+    algo, rollout = cfg.algorithm, cfg.rollout
+    seeds = np.random.default_rng([cfg.run.seed, iteration]).integers(
+        2**62, size=(len(prompt_ids), algo.group_size)
+    )
+    return [
+        GenerateRequest(
+            request_id=f"{iteration}-{p}-{g}",
+            prompt_ids=ids,
+            sampling=SamplingParams(
+                temperature=rollout.temperature,
+                top_p=rollout.top_p,
+                max_new_tokens=rollout.max_new_tokens,
+                seed=int(seeds[p, g]),
+            ),
+        )
+        for p, ids in enumerate(prompt_ids)
+        for g in range(algo.group_size)
+    ]
