@@ -15,17 +15,20 @@ from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.logprobs import sequence_logprobs
 from dynarl.workers.torch.model import build_model, build_tokenizer
 from dynarl.workers.torch.request import Completion, GenerateRequest, SamplingParams
-from dynarl.workers.torch.weight_sync import join_weight_sync_group
+from dynarl.workers.torch.weight_sync import join_weight_sync_group, leave_weight_sync_group
 
 MODEL = ModelConfig(max_seq_len=64)
 
 TRAINER = textwrap.dedent(
     """
+    import os
     import sys
     import torch
     from dynarl.api.config import ModelConfig
     from dynarl.workers.torch.model import build_model
-    from dynarl.workers.torch.weight_sync import join_weight_sync_group, send_weights
+    from dynarl.workers.torch.weight_sync import (
+        join_weight_sync_group, leave_weight_sync_group, send_weights,
+    )
 
     group = join_weight_sync_group(
         host="127.0.0.1", port=int(sys.argv[1]), rank=0, world_size=2,
@@ -33,6 +36,9 @@ TRAINER = textwrap.dedent(
     )
     trained = build_model(ModelConfig(max_seq_len=64), seed=1)
     send_weights(trained, version=7, group=group, bucket_bytes=1 << 16)
+    leave_weight_sync_group(group)
+    sys.stdout.flush()
+    os._exit(0)  # like the trainer worker: skip interpreter teardown of gloo threads
     """
 )
 
@@ -71,6 +77,7 @@ def test_update_weights_from_a_trainer_process_over_gloo() -> None:
             timeout_s=60,
         )
         assert engine.update_weights(group) == 7
+        leave_weight_sync_group(group)
     finally:
         assert trainer.wait(timeout=60) == 0
 

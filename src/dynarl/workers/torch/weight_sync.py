@@ -50,6 +50,14 @@ def join_weight_sync_group(
     return group
 
 
+def leave_weight_sync_group(group: Group) -> None:
+    """Collective: every member calls it after its last sync, so no member tears the
+    group down (or exits) while a peer still uses it — gloo aborts the process when a
+    peer's connection closes under it."""
+    # Backend (a standalone group) has barrier at run time but not in its stub.
+    group.barrier().wait()  # type: ignore[union-attr]
+
+
 def send_weights(
     model: torch.nn.Module,
     *,
