@@ -4,7 +4,8 @@
 in-process fake pipeline on virtual time and prints what each mode did;
 ``dynarl sim`` runs the real controller against the calibrated cluster simulator under
 several modes and writes a run directory (metrics, allocation timeline and its
-picture); ``dynarl plot`` redraws a run directory's picture;
+picture); ``dynarl run`` trains for real (or ``--resume``s a run directory) with a
+progress display; ``dynarl plot`` redraws a run directory's picture;
 ``dynarl config`` prints a resolved configuration. The CLI is the application: it may
 print and start event loops; the library never does.
 """
@@ -12,10 +13,11 @@ print and start event loops; the library never does.
 import argparse
 import asyncio
 import importlib
+import inspect
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -37,12 +39,27 @@ def resolve_config(source: str | None, overrides: Sequence[str]) -> DynaRLConfig
         return load_config(source, overrides)
     else:
         recipes = importlib.import_module("recipes")
-        factory = getattr(recipes, source, None)
-        if not callable(factory):
-            known = ", ".join(n for n in getattr(recipes, "__all__", ()))
-            raise ConfigError(f"no recipe {source!r}; known recipes: {known} (or a config file)")
+        named = {n: getattr(recipes, n) for n in getattr(recipes, "__all__", ())}
+        # Recipes the command line can name: those that need no argument.
+        runnable = {n: f for n, f in named.items() if callable(f) and _takes_no_argument(f)}
+        factory = runnable.get(source)
+        if factory is None:
+            known = ", ".join(sorted(runnable))
+            hint = (
+                f"recipe {source!r} takes arguments; call it from Python"
+                if source in named
+                else f"no recipe {source!r}"
+            )
+            raise ConfigError(f"{hint}; recipes to name here: {known} (or a config file)")
         base = factory()
     return apply_overrides(base, overrides)
+
+
+def _takes_no_argument(factory: Callable[..., object]) -> bool:
+    parameters = inspect.signature(factory).parameters.values()
+    return all(
+        p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters
+    )
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -143,7 +160,9 @@ def _plot(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     source = run_dir / "timeline.jsonl"
     if not source.exists():
-        raise ConfigError(f"{source} does not exist: pass a run directory `dynarl sim` wrote")
+        raise ConfigError(
+            f"{source} does not exist: pass a run directory `dynarl run` or `dynarl sim` wrote"
+        )
     plot_timeline(read_timeline(source), run_dir / "timeline.png", title=str(run_dir))
     print(f"wrote {run_dir / 'timeline.png'}")
     return 0
@@ -153,49 +172,67 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """``dynarl run``: a real run of the config, with a progress display."""
+    """``dynarl run``: a real run of the config (or ``--resume`` of a run directory),
+    with a progress display."""
+    from dynarl.api.checkpoint import latest_checkpoint
     from dynarl.api.facade import DynaRL
-    from dynarl.api.iteration import Progress
+    from dynarl.cli_display import RunDisplay
 
-    cfg = resolve_config(args.config, args.set)
-    if args.quiet:
-        logging.getLogger("dynarl").setLevel(logging.INFO)
-    live = not args.quiet and sys.stderr.isatty()
-
-    def show(p: Progress) -> None:
-        if live:
-            print(
-                f"\r  iteration {p.iteration}: {p.stage} {p.done}/{p.total}   ",
-                end="",
-                file=sys.stderr,
-                flush=True,
+    if args.resume is not None:
+        if args.config is not None:
+            raise ConfigError(
+                f"--resume {args.resume} continues with the config saved there; drop "
+                f"{args.config!r} (change values with --set)"
             )
+        if args.out is not None:
+            raise ConfigError(f"--resume {args.resume} goes on writing there; drop --out")
+        rl = DynaRL.resume(args.resume, args.set)
+        done = latest_checkpoint(args.resume).state.num_iterations
+        if done >= rl.cfg.run.num_iterations:
+            raise ConfigError(
+                f"{args.resume} already ran {done} iterations (run.num_iterations="
+                f"{rl.cfg.run.num_iterations}); continue it with --set run.num_iterations=N "
+                f"for some N > {done}",
+                field="run.num_iterations",
+            )
+    else:
+        rl = DynaRL(resolve_config(args.config, args.set), run_dir=args.out)
+    cfg = rl.cfg
+    display = RunDisplay(
+        live=not args.quiet and sys.stdout.isatty(), num_iterations=cfg.run.num_iterations
+    )
+    rl.on_progress = display.progress
+    display.allocation = rl.allocation
 
     async def main() -> None:
         started = time.perf_counter()
-        async with DynaRL(cfg, run_dir=args.out, on_progress=show) as rl:
-            if not args.quiet:
-                print(
+        with display:
+            async with rl:
+                done = len(rl.history)
+                display.print(
                     f"dynarl run: {cfg.scheduler.mode}, {cfg.cluster.num_devices} devices, "
-                    f"run directory {rl.run_dir} (started in "
-                    f"{time.perf_counter() - started:.1f} s)"
+                    f"run directory {rl.run_dir}"
+                    + (f", resumed after {done} iterations" if args.resume else "")
+                    + f" (started in {time.perf_counter() - started:.1f} s)"
                 )
-            async for s in rl.iterations():
-                if live:
-                    print("\r" + " " * 60 + "\r", end="", file=sys.stderr)
-                if not args.quiet:
-                    devices = " ".join(f"{c}={n}" for c, n in s.allocation.items())
-                    print(
-                        f"iter {s.iteration:3d}  reward {s.mean_reward:.3f}  "
-                        f"solved {s.solved_fraction:.2f}  {s.tokens_per_s:7.0f} tok/s  "
-                        f"{s.elapsed_s:5.1f} s  migrations {len(s.migrations)}  [{devices}]",
-                        flush=True,
-                    )
-            path = await rl.save_checkpoint()
-            if not args.quiet:
-                print(f"done in {time.perf_counter() - started:.1f} s; checkpoint {path}")
+                async for stats in rl.iterations():
+                    display.iteration(stats)
+                display.set_status("saving the final checkpoint and timeline")
+                path = await rl.save_checkpoint()
+        print(
+            f"done in {time.perf_counter() - started:.1f} s; checkpoint {path}; "
+            f"timeline {rl.run_dir / 'timeline.png'}"
+        )
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        print(
+            f"interrupted; continue with `dynarl run --resume {rl.run_dir}` (from its last "
+            "checkpoint)",
+            file=sys.stderr,
+        )
+        return 130
     return 0
 
 
@@ -244,7 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train: a real run of a recipe or config file")
     common(run)
     run.add_argument("--out", help="run directory (default: run.run_dir)")
-    run.add_argument("--quiet", action="store_true", help="logs instead of a progress display")
+    run.add_argument(
+        "--quiet",
+        action="store_true",
+        help="one plain line per iteration instead of the live display (the default "
+        "when stdout is not a terminal)",
+    )
+    run.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue RUN_DIR from its last checkpoint with the config saved there "
+        "(--set still applies, e.g. run.num_iterations=40)",
+    )
     run.set_defaults(func=_run)
     config = sub.add_parser("config", help="print the resolved configuration")
     common(config)

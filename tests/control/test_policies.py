@@ -12,6 +12,7 @@ from dynarl.control.modes import make_policy
 from dynarl.control.policies.bottleneck import BottleneckPolicy
 from dynarl.control.policies.colocated import ColocatedPolicy
 from dynarl.control.policies.phases import ActorTakesCluster, RolloutBorrowsActor
+from dynarl.control.policies.rlhfuse import RlhfusePolicy
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Trigger, TriggerKind
 from dynarl.control.scoring import remaining_time
@@ -210,6 +211,27 @@ def test_colocated_moves_devices_only_at_stage_boundaries() -> None:
         g.apply(ev.MigrationDone(migration=m.id))
     assert g.components[ROLLOUT].num_active_devices == 4
     assert not policy.decide(g, tick(2.0, "stage_drained"))  # rollout still has work
+
+
+def test_rlhfuse_fuses_only_when_the_tail_fits_on_few_engines_without_slowing() -> None:
+    """One request per engine: while every engine reads as much KV as the busiest,
+    packing them would slow each decode step, so nothing fuses; once one engine holds
+    most of the KV, the rest fit on 2 of 10 engines and the other 8 start inference."""
+
+    def tail(kv: list[float]) -> Hypergraph:
+        g = make_graph(rollout=len(kv), inference=0, actor=0)
+        g.apply(ev.IterationStarted(iteration=0))
+        for k, item in enumerate(enqueue(g, PROMPTS, len(kv), "r")):
+            iid = InstanceId(f"rollout-{k}")
+            g.apply(ev.ItemRouted(edge=PROMPTS, item=item, instance=iid))
+            g.apply(ev.EngineStats(instance=iid, kv_usage=kv[k], num_running=1, num_queued=0))
+        return g
+
+    policy = RlhfusePolicy(tail_fraction=0.2)
+    assert not policy.decide(tail([0.5] * 10), tick(1.0))
+    plan = policy.decide(tail([0.6] + [0.05] * 9), tick(1.0))
+    assert [(m.src, m.dst, len(m.drain)) for m in plan.migrations] == [(ROLLOUT, INFERENCE, 8)]
+    assert InstanceId("rollout-0") not in plan.migrations[0].drain
 
 
 def test_disaggregated_keeps_its_split_and_only_reboots_crashed_devices() -> None:

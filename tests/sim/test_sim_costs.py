@@ -12,6 +12,7 @@ from dynarl.sim import (
     WeightSyncCost,
     model,
 )
+from dynarl.sim.costs import attended_context
 
 SMALL, MEDIUM, LARGE = (model(f"R1-Distill-Qwen-{s}") for s in ("1.5B", "7B", "32B"))
 
@@ -65,3 +66,18 @@ def test_weight_sync_is_setup_plus_bytes_over_link() -> None:
     sync = WeightSyncCost(setup_s=0.5, bandwidth_bytes_per_s=50e9)
     assert sync.time_s(LARGE) == pytest.approx(0.5 + LARGE.weight_bytes / 50e9)
     assert sync.time_s(SMALL) < sync.time_s(MEDIUM) < sync.time_s(LARGE)
+
+
+def test_attention_cost_follows_the_long_sequences_of_a_minibatch() -> None:
+    """Causal attention grows with the square of a sequence's length: a minibatch with
+    one 20K-token sequence among short ones costs more to train than the same tokens
+    in equal sequences."""
+    actor = ActorCost(gpu=H100, model=MEDIUM, tp=4)
+    skewed = [20_000] + [500] * 40
+    even = [sum(skewed) // len(skewed)] * len(skewed)
+    assert attended_context(even) == pytest.approx(even[0] / 2)
+    assert attended_context(skewed) > 5 * attended_context(even)
+    tokens = sum(skewed)
+    slow = actor.step_time_s(tokens, 8, attended_context(skewed))
+    fast = actor.step_time_s(tokens, 8, attended_context(even))
+    assert slow > 1.1 * fast

@@ -24,7 +24,7 @@ from dynarl.workers.torch.loss import weighted_nll  # noqa: E402
 from dynarl.workers.torch.trainer import ElasticTrainer  # noqa: E402
 from dynarl.workers.torch.trainer_commands import ReshardFault  # noqa: E402
 from dynarl.workers.torch.trainer_config import TrainerConfig  # noqa: E402
-from dynarl.workers.torch.trainer_errors import ReshardError  # noqa: E402
+from dynarl.workers.torch.trainer_errors import ReshardError, TrainerError  # noqa: E402
 from dynarl.workers.torch.trainer_pool import TrainerPool  # noqa: E402
 from dynarl.workers.torch.weight_sync import join_weight_sync_group, receive_weights  # noqa: E402
 
@@ -230,3 +230,35 @@ def test_weight_sync_delivers_weights_and_version_to_an_engine(
             engine.kill()
             engine.join()
         ours.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_loaded_checkpoint_continues_like_the_trainer_that_wrote_it(
+    pool: TrainerPool, tmp_path: Path
+) -> None:
+    """Model and AdamW state survive save -> load onto other (and more) members: the
+    steps after it match a run that never stopped."""
+    batches = [b for b, _ in zip(minibatches(3), range(4), strict=False)]
+    pool.start_training([0])
+    first = [pool.train_step(b).loss for b in batches[:2]]
+    pool.save_checkpoint(tmp_path / "mid.pt")
+    assert not list(tmp_path.glob("*.tmp"))  # written under a temporary name, renamed
+
+    pool.start_training([1, 2])  # fresh weights from the seed: forgotten until loaded
+    pool.load_checkpoint(tmp_path / "mid.pt")
+    rest = [pool.train_step(b).loss for b in batches[2:]]
+    pool.save_checkpoint(tmp_path / "end.pt")
+
+    expected = reference_run(batches)
+    np.testing.assert_allclose(first + rest, expected["losses"], rtol=1e-5)
+    assert global_relative_error(load_model(tmp_path / "end.pt"), expected["model"]) < 1e-5
+    state = torch.load(tmp_path / "end.pt", weights_only=True)
+    assert state["num_steps"] == 4 and state["optimizer"]["state"]  # AdamW moments saved
+
+
+@pytest.mark.timeout(30)
+def test_loading_a_missing_checkpoint_says_which_file(pool: TrainerPool, tmp_path: Path) -> None:
+    pool.start_training([0])
+    with pytest.raises(TrainerError, match=r"cannot read the checkpoint .*missing\.pt"):
+        pool.load_checkpoint(tmp_path / "missing.pt")
+    pool.train_step(next(minibatches(4)))  # the worker keeps serving

@@ -1,13 +1,18 @@
 """The real executor: carries out the controller's migrations on worker processes.
 
-- **workload** between rollout, inference and the free pool: the router drains each
-  released instance (its queued and in-flight requests come back with their partial
-  output and go to the remaining engines), and its slot assumes the destination role
-  in place (release memory, build or resume the new role, reconnect); no process
-  starts.
-- **reshard** and moves into or out of the actor, and **reboot**, are not carried
-  out yet: they raise, so the controller records ``MigrationFailed`` and the old
-  placement keeps running.
+- **workload** (rollout, inference, the free pool): each released instance is drained
+  by the router (its queued and in-flight requests come back with their partial
+  output and go to the remaining engines; a running score call finishes first) and its
+  slot frees the role's memory, keeping a host copy; each created instance is a slot
+  assuming the role in place (build, or resume the host copy), brought to the weights
+  the engines run before the router sees it. No process starts.
+- **reshard** (into or out of the actor): at an optimizer-step boundary, the trainer's
+  ranks move peer to peer onto the new devices, create-before-destroy
+  (:meth:`~dynarl.workers.torch.trainer_pool.TrainerPool.resize`); a trainer left with
+  no device is parked and resumes from its keeper. Slots on the devices involved
+  release or assume their roles around it, so one process holds a device at a time.
+- **reboot** is not carried out on real workers: it raises, the controller records
+  ``MigrationFailed`` and the old placement keeps running.
 
 Failures are reported by raising, as the :class:`~dynarl.control.controller.Executor`
 protocol asks.
@@ -15,16 +20,22 @@ protocol asks.
 
 import logging
 
+import anyio
+
 from dynarl.api.world import RealWorld
+from dynarl.control import events as ev
 from dynarl.control.plan import Migration
-from dynarl.control.topology import INFERENCE, ROLLOUT
+from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
 from dynarl.core.errors import DynaRLError
+from dynarl.core.ids import DeviceId, InstanceId, MigrationId
 
 logger = logging.getLogger(__name__)
 
+_SLOT_ROLES = (ROLLOUT, INFERENCE, None)
+
 
 class MigrationNotSupportedError(DynaRLError):
-    """The real executor cannot carry out this kind of migration yet."""
+    """The real executor cannot carry out this kind of migration."""
 
 
 class WorldExecutor:
@@ -36,35 +47,68 @@ class WorldExecutor:
 
     def __init__(self, world: RealWorld) -> None:
         self.world = world
+        self._created: dict[MigrationId, list[InstanceId]] = {}
 
-    async def execute(self, migration: Migration) -> None:
-        """Carry out ``migration``; raise if it cannot be (the old placement stays)."""
-        slot_roles = (ROLLOUT, INFERENCE, None)
-        if (
-            migration.kind != "workload"
-            or migration.src not in slot_roles
-            or (migration.dst not in slot_roles)
-        ):
+    def on_event(self, event: ev.Event) -> None:
+        """Controller listener: once a migration is done (its instances placed in the
+        hypergraph), the router may route to the rollout engines it created."""
+        if isinstance(event, ev.MigrationDone):
+            for instance in self._created.pop(event.migration, ()):
+                self.world.router.reactivate(instance)
+        elif isinstance(event, ev.MigrationFailed):
+            self._created.pop(event.migration, None)
+
+    async def execute(self, migration: Migration) -> float | None:
+        """Carry out ``migration``; raise if it cannot be (the old placement stays).
+        Returns the seconds waited for an optimizer-step boundary."""
+        src, dst = migration.src, migration.dst
+        supported = (src in _SLOT_ROLES or src == ACTOR) and (dst in _SLOT_ROLES or dst == ACTOR)
+        if migration.kind == "reboot" or not supported:
             raise MigrationNotSupportedError(
-                f"migration {migration.id} ({migration.kind}, {migration.src} -> "
-                f"{migration.dst}) is not supported by the real executor yet; use "
-                "scheduler.mode=static-disaggregated for real runs"
+                f"migration {migration.id} ({migration.kind}, {src} -> {dst}) is not "
+                "supported on real workers; the old placement keeps running"
             )
+        if ACTOR in (src, dst):
+            waited = await self._reshard(migration)
+        else:
+            waited = None
+            for instance in migration.drain:
+                await self.world.release(instance)
+            await self._create(migration)
+        logger.info("migration %d done: %s -> %s", migration.id, src, dst)
+        return waited
+
+    async def _reshard(self, migration: Migration) -> float:
         world = self.world
-        for instance in migration.drain:
-            await world.router.drain(instance)
-            world.rollout.pop(instance, None)
-            world.inference.pop(instance, None)
-        for spec in migration.create:
-            slot = world.slot(spec.devices[0])
-            if migration.dst == ROLLOUT:
-                world.rollout[spec.id] = await slot.assume_role(
-                    world.rollout_role, instance=spec.id
-                )
+        graph = world.graph
+        async with world.actor_boundary() as waited:
+            if migration.src == ACTOR:
+                leaving = [
+                    d
+                    for i in migration.drain
+                    if (node := graph.instances.get(i)) is not None
+                    for d in node.devices
+                ]
+                await world.resize_actor(leaving=leaving)
             else:
-                world.inference[spec.id] = await slot.assume_role(
-                    world.inference_role, instance=spec.id
-                )
-        # The new role holds the weights the slot had when it last held it (or the
-        # seed's); the next weight sync brings it up to date.
-        logger.info("migration %d done: %s -> %s", migration.id, migration.src, migration.dst)
+                released = [(i, await world.release(i)) for i in migration.drain]
+                joining = [DeviceId(d) for spec in migration.create for d in spec.devices]
+                try:
+                    await world.resize_actor(joining=joining)
+                except BaseException:
+                    # Create-before-destroy: the released instances run again.
+                    with anyio.CancelScope(shield=True):
+                        for instance, slot in released:
+                            if slot is not None:
+                                await world.restore(instance, slot)
+                    raise
+        if migration.dst != ACTOR:
+            await self._create(migration)
+        return waited
+
+    async def _create(self, migration: Migration) -> None:
+        dst = migration.dst
+        if dst is None or not migration.create:
+            return
+        self._created[migration.id] = [spec.id for spec in migration.create]
+        await self.world.assume(dst, [(spec.devices[0], spec.id) for spec in migration.create])

@@ -14,10 +14,11 @@ a run starts.
 """
 
 import contextlib
+import functools
 import logging
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
@@ -25,24 +26,26 @@ from typing import TYPE_CHECKING, Self
 import anyio
 import msgspec
 
+from dynarl.api.checkpoint import Checkpoint, RunState, trainer_path, write_state
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import dump_config
 from dynarl.api.pipeline import build_hypergraph
+from dynarl.api.run_dir import RunDirectory
 from dynarl.control import events as ev
 from dynarl.control.topology import PROMPTS, ROLLOUT
 from dynarl.core.clock import LoopClock
 from dynarl.core.errors import ConfigError, DynaRLError
-from dynarl.obs.metrics import DeviceMeter, IterationStats, MetricsWriter
+from dynarl.obs.metrics import DeviceMeter, FlatValue, IterationStats, MetricsWriter, flat_record
+from dynarl.obs.timeline import TimelineLine, TimelineRecorder
 
 if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
     from dynarl.api.iteration import GrpoIteration, Progress
+    from dynarl.api.world import RealWorld
     from dynarl.control.controller import Controller
 
 logger = logging.getLogger(__name__)
-
-
-REAL_MODES = ("static-disaggregated",)
-"""Scheduling modes a run on real workers supports so far."""
 
 
 class DynaRL:
@@ -53,6 +56,9 @@ class DynaRL:
         run_dir: where the run directory goes (default: ``cfg.run.run_dir``).
         on_progress: sees the running iteration's progress (rollout responses done,
             optimizer steps taken), for a progress display.
+        resume_from: a run directory to continue from its last checkpoint (the run
+            goes on writing there); ``cfg`` should be the configuration saved there,
+            see :meth:`resume`.
     """
 
     def __init__(
@@ -61,20 +67,24 @@ class DynaRL:
         *,
         run_dir: str | Path | None = None,
         on_progress: "Callable[[Progress], None] | None" = None,
+        resume_from: str | Path | None = None,
     ) -> None:
-        if cfg.scheduler.mode not in REAL_MODES:
-            # Moving trainer devices (reshard) between real workers is not wired yet:
-            # refuse up front rather than let every planned move fail at run time.
-            raise ConfigError(
-                f"scheduler.mode={cfg.scheduler.mode!r} cannot run on real workers yet "
-                f"(moving the trainer's devices is not wired to the worker processes); "
-                f"use --set scheduler.mode=static-disaggregated, or `dynarl sim` to see "
-                f"what {cfg.scheduler.mode} scheduling buys on a modelled cluster",
-                field="scheduler.mode",
-            )
+        if resume_from is not None:
+            if run_dir is not None and Path(run_dir).resolve() != Path(resume_from).resolve():
+                raise ConfigError(
+                    f"a resumed run continues in its own directory {resume_from}, not in "
+                    f"{run_dir}; drop run_dir (or copy the run directory first)"
+                )
+            run_dir = resume_from
         self.cfg = cfg
         self.run_dir = Path(run_dir if run_dir is not None else cfg.run.run_dir)
         self.on_progress = on_progress
+        self.resume_from = None if resume_from is None else Path(resume_from)
+        self._files = RunDirectory(self.run_dir)
+        self._recorder: TimelineRecorder | None = None
+        self._timeline_before: list[TimelineLine] = []  # a resumed run's predecessors'
+        self._closed_s: float | None = None
+        self._saved_at: int | None = None
         self.history: list[IterationStats] = []
         """Stats of every finished iteration, in order."""
         self.controller: Controller | None = None
@@ -84,6 +94,21 @@ class DynaRL:
         self._meter: DeviceMeter | None = None
         self._metrics: MetricsWriter | None = None
         self._forward = False
+
+    @classmethod
+    def resume(
+        cls,
+        run_dir: str | Path,
+        overrides: Iterable[str] = (),
+        *,
+        on_progress: "Callable[[Progress], None] | None" = None,
+    ) -> "DynaRL":
+        """A run that continues ``run_dir`` from its last checkpoint, with the config
+        saved there plus ``overrides`` (e.g. ``["run.num_iterations=40"]``): the same
+        prompts, trainer state and weight version, so it ends as an uninterrupted run
+        would; ``metrics.jsonl`` and ``timeline.jsonl`` go on where they stopped."""
+        cfg = RunDirectory(run_dir).load_config(overrides)
+        return cls(cfg, on_progress=on_progress, resume_from=run_dir)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -114,6 +139,8 @@ class DynaRL:
             await stack.aclose()
 
     async def _open(self, stack: contextlib.AsyncExitStack) -> None:
+        # Checked first: a directory with nothing to resume fails before anything loads.
+        resumed = None if self.resume_from is None else self._files.resume_point(self.cfg)
         # Heavy modules (torch, transformers, zmq) load here, not on `import dynarl`.
         from dynarl.api.executor import WorldExecutor
         from dynarl.api.iteration import GrpoIteration
@@ -130,9 +157,15 @@ class DynaRL:
         from dynarl.workers.torch.model import load_tokenizer
 
         cfg = self.cfg
+        files = self._files
+        if resumed is not None:
+            self.history = list(resumed.history)
+            self._timeline_before = resumed.timeline
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(cfg, self.run_dir / "config.yaml")
-        self._metrics = stack.enter_context(MetricsWriter(self.run_dir / "metrics.jsonl"))
+        dump_config(cfg, files.config_path)
+        self._metrics = stack.enter_context(
+            MetricsWriter(files.metrics_path, append=resumed is not None)
+        )
 
         ipc_dir = Path(tempfile.mkdtemp(prefix="dynarl-"))
         stack.callback(shutil.rmtree, ipc_dir, ignore_errors=True)
@@ -143,6 +176,12 @@ class DynaRL:
         graph, baseline = build_hypergraph(cfg, now_s=clock.now())
         predictor = Predictor({c: n.spec.scaling for c, n in graph.components.items()})
         self._meter = DeviceMeter(graph, now_s=clock.now())
+        self._recorder = TimelineRecorder(
+            graph,
+            run=cfg.scheduler.mode,
+            offset_s=0.0 if resumed is None else resumed.checkpoint.state.timeline_s,
+        )
+        self._closed_s = None
         # Generous liveness: on a small CPU machine the slots share cores with training.
         router_cfg = RouterConfig(heartbeat_interval_s=0.5, liveness_timeout_s=60.0)
         router = await stack.enter_async_context(
@@ -153,17 +192,20 @@ class DynaRL:
         world = RealWorld(cfg, graph, router)
         stack.push_async_callback(world.aclose)
         await world.start()
+        if resumed is not None:
+            await _restore(world, resumed.checkpoint)
 
         controller = Controller(
             graph,
             make_policy(cfg.scheduler, predictor, baseline),
-            WorldExecutor(world),
+            executor := WorldExecutor(world),
             clock=clock,
             predictor=predictor,
             tick_s=cfg.scheduler.tick_s,
-            listeners=[self._meter],
+            listeners=[executor.on_event, self._meter, self._recorder],
         )
         self.controller = controller
+        stack.callback(self._write_timeline_at_exit)
         tg = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(tg.cancel_scope.cancel)  # runs first on exit: stop the controller
         send, receive = anyio.create_memory_object_stream[ev.Event](0)
@@ -172,17 +214,25 @@ class DynaRL:
         self._forward = True
 
         seed = cfg.run.seed
+        sampler = prompt_sampler(cfg.data, seed=seed, generator=SyntheticTask(seed=seed).prompt)
+        if resumed is not None:
+            sampler.load_state_dict(resumed.checkpoint.state.sampler)
         self._iteration = GrpoIteration(
             cfg,
             world,
             graph,
             emit=controller.handle,
-            sampler=prompt_sampler(cfg.data, seed=seed, generator=SyntheticTask(seed=seed).prompt),
+            sampler=sampler,
             verifier=AsyncVerifier(MatchVerifier()),
             tokenizer=load_tokenizer(cfg.model),
             on_progress=self.on_progress,
         )
-        logger.info("run open: %s, run directory %s", cfg.scheduler.mode, self.run_dir)
+        logger.info(
+            "run %s: %s, run directory %s",
+            "open" if resumed is None else f"resumed after iteration {len(self.history) - 1}",
+            cfg.scheduler.mode,
+            self.run_dir,
+        )
 
     def _bridge(self, event: ev.Event) -> None:
         """The router's events to the controller, with the downstream ``ItemsEnqueued``
@@ -246,12 +296,104 @@ class DynaRL:
         return list(self.history)
 
     async def save_checkpoint(self) -> Path:
-        """Write the actor's model and optimizer state to
-        ``checkpoints/iter_NNNN.pt`` in the run directory; returns the path."""
-        if self._iteration is None or self._iteration.world.trainer is None:
+        """Write a checkpoint of the run so far: the actor's model and optimizer state
+        in ``checkpoints/iter_NNNN.pt``, what the driver needs to resume beside it
+        (``iter_NNNN.json``), and the timeline so far (``timeline.jsonl``,
+        ``timeline.png``). Returns the trainer state's path."""
+        if (
+            self._iteration is None
+            or self._iteration.world.trainer is None
+            or self._recorder is None
+        ):
             raise DynaRLError("the run is not open; use `async with DynaRL(cfg) as rl:`")
-        path = self.run_dir / "checkpoints" / f"iter_{len(self.history):04d}.pt"
+        done = len(self.history)
+        path = trainer_path(self.run_dir, done)
+        if self._saved_at == done:
+            return path  # nothing happened since (checkpoint_every at the last iteration)
         path.parent.mkdir(parents=True, exist_ok=True)
-        pool = self._iteration.world.trainer.pool
-        await anyio.to_thread.run_sync(pool.save_checkpoint, path)
+        # Held between optimizer steps: no resize of the trainer moves its state meanwhile.
+        async with self._iteration.world.trainer.between_steps() as pool:
+            await anyio.to_thread.run_sync(pool.save_checkpoint, path)
+        lines = self._timeline_lines()
+        write_state(
+            self.run_dir,
+            RunState(
+                num_iterations=done,
+                weight_version=self.history[-1].weight_version if self.history else 0,
+                seed=self.cfg.run.seed,
+                sampler=self._iteration.sampler.state_dict(),
+                timeline_s=self._timeline_s(),
+            ),
+        )
+        self._saved_at = done
+        await anyio.to_thread.run_sync(
+            functools.partial(self._files.write_timeline, lines, title=self._title())
+        )
         return path
+
+    # ------------------------------------------------------------------ notebooks
+
+    def allocation(self) -> dict[str, int]:
+        """Devices each component holds now (empty before the run opens)."""
+        return {} if self._meter is None else self._meter.allocation()
+
+    def metrics_records(self) -> list[dict[str, FlatValue]]:
+        """Every finished iteration's stats as a flat dict (``stage_s.rollout``,
+        ``device_s.actor``, ...): ``pandas.DataFrame(rl.metrics_records())``."""
+        return [flat_record(s) for s in self.history]
+
+    def timeline_figure(self) -> "Figure":
+        """The device-allocation timeline so far as a matplotlib ``Figure`` (needs
+        matplotlib, in the ``cli`` extra); ``display(fig)`` shows it in a notebook."""
+        from dynarl.obs.plot import timeline_figure
+
+        return timeline_figure(self._timeline_lines(), title=self._title())
+
+    # ------------------------------------------------------------------ timeline
+
+    def _timeline_s(self) -> float:
+        """Seconds since the run first started (across resumes), now."""
+        if self._recorder is None or self.controller is None:
+            return 0.0
+        return self._now_s() - self._recorder.origin_s
+
+    def _now_s(self) -> float:
+        assert self.controller is not None
+        if self._closed_s is not None:
+            return self._closed_s
+        try:
+            return self.controller.clock.now()
+        except RuntimeError:  # called off the loop (a thread): the last event's time
+            assert self._recorder is not None
+            return self._recorder.graph.now_s
+
+    def _timeline_lines(self) -> list[TimelineLine]:
+        """The run's timeline so far, predecessors' included (the open intervals end
+        now)."""
+        if self._recorder is None:
+            return list(self._timeline_before)
+        return [*self._timeline_before, *self._recorder.lines(now_s=self._now_s())]
+
+    def _title(self) -> str:
+        cfg = self.cfg
+        return f"{self.run_dir}: {cfg.scheduler.mode}, {cfg.cluster.num_devices} devices"
+
+    def _write_timeline_at_exit(self) -> None:
+        """The timeline as the run ends; a failure to write it does not hide the run's
+        own outcome."""
+        if self.controller is None or self._recorder is None:
+            return
+        self._closed_s = self._now_s()
+        try:
+            self._files.write_timeline(self._timeline_lines(), title=self._title())
+        except Exception:
+            logger.exception("could not write the timeline to %s", self.run_dir)
+
+
+async def _restore(world: "RealWorld", checkpoint: Checkpoint) -> None:
+    """Load ``checkpoint`` into the started ``world``'s trainer and give the engines
+    its weights under its weight version."""
+    assert world.trainer is not None, "start the world first"
+    async with world.trainer.between_steps() as pool:
+        await anyio.to_thread.run_sync(pool.load_checkpoint, checkpoint.trainer_path)
+    await world.sync_weights(checkpoint.state.weight_version)

@@ -138,15 +138,20 @@ class GrpoIteration:
         completions: dict[str, Completion] = {}
         rewards: dict[str, float] = {}
         old_logprobs: dict[str, tuple[float, ...]] = {}
-        score_s = [0.0]
+        # Wall time during which some chunk was being scored (chunks overlap).
+        scoring = [0, 0.0, 0.0]  # running chunks, busy since, busy seconds
 
         async def score(chunk: list[Completion]) -> None:
-            t0 = time.perf_counter()
+            if not scoring[0]:
+                scoring[1] = time.perf_counter()
+            scoring[0] += 1
             pairs = [(prompts[group_of[c.request_id]], self._decode(c)) for c in chunk]
             values = await self.verifier.score_many(pairs)
             rewards.update((c.request_id, v) for c, v in zip(chunk, values, strict=True))
             old_logprobs.update(await self._old_logprobs(chunk))
-            score_s[0] += time.perf_counter() - t0
+            scoring[0] -= 1
+            if not scoring[0]:
+                scoring[2] += time.perf_counter() - scoring[1]
 
         await self.world.router.submit(items)
         async with anyio.create_task_group() as tg:
@@ -167,7 +172,7 @@ class GrpoIteration:
                     )
                 )
             stage_s["rollout"] = time.perf_counter() - started
-        stage_s["score"] = score_s[0]
+        stage_s["score"] = scoring[2]
 
         ordered = [completions[r.request_id] for r in requests]
         trajectories = with_advantages(
@@ -247,16 +252,17 @@ class GrpoIteration:
             self.emit(
                 ev.ItemRouted(edge=TO_INFERENCE, item=ItemId(c.request_id), instance=target.id)
             )
-        results = await handle.score(
-            [
-                LogprobRequest(
-                    item_id=c.request_id,
-                    token_ids=c.prompt_ids + c.output_ids,
-                    response_start=len(c.prompt_ids),
-                )
-                for c in chunk
-            ]
-        )
+        with self.world.scoring(target.id):  # a migration releases it only after
+            results = await handle.score(
+                [
+                    LogprobRequest(
+                        item_id=c.request_id,
+                        token_ids=c.prompt_ids + c.output_ids,
+                        response_start=len(c.prompt_ids),
+                    )
+                    for c in chunk
+                ]
+            )
         refs = tuple(
             ev.ItemRef(ItemId(c.request_id), self.groups[ItemId(c.request_id)]) for c in chunk
         )
@@ -284,7 +290,8 @@ class GrpoIteration:
             self.on_progress(
                 Progress(iteration=iteration, stage="train", done=step, total=algo.n_minibatches)
             )
-            actors = self._active(ACTOR)
+            actors = await self._actor_ready()
+            self.world.trainer_ahead = True
             batch = [ids[int(i)] for i in part]
             for k, item in enumerate(batch):
                 self.emit(
@@ -311,6 +318,17 @@ class GrpoIteration:
             losses.append(metrics.loss)
             norms.append(metrics.grad_norm)
         return losses, norms
+
+    async def _actor_ready(self) -> list[Node]:
+        """The actor's instances, once it has some and no move of its devices is under
+        way: a move decided at the last step boundary goes before the next step."""
+        with anyio.fail_after(600):
+            while True:
+                moving = any(ACTOR in (m.src, m.dst) for m in self.graph.migrations.values())
+                actors = self._active(ACTOR)
+                if actors and not moving:
+                    return actors
+                await anyio.sleep(0.02)
 
     def _active(self, component: ComponentId) -> list[Node]:
         node = self.graph.components.get(component)

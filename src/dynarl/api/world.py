@@ -6,35 +6,41 @@ serve rollout and inference instances; trainer workers (one process each, in a
 :class:`~dynarl.workers.torch.trainer_pool.TrainerPool`) are the actor's data-parallel
 ranks. A device that only ever runs the actor gets no slot, and one that never runs
 the actor gets no trainer worker: under ``static-disaggregated`` each device has one
-process; otherwise every device has both, one of them holding memory at a time.
+process; otherwise every device has both, and one of them holds the device at a time
+(the other's memory is released, or the trainer is parked).
+
+The world also owns the weight-sync group: the trainer's rank 0 and every slot that
+serves a role now. A slot that takes a role mid-run gets the weights the engines run
+(the last synced version) before anything is routed to it, and the group is rebuilt
+(every member leaving the old one together) whenever its members or its sender change.
 
 Torch is imported only by the trainer pool's and slots' processes, and by
 :meth:`RealWorld.start` (for the model factory, lazily).
 """
 
+import contextlib
 import functools
 import logging
-from collections.abc import Sequence
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import anyio
 
 from dynarl.api.config import DynaRLConfig
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
-from dynarl.core.ids import DeviceId, InstanceId
+from dynarl.core.ids import ComponentId, DeviceId, InstanceId
 from dynarl.data.router import Router
 from dynarl.launch.local import LaunchConfig, LocalLauncher
-from dynarl.workers.handles import (
-    InferenceHandle,
-    RolloutHandle,
-    SlotHandle,
-    TrainerHandle,
-    WorkerHandle,
-)
-from dynarl.workers.protocol import InferenceRole, RolloutRole
+from dynarl.workers.handles import InferenceHandle, RolloutHandle, SlotHandle, TrainerHandle
+from dynarl.workers.protocol import InferenceRole, RoleKind, RolloutRole
 from dynarl.workers.slot import SlotConfig
 
 logger = logging.getLogger(__name__)
+
+_POLL_S = 0.02
+_ROLES: tuple[RoleKind, ...] = ("rollout", "inference")
 
 
 class RealWorld:
@@ -74,8 +80,17 @@ class RealWorld:
         """Inference workers by instance."""
         self.trainer: TrainerHandle | None = None
         """The actor (after :meth:`start`)."""
-        self.sync_engines: list[WorkerHandle] = []
-        """The members of the weight-sync group (ranks 1..), in order."""
+        self.weight_version = 0
+        """The weight version the engines run (the last one synced)."""
+        self.trainer_ahead = False
+        """Whether the trainer's weights moved past :attr:`weight_version` (it is
+        training): a slot taking a role now waits for the iteration's closing sync."""
+        self._serving: dict[InstanceId, SlotHandle] = {}
+        self._sync_members: list[SlotHandle] = []
+        # (slot, role) pairs known to hold weight_version.
+        self._current: set[tuple[str, str | None]] = set()
+        self._sync_lock = anyio.Lock()
+        self._scoring: Counter[InstanceId] = Counter()
 
     @property
     def rollout_role(self) -> RolloutRole:
@@ -96,6 +111,14 @@ class RealWorld:
     def trainer_members(self, devices: Sequence[DeviceId]) -> list[int]:
         """The trainer workers of ``devices``."""
         return [self.trainer_devices.index(d) for d in devices]
+
+    @property
+    def serving_slots(self) -> list[SlotHandle]:
+        """Slots that serve a role now, in slot order (the weight-sync group's engines)."""
+        serving = set(map(id, self._serving.values()))
+        return [s.handle for s in self.launcher.slots if id(s.handle) in serving]
+
+    # ------------------------------------------------------------------ start, stop
 
     async def start(self) -> None:
         """Start the slots and the trainer pool, give every initial instance its role,
@@ -131,27 +154,20 @@ class RealWorld:
         await self.trainer.start_training(
             self.trainer_members([d for n in actor for d in n.devices])
         )
-        for node in sorted(self.graph.components[ROLLOUT].active_instances(), key=lambda n: n.id):
-            slot = self.slot(node.devices[0])
-            self.rollout[node.id] = await slot.assume_role(self.rollout_role, instance=node.id)
-        for node in sorted(self.graph.components[INFERENCE].active_instances(), key=lambda n: n.id):
-            slot = self.slot(node.devices[0])
-            self.inference[node.id] = await slot.assume_role(self.inference_role, instance=node.id)
-        # Engines receive weights only while they hold a role; a slot that changes
-        # role (dynamic modes) needs the group rebuilt (see the executor).
-        self.sync_engines = [s.handle for s in self.launcher.slots if s.handle.role is not None]
-        await self.trainer.connect_weight_sync(self.sync_engines)
+        # Every role starts from the seed's weights, as the trainer does: version 0.
+        self._current = {(s.handle.name, k) for s in self.launcher.slots for k in _ROLES}
+        async with anyio.create_task_group() as tg:
+            for component in (ROLLOUT, INFERENCE):
+                nodes = self.graph.components[component].active_instances()
+                instances = [(n.devices[0], n.id) for n in nodes]
+                if instances:
+                    tg.start_soon(functools.partial(self.assume, component, instances, hold=False))
         await self.sync_weights(0)
         logger.info(
             "world started: %d slots, %d trainer workers",
             len(self.launcher.slots),
             len(self.trainer_devices),
         )
-
-    async def sync_weights(self, version: int) -> int:
-        """Broadcast the actor's weights as ``version`` to every slot; bytes sent."""
-        assert self.trainer is not None, "start the world first"
-        return await self.trainer.sync_weights(version, self.sync_engines)
 
     async def aclose(self) -> None:
         """Stop the trainer pool, then the slots; idempotent, and finishes even when
@@ -161,3 +177,154 @@ class RealWorld:
                 pool, self.trainer = self.trainer.pool, None
                 await anyio.to_thread.run_sync(pool.close)
             await self.launcher.aclose()
+
+    # ------------------------------------------------------------------ slot roles
+
+    async def assume(
+        self,
+        component: ComponentId,
+        instances: Sequence[tuple[DeviceId, InstanceId]],
+        *,
+        hold: bool = True,
+    ) -> None:
+        """Make the slots of ``instances``' devices serve ``component`` (rollout or
+        inference) as those instances: the roles are built (or resumed) side by side,
+        brought to the weights the engines run in one broadcast, and only then
+        connected. With ``hold`` the router routes nothing to them until
+        ``router.reactivate`` (once the controller has placed them)."""
+        if component == ROLLOUT:
+            role: RolloutRole | InferenceRole = self.rollout_role
+        elif component == INFERENCE:
+            role = self.inference_role
+        else:
+            raise ValueError(f"slots serve rollout or inference, not {component}")
+        slots = [(self.slot(device), instance) for device, instance in instances]
+        # One at a time with other membership changes of the weight-sync group: a slot
+        # must not be reconnecting while the group is rebuilt around it.
+        async with self._sync_lock:
+            async with anyio.create_task_group() as tg:
+                for slot, instance in slots:
+                    tg.start_soon(functools.partial(slot.build_role, role, instance=instance))
+            await self._bring_up_to_date([slot for slot, _ in slots])
+            if hold:
+                for _, instance in slots:
+                    self.router.hold(instance)
+
+            async def connect(slot: SlotHandle, instance: InstanceId) -> None:
+                handle = await slot.connect_role()
+                if isinstance(handle, RolloutHandle):
+                    self.rollout[instance] = handle
+                else:
+                    self.inference[instance] = handle
+                self._serving[instance] = slot
+
+            async with anyio.create_task_group() as tg:
+                for slot, instance in slots:
+                    tg.start_soon(connect, slot, instance)
+
+    async def release(self, instance: InstanceId) -> SlotHandle | None:
+        """Stop ``instance`` (a rollout engine or an inference worker) and free its
+        slot's memory for another component: its queued and in-flight requests go
+        back to the router with their partial output, and a running score call
+        finishes first. The slot keeps a host copy of the role, to resume it later
+        (:meth:`restore`). Returns the slot."""
+        while self._scoring[instance]:  # noqa: ASYNC110 (a counter, not an event)
+            await anyio.sleep(_POLL_S)
+        await self.router.drain(instance)
+        self.rollout.pop(instance, None)
+        self.inference.pop(instance, None)
+        slot = self._serving.pop(instance, None)
+        if slot is not None:
+            await slot.release_memory(host_backup=True)
+        return slot
+
+    async def restore(self, instance: InstanceId, slot: SlotHandle) -> None:
+        """Undo :meth:`release` (the move it was part of failed): the slot resumes the
+        role's memory and the router routes to ``instance`` again."""
+        await slot.resume_memory()
+        if slot.role == "rollout":
+            self.rollout[instance] = RolloutHandle(self.router, instance)
+        else:
+            self.inference[instance] = InferenceHandle(self.router, instance)
+        self._serving[instance] = slot
+        self.router.reactivate(instance)
+
+    @contextlib.contextmanager
+    def scoring(self, instance: InstanceId) -> Iterator[None]:
+        """Mark a score call on ``instance`` as running (it is released only after)."""
+        self._scoring[instance] += 1
+        try:
+            yield
+        finally:
+            self._scoring[instance] -= 1
+
+    # ------------------------------------------------------------------ the actor
+
+    @contextlib.asynccontextmanager
+    async def actor_boundary(self) -> AsyncIterator[float]:
+        """Wait for an optimizer-step boundary and hold it (no step runs meanwhile);
+        yields the seconds waited."""
+        assert self.trainer is not None, "start the world first"
+        started = time.perf_counter()
+        async with self.trainer.between_steps():
+            yield time.perf_counter() - started
+
+    async def resize_actor(
+        self, *, leaving: Sequence[DeviceId] = (), joining: Sequence[DeviceId] = ()
+    ) -> None:
+        """Take the trainer's ranks off ``leaving`` and onto ``joining``
+        (create-before-destroy; raises with the old ranks in place on failure). With no
+        device left the trainer is parked. Call inside :meth:`actor_boundary`."""
+        assert self.trainer is not None, "start the world first"
+        pool = self.trainer.pool
+        gone = set(self.trainer_members(leaving))
+        staying = [m for m in pool.members if m not in gone]
+        members = staying + [m for m in self.trainer_members(joining) if m not in staying]
+        if members:
+            await anyio.to_thread.run_sync(pool.resize, members)
+        elif not pool.parked:
+            await anyio.to_thread.run_sync(pool.park)
+
+    # ------------------------------------------------------------------ weights
+
+    async def sync_weights(self, version: int) -> int:
+        """Broadcast the actor's weights as ``version`` to every serving slot (the
+        group is rebuilt first if its members changed); returns the bytes sent."""
+        assert self.trainer is not None, "start the world first"
+        async with self._sync_lock:
+            members = self.serving_slots
+            await self._regroup(members)
+            sent = await self.trainer.sync_weights(version, members)
+            self.weight_version = version
+            self.trainer_ahead = False
+            self._current = {(s.name, s.role) for s in members}
+            return sent
+
+    async def _bring_up_to_date(self, slots: Sequence[SlotHandle]) -> None:
+        """Give ``slots`` (which just built or resumed a role) the weights the engines
+        run, in one regroup and broadcast. Call with the sync lock held."""
+        assert self.trainer is not None, "start the world first"
+        need = [s for s in slots if (s.name, s.role) not in self._current]
+        if not need or self.trainer_ahead:
+            # Already current (a role resumed within the version it last held), or the
+            # trainer is mid-iteration: the iteration's closing sync includes them.
+            return
+        names = {s.name for s in need}
+        members = [s for s in self.serving_slots if s.name not in names] + need
+        await self._regroup(members)
+        await self.trainer.sync_weights(self.weight_version, members)
+        self._current |= {(s.name, s.role) for s in need}
+        logger.info(
+            "brought %s to weight version %d", ", ".join(sorted(names)), self.weight_version
+        )
+
+    async def _regroup(self, members: list[SlotHandle]) -> None:
+        """Rebuild the weight-sync group with ``members`` if they or the sender
+        changed (the old group's members leave it together first)."""
+        assert self.trainer is not None, "start the world first"
+        pool = self.trainer.pool
+        same = [s.name for s in members] == [s.name for s in self._sync_members]
+        if same and pool.sync_sender is not None and pool.sync_sender == pool.holder:
+            return
+        await self.trainer.connect_weight_sync(members, leaving=self._sync_members)
+        self._sync_members = list(members)

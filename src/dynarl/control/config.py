@@ -31,9 +31,10 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         borrow_return_fraction: see ``rollout_borrows_actor``.
         actor_takes_cluster: (dynamic mode) before the actor's last minibatch, give it every device
             the other components no longer need.
-        fusion_tail_fraction: (rlhfuse mode) once rollout's outstanding requests fall
-            below this fraction of the batch, they are consolidated onto as few engines
-            as hold them and the freed devices start inference.
+        fusion_tail_fraction: (rlhfuse mode) once rollout's running requests fit on
+            this fraction of its engines without slowing any decode step (no engine
+            holding more requests than its cap or more KV than the busiest one), they
+            are consolidated there and the freed devices start inference.
     """
 
     mode: SchedulingMode = "dynamic"

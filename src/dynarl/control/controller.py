@@ -160,6 +160,15 @@ class Controller:
         elif isinstance(event, ev.TrainStepDone):
             component = event.component
             self._observe_step(event)
+        elif isinstance(event, ev.ItemsEnqueued):
+            # Work for a stage that holds no device: only a move can start it.
+            starved = [
+                c
+                for c in self.graph.edges[event.edge].spec.consumers
+                if not self.graph.components[c].num_active
+            ]
+            if starved:
+                kind, component = "work_arrived", starved[0]
         if kind is not None:
             self.decide(Trigger(kind=kind, time_s=event.time_s, component=component))
 

@@ -7,8 +7,10 @@ from dynarl.control.policies.bottleneck import BottleneckPolicy
 from dynarl.control.policies.colocated import ColocatedPolicy
 from dynarl.control.policies.gate import PredictorGate
 from dynarl.control.policies.phases import ActorTakesCluster, RolloutBorrowsActor
+from dynarl.control.policies.rebalance import RebalanceTail
 from dynarl.control.policies.recovery import RebootCrashed
 from dynarl.control.policies.rlhfuse import RlhfusePolicy
+from dynarl.control.policies.starved import StarvedStage
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Baseline, FirstOf, Policy
 
@@ -22,6 +24,8 @@ def _dynamic(cfg: SchedulerConfig, predictor: Predictor, baseline: Baseline) -> 
     if cfg.rollout_borrows_actor:
         borrow = RolloutBorrowsActor(baseline, cfg.borrow_return_fraction)
         policies.append(PredictorGate(borrow, predictor, cfg.min_gain))
+    policies.append(StarvedStage())
+    policies.append(RebalanceTail(cfg, predictor))
     policies.append(BottleneckPolicy(cfg, predictor))
     return FirstOf("dynamic", policies)
 
@@ -49,8 +53,10 @@ POLICIES: dict[SchedulingMode, PolicyFactory] = {
 def make_policy(cfg: SchedulerConfig, predictor: Predictor, baseline: Baseline) -> Policy:
     """The policy of ``cfg.mode``: ``dynamic`` reboots crashed devices, lets the actor
     take the cluster before its last minibatch, lends the actor's devices to rollout at
-    iteration start (these two only when the predictor says they pay), and otherwise
-    moves devices to the predicted bottleneck;
+    iteration start (these two only when the predictor says they pay), starts stages
+    that have work and no device, spreads the rollout tail's hot engines over the idle
+    ones, and otherwise moves devices to the predicted bottleneck (these two when the
+    predictor says they pay);
     ``static-colocated`` hands every device to each stage in turn;
     ``static-disaggregated`` keeps the initial split (rebooting crashed devices);
     ``rlhfuse`` is colocated, but consolidates the rollout tail onto few engines and

@@ -3,8 +3,9 @@
 :class:`PlanBuilder` decides which instances to drain (fewest running requests first),
 which devices the new instances get (whole scaling units, devices kept in order so a
 tensor-parallel group stays on neighbouring devices), where the drained instances'
-items go (largest groups first to the least-loaded remaining instance), and which
-actor sizes are allowed. It reads the hypergraph and never changes it; migrations
+items go (largest groups first to the least-loaded remaining instance; a hot engine's
+requests one by one, see :meth:`PlanBuilder.spread`), and which actor sizes are
+allowed. It reads the hypergraph and never changes it; migrations
 added to one builder never reuse a device or an instance id.
 """
 
@@ -169,6 +170,48 @@ class PlanBuilder:
         leaving = {n.id for n in drained}
         loads = {n.id: len(n.items) for n in self.drainable(src) if n.id not in leaving}
         return redistribute(dict(groups), loads)
+
+    def spread(self, component: ComponentId, hot: Sequence[Node]) -> Migration | None:
+        """Drain the engines ``hot`` and restart each on its own devices, spreading
+        their requests one by one over the remaining instances, each to the least
+        loaded (requests split from their groups: a hot engine is hot because its
+        groups are long). Returns ``None`` when that moves no request."""
+        hot = [n for n in hot if n.id not in self._drained and n.state == "active"]
+        leaving = {n.id for n in hot}
+        loads = {n.id: len(n.items) for n in self.drainable(component) if n.id not in leaving}
+        if not hot or not loads or not any(n.items for n in hot):
+            return None
+        heap = [(load, iid) for iid, load in sorted(loads.items())]
+        heapq.heapify(heap)
+        reassign: list[tuple[ItemId, InstanceId]] = []
+        # Round-robin over the hot engines, so each destination gets a mix of them.
+        queues = [sorted(n.items) for n in hot]
+        for k in range(max(len(q) for q in queues)):
+            for q in queues:
+                if k < len(q):
+                    load, iid = heapq.heappop(heap)
+                    reassign.append((q[k], iid))
+                    heapq.heappush(heap, (load + 1, iid))
+        serial = self._created[component]
+        specs = tuple(
+            InstanceSpec(id=self.graph.new_instance_id(component, serial + i), devices=n.devices)
+            for i, n in enumerate(hot)
+        )
+        migration = Migration(
+            id=MigrationId(self.graph.next_migration_id + len(self.migrations)),
+            kind=migration_kind(component, component, self.graph),
+            src=component,
+            dst=component,
+            devices=tuple(sorted(d for n in hot for d in n.devices)),
+            drain=tuple(n.id for n in hot),
+            create=specs,
+            reassign=tuple(reassign),
+        )
+        self.migrations.append(migration)
+        self._drained.update(leaving)
+        self._num_drained[component] += len(hot)
+        self._created[component] += len(specs)
+        return migration
 
     def gather(
         self,

@@ -23,6 +23,7 @@ TriggerKind = Literal[
     "iteration_end",
     "stage_drained",
     "placement_changed",
+    "work_arrived",
 ]
 
 

@@ -12,30 +12,58 @@ downstream as stages finish. The iteration's remaining time is the latest finish
 Devices a migration brings arrive only after its cost; a component whose instances
 are drained while they hold requests pays the cost too (its requests re-prefill
 elsewhere). Both enter :func:`remaining_time` as per-component delays.
+
+A rollout finishes when its slowest engine does: requests do not move between engines
+by themselves, so the most loaded engine's queue (``Demand.hottest``) bounds the
+remaining time however many devices the others have. A plan that drains engines
+holding requests changes those queues: :func:`score_plan` places the moved requests
+where the plan sends them (or as the planner would) before scoring.
 """
 
+import heapq
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import Plan
 from dynarl.control.predictor import Predictor
-from dynarl.core.ids import ComponentId
+from dynarl.core.ids import ComponentId, GroupId, InstanceId
 
 
 class Demand:
     """Remaining work of one component, in the units its throughput is measured in."""
 
-    __slots__ = ("load", "longest", "tail", "upstream", "work")
+    __slots__ = ("hottest", "load", "longest", "per_item", "tail", "upstream", "work")
 
     def __init__(
-        self, work: float, load: float, tail: float, upstream: float = 0.0, longest: float = 0.0
+        self,
+        work: float,
+        load: float,
+        tail: float,
+        upstream: float = 0.0,
+        longest: float = 0.0,
+        hottest: float = 0.0,
+        per_item: float = 1.0,
     ) -> None:
         self.work = work  # units still to process
         self.longest = longest  # rollout: tokens of the longest remaining response
         self.load = load  # parallel work items (the batch it can run)
         self.tail = tail  # units left after its last input arrives
         self.upstream = upstream  # items still on their way from predecessors
+        self.hottest = hottest  # rollout: tokens queued on its most loaded engine
+        self.per_item = per_item  # units of work per item
+
+    def with_hottest(self, num_items: int) -> "Demand":
+        """The same demand with ``num_items`` items on the most loaded engine."""
+        return Demand(
+            self.work,
+            self.load,
+            self.tail,
+            self.upstream,
+            self.longest,
+            num_items * self.per_item,
+            self.per_item,
+        )
 
 
 def demands(graph: Hypergraph) -> dict[ComponentId, Demand]:
@@ -54,8 +82,15 @@ def demands(graph: Hypergraph) -> dict[ComponentId, Demand]:
             in_tool = sum(e.num_in_tool for e in graph.edges_into(cid))
             load = max(own - in_tool, 0.0)
             longest = graph.expected_longest_remaining(cid) if own else 0.0
+            hottest = max((len(n.items) for n in node.active_instances()), default=0)
             out[cid] = Demand(
-                work=total * per_item, load=load, tail=0.0, upstream=upstream, longest=longest
+                work=total * per_item,
+                load=load,
+                tail=0.0,
+                upstream=upstream,
+                longest=longest,
+                hottest=hottest * per_item,
+                per_item=per_item,
             )
         elif kind == "actor":
             num_steps = node.num_steps or node.spec.steps_per_iteration
@@ -218,7 +253,9 @@ def rate(
     bought down with devices, and devices given to a rollout at its tail are wasted.
     With more requests than its engines run at once, rollout works in waves at full
     batch, ``work * (a + b * cap) / (instances * cap)``, and the longest response may
-    start only after them.
+    start only after them. Requests stay on the engine they were routed to, so the
+    shared term is at least the most loaded engine's, ``b * hottest / devices per
+    engine``: devices added elsewhere do not shorten it.
     """
     load = max(d.load, 1.0)
     costs = predictor.step_costs(cid) if d.longest > 0 else None
@@ -227,6 +264,8 @@ def rate(
     a, b = costs
     shared = b * d.work / devices
     spec = graph.components[cid].spec
+    if d.hottest > 0:
+        shared = max(shared, b * d.hottest / spec.devices_per_instance)
     if spec.max_load_per_instance:
         cap = spec.max_load_per_instance
         instances = max(1, devices // spec.devices_per_instance)
@@ -265,9 +304,55 @@ def score_plan(
         if m.dst is not None:
             after[m.dst] += sum(len(s.devices) for s in m.create)
             delays[m.dst] = max(delays.get(m.dst, 0.0), cost)
+    demand = _after_moves(graph, plan, demands(graph) if demand is None else demand)
     return remaining_time(
         graph, predictor, after, delays=delays, penalties=penalties, before=before, demand=demand
     )
+
+
+def _after_moves(
+    graph: Hypergraph, plan: Plan, demand: Mapping[ComponentId, Demand]
+) -> Mapping[ComponentId, Demand]:
+    """``demand`` with each rollout's most loaded engine as it is after ``plan``: a
+    drained engine's requests go where the plan's ``reassign`` sends them, the others
+    (a candidate built without reassignment) as the planner would send them (whole
+    groups, largest first, to the least loaded engine)."""
+    out: dict[ComponentId, Demand] | None = None
+    for cid in {m.src for m in plan.migrations if m.src is not None}:
+        node = graph.components[cid]
+        d = demand[cid]
+        if node.spec.kind != "rollout" or d.hottest <= 0:
+            continue
+        drained = {i for m in plan.migrations if m.src == cid for i in m.drain}
+        moved = [(i, e) for iid in drained for i, e in graph.instances[iid].items.items()]
+        if not moved:
+            continue
+        loads = {n.id: len(n.items) for n in node.active_instances() if n.id not in drained}
+        targets = {i: t for m in plan.migrations if m.src == cid for i, t in m.reassign}
+        rest: dict[GroupId, int] = {}
+        for item, edge in moved:
+            target = targets.get(item)
+            if target in loads:
+                loads[target] += 1
+            else:
+                group = graph.edges[edge].items[item].group
+                rest[group] = rest.get(group, 0) + 1
+        _place_groups(loads, rest.values())
+        out = dict(demand) if out is None else out
+        out[cid] = d.with_hottest(max(loads.values(), default=0))
+    return demand if out is None else out
+
+
+def _place_groups(loads: dict[InstanceId, int], sizes: Iterable[int]) -> None:
+    """Add groups of ``sizes`` items to ``loads``, largest first to the least loaded."""
+    if not loads:
+        return
+    heap = [(load, iid) for iid, load in loads.items()]
+    heapq.heapify(heap)
+    for size in sorted(sizes, reverse=True):
+        load, iid = heapq.heappop(heap)
+        loads[iid] = load + size
+        heapq.heappush(heap, (load + size, iid))
 
 
 def _ancestors(graph: Hypergraph, cid: ComponentId) -> set[ComponentId]:

@@ -59,6 +59,8 @@ class Placement:
         self.pending: set[ItemId] = set()
         self.in_tool: dict[ItemId, wire.Item] = {}
         self.backlog: deque[wire.Item] = deque()
+        self.held: set[InstanceId] = set()
+        """Instances that start drained when they join (see ``Router.hold``)."""
         self.num_routed = 0
         self.num_completed = 0
         self.num_requeued = 0
@@ -69,12 +71,16 @@ class Placement:
     def add_worker(self, w: WorkerState, now: float) -> None:
         """A worker joined: route to it, starting with the backlog."""
         self.workers[w.instance] = w
+        if w.instance in self.held:
+            w.active = False
         self._refresh_candidates()
         self.refill(now)
 
     def set_active(self, w: WorkerState, active: bool, now: float) -> None:
         """Stop (drain) or resume routing to ``w``; stopping takes back its queued
         items and routes them elsewhere."""
+        if active:
+            self.held.discard(w.instance)
         if w.active != active:
             w.active = active
             self._refresh_candidates()

@@ -220,8 +220,20 @@ class Router:
         await w.idle.wait()
 
     def reactivate(self, instance: InstanceId) -> None:
-        """Route to a drained instance again (its migration failed)."""
-        self._placement.set_active(self._worker(instance), True, self._clock.now())
+        """Route to a drained instance again (its migration failed), or to a held one
+        (see :meth:`hold`), also before it joined."""
+        p = self._placement
+        if instance in p.held and instance not in p.workers:
+            p.held.discard(instance)
+            return
+        p.set_active(self._worker(instance), True, self._clock.now())
+
+    def hold(self, instance: InstanceId) -> None:
+        """Route nothing to ``instance`` until :meth:`reactivate`, also once it joins:
+        an instance a migration creates takes work only once the controller placed it."""
+        self._placement.held.add(instance)
+        if instance in self._placement.workers:
+            self._placement.set_active(self._worker(instance), False, self._clock.now())
 
     async def retire(self, instance: InstanceId, reason: str = "retired") -> None:
         """Forget a drained instance that holds nothing and tell its worker to close its

@@ -3,6 +3,8 @@ and the ``metrics.jsonl`` writer (one JSON object per line, one line per iterati
 """
 
 import json
+import os
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
@@ -141,17 +143,20 @@ class MetricsWriter:
     flushed line each; ``with`` it or call :meth:`close`.
 
     Args:
-        path: the file to write (created, truncated).
+        path: the file to write.
+        append: keep the records already there (a resumed run); else the first write
+            truncates the file.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, append: bool = False) -> None:
         self.path = Path(path)
+        self.append = append
         self._file: IO[str] | None = None
 
     def write(self, stats: IterationStats) -> None:
         """Append one record."""
         if self._file is None:
-            self._file = self.path.open("w", encoding="utf-8")
+            self._file = self.path.open("a" if self.append else "w", encoding="utf-8")
         self._file.write(msgspec.json.encode(stats).decode() + "\n")
         self._file.flush()
 
@@ -177,3 +182,34 @@ def read_metrics(path: str | Path) -> list[IterationStats]:
     """The records of a ``metrics.jsonl`` file, in order."""
     lines = Path(path).read_text(encoding="utf-8").splitlines()
     return [msgspec.convert(json.loads(line), IterationStats) for line in lines if line.strip()]
+
+
+def write_metrics(path: str | Path, records: Iterable[IterationStats]) -> None:
+    """Replace ``path`` with ``records`` (atomically: a temporary file renamed)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(
+        "".join(msgspec.json.encode(r).decode() + "\n" for r in records), encoding="utf-8"
+    )
+    os.replace(tmp, path)
+
+
+FlatValue = float | int | str | bool | None
+"""A value of a flat record."""
+
+
+def flat_record(stats: IterationStats) -> dict[str, FlatValue]:
+    """``stats`` as one flat dict a ``pandas.DataFrame`` row can take: nested dicts
+    become dotted keys (``stage_s.rollout``, ``device_s.actor``, ``allocation.rollout``),
+    and the migrations their count (``num_migrations``) and total ``migration_s``."""
+    out: dict[str, FlatValue] = {}
+    for name in stats.__struct_fields__:
+        value = getattr(stats, name)
+        if isinstance(value, dict):
+            out.update((f"{name}.{key}", v) for key, v in value.items())
+        elif name == "migrations":
+            out["num_migrations"] = len(value)
+            out["migration_s"] = sum(m.duration_s for m in value)
+        else:
+            out[name] = value
+    return out

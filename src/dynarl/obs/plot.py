@@ -3,8 +3,12 @@ per run (scheduling mode). matplotlib is imported only when a picture is drawn."
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dynarl.obs.timeline import FREE, MIGRATING, Interval, Mark, TimelineLine
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 COLOURS = {
     "rollout": "#4c72b0",
@@ -20,10 +24,16 @@ COLOURS = {
 def plot_timeline(lines: Sequence[TimelineLine], path: str | Path, *, title: str = "") -> None:
     """Draw ``lines`` (from :func:`~dynarl.obs.timeline.read_timeline`) to ``path``
     (PNG): one panel per run, devices on the y axis, iteration ends as dashed lines."""
-    import matplotlib
+    timeline_figure(lines, title=title).savefig(path, dpi=110)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def timeline_figure(lines: Sequence[TimelineLine], *, title: str = "") -> "Figure":
+    """The picture of :func:`plot_timeline` as a matplotlib ``Figure``.
+
+    Built without pyplot, so it touches no global figure state or backend: save it
+    with ``fig.savefig(...)``, or show it in a notebook with ``display(fig)``.
+    """
+    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
     runs = list(dict.fromkeys(line.run for line in lines))
@@ -31,13 +41,8 @@ def plot_timeline(lines: Sequence[TimelineLine], path: str | Path, *, title: str
         runs = [""]
     num_devices = 1 + max((iv.device for iv in lines if isinstance(iv, Interval)), default=0)
     end = max((iv.end_s for iv in lines if isinstance(iv, Interval)), default=1.0)
-    fig, axes = plt.subplots(
-        len(runs),
-        1,
-        figsize=(12, 1.2 + 0.04 * num_devices * len(runs) + 1.0 * len(runs)),
-        squeeze=False,
-        sharex=True,
-    )
+    fig = Figure(figsize=(12, 1.2 + 0.04 * num_devices * len(runs) + 1.0 * len(runs)))
+    axes = fig.subplots(len(runs), 1, squeeze=False, sharex=True)
     seen: dict[str, None] = {}
     for ax, run in zip(axes[:, 0], runs, strict=True):
         by: dict[tuple[int, str], list[tuple[float, float]]] = {}
@@ -59,9 +64,9 @@ def plot_timeline(lines: Sequence[TimelineLine], path: str | Path, *, title: str
         ax.set_title(run, loc="left", fontsize=10)
     axes[-1, 0].set_xlabel("time (s)")
     handles = [Patch(color=COLOURS.get(c, "#999999"), label=c) for c in seen]
-    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8)
+    if handles:
+        fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8)
     if title:
         fig.suptitle(title, x=0.01, ha="left", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig

@@ -8,6 +8,7 @@ The timeline is written as JSON lines (``timeline.jsonl``): one line per interva
 one per iteration boundary, each tagged with the run (the scheduling mode).
 """
 
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -54,16 +55,18 @@ class TimelineRecorder:
     Args:
         graph: the controller's hypergraph (read after each placement event).
         run: the run's name in the written lines (e.g. the scheduling mode).
+        offset_s: the time of the recorder's start in the written lines (a resumed run
+            continues its predecessor's timeline).
     """
 
-    def __init__(self, graph: Hypergraph, *, run: str = "") -> None:
+    def __init__(self, graph: Hypergraph, *, run: str = "", offset_s: float = 0.0) -> None:
         self.graph = graph
         self.run = run
         self.intervals: list[Interval] = []
         self.marks: list[Mark] = []
-        self.origin_s = graph.now_s
+        self.origin_s = graph.now_s - offset_s
         self._open: dict[DeviceId, tuple[str, float]] = {
-            DeviceId(d): (self._label(DeviceId(d)), 0.0) for d in range(graph.num_devices)
+            DeviceId(d): (self._label(DeviceId(d)), offset_s) for d in range(graph.num_devices)
         }
 
     def __call__(self, event: ev.Event) -> None:
@@ -111,9 +114,17 @@ class TimelineRecorder:
                 out[iv.component] = out.get(iv.component, 0.0) + overlap
         return out
 
-    def lines(self) -> Iterator[TimelineLine]:
-        """Every interval and mark, in time order."""
+    def lines(self, now_s: float | None = None) -> Iterator[TimelineLine]:
+        """Every interval and mark, in time order; with ``now_s`` (on the events' clock)
+        the open intervals too, as if they ended then (the timeline so far)."""
         items: list[TimelineLine] = [*self.intervals, *self.marks]
+        if now_s is not None:
+            end_s = now_s - self.origin_s
+            items += [
+                Interval(run=self.run, device=d, component=label, start_s=since, end_s=end_s)
+                for d, (label, since) in self._open.items()
+                if end_s > since
+            ]
         yield from sorted(items, key=lambda x: x.start_s if isinstance(x, Interval) else x.time_s)
 
     def _label(self, d: DeviceId) -> str:
@@ -141,11 +152,19 @@ class TimelineRecorder:
 
 def write_timeline(path: str | Path, recorders: Iterable[TimelineRecorder]) -> None:
     """Write the recorders' lines as JSON lines to ``path``."""
+    write_lines(path, [line for rec in recorders for line in rec.lines()])
+
+
+def write_lines(path: str | Path, lines: Iterable[TimelineLine]) -> None:
+    """Write timeline ``lines`` as JSON lines to ``path``, replacing it atomically (a
+    reader never sees half a file)."""
     encoder = msgspec.json.Encoder()
-    with Path(path).open("wb") as out:
-        for rec in recorders:
-            for line in rec.lines():
-                out.write(encoder.encode(line) + b"\n")
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as out:
+        for line in lines:
+            out.write(encoder.encode(line) + b"\n")
+    os.replace(tmp, path)
 
 
 def read_timeline(path: str | Path) -> list[TimelineLine]:

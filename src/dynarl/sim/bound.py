@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import msgspec
 
 from dynarl.sim.cluster import ClusterModel, longest_decode_s
+from dynarl.sim.costs import attended_context
 from dynarl.sim.workloads import Request
 
 
@@ -58,9 +59,10 @@ def work_device_s(cluster: ClusterModel, requests: Sequence[Request]) -> dict[st
     train = 0.0
     for k in range(steps):
         chunk = requests[k * per_step : (k + 1) * per_step]
-        tokens = sum(r.total_tokens for r in chunk)
-        if tokens:
-            train += actor.step_time_s(tokens, unit, tokens / len(chunk) / 2) * unit
+        lengths = [r.total_tokens for r in chunk]
+        if sum(lengths):
+            context = attended_context(lengths)
+            train += actor.step_time_s(sum(lengths), unit, context) * unit
     return {"rollout": rollout, "inference": inference, "actor": train}
 
 

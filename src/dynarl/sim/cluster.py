@@ -20,15 +20,24 @@ from dynarl.sim.costs import (
     InferenceCost,
     MigrationCostModel,
     WeightSyncCost,
+    attended_context,
 )
 from dynarl.sim.engine_config import EngineConfig
 from dynarl.sim.hardware import GpuProfile, gpu
 from dynarl.sim.models import ModelProfile, model
+from dynarl.sim.replay import ReplayWorkload
 from dynarl.sim.workloads import AgenticWorkload, MathWorkload, Request, ToolLatency
 
 
 class ClusterModel(msgspec.Struct, frozen=True, kw_only=True):
-    """Cost models and workload of one simulated configuration."""
+    """Cost models and workload of one simulated configuration.
+
+    ``padded_batches``: an optimizer step costs its minibatch padded to the longest
+    sample (the reference CPU trainer), not its tokens. ``train_after_rollout``: the
+    first optimizer step waits for the whole iteration to be scored (the reference
+    GRPO loop splits minibatches at random over the whole iteration), instead of
+    starting on the first complete minibatch of groups.
+    """
 
     gpu: GpuProfile
     model: ModelProfile
@@ -37,12 +46,18 @@ class ClusterModel(msgspec.Struct, frozen=True, kw_only=True):
     actor: ActorCost
     migration: MigrationCostModel
     weight_sync: WeightSyncCost
-    workload: MathWorkload | AgenticWorkload
+    workload: MathWorkload | AgenticWorkload | ReplayWorkload
+    padded_batches: bool = False
+    train_after_rollout: bool = False
 
     @classmethod
     def from_config(cls, cfg: DynaRLConfig) -> "ClusterModel":
         """Build every model from ``cfg`` (its ``sim`` section and the component
         sections: parallel sizes, batch caps, batch shape, length cap)."""
+        from dynarl.sim.cpu_profile import cpu_cluster, cpu_profile
+
+        if cpu_profile(cfg.sim.gpu) is not None:
+            return cpu_cluster(cfg)
         sim, algo = cfg.sim, cfg.algorithm
         device, shape = gpu(sim.gpu), model(sim.model)
         workload: MathWorkload | AgenticWorkload
@@ -101,7 +116,8 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
     Rollout rows come from the engine's decode step at the context the workload's
     tokens are generated at (token-weighted mean, from ``requests``); inference and
     actor rows (samples/s) from their cost models at the workload's mean sample
-    length; migration costs from the migration model.
+    length and token-weighted attended context; migration costs from the migration
+    model.
     """
     eng = cluster.engine
     turns = [(r.prompt_tokens, n) for r in requests for n in r.output_tokens]
@@ -110,7 +126,9 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
     context = sum(n * (p + n / 2) for p, n in turns) / tokens
     a, b = eng.step_coefficients()
     cap = eng.max_running_requests
-    mean_tokens = sum(sequence_tokens(r) for r in requests) / max(len(requests), 1)
+    lengths = [sequence_tokens(r) for r in requests]
+    mean_tokens = sum(lengths) / max(len(requests), 1)
+    attended = attended_context(lengths)
     samples_per_step = max(1, len(requests) // cluster.actor.n_minibatches)
     rows: list[ProfileRow] = []
     for n in range(eng.tp, num_devices + 1, eng.tp):
@@ -123,13 +141,13 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
             )
     unit = cluster.inference.tp
     for n in range(unit, num_devices + 1, unit):
-        per_item = cluster.inference.time_s(mean_tokens, unit, mean_tokens / 2) / (n // unit)
+        per_item = cluster.inference.time_s(mean_tokens, unit, attended) / (n // unit)
         rows.append(
             ProfileRow(component=INFERENCE, devices=n, load=1024, throughput=1.0 / per_item)
         )
     unit = cluster.actor.replica_devices
     for n in range(unit, num_devices + 1, unit):
-        step_s = cluster.actor.step_time_s(samples_per_step * mean_tokens, n, mean_tokens / 2)
+        step_s = cluster.actor.step_time_s(samples_per_step * mean_tokens, n, attended)
         rows.append(
             ProfileRow(
                 component=ACTOR,

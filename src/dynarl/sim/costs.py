@@ -9,6 +9,7 @@ setup (engine resume, group rebuild, graph capture), not bytes.
 """
 
 import math
+from collections.abc import Sequence
 
 import msgspec
 
@@ -17,6 +18,15 @@ from dynarl.core.ids import ComponentKind
 from dynarl.sim.errors import SimError
 from dynarl.sim.hardware import GpuProfile
 from dynarl.sim.models import ModelProfile
+
+
+def attended_context(lengths: Sequence[int]) -> float:
+    """The mean context a token of these sequences attends to (causal attention: a
+    sequence of ``L`` tokens makes ``L**2 / 2`` token-context pairs), weighted by
+    tokens. With heavy-tailed lengths this is far above half the mean length, and the
+    long sequences' attention FLOPs are what it counts."""
+    total = sum(lengths)
+    return sum(n * n for n in lengths) / (2 * total) if total else 0.0
 
 
 class DataParallelEfficiency(msgspec.Struct, frozen=True, kw_only=True):

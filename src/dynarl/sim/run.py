@@ -2,7 +2,7 @@
 
 :func:`simulate` wires one run: the hypergraph and policy a real run would build from
 the configuration, a predictor seeded by the profile the simulator's models deliver,
-:class:`~dynarl.sim.world.SimWorld` as event source and executor, and a timeline
+:class:`~dynarl.sim.world.SimWorld` as event source (and its executor), and a timeline
 recorder as listener. It runs on the current event loop; run it on a
 :class:`~dynarl.core.virtual_time.VirtualTimeLoop` and an hour of cluster time takes
 seconds. The result holds throughput, iteration times, busy and idle device-seconds
@@ -76,6 +76,7 @@ async def simulate(
     check: bool = False,
     name: str | None = None,
     on_event: Callable[[ev.Event], None] | None = None,
+    cluster: ClusterModel | None = None,
 ) -> tuple[ModeResult, TimelineRecorder]:
     """Simulate ``cfg`` (its ``scheduler.mode``) on the running loop.
 
@@ -84,13 +85,14 @@ async def simulate(
         check: verify the hypergraph's invariants after every event (slow; tests).
         name: the run's name in the timeline (default: the mode).
         on_event: also called with every applied event.
+        cluster: the cost models and workload (default: built from ``cfg``).
 
     Returns:
         the measured result and the allocation timeline.
     """
     clock = LoopClock()
     graph, baseline = build_hypergraph(cfg, now_s=clock.now())
-    cluster = ClusterModel.from_config(cfg)
+    cluster = cluster or ClusterModel.from_config(cfg)
     # A "profiling run" on other prompts than the measured ones.
     sample = cluster.workload.generate(np.random.default_rng(cfg.run.seed + 1_000_003))
     profile = sim_profile(cluster, sample, cfg.cluster.num_devices)
@@ -111,7 +113,7 @@ async def simulate(
     controller = Controller(
         graph,
         policy,
-        world,
+        world.executor,
         clock=clock,
         predictor=predictor,
         tick_s=cfg.scheduler.tick_s,

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 
 from dynarl.core.ids import InstanceId, ItemId
-from dynarl.sim.costs import InferenceCost
+from dynarl.sim.costs import InferenceCost, attended_context
 
 
 class _Replica:
@@ -68,7 +68,7 @@ class InferenceStage:
                 r.batch = [r.queue.popleft() for _ in range(min(self.micro_batch, len(r.queue)))]
                 lengths = [self.tokens(i) for i in r.batch]
                 total = sum(lengths)
-                mean_context = total / len(lengths) / 2
+                mean_context = attended_context(lengths)
                 r.started_s = now_s
                 r.done_s = now_s + self.cost.time_s(total, self.cost.tp, mean_context)
 

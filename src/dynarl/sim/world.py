@@ -3,8 +3,8 @@
 :class:`SimWorld` is the calibrated counterpart of :class:`dynarl.testing.world.FakeWorld`.
 It plays rollout engines (:class:`~dynarl.sim.engine.SimEngine`), tool calls, inference
 replicas and the trainer on the controller's clock, routes items as a data router
-would, and reports only through real events. It is also the controller's
-:class:`~dynarl.control.controller.Executor`.
+would, and reports only through real events. Its ``executor``
+(:class:`~dynarl.sim.executor.SimExecutor`) carries out the controller's migrations.
 
 * **Routing.** Requests wait in a :class:`~dynarl.sim.router.RequestRouter` until an
   engine has a free slot (``max_running_requests``); multi-turn requests prefer the
@@ -14,10 +14,9 @@ would, and reports only through real events. It is also the controller's
 * **Time.** Nothing steps at a fixed ``dt``: the world sleeps (on the virtual clock)
   until the next engine event, tool return, micro-batch or optimizer-step end, or the
   next periodic stats report, and is woken early when a migration finishes.
-* **Migrations.** A workload migration aborts the drained engines' requests (keeping
-  every generated token), puts them back in the queue and routes them as the plan's
-  ``reassign`` says; a migration that touches the trainer waits for the optimizer-step
-  boundary. Each takes the :class:`~dynarl.sim.costs.MigrationCostModel` time.
+* **Migrations.** The executor drains instances through :meth:`SimWorld.remove_engine`
+  and the inference stage, and routes their work with :meth:`SimWorld.assign_rollout`
+  and :meth:`SimWorld.assign_inference`; a finished migration wakes the world.
 
 Producers report the downstream ``ItemsEnqueued`` before the upstream ``ItemCompleted``.
 """
@@ -32,7 +31,6 @@ import numpy as np
 from dynarl.api.config import DynaRLConfig
 from dynarl.control import events as ev
 from dynarl.control.hypergraph import Hypergraph
-from dynarl.control.plan import Migration
 from dynarl.control.request_order import FifoOrder, ToolCallPriorityOrder
 from dynarl.control.topology import (
     ACTOR,
@@ -45,53 +43,18 @@ from dynarl.control.topology import (
 from dynarl.core.clock import Clock
 from dynarl.core.ids import GroupId, InstanceId, ItemId
 from dynarl.sim.cluster import ClusterModel
+from dynarl.sim.costs import attended_context
 from dynarl.sim.engine import SimEngine
 from dynarl.sim.errors import SimError
+from dynarl.sim.executor import SimExecutor
 from dynarl.sim.jobs import Job, JobDone
 from dynarl.sim.metrics import IterationRecord, WorldTotals
-from dynarl.sim.rollout import turn_job
+from dynarl.sim.progress import EngineSlot, SeqProgress
 from dynarl.sim.router import RequestRouter
 from dynarl.sim.stages import ActorStep, InferenceStage
 from dynarl.sim.workloads import Request
 
 _EPS = 1e-9
-
-
-class _Seq:
-    """One request's progress: its turn, tokens of the turn generated so far (kept
-    across aborts), completed tool calls and the engine it last ran on."""
-
-    __slots__ = ("done", "engine", "request", "tool_calls", "turn")
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        self.turn = 0
-        self.done = 0
-        self.tool_calls = 0
-        self.engine: InstanceId | None = None
-
-    def job(self) -> Job:
-        """What is left of the current turn."""
-        job = turn_job(self.request, self.turn)
-        if not self.done:
-            return job
-        return Job(
-            id=job.id,
-            group=job.group,
-            context_tokens=job.context_tokens + self.done,
-            output_tokens=job.output_tokens - self.done,
-            tool_call_after=job.tool_call_after,
-        )
-
-
-class _Engine:
-    __slots__ = ("busy_s", "busy_since", "held", "sim")
-
-    def __init__(self, sim: SimEngine) -> None:
-        self.sim = sim
-        self.held: set[ItemId] = set()
-        self.busy_since: float | None = None
-        self.busy_s = 0.0
 
 
 class SimWorld:
@@ -130,8 +93,8 @@ class SimWorld:
             aging_factor=4.0 if priority else None,
         )
         self.cap = cfg.rollout.max_running_requests
-        self.seqs: dict[ItemId, _Seq] = {}
-        self.engines: dict[InstanceId, _Engine] = {}
+        self.seqs: dict[ItemId, SeqProgress] = {}
+        self.engines: dict[InstanceId, EngineSlot] = {}
         self._room: dict[InstanceId, None] = {}  # active engines with a free slot
         self._eheap: list[tuple[float, InstanceId]] = []
         self._tools: list[tuple[float, int, ItemId]] = []
@@ -141,6 +104,12 @@ class SimWorld:
             self.cluster.inference, cfg.inference.micro_batch_size, self._tokens
         )
         self._inf_queue: dict[ItemId, None] = {}
+        # As the real loop: a disaggregated run without inference devices trains on
+        # the engines' own log-probs, so finished responses go straight to the actor.
+        skip = cfg.scheduler.mode == "static-disaggregated" and not (
+            INFERENCE in graph.components and graph.components[INFERENCE].instances
+        )
+        self._after_rollout = TO_ACTOR if skip else TO_INFERENCE
         self._group_arrived: dict[GroupId, list[ItemId]] = {}
         self._ready: list[ItemId] = []  # samples of complete groups, arrival order
         self._step: ActorStep | None = None
@@ -153,6 +122,7 @@ class SimWorld:
         self.totals = WorldTotals()
         self.iterations: list[IterationRecord] = []
         self.workloads: list[tuple[Request, ...]] = []
+        self.executor = SimExecutor(self)
 
     # ------------------------------------------------------------------ driving
 
@@ -169,7 +139,7 @@ class SimWorld:
         requests = self.cluster.workload.generate(self.rng, iteration=iteration)
         self.workloads.append(requests)
         for r in requests:
-            self.seqs[r.id] = _Seq(r)
+            self.seqs[r.id] = SeqProgress(r)
             self.router.add(r.id, now_s=start)
         self.emit(
             ev.ItemsEnqueued(edge=PROMPTS, items=tuple(ev.ItemRef(r.id, r.group) for r in requests))
@@ -272,7 +242,7 @@ class SimWorld:
         for node in self.graph.components[ROLLOUT].active_instances():
             if node.id not in self.engines:
                 sim = SimEngine(self.cluster.engine, instance=node.id, start_s=now)
-                self.engines[node.id] = _Engine(sim)
+                self.engines[node.id] = EngineSlot(sim)
                 self._room[node.id] = None
                 self._touched[node.id] = None
         if INFERENCE in self.graph.components:
@@ -289,7 +259,7 @@ class SimWorld:
             self._completed(iid, e, done)
         self._schedule(iid, e, now)
 
-    def _schedule(self, iid: InstanceId, e: _Engine, now: float) -> None:
+    def _schedule(self, iid: InstanceId, e: EngineSlot, now: float) -> None:
         t = e.sim.next_event_time()
         if t < math.inf:
             heapq.heappush(self._eheap, (t, iid))
@@ -300,8 +270,8 @@ class SimWorld:
             e.busy_since = None
         self._touched[iid] = None
 
-    def _completed(self, iid: InstanceId, e: _Engine, done: list[JobDone]) -> None:
-        finals: list[_Seq] = []
+    def _completed(self, iid: InstanceId, e: EngineSlot, done: list[JobDone]) -> None:
+        finals: list[SeqProgress] = []
         for d in done:
             seq = self.seqs[d.id]
             seq.done += d.generated_tokens
@@ -321,9 +291,12 @@ class SimWorld:
                 finals.append(seq)
         if finals:
             refs = tuple(ev.ItemRef(s.request.id, s.request.group) for s in finals)
-            self.emit(ev.ItemsEnqueued(edge=TO_INFERENCE, items=refs))
+            self.emit(ev.ItemsEnqueued(edge=self._after_rollout, items=refs))
             for s in finals:
-                self._inf_queue[s.request.id] = None
+                if self._after_rollout == TO_ACTOR:
+                    self._arrived(s.request.id, s.request.group)
+                else:
+                    self._inf_queue[s.request.id] = None
                 self.emit(
                     ev.ItemCompleted(
                         edge=PROMPTS,
@@ -374,12 +347,12 @@ class SimWorld:
             if len(e.held) >= self.cap:
                 del self._room[iid]
 
-    def _route_to(self, iid: InstanceId, e: _Engine, item: ItemId) -> Job:
+    def _route_to(self, iid: InstanceId, e: EngineSlot, item: ItemId) -> Job:
         self.emit(ev.ItemRouted(edge=PROMPTS, item=item, instance=iid))
         e.held.add(item)
         return self.seqs[item].job()
 
-    def _submit(self, iid: InstanceId, e: _Engine, jobs: list[Job], now: float) -> None:
+    def _submit(self, iid: InstanceId, e: EngineSlot, jobs: list[Job], now: float) -> None:
         done = e.sim.advance_to(max(now, e.sim.now))
         e.sim.submit(jobs)
         if done:
@@ -416,11 +389,15 @@ class SimWorld:
         self.emit(ev.ItemsEnqueued(edge=TO_ACTOR, items=refs))
         for ref in refs:
             self.emit(ev.ItemCompleted(edge=TO_INFERENCE, item=ref.id, instance=iid))
-            members = self._group_arrived.setdefault(ref.group, [])
-            members.append(ref.id)
-            if len(members) == self.cfg.algorithm.group_size:
-                self._ready.extend(members)
-                del self._group_arrived[ref.group]
+            self._arrived(ref.id, ref.group)
+
+    def _arrived(self, item: ItemId, group: GroupId) -> None:
+        """``item`` is ready to train; its group joins the minibatch queue once whole."""
+        members = self._group_arrived.setdefault(group, [])
+        members.append(item)
+        if len(members) == self.cfg.algorithm.group_size:
+            self._ready.extend(members)
+            del self._group_arrived[group]
 
     def _start_step(self, now: float) -> None:
         algo = self.cfg.algorithm
@@ -432,6 +409,12 @@ class SimWorld:
         actors = sorted(self.graph.components[ACTOR].active_instances(), key=lambda n: n.id)
         if not actors or self.steps_done >= algo.n_minibatches:
             return
+        if (
+            self.cluster.train_after_rollout
+            and self.steps_done == 0
+            and len(self._ready) < algo.samples_per_iteration
+        ):
+            return
         batch, self._ready = self._ready[:per_step], self._ready[per_step:]
         routed = []
         for k, item in enumerate(batch):
@@ -440,8 +423,8 @@ class SimWorld:
             routed.append((item, node.id))
         devices = sum(len(n.devices) for n in actors)
         tokens = [self._tokens(i) for i in batch]
-        total = sum(tokens)
-        step_s = self.cluster.actor.step_time_s(total, devices, total / len(tokens) / 2)
+        total = len(tokens) * max(tokens) if self.cluster.padded_batches else sum(tokens)
+        step_s = self.cluster.actor.step_time_s(total, devices, attended_context(tokens))
         self._step = ActorStep(routed, now, now + step_s, devices)
 
     def _step_done(self, now: float) -> None:
@@ -464,74 +447,56 @@ class SimWorld:
         self._step_ended.set()
         self._step_ended = anyio.Event()
 
-    # ------------------------------------------------------------------ executor
+    # ------------------------------------------------------------------ executor hooks
 
-    async def execute(self, migration: Migration) -> float:
-        """Carry out ``migration`` (see the module docstring); return the seconds it
-        waited for the optimizer-step boundary."""
-        comps = self.graph.components
-        src = comps[migration.src].spec.kind if migration.src is not None else None
-        dst = comps[migration.dst].spec.kind if migration.dst is not None else None
-        t0 = self._now()
-        if "actor" in (src, dst):
-            while self._step is not None:
-                await self._step_ended.wait()
-        waited = self._now() - t0
-        try:
-            self._release(migration, self._now())
-            cost = self.cluster.migration.move_time_s(migration.kind, src, dst, self.cluster.model)
-            self.totals.migration_s += cost
-            await self.clock.sleep(cost)
-        finally:
-            self._dirty = True
-            self._wake.set()
-        return waited
+    def now(self) -> float:
+        """The world's time (never behind an event it has processed)."""
+        return self._now()
 
-    def _release(self, migration: Migration, now: float) -> None:
-        """Abort the drained instances' work, requeue it and route it as planned."""
-        requeued: dict[ItemId, None] = {}
-        inf_requeued: list[ItemId] = []
-        for iid in migration.drain:
-            if iid in self.engines:
-                self._touch(iid, now)
-                e = self.engines.pop(iid)
-                for p in e.sim.abort_all():
-                    self.seqs[p.id].done += p.generated_tokens
-                    self.totals.generated_tokens += p.generated_tokens
-                requeued.update(dict.fromkeys(sorted(e.held)))
-                if e.busy_since is not None:
-                    e.busy_s += now - e.busy_since
-                self.totals.rollout_device_s += e.busy_s * self.cluster.engine.tp
-                self.totals.preemptions += e.sim.totals().num_preemptions
-                self.totals.engine_tokens += e.sim.totals().generated_tokens
-                self._room.pop(iid, None)
-                self.router.forget_engine(iid)
-            elif iid in self.inference.replicas:
-                inf_requeued += self.inference.drain(iid, now)
-        if requeued:
-            self.emit(ev.ItemsRequeued(edge=PROMPTS, items=tuple(requeued)))
-            for item in requeued:
-                self.router.add(item, now_s=now, tool_calls=self.seqs[item].tool_calls)
-        if inf_requeued:
-            self.emit(ev.ItemsRequeued(edge=TO_INFERENCE, items=tuple(inf_requeued)))
-            self._inf_queue = {**dict.fromkeys(inf_requeued), **self._inf_queue}
-        jobs: dict[InstanceId, list[Job]] = {}
-        for item, target in migration.reassign:
-            node = self.graph.instances.get(target)
-            if node is None or node.state != "active":
-                continue
-            if item in requeued and item in self.router and target in self.engines:
-                self.router.remove(item)
-                e = self.engines[target]
-                jobs.setdefault(target, []).append(self._route_to(target, e, item))
-            elif item in self._inf_queue and target in self.inference.replicas:
-                del self._inf_queue[item]
-                self.emit(ev.ItemRouted(edge=TO_INFERENCE, item=item, instance=target))
-                self.inference.assign(target, item)
-        for target, batch in jobs.items():
-            self._submit(target, self.engines[target], batch, now)
-            if len(self.engines[target].held) >= self.cap:
-                self._room.pop(target, None)
+    async def step_boundary(self) -> None:
+        """Return once no optimizer step runs (at once if none does)."""
+        while self._step is not None:
+            await self._step_ended.wait()
+
+    def placement_changed(self) -> None:
+        """A migration ended: create workers for new instances and wake the loop."""
+        self._dirty = True
+        self._wake.set()
+
+    def remove_engine(self, iid: InstanceId, now: float) -> list[ItemId]:
+        """Stop engine ``iid``, keeping every token it generated; return the requests
+        it held (in id order), now unrouted."""
+        self._touch(iid, now)
+        e = self.engines.pop(iid)
+        for p in e.sim.abort_all():
+            self.seqs[p.id].done += p.generated_tokens
+            self.totals.generated_tokens += p.generated_tokens
+        if e.busy_since is not None:
+            e.busy_s += now - e.busy_since
+        self.totals.rollout_device_s += e.busy_s * self.cluster.engine.tp
+        self.totals.preemptions += e.sim.totals().num_preemptions
+        self.totals.engine_tokens += e.sim.totals().generated_tokens
+        self._room.pop(iid, None)
+        self.router.forget_engine(iid)
+        return sorted(e.held)
+
+    def assign_rollout(self, iid: InstanceId, items: list[ItemId], now: float) -> None:
+        """Submit unrouted ``items`` to engine ``iid`` now (a plan's reassignment)."""
+        e = self.engines[iid]
+        self._submit(iid, e, [self._route_to(iid, e, item) for item in items], now)
+        if len(e.held) >= self.cap:
+            self._room.pop(iid, None)
+
+    def requeue_inference(self, items: list[ItemId]) -> None:
+        """Put a drained replica's samples back at the front of the inference queue."""
+        self._inf_queue = {**dict.fromkeys(items), **self._inf_queue}
+
+    def assign_inference(self, iid: InstanceId, item: ItemId) -> None:
+        """Route queued sample ``item`` to inference replica ``iid`` (if it is queued)."""
+        if item in self._inf_queue:
+            del self._inf_queue[item]
+            self.emit(ev.ItemRouted(edge=TO_INFERENCE, item=item, instance=iid))
+            self.inference.assign(iid, item)
 
     def engine_generated_tokens(self) -> int:
         """Tokens every engine, live or removed, reports having generated."""

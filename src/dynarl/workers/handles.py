@@ -111,6 +111,11 @@ class WorkerHandle:
         )
         await self._call(request, p.Ack)
 
+    async def leave_weight_sync(self) -> None:
+        """Leave the weight-sync group (see :meth:`TrainerHandle.connect_weight_sync`,
+        which calls this on every member at once)."""
+        await self._call(p.LeaveWeightSync(), p.Ack)
+
     async def update_weights(self) -> int:
         """Receive the weights the trainer broadcasts now; returns their version.
         Running requests continue under the new weights (re-prefilled)."""
@@ -213,6 +218,7 @@ class SlotHandle(WorkerHandle):
         self.pid = pid
         self.role: p.RoleKind | None = None
         """The role it holds."""
+        self._next: InstanceId | None = None
         self._alive = alive or (lambda: True)
 
     @overload
@@ -228,12 +234,19 @@ class SlotHandle(WorkerHandle):
     async def assume_role(
         self, role: p.Role, *, instance: InstanceId, timeout_s: float = 120.0
     ) -> RolloutHandle | InferenceHandle:
-        """Make the slot serve ``role`` as ``instance`` and return its role handle.
+        """Make the slot serve ``role`` as ``instance`` and return its role handle:
+        :meth:`build_role`, then :meth:`connect_role`."""
+        await self.build_role(role, instance=instance)
+        return await self.connect_role(timeout_s=timeout_s)
 
-        The router stops routing to the slot's current instance and takes back what it
-        held there; the slot releases the memory of its current role (keeping a host
-        copy) and builds the new one, or resumes it if it held it before with the same
-        configuration; then it reconnects as ``instance``. The process stays. If the
+    async def build_role(self, role: p.Role, *, instance: InstanceId) -> None:
+        """First half of :meth:`assume_role`: the router stops routing to the slot's
+        current instance and takes back what it held there; the slot releases the
+        memory of its current role (keeping a host copy) and builds the new one, or
+        resumes it if it held it before with the same configuration. The process stays.
+
+        Until :meth:`connect_role`, the slot is still reached (by calls, never by
+        items) as its old instance: the moment to bring its weights up to date. If the
         slot refuses (it still holds requests of its handles), the old instance is
         routed to again and :class:`WorkerCallError` is raised.
         """
@@ -245,13 +258,21 @@ class SlotHandle(WorkerHandle):
             with contextlib.suppress(RoutingError):
                 self._router.reactivate(old)
             raise
-        await self._router.retire(old, reason=f"{self.name} becomes {instance}")
+        self.role = "rollout" if isinstance(role, p.RolloutRole) else "inference"
+        self._next = instance
+
+    async def connect_role(self, *, timeout_s: float = 120.0) -> RolloutHandle | InferenceHandle:
+        """Second half of :meth:`assume_role`: the slot reconnects as the instance
+        :meth:`build_role` named, and its role handle is returned."""
+        instance = self._next
+        if instance is None or self.role is None:
+            raise LaunchError(f"slot {self.name} has no role built to connect; build_role first")
+        self._next = None
+        await self._router.retire(self.instance, reason=f"{self.name} becomes {instance}")
         self.instance = instance
         await self.wait_connected(timeout_s)
-        if isinstance(role, p.RolloutRole):
-            self.role = "rollout"
+        if self.role == "rollout":
             return RolloutHandle(self._router, instance)
-        self.role = "inference"
         return InferenceHandle(self._router, instance)
 
     async def wait_connected(self, timeout_s: float) -> None:
@@ -304,11 +325,33 @@ class TrainerHandle:
         result: ResizeResult = await self._run(self.pool.resize, members)
         return result
 
+    async def park(self) -> "ResizeResult":
+        """See :meth:`TrainerPool.park`."""
+        result: ResizeResult = await self._run(self.pool.park)
+        return result
+
+    @contextlib.asynccontextmanager
+    async def between_steps(self) -> AsyncIterator["TrainerPool"]:
+        """Hold the trainer between two optimizer steps (no step, resize or sync runs
+        meanwhile); yields the pool for blocking calls made in a worker thread."""
+        async with self._lock:
+            yield self.pool
+
     async def connect_weight_sync(
-        self, engines: Sequence[WorkerHandle], *, host: str = "127.0.0.1", timeout_s: float = 120.0
+        self,
+        engines: Sequence[WorkerHandle],
+        *,
+        leaving: Sequence[WorkerHandle] = (),
+        host: str = "127.0.0.1",
+        timeout_s: float = 120.0,
     ) -> None:
         """Build the weight-sync group: the trainer's rank 0 (group rank 0, hosting the
-        store on a free port of ``host``) and ``engines`` (ranks 1.., in order)."""
+        store on a free port of ``host``) and ``engines`` (ranks 1.., in order).
+
+        ``leaving`` are the engines of the current group, if there is one: they and the
+        current sender leave it together first (a collective, so no member tears the
+        group down under a peer).
+        """
         port = _free_port(host)
         world_size = len(engines) + 1
 
@@ -317,12 +360,20 @@ class TrainerHandle:
                 host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s
             )
 
-        async with self._lock, anyio.create_task_group() as tg:
-            for rank, engine in enumerate(engines, start=1):
-                tg.start_soon(join, engine, rank)
-            await anyio.to_thread.run_sync(
-                lambda: self.pool.connect_weight_sync(host, port, world_size, timeout_s=timeout_s)
-            )
+        async with self._lock:
+            if self.pool.sync_sender is not None:
+                async with anyio.create_task_group() as tg:
+                    for engine in leaving:
+                        tg.start_soon(engine.leave_weight_sync)
+                    await anyio.to_thread.run_sync(self.pool.leave_weight_sync)
+            async with anyio.create_task_group() as tg:
+                for rank, engine in enumerate(engines, start=1):
+                    tg.start_soon(join, engine, rank)
+                await anyio.to_thread.run_sync(
+                    lambda: self.pool.connect_weight_sync(
+                        host, port, world_size, timeout_s=timeout_s
+                    )
+                )
 
     async def sync_weights(self, version: int, engines: Sequence[WorkerHandle]) -> int:
         """Broadcast the trainer's weights tagged ``version`` to ``engines`` (every

@@ -147,6 +147,11 @@ class UpdateWeights(SlotRequest, frozen=True, kw_only=True):
     answered with their version."""
 
 
+class LeaveWeightSync(SlotRequest, frozen=True, kw_only=True):
+    """Leave the weight-sync group (collective: every member leaves at the same time,
+    before a new group is built); answered once all left."""
+
+
 class GetStats(SlotRequest, frozen=True, kw_only=True):
     """Report the slot's state and load."""
 
@@ -162,6 +167,7 @@ AnySlotRequest = (
     | Reactivate
     | JoinWeightSync
     | UpdateWeights
+    | LeaveWeightSync
     | GetStats
 )
 """Every request a slot accepts."""

@@ -103,6 +103,7 @@ class SlotServer:
             p.Reactivate: self._reactivate,
             p.JoinWeightSync: self._join_weight_sync,
             p.UpdateWeights: self._update_weights,
+            p.LeaveWeightSync: self._leave_weight_sync,
             p.GetStats: self._stats,
         }
 
@@ -349,6 +350,14 @@ class SlotServer:
             )
 
         self._sync_group = await anyio.to_thread.run_sync(join)
+        return p.Ack(state=self.lifecycle.state)
+
+    async def _leave_weight_sync(self, req: p.LeaveWeightSync) -> p.SlotReply:
+        from dynarl.workers.torch.weight_sync import leave_weight_sync_group
+
+        if self._sync_group is not None:
+            group, self._sync_group = self._sync_group, None
+            await anyio.to_thread.run_sync(leave_weight_sync_group, group)
         return p.Ack(state=self.lifecycle.state)
 
     async def _update_weights(self, req: p.UpdateWeights) -> p.SlotReply:

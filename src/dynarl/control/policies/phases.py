@@ -25,7 +25,8 @@ class RolloutBorrowsActor:
         self.return_fraction = return_fraction
 
     def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
-        """Borrow on ``iteration_start``; hand back on later triggers."""
+        """Borrow on ``iteration_start`` (or when the batch arrives at a rollout
+        without devices); hand back on later triggers."""
         if graph.migrations:
             return EMPTY_PLAN
         rollouts, actors = graph.of_kind("rollout"), graph.of_kind("actor")
@@ -33,8 +34,13 @@ class RolloutBorrowsActor:
             return EMPTY_PLAN
         rollout, actor = rollouts[0], actors[0]
         builder = PlanBuilder(graph)
-        if trigger.kind == "iteration_start":
-            # The actor has nothing to train until a minibatch arrives.
+        starting = trigger.kind == "iteration_start" or (
+            trigger.kind == "work_arrived" and trigger.component == rollout
+        )
+        if starting:
+            # The actor has nothing to train until a minibatch arrives. (The batch's
+            # requests arrive just after ``iteration_start``; if rollout holds no
+            # device then, their arrival is the moment to borrow.)
             if graph.pending(actor) or not graph.components[actor].num_active:
                 return EMPTY_PLAN
             active = graph.components[actor].num_active

@@ -269,9 +269,14 @@ class RolloutEngine:
         """Receive the weights the trainer broadcasts over ``group`` (its rank 0 calls
         :func:`~dynarl.workers.torch.weight_sync.send_weights`) and take the version
         that travels with them, which is returned. Running requests re-prefill, as for
-        :meth:`load_weights`."""
+        :meth:`load_weights` — unless the broadcast carries the version the engine
+        already holds (the same weights, sent again to a new group member): then their
+        KV cache stays valid and they keep running."""
         self._check_resumed()
+        held = self._version if self._memory.has_valid_weights else None
         version = weight_sync.receive_weights(self._model, group=group)
+        if version == held:
+            return version
         self._after_weight_update(version, complete=True)
         return version
 

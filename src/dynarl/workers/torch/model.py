@@ -147,7 +147,10 @@ def build_model(
             seed,
         )
     module: torch.nn.Module = model  # nn.Module's typed to/eval (they work in place)
-    module.to(device)
+    if next(module.parameters()).device.type != "meta":
+        # Built under ``torch.device("meta")`` (a trainer skeleton, whose tensors are
+        # allocated and filled by its caller), it stays where it is.
+        module.to(device)
     module.eval()
     return model
 

@@ -189,12 +189,30 @@ class ElasticTrainer:
         )
 
     def checkpoint(self) -> dict[str, object]:
-        """Model and optimizer state dicts and the step count, for ``torch.save``."""
+        """Model and optimizer state dicts, the step count and torch's CPU RNG state,
+        for ``torch.save``; :meth:`load_checkpoint` restores them."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "num_steps": self.num_steps,
+            "torch_rng": torch.get_rng_state(),
         }
+
+    def load_checkpoint(self, state: Mapping[str, object]) -> None:
+        """Continue from ``state`` (a :meth:`checkpoint` of a trainer of the same model
+        and optimizer settings): weights, AdamW moments, step count and RNG."""
+        try:
+            self.model.load_state_dict(state["model"])  # type: ignore[arg-type]
+            self.optimizer.load_state_dict(state["optimizer"])  # type: ignore[arg-type]
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise TrainerError(
+                f"the checkpoint does not fit this trainer ({exc}); resume with the "
+                "model and actor settings of the run that wrote it"
+            ) from exc
+        self.num_steps = int(state.get("num_steps", 0))  # type: ignore[call-overload]
+        rng = state.get("torch_rng")
+        if isinstance(rng, torch.Tensor):
+            torch.set_rng_state(rng)
 
 
 def _adamw(model: torch.nn.Module, config: TrainerConfig) -> torch.optim.Optimizer:

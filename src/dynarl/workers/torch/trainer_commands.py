@@ -86,7 +86,15 @@ class AbortResize(_Command, frozen=True, kw_only=True):
 
 
 class SaveCheckpoint(_Command, frozen=True, kw_only=True):
-    """One member: write model and optimizer state to ``path`` with ``torch.save``."""
+    """One member: write model and optimizer state to ``path`` with ``torch.save``
+    (atomically: a temporary file renamed into place)."""
+
+    path: str
+
+
+class LoadCheckpoint(_Command, frozen=True, kw_only=True):
+    """Members: continue from the model and optimizer state a :class:`SaveCheckpoint`
+    wrote to ``path`` (every member reads the same file, so the ranks stay identical)."""
 
     path: str
 
@@ -107,6 +115,10 @@ class SyncWeights(_Command, frozen=True, kw_only=True):
     version: int
 
 
+class LeaveWeightSync(_Command, frozen=True, kw_only=True):
+    """The sender of the weight-sync group: leave it (collective with the engines)."""
+
+
 class Shutdown(_Command, frozen=True, kw_only=True):
     """Every worker: tear down its process groups and exit."""
 
@@ -118,8 +130,10 @@ Command = (
     | CommitResize
     | AbortResize
     | SaveCheckpoint
+    | LoadCheckpoint
     | ConnectWeightSync
     | SyncWeights
+    | LeaveWeightSync
     | Shutdown
 )
 """Everything a worker accepts."""

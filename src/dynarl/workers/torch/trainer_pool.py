@@ -36,6 +36,8 @@ from dynarl.workers.torch.trainer_commands import (
     ConnectWeightSync,
     Done,
     Failed,
+    LeaveWeightSync,
+    LoadCheckpoint,
     PrepareResize,
     Reply,
     ReshardFault,
@@ -105,6 +107,7 @@ class TrainerPool:
         self._model_factory = model_factory
         self._loss_fn = loss_fn
         self._members: tuple[int, ...] = ()
+        self._parked = False
         self._epoch = 0
         self._processes: list[BaseProcess] = []
         self._conns: list[Connection] = []
@@ -116,8 +119,19 @@ class TrainerPool:
 
     @property
     def members(self) -> tuple[int, ...]:
-        """Workers that are trainer ranks now, in data-parallel rank order."""
-        return self._members
+        """Workers that are trainer ranks now, in data-parallel rank order (none while
+        the trainer is parked)."""
+        return () if self._parked else self._members
+
+    @property
+    def holder(self) -> int | None:
+        """The worker holding the trainer's state: rank 0, or the parked state's keeper."""
+        return self._members[0] if self._members else None
+
+    @property
+    def parked(self) -> bool:
+        """Whether the trainer holds no devices (see :meth:`park`)."""
+        return self._parked
 
     def start(self) -> None:
         """Start the worker processes and wait until all joined the world group."""
@@ -155,9 +169,12 @@ class TrainerPool:
         members = self._valid_members(members)
         self._check(self._call(range(self.num_workers), StartTraining(members=members)))
         self._members = members
+        self._parked = False
 
     def train_step(self, minibatch: Minibatch) -> StepMetrics:
         """One optimizer step on the global ``minibatch``, split over the members."""
+        if self._parked:
+            raise TrainerError("the trainer is parked (it holds no devices); resize it first")
         arrays = {name: _to_array(a) for name, a in minibatch.items()}
         replies = self._check(self._call(self._members, TrainStep(minibatch=arrays)))
         assert isinstance(replies[0], StepDone)
@@ -184,11 +201,17 @@ class TrainerPool:
         """Make ``members`` the trainer's ranks (create-before-destroy).
 
         Joiners receive parameters, buffers and AdamW state from ``source`` (default:
-        the first current member that stays, else the first current member). On any
-        failure every worker drops what the resize prepared, the old members keep
-        training, and :class:`ReshardError` is raised.
+        the first current member that stays, else the first current member; from a
+        parked trainer, its keeper). On any failure every worker drops what the resize
+        prepared, the old members keep training (or the trainer stays parked), and
+        :class:`ReshardError` is raised.
         """
         new = self._valid_members(members)
+        if self._parked and new == self._members:
+            self._parked = False  # the keeper becomes the only rank again: no transfer
+            return ResizeResult(
+                epoch=self._epoch, old_members=(), new_members=new, elapsed_s=0.0, bytes_moved=0
+            )
         old = self._members
         if not old:
             raise TrainerError("the trainer has no members yet; call start_training first")
@@ -212,10 +235,11 @@ class TrainerPool:
             )
         self._check(self._call(range(self.num_workers), CommitResize(epoch=self._epoch)))
         self._members = new
+        was_parked, self._parked = self._parked, False
         moved = sum(r.bytes_moved for r in replies if isinstance(r, Done) and r.worker == source)
         result = ResizeResult(
             epoch=self._epoch,
-            old_members=old,
+            old_members=() if was_parked else old,
             new_members=new,
             elapsed_s=time.perf_counter() - started,
             bytes_moved=moved,
@@ -223,16 +247,48 @@ class TrainerPool:
         logger.info("resized %s -> %s in %.3f s", old, new, result.elapsed_s)
         return result
 
+    def park(self) -> ResizeResult:
+        """Give up every device: the trainer's state stays with one worker (rank 0,
+        which shrinks to a data-parallel group of one first) and no train step runs
+        until :meth:`resize` gives it ranks again, with that worker as the source.
+
+        A colocated schedule parks the trainer while the other stages hold the
+        devices. On a CPU device the kept state stays where it is; a GPU backend
+        would offload it to host memory here.
+        """
+        keeper = self.holder
+        if keeper is None:
+            raise TrainerError("the trainer has no members yet; call start_training first")
+        result = self.resize([keeper]) if self._members != (keeper,) else None
+        self._parked = True
+        logger.info("parked the trainer on worker %d", keeper)
+        return ResizeResult(
+            epoch=self._epoch,
+            old_members=() if result is None else result.old_members,
+            new_members=(),
+            elapsed_s=0.0 if result is None else result.elapsed_s,
+            bytes_moved=0 if result is None else result.bytes_moved,
+        )
+
     def save_checkpoint(self, path: str | Path) -> None:
         """Write rank 0's model and optimizer state to ``path`` (``torch.save``)."""
         self._check(self._call(self._members[:1], SaveCheckpoint(path=str(path))))
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Make every member continue from the state :meth:`save_checkpoint` wrote to
+        ``path`` (after :meth:`start_training`)."""
+        if not self._members:
+            raise TrainerError("the trainer has no members yet; call start_training first")
+        self._check(self._call(self._members, LoadCheckpoint(path=str(path))))
 
     def connect_weight_sync(
         self, host: str, port: int, world_size: int, *, timeout_s: float | None = None
     ) -> None:
         """Make the trainer's rank 0 the sender (rank 0, store host at ``host:port``) of
         a weight-sync group of ``world_size``; the engines join it at the same time."""
-        worker = self._members[0]
+        worker = self.holder
+        if worker is None:
+            raise WeightSyncError("the trainer has no members yet; call start_training first")
         command = ConnectWeightSync(
             host=host,
             port=port,
@@ -241,6 +297,19 @@ class TrainerPool:
         )
         self._check(self._call([worker], command))
         self._sync_worker = worker
+
+    def leave_weight_sync(self) -> None:
+        """The sender leaves the weight-sync group (collective: every engine of the
+        group leaves at the same time); a no-op without a group."""
+        if self._sync_worker is None:
+            return
+        worker, self._sync_worker = self._sync_worker, None
+        self._check(self._call([worker], LeaveWeightSync()))
+
+    @property
+    def sync_sender(self) -> int | None:
+        """The worker that sends in the weight-sync group (``None`` without a group)."""
+        return self._sync_worker
 
     def sync_weights(self, version: int) -> int:
         """Broadcast the weights tagged ``version`` to the engines; returns bytes sent."""

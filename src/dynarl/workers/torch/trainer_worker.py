@@ -9,6 +9,7 @@ and the worker keeps serving.
 
 import datetime
 import logging
+import os
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -30,6 +31,8 @@ from dynarl.workers.torch.trainer_commands import (
     ConnectWeightSync,
     Done,
     Failed,
+    LeaveWeightSync,
+    LoadCheckpoint,
     PrepareResize,
     Reply,
     SaveCheckpoint,
@@ -41,7 +44,11 @@ from dynarl.workers.torch.trainer_commands import (
 )
 from dynarl.workers.torch.trainer_config import TrainerConfig
 from dynarl.workers.torch.trainer_errors import TrainerError, WeightSyncError
-from dynarl.workers.torch.weight_sync import join_weight_sync_group, send_weights
+from dynarl.workers.torch.weight_sync import (
+    join_weight_sync_group,
+    leave_weight_sync_group,
+    send_weights,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +118,10 @@ class TrainerWorker:
             CommitResize: self._commit,
             AbortResize: self._abort,
             SaveCheckpoint: self._save,
+            LoadCheckpoint: self._load,
             ConnectWeightSync: self._connect,
             SyncWeights: self._sync,
+            LeaveWeightSync: self._leave,
             Shutdown: lambda _: self._done(time.perf_counter()),
         }
 
@@ -206,7 +215,22 @@ class TrainerWorker:
 
     def _save(self, command: SaveCheckpoint) -> Reply:
         started = time.perf_counter()
-        torch.save(self._member().checkpoint(), command.path)
+        # A crash mid-write leaves the previous checkpoint intact, never a torn file.
+        tmp = f"{command.path}.tmp"
+        torch.save(self._member().checkpoint(), tmp)
+        os.replace(tmp, command.path)
+        return self._done(started)
+
+    def _load(self, command: LoadCheckpoint) -> Reply:
+        started = time.perf_counter()
+        trainer = self._member()
+        try:
+            # On the CPU: load_state_dict copies onto the model's device, and the RNG
+            # state must stay a CPU tensor.
+            state = torch.load(command.path, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError) as exc:
+            raise TrainerError(f"cannot read the checkpoint {command.path}: {exc}") from exc
+        trainer.load_checkpoint(state)
         return self._done(started)
 
     def _connect(self, command: ConnectWeightSync) -> Reply:
@@ -234,6 +258,13 @@ class TrainerWorker:
             staging=trainer.staging,
         )
         return self._done(started, bytes_moved=sent)
+
+    def _leave(self, command: LeaveWeightSync) -> Reply:
+        started = time.perf_counter()
+        if self.sync_group is not None:
+            group, self.sync_group = self.sync_group, None
+            leave_weight_sync_group(group)
+        return self._done(started)
 
     def _skeleton(self) -> ElasticTrainer:
         return ElasticTrainer.skeleton(

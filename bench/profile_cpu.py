@@ -1,0 +1,201 @@
+"""Measure the reference CPU workers, for the simulator's CPU profile.
+
+One process, one torch thread (a device slot's size by default), the embedded model
+shape unless ``--set model.*=...`` says otherwise:
+
+- rollout decode step time against batch and held context (``RolloutEngine``);
+- prefill time against prompt tokens;
+- log-prob inference time against micro-batch tokens (``InferenceWorker``);
+- one optimizer step against minibatch rows and width (``ElasticTrainer``, one rank).
+
+Each is fitted by least squares and printed as a table and one JSON line whose numbers
+are what :data:`dynarl.sim.cpu_profile.CPU_1T` holds. Run it on a quiet machine::
+
+    python bench/profile_cpu.py [--threads 1] [--set model.hidden_size=128]
+"""
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from dynarl.api.config import DynaRLConfig
+from dynarl.api.config_io import apply_overrides
+from dynarl.rl.grpo import GrpoLoss
+from dynarl.workers.torch.engine import RolloutEngine
+from dynarl.workers.torch.inference import InferenceWorker
+from dynarl.workers.torch.inference_request import LogprobRequest
+from dynarl.workers.torch.model import build_model, build_tokenizer
+from dynarl.workers.torch.request import GenerateRequest, SamplingParams
+from dynarl.workers.torch.trainer import ElasticTrainer
+from dynarl.workers.torch.trainer_config import TrainerConfig
+
+
+def _fit(rows: list[tuple[float, ...]], ys: list[float]) -> list[float]:
+    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
+    return [float(c) for c in coef]
+
+
+def _median_s(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def decode(cfg: DynaRLConfig) -> dict[str, float]:
+    """Decode step ``= a + per_request * batch + per_context * context held``."""
+    rows, ys = [], []
+    for batch in (1, 4, 16, 64):
+        for prompt in (8, 64):
+            engine = RolloutEngine.from_config(cfg.model, cfg.rollout)
+            steps = 48
+            for i in range(batch):
+                engine.add_request(
+                    GenerateRequest(
+                        request_id=f"r{i}",
+                        prompt_ids=(2,) + (5,) * (prompt - 1),
+                        sampling=SamplingParams(max_new_tokens=steps, ignore_eos=True, seed=i),
+                    )
+                )
+            engine.step()  # prefill
+            engine.step()
+            for k in range(steps - 4):
+                t0 = time.perf_counter()
+                engine.step()
+                dt = time.perf_counter() - t0
+                context = batch * (prompt + 2 + k)
+                if k % 4 == 0:
+                    rows.append((1.0, float(batch), float(context)))
+                    ys.append(dt)
+    a, per_request, per_context = _fit(rows, ys)
+    return {
+        "decode_a_s": a,
+        "decode_per_request_s": per_request,
+        "decode_per_context_s": per_context,
+    }
+
+
+def prefill(cfg: DynaRLConfig) -> dict[str, float]:
+    """Prefill of one batch ``= overhead + per_token * padded tokens``."""
+    rows, ys = [], []
+    for batch in (1, 8, 32):
+        for prompt in (8, 32, 96):
+            engine = RolloutEngine.from_config(cfg.model, cfg.rollout)
+
+            def run(
+                engine: RolloutEngine = engine, batch: int = batch, prompt: int = prompt
+            ) -> None:
+                for i in range(batch):
+                    engine.add_request(
+                        GenerateRequest(
+                            request_id=f"p{time.perf_counter_ns()}-{i}",
+                            prompt_ids=(2,) + (5,) * (prompt - 1),
+                            sampling=SamplingParams(max_new_tokens=1, ignore_eos=True, seed=i),
+                        )
+                    )
+                engine.step()
+
+            run()
+            rows.append((1.0, float(batch * prompt)))
+            ys.append(_median_s(run, 5))
+    overhead, per_token = _fit(rows, ys)
+    return {"prefill_overhead_s": overhead, "prefill_per_token_s": per_token}
+
+
+def inference(cfg: DynaRLConfig) -> dict[str, float]:
+    """One micro-batch forward ``= overhead + per_token * padded tokens``."""
+    worker = InferenceWorker.from_config(cfg.model, cfg.inference)
+    rows, ys = [], []
+    for batch in (1, 4, 16):
+        for length in (16, 64, 200):
+            reqs = [
+                LogprobRequest(
+                    item_id=f"i{i}",
+                    token_ids=(2,) + (5,) * (length - 1),
+                    response_start=length // 2,
+                )
+                for i in range(batch)
+            ]
+
+            def run(reqs: list[LogprobRequest] = reqs) -> None:
+                worker.submit(reqs)
+                worker.run()
+
+            run()
+            rows.append((1.0, float(batch * length)))
+            ys.append(_median_s(run, 5))
+    overhead, per_token = _fit(rows, ys)
+    return {"inference_overhead_s": overhead, "inference_per_token_s": per_token}
+
+
+def train(cfg: DynaRLConfig) -> dict[str, float]:
+    """One optimizer step on one rank ``= overhead + per_micro_batch * micro-batches +
+    per_token * padded tokens``."""
+    tc = TrainerConfig(micro_batch_size=cfg.actor.micro_batch_size, seed=0, num_threads=1)
+    trainer = ElasticTrainer.build(
+        lambda: build_model(cfg.model, seed=0, tokenizer=build_tokenizer()),
+        loss_fn=GrpoLoss.from_config(cfg.algorithm),
+        config=tc,
+        device=torch.device("cpu"),
+        group=None,
+    )
+    rows, ys = [], []
+    for num in (8, 32, 64):
+        for width in (16, 64, 200):
+            batch = {
+                "input_ids": torch.full((num, width), 5, dtype=torch.long),
+                "attention_mask": torch.ones((num, width), dtype=torch.long),
+                "loss_mask": torch.ones((num, width), dtype=torch.float32),
+                "old_logprobs": torch.full((num, width), -4.0),
+                "advantages": torch.linspace(-1, 1, num),
+            }
+
+            def run(batch: dict[str, torch.Tensor] = batch) -> None:
+                trainer.train_step(batch)
+
+            run()
+            micro = -(-num // tc.micro_batch_size)
+            rows.append((1.0, float(micro), float(num * width)))
+            ys.append(_median_s(run, 3))
+    overhead, per_micro, per_token = _fit(rows, ys)
+    return {
+        "train_overhead_s": overhead,
+        "train_per_micro_batch_s": per_micro,
+        "train_per_token_s": per_token,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = apply_overrides(DynaRLConfig(), args.set)
+    out: dict[str, float] = {}
+    for name, fn in (
+        ("decode", decode),
+        ("prefill", prefill),
+        ("inference", inference),
+        ("train", train),
+    ):
+        t0 = time.perf_counter()
+        part = fn(cfg)
+        out.update(part)
+        print(
+            f"{name:10s} ({time.perf_counter() - t0:5.1f} s): "
+            + ", ".join(f"{k}={v * 1e3:.4f} ms" for k, v in part.items()),
+            flush=True,
+        )
+    print(json.dumps({"bench": "profile_cpu", "threads": args.threads, **out}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Instance level: spread the rollout tail's hot engines over the idle ones.
+
+Requests stay on the engine they were routed to, and the responses of one prompt are
+alike in length, so by the rollout's tail a few engines hold most of the long requests
+(a decode step there reads much more KV and is several times slower) while most others
+idle. The rollout ends when its slowest engine does. Once no request waits for a slot,
+this policy drains the most loaded engines and restarts each on its own devices,
+sending their requests (generated tokens kept; the destination re-prefills them) one
+by one to the least loaded engines (:meth:`~dynarl.control.planner.PlanBuilder.spread`).
+A few candidates (the 1, 2, 4, ... hottest engines above the mean load) are scored by
+the predictor, whose rollout model sees the most loaded engine
+(:func:`~dynarl.control.scoring.score_plan`), and the best is committed only if it
+beats keeping the placement by ``min_gain``, migration cost and re-prefill included.
+"""
+
+from dynarl.control.config import SchedulerConfig
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.plan import EMPTY_PLAN, Plan
+from dynarl.control.planner import PlanBuilder
+from dynarl.control.predictor import Predictor
+from dynarl.control.scheduler import Trigger
+from dynarl.control.scoring import demands, remaining_time, score_plan
+
+
+class RebalanceTail:
+    """Move requests from the most loaded rollout engines to the least loaded."""
+
+    name = "rebalance-tail"
+
+    def __init__(self, cfg: SchedulerConfig, predictor: Predictor) -> None:
+        self.cfg = cfg
+        self.predictor = predictor
+
+    def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
+        """The best strictly improving spread of hot engines, or nothing."""
+        if graph.migrations or trigger.kind in ("iteration_start", "iteration_end"):
+            return EMPTY_PLAN
+        demand = None
+        before = {c: n.num_active_devices for c, n in graph.components.items()}
+        for cid in graph.of_kind("rollout"):
+            node = graph.components[cid]
+            if graph.queue_depth(cid) or self.predictor.step_costs(cid) is None:
+                continue  # requests wait for a slot: the light engines will take them
+            engines = sorted(node.active_instances(), key=lambda n: (-len(n.items), n.id))
+            if len(engines) < 2:
+                continue
+            mean = sum(len(n.items) for n in engines) / len(engines)
+            hot = [n for n in engines if len(n.items) > mean]
+            if not hot:
+                continue
+            demand = demands(graph) if demand is None else demand
+            base = remaining_time(graph, self.predictor, before, demand=demand)
+            best: tuple[float, Plan] | None = None
+            for k in _counts(len(hot), len(engines) // 2, self.cfg.num_candidates):
+                builder = PlanBuilder(graph)
+                if builder.spread(cid, hot[:k]) is None:
+                    continue
+                plan = builder.build(
+                    f"rollout tail: spread the {k} most loaded engines "
+                    f"({len(hot[0].items)} requests at most, {mean:.1f} mean)"
+                )
+                score = score_plan(graph, self.predictor, plan, before, demand)
+                if best is None or score < best[0]:
+                    best = (score, plan)
+            if best is not None and best[0] < base * (1.0 - self.cfg.min_gain):
+                score, plan = best
+                return Plan(
+                    migrations=plan.migrations,
+                    reason=f"{plan.reason}: predicted {base:.1f}s -> {score:.1f}s",
+                    score_before=base,
+                    score_after=score,
+                )
+        return EMPTY_PLAN
+
+
+def _counts(num_hot: int, limit: int, budget: int) -> list[int]:
+    """Candidate numbers of engines to spread: 1, 2, 4, ... up to ``num_hot`` (at most
+    ``limit``, at most ``budget`` candidates), always including ``num_hot``."""
+    top = max(1, min(num_hot, limit))
+    out: list[int] = []
+    k = 1
+    while k < top and len(out) < budget - 1:
+        out.append(k)
+        k *= 2
+    out.append(top)
+    return out

@@ -1,0 +1,44 @@
+"""Liveness: a stage with work and no device gets one whole instance.
+
+Whatever the other policies predict, a stage that has pending items and holds no
+device can never finish them; the iteration would wait forever. This policy, after the
+phase rules in a dynamic chain (which may do more for the stage), gives such a stage
+the smallest valid instance count it can run at, from the free pool first and then
+from the stages with no work left (the most devices first). It is a floor, not a
+schedule: the other policies resize from there.
+"""
+
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.plan import EMPTY_PLAN, Plan
+from dynarl.control.planner import PlanBuilder
+from dynarl.control.scheduler import Trigger
+
+
+class StarvedStage:
+    """Start every stage that has work but no instance."""
+
+    name = "starved-stage"
+
+    def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
+        """A plan giving the first starved stage (pipeline order) its smallest valid
+        size; nothing when no stage is starved or a move is under way."""
+        if graph.migrations:
+            return EMPTY_PLAN
+        for stage in graph.spec.stage_order():
+            node = graph.components[stage]
+            if node.num_active or not graph.pending(stage):
+                continue
+            sizes = range(1, min(node.spec.max_instances, graph.num_devices) + 1)
+            target = next((k for k in sizes if node.spec.is_valid_size(k)), None)
+            if target is None:
+                return EMPTY_PLAN
+            idle = [
+                c
+                for c, n in graph.components.items()
+                if c != stage and n.num_active and not graph.pending(c)
+            ]
+            donors = sorted(idle, key=lambda c: -graph.components[c].num_active_devices)
+            builder = PlanBuilder(graph)
+            if builder.gather(stage, target, donors) and builder.migrations:
+                return builder.build(f"{stage} has work and no device: start it")
+        return EMPTY_PLAN

@@ -1,0 +1,311 @@
+"""The reference CPU workers as a simulator profile: measured costs, not peak figures.
+
+A CPU device slot (one process, ``threads`` torch threads) running the tiny random-init
+model is not bandwidth- or FLOP-bound the way a GPU is: every call pays a fixed Python
+and dispatch cost of milliseconds, and the work on top grows with the (padded) tokens.
+:class:`CpuProfile` holds those costs as ``bench/profile_cpu.py`` measures them, and
+:func:`cpu_cluster` turns them into the simulator's cost models:
+
+- a decode step costs ``decode_step_s + decode_per_context_token_s x context held``
+  (the engine model's ``a + b x context``, with ``b`` as an effective memory bandwidth);
+- prefill, log-prob inference and training cost a fixed time per call plus a time per
+  token; training pays for padded tokens (every minibatch is padded to its longest
+  sample), and starts only once the whole rollout is scored, as the reference GRPO loop
+  does (its minibatches are a random split of the whole iteration);
+- migrations, weight sync and the per-iteration bookkeeping cost what real runs of
+  ``bench/e2e_cpu.py`` measured.
+
+:class:`ReplayWorkload` replays measured per-request lengths, iteration by iteration,
+so a prediction can be checked against the very run it describes.
+"""
+
+import string
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+import msgspec
+
+from dynarl.api.config import DynaRLConfig, ModelConfig
+from dynarl.core.ids import GroupId, ItemId
+from dynarl.sim.cluster import ClusterModel
+from dynarl.sim.costs import (
+    ActorCost,
+    DataParallelEfficiency,
+    InferenceCost,
+    MigrationCost,
+    MigrationCostModel,
+    WeightSyncCost,
+)
+from dynarl.sim.engine_config import EngineConfig
+from dynarl.sim.errors import SimError
+from dynarl.sim.hardware import GpuProfile
+from dynarl.sim.models import ModelProfile
+from dynarl.sim.replay import ReplayWorkload
+from dynarl.sim.workloads import MathWorkload, Request
+
+_BUILTIN_VOCAB = 4 + len(string.printable)
+"""Vocabulary of the built-in character-level tokenizer (4 special tokens, then the
+printable ASCII characters); see :func:`dynarl.workers.torch.model.build_tokenizer`."""
+
+
+class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
+    """Measured costs of the reference workers on one CPU device slot.
+
+    Attributes:
+        name: table key (``sim.gpu`` selects it), e.g. ``"cpu-1t"``.
+        threads: torch threads per slot the figures were measured with.
+        decode_step_s: fixed cost of one decode step (forward, sampling, bookkeeping).
+        decode_per_context_token_s: extra decode-step cost per token of context held.
+        prefill_overhead_s: fixed cost of one prefill batch.
+        prefill_per_token_s: prefill cost per prompt token.
+        inference_overhead_s: fixed cost of one log-prob micro-batch.
+        inference_per_token_s: log-prob cost per (padded) token.
+        train_overhead_s: fixed cost of one optimizer step on a rank.
+        train_per_token_s: forward plus backward cost per padded token on one slot.
+        dp_alpha: data-parallel efficiency ``1 / (1 + dp_alpha * log2(ranks))`` (gloo
+            all-reduce of the gradients).
+        engine_acquire_s: a rollout or inference instance taking a device (resume,
+            weights from the trainer, first stats).
+        reshard_s: the trainer growing or shrinking by a device (state over gloo, group
+            rebuild).
+        reboot_s: a worker restarted on its device.
+        weight_sync_s: pushing the new weights to every engine after the last step.
+        iteration_overhead_s: per-iteration time outside the modelled stages (prompt
+            encoding, routing round trips, reward, advantage and minibatch building).
+    """
+
+    name: str
+    threads: int = 1
+    decode_step_s: float
+    decode_per_context_token_s: float
+    prefill_overhead_s: float
+    prefill_per_token_s: float
+    inference_overhead_s: float
+    inference_per_token_s: float
+    train_overhead_s: float
+    train_per_token_s: float
+    dp_alpha: float = 0.1
+    engine_acquire_s: float
+    reshard_s: float
+    reboot_s: float = 30.0
+    weight_sync_s: float
+    iteration_overhead_s: float = 0.0
+
+
+CPU_1T = CpuProfile(
+    name="cpu-1t",
+    threads=1,
+    # bench/profile_cpu.py on the 2-core development machine (default model shape:
+    # hidden 64, 2 layers, fp32), one torch thread; per-request decode cost fitted ~0.
+    decode_step_s=5.5e-3,
+    decode_per_context_token_s=1.35e-6,
+    prefill_overhead_s=3.0e-3,
+    prefill_per_token_s=2.1e-5,
+    inference_overhead_s=2.4e-3,
+    inference_per_token_s=2.3e-5,
+    train_overhead_s=20e-3,
+    train_per_token_s=6.2e-5,
+    # bench/e2e_cpu.py migration records and sync stage (median).
+    engine_acquire_s=0.5,
+    reshard_s=0.15,
+    weight_sync_s=0.1,
+    iteration_overhead_s=0.0,
+)
+"""One-thread CPU device slot of the development machine, default model shape."""
+
+CPU_PROFILES: Mapping[str, CpuProfile] = MappingProxyType({p.name: p for p in (CPU_1T,)})
+"""Every built-in CPU profile by name."""
+
+
+def cpu_profile(name: str) -> CpuProfile | None:
+    """The built-in CPU profile called ``name`` (case-insensitive), or ``None``."""
+    for key, profile in CPU_PROFILES.items():
+        if key.lower() == name.lower():
+            return profile
+    return None
+
+
+def model_profile(config: ModelConfig, *, vocab_size: int = _BUILTIN_VOCAB) -> ModelProfile:
+    """The simulator's shape of the model a real run builds from ``config`` (random
+    init with the built-in tokenizer unless ``vocab_size`` says otherwise)."""
+    return ModelProfile(
+        name=f"{config.arch}-h{config.hidden_size}-l{config.num_layers}",
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        vocab_size=vocab_size,
+        intermediate_size=config.intermediate_size,
+        tie_embeddings=False,
+        bytes_per_param=4 if config.dtype == "float32" else 2,
+    )
+
+
+class CpuInferenceCost(InferenceCost, frozen=True, kw_only=True):
+    """Log-prob inference on CPU slots: a fixed cost per micro-batch plus a cost per
+    token (``mfu`` and the device's FLOP rate are unused)."""
+
+    overhead_s: float = 0.0
+    per_token_s: float = 0.0
+
+    def time_s(self, num_tokens: float, num_devices: int, mean_context: float = 0.0) -> float:
+        """Seconds of one micro-batch of ``num_tokens`` tokens on ``num_devices``."""
+        replicas = max(1, num_devices // self.tp)
+        return self.overhead_s + self.per_token_s * self.num_forwards * num_tokens / replicas
+
+
+class CpuActorCost(ActorCost, frozen=True, kw_only=True):
+    """The trainer on CPU slots: each rank pays a fixed cost per step plus its share of
+    the padded tokens, slowed by the data-parallel efficiency."""
+
+    overhead_s: float = 0.0
+    per_token_s: float = 0.0
+
+    def step_time_s(self, num_tokens: float, num_devices: int, mean_context: float = 0.0) -> float:
+        """Seconds of one optimizer step over ``num_tokens`` (padded) tokens."""
+        replicas = max(1, num_devices // self.replica_devices)
+        share = self.per_token_s * num_tokens / replicas / self.efficiency(replicas)
+        return self.overhead_s + share
+
+
+def replay_workload(
+    cfg: DynaRLConfig,
+    generated: Sequence[Mapping[str, int]],
+    *,
+    prompt_tokens: Sequence[Sequence[int]] | None = None,
+) -> ReplayWorkload:
+    """A replay of a real run's iterations: ``generated[i]`` maps request ids
+    (``"{iteration}-{prompt}-{sample}"``) to generated tokens. Prompt lengths come
+    from ``prompt_tokens[i][prompt]`` or, by default, from the embedded task's prompt
+    sampler (the same prompts the run drew)."""
+    algo = cfg.algorithm
+    if prompt_tokens is None:
+        prompt_tokens = _synthetic_prompt_tokens(cfg, len(generated))
+    iterations = []
+    for i, tokens in enumerate(generated):
+        requests = []
+        for p in range(algo.num_prompts):
+            for g in range(algo.group_size):
+                rid = f"{i}-{p}-{g}"
+                requests.append(
+                    Request(
+                        id=ItemId(f"it{i}-p{p}-s{g}"),
+                        group=GroupId(f"it{i}-p{p}"),
+                        prompt_tokens=int(prompt_tokens[i][p]),
+                        output_tokens=(max(1, int(tokens.get(rid, 1))),),
+                    )
+                )
+        iterations.append(tuple(requests))
+    return ReplayWorkload(
+        iterations=tuple(iterations),
+        num_prompts=algo.num_prompts,
+        group_size=algo.group_size,
+        max_output_tokens=cfg.rollout.max_new_tokens,
+    )
+
+
+def _synthetic_prompt_tokens(cfg: DynaRLConfig, num_iterations: int) -> list[list[int]]:
+    from dynarl.envs.prompts import prompt_sampler
+    from dynarl.envs.synthetic import SyntheticTask
+
+    seed = cfg.run.seed
+    sampler = prompt_sampler(cfg.data, seed=seed, generator=SyntheticTask(seed=seed).prompt)
+    # +1: the BOS token the real loop puts in front of every prompt
+    return [
+        [len(p.text) + 1 for p in sampler.take(cfg.algorithm.num_prompts)]
+        for _ in range(num_iterations)
+    ]
+
+
+def cpu_cluster(
+    cfg: DynaRLConfig,
+    *,
+    profile: CpuProfile | None = None,
+    workload: MathWorkload | ReplayWorkload | None = None,
+) -> ClusterModel:
+    """The simulator's cost models for ``cfg`` on CPU device slots of ``profile``
+    (default: the one ``cfg.sim.gpu`` names). Without ``workload``, a math workload of
+    ``cfg.sim.median_output_tokens`` (lognormal, capped at ``rollout.max_new_tokens``).
+
+    Raises:
+        SimError: ``cfg.sim.gpu`` names no CPU profile and none is given.
+    """
+    profile = profile or cpu_profile(cfg.sim.gpu)
+    if profile is None:
+        raise SimError(
+            f"sim.gpu={cfg.sim.gpu!r} is not a CPU profile; known: {', '.join(CPU_PROFILES)}"
+        )
+    shape = model_profile(cfg.model)
+    # An effective memory bandwidth that makes the engine model's per-context cost the
+    # measured one, and a FLOP rate that makes its prefill cost per token the measured one.
+    bandwidth = shape.kv_bytes_per_token / profile.decode_per_context_token_s
+    flops = shape.forward_flops_per_token(0.0) / profile.prefill_per_token_s
+    device = GpuProfile(
+        name=profile.name,
+        hbm_bytes_per_s=bandwidth,
+        bf16_flops_per_s=flops,
+        memory_bytes=8 * 2**30,
+        nvlink_bytes_per_s=1e9,
+        nic_bytes_per_s=1e9,
+    )
+    weights_s = shape.weight_bytes / cfg.rollout.tp / bandwidth
+    algo = cfg.algorithm
+    efficiency = DataParallelEfficiency(alpha=profile.dp_alpha)
+    setup_only = 1e18  # migration costs are measured setup times; bytes are negligible
+    return ClusterModel(
+        gpu=device,
+        model=shape,
+        engine=EngineConfig(
+            gpu=device,
+            model=shape,
+            tp=cfg.rollout.tp,
+            max_running_requests=cfg.rollout.max_running_requests,
+            step_overhead_s=max(0.0, profile.decode_step_s - weights_s),
+            prefill_mfu=1.0,
+            prefill_overhead_s=profile.prefill_overhead_s,
+            kv_capacity_tokens=cfg.rollout.kv_capacity_tokens,
+        ),
+        inference=CpuInferenceCost(
+            gpu=device,
+            model=shape,
+            tp=cfg.inference.tp,
+            num_forwards=2 if cfg.inference.compute_ref_logprobs else 1,
+            efficiency=efficiency,
+            overhead_s=profile.inference_overhead_s,
+            per_token_s=profile.inference_per_token_s,
+        ),
+        actor=CpuActorCost(
+            gpu=device,
+            model=shape,
+            tp=cfg.actor.tp,
+            pp=cfg.actor.pp,
+            n_minibatches=algo.n_minibatches,
+            efficiency=efficiency,
+            overhead_s=profile.train_overhead_s,
+            per_token_s=profile.train_per_token_s,
+        ),
+        migration=MigrationCostModel(
+            workload=MigrationCost(
+                setup_s=profile.engine_acquire_s, bandwidth_bytes_per_s=setup_only
+            ),
+            reshard=MigrationCost(setup_s=profile.reshard_s, bandwidth_bytes_per_s=setup_only),
+            reboot=MigrationCost(setup_s=profile.reboot_s, bandwidth_bytes_per_s=setup_only),
+        ),
+        weight_sync=WeightSyncCost(
+            setup_s=profile.weight_sync_s + profile.iteration_overhead_s,
+            bandwidth_bytes_per_s=setup_only,
+        ),
+        workload=workload
+        or MathWorkload(
+            num_prompts=algo.num_prompts,
+            group_size=algo.group_size,
+            median_output_tokens=cfg.sim.median_output_tokens,
+            max_output_tokens=cfg.rollout.max_new_tokens,
+            prompt_median_tokens=8,
+            min_prompt_tokens=2,
+            max_prompt_tokens=cfg.model.max_seq_len // 4,
+            min_output_tokens=1,
+        ),
+        padded_batches=True,
+        train_after_rollout=True,
+    )

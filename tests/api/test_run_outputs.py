@@ -1,0 +1,91 @@
+"""A real run's outputs and its resumption: a run stopped after one iteration and
+resumed with `dynarl run --resume` ends exactly as an uninterrupted run; the running
+object draws its timeline and returns its metrics as flat records."""
+
+import itertools
+import sys
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dynarl.api.facade import DynaRL  # noqa: E402
+from dynarl.cli import main  # noqa: E402
+from dynarl.obs.metrics import read_metrics  # noqa: E402
+from dynarl.obs.timeline import Interval, Mark, read_timeline  # noqa: E402
+
+from .test_facade import SMALL, config  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = torch.load(path, weights_only=True)["model"]
+    return state
+
+
+@pytest.mark.timeout(300)
+async def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path: Path) -> None:
+    async with DynaRL(config(tmp_path / "whole", *SMALL, "run.num_iterations=2")) as rl:
+        whole = await rl.run()
+
+    async with DynaRL(config(tmp_path / "part", *SMALL, "run.num_iterations=1")) as rl:
+        await rl.run()
+        # What a notebook user sees of the running object.
+        figure = rl.timeline_figure()
+        records = rl.metrics_records()
+    bars = {
+        round(path.get_extents().y0)
+        for collection in figure.axes[0].collections
+        for path in collection.get_paths()
+    }
+    assert bars == {0, 1}  # one bar per device
+    assert {t.get_text() for t in figure.legends[0].get_texts()} == {"actor", "rollout"}
+    assert len(records) == 1
+    assert {"mean_reward", "tokens_per_s", "stage_s.rollout", "device_s.rollout"} <= set(records[0])
+    assert records[0]["allocation.actor"] == 1 and records[0]["num_migrations"] == 0
+    run_dir = tmp_path / "part" / "run"
+    assert (run_dir / "timeline.png").stat().st_size > 0
+
+    # Resume as a user would; stdout is a pipe, so progress is plain lines.
+    command = [sys.executable, "-m", "dynarl.cli", "run", "--resume", str(run_dir)]
+    result = await anyio.run_process([*command, "--set", "run.num_iterations=2"], check=False)
+    assert result.returncode == 0, result.stderr.decode()
+    lines = result.stdout.decode().splitlines()
+    assert [line[:8] for line in lines if line.startswith("iter ")] == ["iter   1"], lines
+
+    resumed = read_metrics(run_dir / "metrics.jsonl")  # appended to, not overwritten
+    assert [s.iteration for s in resumed] == [0, 1]
+    assert [s.mean_reward for s in resumed] == [s.mean_reward for s in whole]
+    assert [s.gen_tokens for s in resumed] == [s.gen_tokens for s in whole]
+    np.testing.assert_allclose([s.loss for s in resumed], [s.loss for s in whole], rtol=1e-5)
+    assert resumed[-1].weight_version == whole[-1].weight_version == 2
+
+    ours = weights(run_dir / "checkpoints" / "iter_0002.pt")
+    theirs = weights(tmp_path / "whole" / "run" / "checkpoints" / "iter_0002.pt")
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+    timeline = read_timeline(run_dir / "timeline.jsonl")  # continued, in one time line
+    marks = [(m.what, m.iteration) for m in timeline if isinstance(m, Mark)]
+    assert marks == [
+        ("iteration_start", 0),
+        ("iteration_end", 0),
+        ("iteration_start", 1),
+        ("iteration_end", 1),
+    ]
+    for device in (0, 1):
+        spans = sorted(
+            (iv.start_s, iv.end_s)
+            for iv in timeline
+            if isinstance(iv, Interval) and iv.device == device
+        )
+        assert spans[0][0] == 0.0
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))  # no gap
+
+    (run_dir / "timeline.png").unlink()
+    assert main(["plot", str(run_dir)]) == 0  # `dynarl plot RUN_DIR` redraws it
+    assert (run_dir / "timeline.png").stat().st_size > 0

@@ -1,0 +1,81 @@
+"""The simulator's CPU worker profile: the e2e bench's setting simulates, sensibly."""
+
+import asyncio
+import math
+
+import msgspec
+import pytest
+
+from dynarl.api.config import DynaRLConfig
+from dynarl.api.config_io import apply_overrides
+from dynarl.core.virtual_time import VirtualTimeLoop
+from dynarl.sim.cluster import ClusterModel
+from dynarl.sim.cpu_profile import CPU_1T, cpu_cluster, replay_workload
+from dynarl.sim.run import ModeResult, simulate
+from recipes import e2e_cpu
+
+MODES = ("dynamic", "static-colocated", "static-disaggregated")
+
+
+def _small(mode: str, *sets: str) -> DynaRLConfig:
+    return apply_overrides(
+        e2e_cpu(mode),  # type: ignore[arg-type]
+        [
+            "algorithm.num_prompts=8",
+            "algorithm.group_size=4",
+            "sim.median_output_tokens=40",
+            "run.num_iterations=3",
+            *sets,
+        ],
+    )
+
+
+def _run(cfg: DynaRLConfig, cluster: ClusterModel | None = None) -> ModeResult:
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        result, _ = runner.run(simulate(cfg, cluster=cluster))
+    return result
+
+
+def test_the_recipe_selects_the_cpu_profile() -> None:
+    cluster = ClusterModel.from_config(e2e_cpu())
+    assert cluster.gpu.name == CPU_1T.name
+    assert cluster.train_after_rollout and cluster.padded_batches
+    a, b = cluster.engine.step_coefficients()
+    assert a == pytest.approx(CPU_1T.decode_step_s)
+    assert b == pytest.approx(CPU_1T.decode_per_context_token_s)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_simulates_to_a_finite_positive_iteration_time(mode: str) -> None:
+    result = _run(_small(mode))
+    assert math.isfinite(result.mean_iteration_s) and result.mean_iteration_s > 0
+    assert result.generated_tokens == result.requested_tokens
+
+
+@pytest.mark.parametrize("mode", ["static-colocated", "dynamic"])
+def test_more_cpu_devices_are_not_slower(mode: str) -> None:
+    two = _run(_small(mode, "cluster.num_devices=2"))
+    four = _run(
+        _small(
+            mode,
+            "cluster.num_devices=4",
+            "rollout.initial_devices=2",
+            "actor.initial_devices=2",
+        )
+    )
+    assert four.mean_iteration_s <= two.mean_iteration_s * 1.02
+
+
+def test_a_replay_generates_the_recorded_lengths_and_training_waits_for_it() -> None:
+    cfg = _small("dynamic", "run.num_iterations=2")
+    generated = [
+        {f"{i}-{p}-{g}": 5 + 40 * p * (p == 7) + g for p in range(8) for g in range(4)}
+        for i in range(2)
+    ]
+    cluster = cpu_cluster(cfg, workload=replay_workload(cfg, generated))
+    barrier = _run(cfg, cluster)
+    assert barrier.generated_tokens == sum(sum(it.values()) for it in generated)
+    # one long group: a loop that trains on the first whole minibatch of groups would
+    # overlap training with its decode; the reference loop waits for it
+    pipelined = _run(cfg, msgspec.structs.replace(cluster, train_after_rollout=False))
+    assert barrier.mean_iteration_s > pipelined.mean_iteration_s
