@@ -154,6 +154,35 @@ def test_resizing_1_2_4_1_matches_a_fixed_size_run(pool: TrainerPool, tmp_path: 
     np.testing.assert_allclose(losses, expected["losses"], rtol=1e-5)
 
 
+@pytest.mark.timeout(90)
+def test_a_parked_trainer_resumes_onto_any_workers_and_keeps_its_maths(
+    pool: TrainerPool, tmp_path: Path
+) -> None:
+    """A colocated schedule parks the trainer while other stages hold every device; it
+    resumes from its keeper, also onto workers of lower rank than the keeper (the
+    transfer group's rank 0 is then a joiner, not the source)."""
+    batches = [b for b, _ in zip(minibatches(2), range(4), strict=False)]
+    pool.start_training([2])
+    losses = [pool.train_step(batches[0]).loss]
+    parked = pool.park()
+    assert pool.parked and pool.members == () and parked.new_members == ()
+    with pytest.raises(TrainerError, match="parked"):
+        pool.train_step(batches[1])
+    pool.resize([2, 0, 1])  # source 2, joiners 0 and 1 below it
+    assert not pool.parked and pool.members == (2, 0, 1)
+    losses.append(pool.train_step(batches[1]).loss)
+    pool.resize([3])  # the keeper itself leaves
+    pool.park()
+    pool.resize([0, 3])
+    losses += [pool.train_step(b).loss for b in batches[2:]]
+    pool.save_checkpoint(tmp_path / "parked.pt")
+
+    expected = reference_run(batches)
+    actual = load_model(tmp_path / "parked.pt")
+    assert global_relative_error(actual, expected["model"]) < 1e-5
+    np.testing.assert_allclose(losses, expected["losses"], rtol=1e-5)
+
+
 @pytest.mark.timeout(60)
 def test_a_failed_resize_leaves_the_old_group_training(pool: TrainerPool, tmp_path: Path) -> None:
     batches = [b for b, _ in zip(minibatches(1), range(3), strict=False)]

@@ -78,6 +78,9 @@ class PendingResize:
     """The new data-parallel group (``None`` on workers outside it)."""
     transfer_group: dist.ProcessGroup | None
     """Source plus joiners (``None`` on other workers, or when nobody joins)."""
+    source_rank: int = 0
+    """The source's rank in the transfer group (torch orders a group's ranks by their
+    world ranks, so a source with a higher world rank than a joiner is not rank 0)."""
     trainer: ElasticTrainer | None = None
     """A joiner's received trainer."""
 
@@ -97,6 +100,7 @@ def create_groups(command: PrepareResize, *, worker: int, timeout_s: float) -> P
         members=command.new_members,
         group=group if worker in command.new_members else None,
         transfer_group=transfer if in_transfer else None,
+        source_rank=sorted([command.source, *joiners]).index(command.source),
     )
 
 
@@ -122,13 +126,22 @@ def transfer_state(
     if worker == command.source:
         if trainer is None:
             raise ReshardError(f"source worker {worker} holds no trainer state")
-        return send_state(trainer, group=pending.transfer_group, bucket_bytes=bucket_bytes)
+        return send_state(
+            trainer,
+            group=pending.transfer_group,
+            src=pending.source_rank,
+            bucket_bytes=bucket_bytes,
+        )
     skeleton = make_skeleton()
     on_bucket = None
     if command.fault is not None and command.fault.worker == worker:
         on_bucket = _fault_hook(command.fault.after_buckets)
     moved = receive_state(
-        skeleton, group=pending.transfer_group, bucket_bytes=bucket_bytes, on_bucket=on_bucket
+        skeleton,
+        group=pending.transfer_group,
+        src=pending.source_rank,
+        bucket_bytes=bucket_bytes,
+        on_bucket=on_bucket,
     )
     pending.trainer = skeleton
     return moved
@@ -172,14 +185,16 @@ def release_memory(trainer: ElasticTrainer) -> None:
         torch.cuda.empty_cache()
 
 
-def send_state(trainer: ElasticTrainer, *, group: dist.ProcessGroup, bucket_bytes: int) -> int:
-    """Broadcast ``trainer``'s layout and tensors from group rank 0."""
+def send_state(
+    trainer: ElasticTrainer, *, group: dist.ProcessGroup, src: int = 0, bucket_bytes: int
+) -> int:
+    """Broadcast ``trainer``'s layout and tensors from group rank ``src`` (this one)."""
     layout, optimizer_tensors = _describe(trainer)
     header = msgspec.msgpack.encode(layout)
-    _broadcast_bytes(header, group=group, device=trainer.device)
+    _broadcast_bytes(header, group=group, src=src, device=trainer.device)
     tensors = trainer.model_tensors() + optimizer_tensors
     return len(header) + broadcast_tensors(
-        tensors, group=group, group_src=0, bucket_bytes=bucket_bytes, staging=trainer.staging
+        tensors, group=group, group_src=src, bucket_bytes=bucket_bytes, staging=trainer.staging
     )
 
 
@@ -187,11 +202,12 @@ def receive_state(
     skeleton: ElasticTrainer,
     *,
     group: dist.ProcessGroup,
+    src: int = 0,
     bucket_bytes: int,
     on_bucket: BucketHook | None = None,
 ) -> int:
-    """Receive a trainer state broadcast by group rank 0 into ``skeleton``."""
-    header = _broadcast_bytes(None, group=group, device=skeleton.device)
+    """Receive a trainer state broadcast by group rank ``src`` into ``skeleton``."""
+    header = _broadcast_bytes(None, group=group, src=src, device=skeleton.device)
     layout = msgspec.msgpack.decode(header, type=StateLayout)
     mine = [_spec(name, t) for name, t in skeleton.named_model_tensors()]
     if mine != layout.model:
@@ -209,7 +225,7 @@ def receive_state(
         target.data = view
     optimizer_tensors = tensors[len(model_tensors) :]
     moved = len(header) + broadcast_tensors(
-        tensors, group=group, group_src=0, bucket_bytes=bucket_bytes, on_bucket=on_bucket
+        tensors, group=group, group_src=src, bucket_bytes=bucket_bytes, on_bucket=on_bucket
     )
     state: dict[int, dict[str, Any]] = {}
     for spec, tensor in zip(layout.optimizer, optimizer_tensors, strict=True):
@@ -256,16 +272,17 @@ def _describe(trainer: ElasticTrainer) -> tuple[StateLayout, list[torch.Tensor]]
 
 
 def _broadcast_bytes(
-    data: bytes | None, *, group: dist.ProcessGroup, device: torch.device
+    data: bytes | None, *, group: dist.ProcessGroup, src: int, device: torch.device
 ) -> bytes:
-    """Broadcast a byte string from group rank 0 (``data`` there, ``None`` elsewhere)."""
+    """Broadcast a byte string from group rank ``src`` (``data`` there, ``None``
+    elsewhere)."""
     size = torch.tensor([0 if data is None else len(data)], dtype=torch.int64, device=device)
-    broadcast(size, group=group, group_src=0)
+    broadcast(size, group=group, group_src=src)
     if data is None:
         buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     else:
         buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    broadcast(buffer, group=group, group_src=0)
+    broadcast(buffer, group=group, group_src=src)
     return bytes(buffer.cpu().numpy().tobytes())
 
 
