@@ -176,12 +176,6 @@ class DynaRL:
         graph, baseline = build_hypergraph(cfg, now_s=clock.now())
         predictor = Predictor({c: n.spec.scaling for c, n in graph.components.items()})
         self._meter = DeviceMeter(graph, now_s=clock.now())
-        self._recorder = TimelineRecorder(
-            graph,
-            run=cfg.scheduler.mode,
-            offset_s=0.0 if resumed is None else resumed.checkpoint.state.timeline_s,
-        )
-        self._closed_s = None
         # Generous liveness: on a small CPU machine the slots share cores with training.
         router_cfg = RouterConfig(heartbeat_interval_s=0.5, liveness_timeout_s=60.0)
         router = await stack.enter_async_context(
@@ -194,6 +188,14 @@ class DynaRL:
         await world.start()
         if resumed is not None:
             await _restore(world, resumed.checkpoint)
+        # The timeline starts once the workers are up: start-up is not scheduling.
+        self._recorder = TimelineRecorder(
+            graph,
+            run=cfg.scheduler.mode,
+            offset_s=0.0 if resumed is None else resumed.checkpoint.state.timeline_s,
+            now_s=clock.now(),
+        )
+        self._closed_s = None
 
         controller = Controller(
             graph,

@@ -57,14 +57,23 @@ class TimelineRecorder:
         run: the run's name in the written lines (e.g. the scheduling mode).
         offset_s: the time of the recorder's start in the written lines (a resumed run
             continues its predecessor's timeline).
+        now_s: the recorder's start on the graph's clock (default: the graph's last
+            event time).
     """
 
-    def __init__(self, graph: Hypergraph, *, run: str = "", offset_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        graph: Hypergraph,
+        *,
+        run: str = "",
+        offset_s: float = 0.0,
+        now_s: float | None = None,
+    ) -> None:
         self.graph = graph
         self.run = run
         self.intervals: list[Interval] = []
         self.marks: list[Mark] = []
-        self.origin_s = graph.now_s - offset_s
+        self.origin_s = (graph.now_s if now_s is None else now_s) - offset_s
         self._open: dict[DeviceId, tuple[str, float]] = {
             DeviceId(d): (self._label(DeviceId(d)), offset_s) for d in range(graph.num_devices)
         }
