@@ -113,3 +113,16 @@ def test_pipeline_places_the_actor_first_then_rollout_then_inference() -> None:
     assert [i.devices for i in placement["inference"]] == [(6,), (7,)]
     assert baseline == {"actor": 2, "rollout": 4, "inference": 2}
     assert spec.component("actor").valid_sizes == (1, 2, 4, 8)  # divide the 32-sample minibatch
+
+
+def test_completion_ordered_minibatches_need_whole_groups_per_minibatch() -> None:
+    with pytest.raises(ConfigError, match="multiple of n_minibatches") as info:
+        apply_overrides(
+            DynaRLConfig(),
+            [
+                "algorithm.num_prompts=6",
+                "algorithm.n_minibatches=4",
+                "algorithm.minibatch_order=completion",
+            ],
+        )
+    assert info.value.field == "algorithm.minibatch_order"

@@ -33,10 +33,12 @@ SMALL = [
 ]
 
 
-async def run(tmp_path: Path, mode: str) -> tuple[list[IterationStats], dict[str, int]]:
+async def run(
+    tmp_path: Path, mode: str, *extra: str
+) -> tuple[list[IterationStats], dict[str, int]]:
     cfg = apply_overrides(
         DynaRLConfig(),
-        [*SMALL, f"scheduler.mode={mode}", f"run.run_dir={tmp_path / mode}"],
+        [*SMALL, f"scheduler.mode={mode}", f"run.run_dir={tmp_path / mode}", *extra],
     )
     async with DynaRL(cfg) as rl:
         history = [s async for s in rl.iterations()]
@@ -68,9 +70,12 @@ async def test_moving_devices_between_stages_does_not_change_what_is_learned(
 
 
 @pytest.mark.timeout(180)
-async def test_dynamic_mode_runs_on_real_workers(tmp_path: Path) -> None:
-    history, rejected = await run(tmp_path, "dynamic")
+async def test_dynamic_mode_trains_as_groups_finish_on_real_workers(tmp_path: Path) -> None:
+    """Minibatches of whole groups in the order they finish: the actor steps while the
+    rollout tail runs, and the scheduler moves devices meanwhile."""
+    history, rejected = await run(tmp_path, "dynamic", "algorithm.minibatch_order=completion")
     assert [s.iteration for s in history] == [0, 1]
     assert all(s.gen_tokens > 0 and s.mean_reward >= 0 for s in history)
+    assert all(s.stage_s["train"] > 0 and s.grad_norm > 0 for s in history)
     assert any(s.migrations for s in history)
     assert not {"ItemRouted", "ItemCompleted", "ItemsRequeued"} & set(rejected), rejected

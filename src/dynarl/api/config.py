@@ -158,6 +158,13 @@ class AlgorithmConfig(_Section, frozen=True, kw_only=True):
         clip_eps: PPO clip range of the importance ratio.
         kl_coef: weight of the KL penalty to the reference policy (0 disables it).
         loss_agg: ``token-mean`` or ``seq-mean`` loss aggregation.
+        minibatch_order: ``seeded``: the iteration's samples are split into minibatches
+            by a seeded permutation once every response is in (the same split in every
+            scheduling mode, so modes learn exactly the same); ``completion``: whole
+            groups form minibatches in the order they finish, and the actor takes its
+            first optimizer steps while the rollout tail still runs (PPO on the same
+            behaviour policy, in another data order; needs ``num_prompts`` divisible
+            by ``n_minibatches``).
     """
 
     name: Literal["grpo", "ppo"] = "grpo"
@@ -167,6 +174,16 @@ class AlgorithmConfig(_Section, frozen=True, kw_only=True):
     clip_eps: PositiveFloat = 0.2
     kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
+    minibatch_order: Literal["seeded", "completion"] = "seeded"
+
+    def __post_init__(self) -> None:
+        if self.minibatch_order == "completion" and self.num_prompts % self.n_minibatches:
+            raise ConfigError(
+                f"algorithm.minibatch_order=completion forms minibatches of whole groups, "
+                f"so num_prompts ({self.num_prompts}) must be a multiple of n_minibatches "
+                f"({self.n_minibatches}); change one of them or use minibatch_order=seeded",
+                field="algorithm.minibatch_order",
+            )
 
     @property
     def samples_per_iteration(self) -> int:

@@ -109,6 +109,7 @@ class GrpoIteration:
             cfg.scheduler.mode != "static-disaggregated"
         )
         """Whether old log-probs come from inference instances (else the engines')."""
+        self._train_s = 0.0
 
     def downstream(self) -> EdgeId:
         """The edge finished rollout items go to next."""
@@ -141,6 +142,30 @@ class GrpoIteration:
         # Wall time during which some chunk was being scored (chunks overlap).
         scoring = [0, 0.0, 0.0]  # running chunks, busy since, busy seconds
 
+        # Groups whose every sample is rewarded and scored, in the order they finish.
+        unscored = dict.fromkeys(range(algo.num_prompts), algo.group_size)
+        send_ready, receive_ready = anyio.create_memory_object_stream[int](algo.num_prompts)
+        losses: list[float] = []
+        norms: list[float] = []
+        self._train_s = 0.0
+
+        def trajectories_of(groups: Sequence[int]) -> tuple[list[Trajectory], list[ItemId]]:
+            chosen = [r for r in requests if group_of[r.request_id] in set(groups)]
+            trajectories = with_advantages(
+                [
+                    msgspec.structs.replace(
+                        from_completion(
+                            completions[r.request_id],
+                            group_id=group_of[r.request_id],
+                            reward=rewards[r.request_id],
+                        ),
+                        old_logprobs=old_logprobs[r.request_id],
+                    )
+                    for r in chosen
+                ]
+            )
+            return trajectories, [ItemId(r.request_id) for r in chosen]
+
         async def score(chunk: list[Completion]) -> None:
             if not scoring[0]:
                 scoring[1] = time.perf_counter()
@@ -152,9 +177,33 @@ class GrpoIteration:
             scoring[0] -= 1
             if not scoring[0]:
                 scoring[2] += time.perf_counter() - scoring[1]
+            for c in chunk:
+                unscored[group_of[c.request_id]] -= 1
+                if not unscored[group_of[c.request_id]]:
+                    send_ready.send_nowait(group_of[c.request_id])
 
+        async def train_as_groups_finish() -> None:
+            """``minibatch_order=completion``: a minibatch of whole groups as soon as
+            that many have finished, while the rollout tail still runs."""
+            per_step = algo.num_prompts // algo.n_minibatches
+            finished: list[int] = []
+            async with receive_ready:
+                async for group in receive_ready:
+                    finished.append(group)
+                    if len(finished) % per_step == 0:
+                        step = len(finished) // per_step - 1
+                        part = finished[-per_step:]
+                        loss, norm = await self._train_step(iteration, step, *trajectories_of(part))
+                        losses.append(loss)
+                        norms.append(norm)
+                        if step + 1 == algo.n_minibatches:
+                            return
+
+        streaming = algo.minibatch_order == "completion"
         await self.world.router.submit(items)
-        async with anyio.create_task_group() as tg:
+        async with send_ready, anyio.create_task_group() as tg:
+            if streaming:
+                tg.start_soon(train_as_groups_finish)
             while len(completions) < len(items):
                 chunk = []
                 for done in await self.world.router.receive_batch():
@@ -172,25 +221,25 @@ class GrpoIteration:
                     )
                 )
             stage_s["rollout"] = time.perf_counter() - started
+        receive_ready.close()
         stage_s["score"] = scoring[2]
 
         ordered = [completions[r.request_id] for r in requests]
-        trajectories = with_advantages(
-            [
-                msgspec.structs.replace(
-                    from_completion(
-                        c, group_id=group_of[c.request_id], reward=rewards[c.request_id]
-                    ),
-                    old_logprobs=old_logprobs[c.request_id],
+        if not streaming:
+            trajectories, ids = trajectories_of(range(algo.num_prompts))
+            parts = minibatch_indices(
+                len(trajectories), algo.n_minibatches, seed=[self.cfg.run.seed, iteration]
+            )
+            for step, part in enumerate(parts):
+                loss, norm = await self._train_step(
+                    iteration,
+                    step,
+                    [trajectories[int(i)] for i in part],
+                    [ids[int(i)] for i in part],
                 )
-                for c in ordered
-            ]
-        )
-        t0 = time.perf_counter()
-        losses, norms = await self._train(
-            iteration, trajectories, [ItemId(r.request_id) for r in requests]
-        )
-        stage_s["train"] = time.perf_counter() - t0
+                losses.append(loss)
+                norms.append(norm)
+        stage_s["train"] = self._train_s
         t0 = time.perf_counter()
         self.on_progress(Progress(iteration=iteration, stage="sync", done=0, total=1))
         await self.world.sync_weights(iteration + 1)
@@ -273,51 +322,45 @@ class GrpoIteration:
             )
         return [(r.item_id, tuple(r.logprobs)) for r in results]
 
-    async def _train(
-        self, iteration: int, trajectories: Sequence[Trajectory], ids: Sequence[ItemId]
-    ) -> tuple[list[float], list[float]]:
-        """``n_minibatches`` optimizer steps, split as
-        :func:`~dynarl.rl.batch.split_minibatches` splits."""
+    async def _train_step(
+        self,
+        iteration: int,
+        step: int,
+        minibatch: Sequence[Trajectory],
+        ids: Sequence[ItemId],
+    ) -> tuple[float, float]:
+        """Optimizer step ``step`` on ``minibatch`` once the actor holds devices and no
+        move of them is under way; returns its loss and gradient norm."""
         algo = self.cfg.algorithm
         trainer = self.world.trainer
         assert trainer is not None, "start the world first"
         pad = getattr(self.tokenizer, "pad_token_id", None) or 0
-        parts = minibatch_indices(
-            len(trajectories), algo.n_minibatches, seed=[self.cfg.run.seed, iteration]
+        self.on_progress(
+            Progress(iteration=iteration, stage="train", done=step, total=algo.n_minibatches)
         )
-        losses, norms = [], []
-        for step, part in enumerate(parts):
-            self.on_progress(
-                Progress(iteration=iteration, stage="train", done=step, total=algo.n_minibatches)
+        actors = await self._actor_ready()
+        self.world.trainer_ahead = True
+        batch = list(ids)
+        for k, item in enumerate(batch):
+            self.emit(ev.ItemRouted(edge=TO_ACTOR, item=item, instance=actors[k % len(actors)].id))
+        t0 = time.perf_counter()
+        metrics = await trainer.train_step(to_arrays(minibatch, pad_token_id=pad))
+        duration = time.perf_counter() - t0
+        self._train_s += duration
+        for item in batch:
+            owner = self.graph.edges[TO_ACTOR].items[item].owner
+            if owner is not None:
+                self.emit(ev.ItemCompleted(edge=TO_ACTOR, item=item, instance=owner))
+        self.emit(
+            ev.TrainStepDone(
+                component=ACTOR,
+                step=step,
+                num_steps=algo.n_minibatches,
+                num_samples=len(batch),
+                duration_s=duration,
             )
-            actors = await self._actor_ready()
-            self.world.trainer_ahead = True
-            batch = [ids[int(i)] for i in part]
-            for k, item in enumerate(batch):
-                self.emit(
-                    ev.ItemRouted(edge=TO_ACTOR, item=item, instance=actors[k % len(actors)].id)
-                )
-            t0 = time.perf_counter()
-            metrics = await trainer.train_step(
-                to_arrays([trajectories[int(i)] for i in part], pad_token_id=pad)
-            )
-            duration = time.perf_counter() - t0
-            for item in batch:
-                owner = self.graph.edges[TO_ACTOR].items[item].owner
-                if owner is not None:
-                    self.emit(ev.ItemCompleted(edge=TO_ACTOR, item=item, instance=owner))
-            self.emit(
-                ev.TrainStepDone(
-                    component=ACTOR,
-                    step=step,
-                    num_steps=algo.n_minibatches,
-                    num_samples=len(batch),
-                    duration_s=duration,
-                )
-            )
-            losses.append(metrics.loss)
-            norms.append(metrics.grad_norm)
-        return losses, norms
+        )
+        return metrics.loss, metrics.grad_norm
 
     async def _actor_ready(self) -> list[Node]:
         """The actor's instances, once it has some and no move of its devices is under
