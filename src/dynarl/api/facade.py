@@ -241,6 +241,12 @@ class DynaRL:
         of a finished rollout item reported before its ``ItemCompleted``."""
         if not self._forward or self.controller is None or self._iteration is None:
             return  # before the controller runs, or while shutting down
+        if isinstance(event, ev.EngineStats) and (
+            event.instance not in self.controller.graph.instances
+        ):
+            # A slot reports load as the instance it is becoming before the migration
+            # that creates it is done (or as the one it left): not news to the graph.
+            return
         if isinstance(event, ev.ItemCompleted) and event.edge == PROMPTS:
             group = self._iteration.groups.get(event.item)
             if group is not None:
