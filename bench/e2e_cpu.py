@@ -25,14 +25,18 @@ import contextlib
 import json
 import logging
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 from recipes import e2e_cpu
+
+if TYPE_CHECKING:
+    from dynarl.sim.run import ModeResult
 
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
@@ -171,9 +175,21 @@ def summarise(run: ModeRun, warmup: int) -> dict[str, Any]:
     }
 
 
-def save_raw(runs: list[ModeRun], path: Path) -> None:
-    """Every mode's iteration stats and token log, for ``--replay``."""
-    raw = {
+def profile_now(cfg: DynaRLConfig) -> dict[str, float]:
+    """The CPU workers' costs measured now, in this process (see bench/profile_cpu.py):
+    the machine is shared, so the profile is taken around the run it predicts."""
+    from profile_cpu import measure as measure_costs
+
+    t0 = time.perf_counter()
+    costs = measure_costs(cfg, repeat=2, threads=cfg.cluster.threads_per_device)
+    print(f"profiled the CPU workers in {time.perf_counter() - t0:.1f} s", flush=True)
+    return costs
+
+
+def save_raw(runs: list[ModeRun], path: Path, profile: dict[str, float]) -> None:
+    """Every mode's iteration stats and token log, and the profile, for ``--replay``."""
+    raw: dict[str, Any] = {"profile": profile}
+    raw |= {
         r.mode: {
             "stats": msgspec.to_builtins(r.stats),
             "tokens": r.tokens.tokens,
@@ -184,23 +200,29 @@ def save_raw(runs: list[ModeRun], path: Path) -> None:
     path.write_text(json.dumps(raw))
 
 
-def load_raw(runs: list[ModeRun], path: Path) -> None:
+def load_raw(runs: list[ModeRun], path: Path) -> dict[str, float]:
     raw = json.loads(path.read_text())
+    profile: dict[str, float] = raw.get("profile", {})
     for run in runs:
         if run.mode in raw:
             run.stats = msgspec.convert(raw[run.mode]["stats"], list[IterationStats])
             run.tokens.tokens = raw[run.mode]["tokens"]
             run.error = raw[run.mode]["error"]
+    return profile
 
 
-def simulate_modes(runs: list[ModeRun], warmup: int) -> dict[str, float]:
-    """Predicted mean iteration time per mode: the simulator with the CPU profile,
-    replaying the measured response lengths of each mode's own iterations."""
+def simulate_modes(
+    runs: list[ModeRun], warmup: int, measured: dict[str, float]
+) -> dict[str, "ModeResult"]:
+    """Predicted mean iteration time per mode: the simulator with the CPU profile
+    (``measured`` around the run, else the built-in one), replaying the measured
+    response lengths of each mode's own iterations."""
     from dynarl.core.virtual_time import VirtualTimeLoop
     from dynarl.sim.cpu_profile import cpu_cluster, replay_workload
     from dynarl.sim.run import simulate
+    from profile_cpu import profile_from
 
-    out: dict[str, float] = {}
+    out: dict[str, ModeResult] = {}
     for run in runs:
         if not run.tokens.tokens:
             continue
@@ -210,10 +232,11 @@ def simulate_modes(runs: list[ModeRun], warmup: int) -> dict[str, float]:
             [f"run.num_iterations={num}", f"sim.warmup_iterations={min(warmup, num - 1)}"],
         )
         workload = replay_workload(cfg, run.tokens.tokens)
-        cluster = cpu_cluster(cfg, workload=workload)
+        profile = profile_from(measured) if measured else None
+        cluster = cpu_cluster(cfg, profile=profile, workload=workload)
         with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
             result, _ = runner.run(simulate(cfg, cluster=cluster, name=run.mode))
-        out[run.mode] = result.mean_iteration_s
+        out[run.mode] = result
     return out
 
 
@@ -248,15 +271,25 @@ def main() -> None:
         flush=True,
     )
     t0 = time.perf_counter()
+    profile: dict[str, float] = {}
     if args.replay:
-        load_raw(runs, Path(args.replay))
+        profile = load_raw(runs, Path(args.replay))
     else:
+        rounds = [profile_now(cfg0)] if args.sim else []
         asyncio.run(measure(runs, args))
+        rounds += [profile_now(cfg0)] if args.sim else []
+        profile = {k: statistics.mean(r[k] for r in rounds) for k in rounds[0]} if rounds else {}
         out.mkdir(parents=True, exist_ok=True)
-        save_raw(runs, out / "raw.json")
+        save_raw(runs, out / "raw.json", profile)
     wall_s = time.perf_counter() - t0
     summary = {r.mode: summarise(r, args.warmup) for r in runs}
-    predicted = simulate_modes(runs, args.warmup) if args.sim else {}
+    results = simulate_modes(runs, args.warmup, profile) if args.sim else {}
+    predicted = {m: r.mean_iteration_s for m, r in results.items()}
+    for mode, r in results.items():
+        summary[mode]["sim_iteration_s"] = [round(it.duration_s, 2) for it in r.iterations]
+        held = sum(c.held for c in r.devices.values()) + r.migration_device_s + r.free_device_s
+        busy = sum(c.busy for c in r.devices.values())
+        summary[mode]["sim_idle_fraction"] = 1.0 - busy / held if held > 0 else math.nan
 
     ok = {m: s for m, s in summary.items() if s.get("tokens_per_s")}
     print()
@@ -293,6 +326,9 @@ def main() -> None:
         "migrations_per_iteration": {m: s["migrations_per_iteration"] for m, s in ok.items()},
         "reward_curves": {m: s["reward_curve"] for m, s in ok.items()},
         "sim_mean_iteration_s": {m: round(v, 3) for m, v in predicted.items()},
+        "sim_idle_fraction": {
+            m: round(s["sim_idle_fraction"], 3) for m, s in ok.items() if "sim_idle_fraction" in s
+        },
         "sim_error": {
             m: round(v / ok[m]["mean_iteration_s"] - 1.0, 3)
             for m, v in predicted.items()
@@ -301,6 +337,7 @@ def main() -> None:
         "errors": {m: s["error"] for m, s in summary.items() if s.get("error")},
         "wall_s": round(wall_s, 1),
     }
+    out.mkdir(parents=True, exist_ok=True)
     (out / "e2e_cpu.json").write_text(json.dumps({"summary": summary, **record}, indent=1))
     print(json.dumps(record))
     sys.exit(0 if len(ok) == len(runs) else 1)

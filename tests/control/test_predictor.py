@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from dynarl.control.predictor import Predictor, Profile, ProfileRow
+from dynarl.control.predictor import Predictor, PrefillCost, Profile, ProfileRow
 from dynarl.core.ids import ComponentId
 
 R, A = ComponentId("rollout"), ComponentId("actor")
@@ -73,9 +73,31 @@ def test_profile_round_trips_and_seeds_the_fit(tmp_path) -> None:
         for load in (8, 64)
     )
     path = tmp_path / "profile.json"
-    Profile(rows=rows, migration_s={"workload": 2.5}).save(path)
+    prefill = PrefillCost(s_per_token=1e-5, s_per_token_context=1e-9, kv_capacity_tokens=5e5)
+    Profile(rows=rows, migration_s={"workload": 2.5}, prefill={R: prefill}).save(path)
     p = Predictor({R: "concave"}, profile=Profile.load(path))
+    assert p.prefill_cost(R) == prefill and p.to_profile().prefill == {R: prefill}
+    assert prefill.seconds(1000) == pytest.approx(1000 * (1e-5 + 1e-9 * 500))
     assert p.predict(R, 2, 64).throughput == pytest.approx(decode_rate(2, 64), rel=1e-3)
     assert p.migration_cost("workload") == 2.5
     p.observe_migration("workload", 4.5, alpha=0.5)
     assert p.migration_cost("workload") == pytest.approx(3.5)
+
+
+def test_at_the_tail_a_request_runs_on_one_engine_not_on_a_share_of_all() -> None:
+    """With fewer requests than engines each runs alone on its engine (idle engines do
+    not make its step cheaper): the fit recovers the step cost at full batch and at
+    the tail alike, instead of reading the tail's steps as a large per-request cost."""
+
+    def world(engines: int, load: int, tp: int = 2) -> float:
+        busy = min(engines, load) * tp  # devices of the engines holding a request
+        return load / (0.02 + 0.001 * load / busy)
+
+    p = Predictor({R: "concave"}, devices_per_instance={R: 2})
+    for engines in (8, 16, 32) * 10:  # enough data that the fit's ridge is negligible
+        for load in (1, 4, 16, 64, 512):
+            p.observe(R, 2 * engines, load, world(engines, load))
+    a, b = p.step_costs(R) or (0.0, 0.0)
+    assert a == pytest.approx(0.02, rel=0.03) and b == pytest.approx(0.001, rel=0.03)
+    assert p.predict(R, 64, 4).throughput == pytest.approx(world(32, 4), rel=1e-2)
+    assert p.predict(R, 64, 512).throughput == pytest.approx(world(32, 512), rel=1e-2)

@@ -6,14 +6,19 @@ forgetting so it follows drift):
 * **concave** (rollout): a decode step costs ``a + b * load / devices`` seconds and
   advances every running request by one token, so throughput is
   ``load / (a + b * load / devices)`` tokens/s: each extra device helps less as
-  requests finish. Fitted as ``1/throughput = a/load + b/devices``.
+  requests finish. Fitted as ``1/throughput = a/load + b/devices``. A request runs on
+  one engine, so only the devices of engines holding one count: ``devices`` is floored
+  at ``load x devices per instance`` (at the tail, with fewer requests than engines, a
+  request's step does not get cheaper with the idle engines; without the floor the fit
+  reads the tail's slow steps as a large ``b``).
 * **linear** (actor, inference): ``throughput = c * devices ** e`` with ``e <= 1`` the
   data-parallel efficiency; fitted in log space. Devices beyond the load do nothing.
 
 The fit is seeded from a :class:`Profile` (rows a profiling run or the simulator
 writes) and says how sure it is: :meth:`Predictor.predict` returns the relative standard
 error of the fit beside the estimate. Migration costs per kind are learned the same way
-(an exponential average of observed durations).
+(an exponential average of observed durations). What re-prefilling a moved request
+costs a rollout engine (:class:`PrefillCost`) comes from the profile alone.
 """
 
 import json
@@ -38,11 +43,32 @@ class ProfileRow(msgspec.Struct, frozen=True, kw_only=True):
     throughput: float
 
 
+class PrefillCost(msgspec.Struct, frozen=True, kw_only=True):
+    """What one engine of a rollout component pays to re-prefill a request it is sent
+    (a migration moves requests without their KV): compute-bound, a request holding
+    ``L`` tokens of context (prompt and tokens generated so far) takes ``L *
+    (s_per_token + s_per_token_context * L / 2)`` seconds (causal attention: each token
+    attends to the ones before it), stalling the engine's running requests meanwhile.
+    ``kv_capacity_tokens`` is the engine's KV cache, which turns its reported KV usage
+    into tokens of context."""
+
+    s_per_token: float
+    s_per_token_context: float
+    kv_capacity_tokens: float
+
+    def seconds(self, context_tokens: float) -> float:
+        """Seconds to re-prefill one request of ``context_tokens`` tokens."""
+        n = max(context_tokens, 0.0)
+        return n * (self.s_per_token + self.s_per_token_context * n / 2.0)
+
+
 class Profile(msgspec.Struct, frozen=True, kw_only=True):
-    """A table of measurements that seeds the predictor."""
+    """A table of measurements that seeds the predictor (and rollout components'
+    re-prefill costs)."""
 
     rows: tuple[ProfileRow, ...] = ()
     migration_s: dict[str, float] = msgspec.field(default_factory=dict)
+    prefill: dict[str, PrefillCost] = msgspec.field(default_factory=dict)
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON."""
@@ -70,12 +96,19 @@ DEFAULT_MIGRATION_S: dict[str, float] = {
 }
 
 
+def busy_devices(devices: float, load: float, unit: int) -> float:
+    """Devices a concave component's ``load`` requests can keep busy: a request runs on
+    one instance of ``unit`` devices, so at most ``ceil(load) x unit`` of ``devices``."""
+    return min(devices, math.ceil(load) * unit) if load > 0 else devices
+
+
 class _Fit:
     """Weighted recursive least squares on a 2-feature model with forgetting."""
 
-    def __init__(self, scaling: Scaling, forget: float) -> None:
+    def __init__(self, scaling: Scaling, forget: float, unit: int = 1) -> None:
         self.scaling = scaling
         self.forget = forget
+        self.unit = unit  # devices per instance
         self.xtx = np.zeros((2, 2))
         self.xty = np.zeros(2)
         self.yty = 0.0
@@ -88,7 +121,7 @@ class _Fit:
         if devices <= 0 or load <= 0:
             return None
         if self.scaling == "concave":
-            return np.array([1.0 / load, 1.0 / devices]), 1.0
+            return np.array([1.0 / load, 1.0 / busy_devices(devices, load, self.unit)]), 1.0
         return np.array([1.0, math.log(min(devices, load))]), 1.0
 
     def target(self, throughput: float) -> float:
@@ -158,6 +191,8 @@ class Predictor:
         forget: per-observation forgetting factor (1.0 never forgets).
         prior_per_device: throughput per device assumed before any data, per component
             (so a fresh predictor still ranks plans sensibly).
+        devices_per_instance: devices one instance of a component runs on (default 1):
+            a concave component's load keeps at most that many devices per item busy.
     """
 
     def __init__(
@@ -167,13 +202,17 @@ class Predictor:
         profile: Profile | None = None,
         forget: float = 0.995,
         prior_per_device: dict[ComponentId, float] | None = None,
+        devices_per_instance: dict[ComponentId, int] | None = None,
     ) -> None:
-        self._fits = {c: _Fit(s, forget) for c, s in scalings.items()}
+        units = devices_per_instance or {}
+        self._fits = {c: _Fit(s, forget, units.get(c, 1)) for c, s in scalings.items()}
         self._prior = dict(prior_per_device or {})
         self.migration_s: dict[str, float] = dict(DEFAULT_MIGRATION_S)
+        self._prefill: dict[str, PrefillCost] = {}
         if profile is not None:
             self.observe_all(profile.rows)
             self.migration_s.update(profile.migration_s)
+            self._prefill.update(profile.prefill)
 
     def observe(self, component: ComponentId, devices: int, load: float, throughput: float) -> None:
         """Add one measurement of ``component``'s throughput."""
@@ -195,6 +234,11 @@ class Predictor:
         """Expected seconds one migration of ``kind`` takes."""
         return self.migration_s.get(kind, DEFAULT_MIGRATION_S["reboot"])
 
+    def prefill_cost(self, component: ComponentId) -> PrefillCost | None:
+        """What re-prefilling a moved request costs one engine of ``component``;
+        ``None`` if the profile did not measure it."""
+        return self._prefill.get(component)
+
     def predict(self, component: ComponentId, devices: int, load: float) -> Estimate:
         """Expected throughput of ``component`` on ``devices`` devices at ``load``.
 
@@ -212,14 +256,17 @@ class Predictor:
 
     def step_costs(self, component: ComponentId) -> tuple[float, float] | None:
         """A concave component's fitted decode-step costs ``(a, b)``: a step takes
-        ``a + b * load / devices`` seconds. ``None`` before the fit exists."""
+        ``a + b * load / devices`` seconds, ``devices`` floored as :func:`busy_devices`
+        says. ``None`` before the fit exists."""
         fit = self._fits[component]
         coef = fit.solve() if fit.scaling == "concave" else None
         return None if coef is None else (float(coef[0]), float(coef[1]))
 
     def to_profile(self, rows: Iterable[ProfileRow] = ()) -> Profile:
         """A profile holding ``rows`` and the learned migration costs."""
-        return Profile(rows=tuple(rows), migration_s=dict(self.migration_s))
+        return Profile(
+            rows=tuple(rows), migration_s=dict(self.migration_s), prefill=dict(self._prefill)
+        )
 
     def describe(self) -> str:
         """One line per component: fitted coefficients and confidence."""

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import Plan
-from dynarl.control.predictor import Predictor
+from dynarl.control.predictor import Predictor, busy_devices
 from dynarl.core.ids import ComponentId, GroupId, InstanceId
 
 
@@ -42,6 +42,7 @@ class Demand:
         tail: float,
         upstream: float = 0.0,
         longest: float = 0.0,
+        *,
         hottest: float = 0.0,
         per_item: float = 1.0,
     ) -> None:
@@ -61,13 +62,20 @@ class Demand:
             self.tail,
             self.upstream,
             self.longest,
-            num_items * self.per_item,
-            self.per_item,
+            hottest=num_items * self.per_item,
+            per_item=self.per_item,
         )
 
 
-def demands(graph: Hypergraph) -> dict[ComponentId, Demand]:
-    """Remaining work of every component on devices."""
+def demands(graph: Hypergraph, *, per_engine: bool = False) -> dict[ComponentId, Demand]:
+    """Remaining work of every component on devices.
+
+    With ``per_engine``, a rollout's demand also holds its most loaded engine's work
+    (``hottest``), which then bounds its predicted finish (see :func:`rate`). Policies
+    that move requests between engines ask for it; device moves are scored without it,
+    since the concave fit's per-request cost ``b`` is learned largely at the tail (long
+    contexts) and would make a busy engine's queue look several times slower than it is.
+    """
     items: dict[ComponentId, float] = {}
     out: dict[ComponentId, Demand] = {}
     for cid in graph.spec.stage_order():
@@ -82,7 +90,9 @@ def demands(graph: Hypergraph) -> dict[ComponentId, Demand]:
             in_tool = sum(e.num_in_tool for e in graph.edges_into(cid))
             load = max(own - in_tool, 0.0)
             longest = graph.expected_longest_remaining(cid) if own else 0.0
-            hottest = max((len(n.items) for n in node.active_instances()), default=0)
+            hottest = 0
+            if per_engine:
+                hottest = max((len(n.items) for n in node.active_instances()), default=0)
             out[cid] = Demand(
                 work=total * per_item,
                 load=load,
@@ -249,8 +259,10 @@ def rate(
 
     For rollout with a fitted step cost the finish time is ``a * longest + b * work /
     devices``: every step pays the fixed cost ``a`` until the longest response ends,
-    while the per-sequence cost ``b`` is shared by the devices. So the tail cannot be
-    bought down with devices, and devices given to a rollout at its tail are wasted.
+    while the per-sequence cost ``b`` is shared by the devices (those its requests can
+    keep busy, one engine each at least: :func:`~dynarl.control.predictor.busy_devices`).
+    So the tail cannot be bought down with devices, and devices given to a rollout at
+    its tail are wasted.
     With more requests than its engines run at once, rollout works in waves at full
     batch, ``work * (a + b * cap) / (instances * cap)``, and the longest response may
     start only after them. Requests stay on the engine they were routed to, so the
@@ -262,8 +274,8 @@ def rate(
     if costs is None or devices <= 0:
         return predictor.predict(cid, devices, load).throughput
     a, b = costs
-    shared = b * d.work / devices
     spec = graph.components[cid].spec
+    shared = b * d.work / busy_devices(devices, load, spec.devices_per_instance)
     if d.hottest > 0:
         shared = max(shared, b * d.hottest / spec.devices_per_instance)
     if spec.max_load_per_instance:
@@ -287,18 +299,30 @@ def score_plan(
     """Predicted remaining iteration seconds if ``plan`` is carried out now.
 
     A receiver's new devices arrive after its migration's cost; a donor whose drained
-    instances hold requests loses that cost too (they re-prefill elsewhere).
+    instances hold requests loses that cost too (they re-prefill elsewhere). A donor's
+    drained instances stop at once (the trainer's only at its step boundary), so a
+    component that drains and restarts its own instances runs without them meanwhile.
+
+    The flat cost stands in for the re-prefill: charging the moved context's prefill
+    (:meth:`~dynarl.control.predictor.Predictor.prefill_cost`) instead made draining
+    full engines look nearly free at 1.5B, because nothing here charges the moved
+    requests' wait for a slot on the (full) engines they go to.
     """
     if before is None:
         before = {c: n.num_active_devices for c, n in graph.components.items()}
     after = dict(before)
+    during = dict(before)
     delays: dict[ComponentId, float] = {}
     penalties: dict[ComponentId, float] = {}
     for m in plan.migrations:
         cost = predictor.migration_cost(m.kind)
         if m.src is not None:
             drained = [graph.instances[i] for i in m.drain]
-            after[m.src] -= sum(len(n.devices) for n in drained)
+            num_devices = sum(len(n.devices) for n in drained)
+            after[m.src] -= num_devices
+            kind = graph.components[m.src].spec.kind
+            if kind != "actor":
+                during[m.src] -= num_devices
             if any(n.items for n in drained):
                 penalties[m.src] = max(penalties.get(m.src, 0.0), cost)
         if m.dst is not None:
@@ -306,7 +330,7 @@ def score_plan(
             delays[m.dst] = max(delays.get(m.dst, 0.0), cost)
     demand = _after_moves(graph, plan, demands(graph) if demand is None else demand)
     return remaining_time(
-        graph, predictor, after, delays=delays, penalties=penalties, before=before, demand=demand
+        graph, predictor, after, delays=delays, penalties=penalties, before=during, demand=demand
     )
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import msgspec
 
 from dynarl.api.config import DynaRLConfig
-from dynarl.control.predictor import Profile, ProfileRow
+from dynarl.control.predictor import PrefillCost, Profile, ProfileRow
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
 from dynarl.sim.costs import (
     ActorCost,
@@ -117,7 +117,7 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
     tokens are generated at (token-weighted mean, from ``requests``); inference and
     actor rows (samples/s) from their cost models at the workload's mean sample
     length and token-weighted attended context; migration costs from the migration
-    model.
+    model; the rollout engine's re-prefill cost from its prefill model and KV capacity.
     """
     eng = cluster.engine
     turns = [(r.prompt_tokens, n) for r in requests for n in r.output_tokens]
@@ -135,7 +135,8 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
         engines = n // eng.tp
         for load in (1, 4, 16, 64, 256, 1024, 4096, 16384):
             running = min(load, cap * engines)
-            step = a + b * context * running / engines
+            # fewer requests than engines: each runs alone on its engine
+            step = a + b * context * running / min(running, engines)
             rows.append(
                 ProfileRow(component=ROLLOUT, devices=n, load=running, throughput=running / step)
             )
@@ -162,7 +163,15 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
         "reshard": mig.time_s("reshard", shape) + mig.time_s("workload", shape) / 2,
         "reboot": mig.time_s("reboot", shape),
     }
-    return Profile(rows=tuple(rows), migration_s=migration_s)
+    # prefill_s(n) = n * (fixed + per_context * n / 2) FLOPs at the engine's rate
+    s_per_flop = eng.prefill_s(1.0) / shape.prefill_flops(1.0)
+    fixed = shape.forward_flops_per_token(0.0)
+    prefill = PrefillCost(
+        s_per_token=fixed * s_per_flop,
+        s_per_token_context=(shape.forward_flops_per_token(1.0) - fixed) * s_per_flop,
+        kv_capacity_tokens=float(eng.kv_tokens_capacity),
+    )
+    return Profile(rows=tuple(rows), migration_s=migration_s, prefill={ROLLOUT: prefill})
 
 
 def longest_decode_s(cluster: ClusterModel, requests: Sequence[Request]) -> float:

@@ -10,8 +10,9 @@ and dispatch cost of milliseconds, and the work on top grows with the (padded) t
   (the engine model's ``a + b x context``, with ``b`` as an effective memory bandwidth);
 - prefill, log-prob inference and training cost a fixed time per call plus a time per
   token; training pays for padded tokens (every minibatch is padded to its longest
-  sample), and starts only once the whole rollout is scored, as the reference GRPO loop
-  does (its minibatches are a random split of the whole iteration);
+  sample); with ``algorithm.minibatch_order=seeded`` (the default) the first step
+  waits for the whole rollout to be scored, as the reference GRPO loop does, while with
+  ``completion`` minibatches of whole groups train as they finish;
 - migrations, weight sync and the per-iteration bookkeeping cost what real runs of
   ``bench/e2e_cpu.py`` measured.
 
@@ -55,6 +56,9 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
         name: table key (``sim.gpu`` selects it), e.g. ``"cpu-1t"``.
         threads: torch threads per slot the figures were measured with.
         decode_step_s: fixed cost of one decode step (forward, sampling, bookkeeping).
+        decode_per_request_s: extra decode-step cost per running request (sampling and
+            bookkeeping in Python); the engine model, whose step grows with context
+            only, gets it spread over the workload's mean context per request.
         decode_per_context_token_s: extra decode-step cost per token of context held.
         prefill_overhead_s: fixed cost of one prefill batch.
         prefill_per_token_s: prefill cost per prompt token.
@@ -77,6 +81,7 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     threads: int = 1
     decode_step_s: float
+    decode_per_request_s: float = 0.0
     decode_per_context_token_s: float
     prefill_overhead_s: float
     prefill_per_token_s: float
@@ -95,20 +100,23 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
 CPU_1T = CpuProfile(
     name="cpu-1t",
     threads=1,
-    # bench/profile_cpu.py on the 2-core development machine (default model shape:
-    # hidden 64, 2 layers, fp32), one torch thread; per-request decode cost fitted ~0.
-    decode_step_s=5.5e-3,
-    decode_per_context_token_s=1.35e-6,
-    prefill_overhead_s=3.0e-3,
-    prefill_per_token_s=2.1e-5,
-    inference_overhead_s=2.4e-3,
-    inference_per_token_s=2.3e-5,
-    train_overhead_s=20e-3,
-    train_per_token_s=6.2e-5,
-    # bench/e2e_cpu.py migration records and sync stage (median).
-    engine_acquire_s=0.5,
-    reshard_s=0.15,
-    weight_sync_s=0.1,
+    # bench/profile_cpu.py on the shared 2-core development machine (default model
+    # shape: hidden 64, 2 layers, fp32; one torch thread), medians of four runs; single
+    # runs scattered by 2-3x with the other tenants' load (decode step 2.0-7.3 ms).
+    decode_step_s=3.4e-3,
+    decode_per_request_s=44e-6,
+    decode_per_context_token_s=0.1e-6,
+    prefill_overhead_s=3.6e-3,
+    prefill_per_token_s=13e-6,
+    inference_overhead_s=1.4e-3,
+    inference_per_token_s=16e-6,
+    train_overhead_s=2e-3,
+    train_per_token_s=41e-6,
+    # bench/e2e_cpu.py (2 devices, iterations 1-5 of every mode): medians of the
+    # migration records and of the sync stage.
+    engine_acquire_s=0.025,
+    reshard_s=0.07,
+    weight_sync_s=0.04,
     iteration_overhead_s=0.0,
 )
 """One-thread CPU device slot of the development machine, default model shape."""
@@ -217,6 +225,18 @@ def _synthetic_prompt_tokens(cfg: DynaRLConfig, num_iterations: int) -> list[lis
     ]
 
 
+def _mean_decode_context(workload: MathWorkload | ReplayWorkload) -> float:
+    """Mean context a decode step reads per running request (token-weighted prompt
+    plus half the response)."""
+    if isinstance(workload, ReplayWorkload):
+        turns = [
+            (r.prompt_tokens, n) for it in workload.iterations for r in it for n in r.output_tokens
+        ]
+        tokens = sum(n for _, n in turns)
+        return max(1.0, sum(n * (p + n / 2) for p, n in turns) / max(tokens, 1))
+    return max(1.0, workload.prompt_median_tokens + workload.median_output_tokens / 2)
+
+
 def cpu_cluster(
     cfg: DynaRLConfig,
     *,
@@ -236,9 +256,22 @@ def cpu_cluster(
             f"sim.gpu={cfg.sim.gpu!r} is not a CPU profile; known: {', '.join(CPU_PROFILES)}"
         )
     shape = model_profile(cfg.model)
+    workload = workload or MathWorkload(
+        num_prompts=cfg.algorithm.num_prompts,
+        group_size=cfg.algorithm.group_size,
+        median_output_tokens=cfg.sim.median_output_tokens,
+        max_output_tokens=cfg.rollout.max_new_tokens,
+        prompt_median_tokens=8,
+        min_prompt_tokens=2,
+        max_prompt_tokens=cfg.model.max_seq_len // 4,
+        min_output_tokens=1,
+    )
+    per_context = profile.decode_per_context_token_s + (
+        profile.decode_per_request_s / _mean_decode_context(workload)
+    )
     # An effective memory bandwidth that makes the engine model's per-context cost the
     # measured one, and a FLOP rate that makes its prefill cost per token the measured one.
-    bandwidth = shape.kv_bytes_per_token / profile.decode_per_context_token_s
+    bandwidth = shape.kv_bytes_per_token / max(per_context, 1e-12)
     flops = shape.forward_flops_per_token(0.0) / profile.prefill_per_token_s
     device = GpuProfile(
         name=profile.name,
@@ -295,17 +328,7 @@ def cpu_cluster(
             setup_s=profile.weight_sync_s + profile.iteration_overhead_s,
             bandwidth_bytes_per_s=setup_only,
         ),
-        workload=workload
-        or MathWorkload(
-            num_prompts=algo.num_prompts,
-            group_size=algo.group_size,
-            median_output_tokens=cfg.sim.median_output_tokens,
-            max_output_tokens=cfg.rollout.max_new_tokens,
-            prompt_median_tokens=8,
-            min_prompt_tokens=2,
-            max_prompt_tokens=cfg.model.max_seq_len // 4,
-            min_output_tokens=1,
-        ),
+        workload=workload,
         padded_batches=True,
-        train_after_rollout=True,
+        train_after_rollout=cfg.algorithm.minibatch_order == "seeded",
     )

@@ -96,7 +96,11 @@ async def simulate(
     # A "profiling run" on other prompts than the measured ones.
     sample = cluster.workload.generate(np.random.default_rng(cfg.run.seed + 1_000_003))
     profile = sim_profile(cluster, sample, cfg.cluster.num_devices)
-    predictor = Predictor({c: n.spec.scaling for c, n in graph.components.items()}, profile=profile)
+    predictor = Predictor(
+        {c: n.spec.scaling for c, n in graph.components.items()},
+        profile=profile,
+        devices_per_instance={c: n.spec.devices_per_instance for c, n in graph.components.items()},
+    )
     policy = make_policy(cfg.scheduler, predictor, baseline)
     recorder = TimelineRecorder(graph, run=name or cfg.scheduler.mode)
     listeners: list[Callable[[ev.Event], None]] = []

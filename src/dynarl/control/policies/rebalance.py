@@ -48,7 +48,7 @@ class RebalanceTail:
             hot = [n for n in engines if len(n.items) > mean]
             if not hot:
                 continue
-            demand = demands(graph) if demand is None else demand
+            demand = demands(graph, per_engine=True) if demand is None else demand
             base = remaining_time(graph, self.predictor, before, demand=demand)
             best: tuple[float, Plan] | None = None
             for k in _counts(len(hot), len(engines) // 2, self.cfg.num_candidates):

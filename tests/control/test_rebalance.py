@@ -1,0 +1,78 @@
+"""Instance-level rebalancing of the rollout tail: hot engines spread over idle ones."""
+
+from dynarl.control import events as ev
+from dynarl.control.config import SchedulerConfig
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.policies.rebalance import RebalanceTail
+from dynarl.control.scoring import demands, remaining_time, score_plan
+from dynarl.control.topology import PROMPTS, ROLLOUT
+from dynarl.core.ids import GroupId, InstanceId, ItemId
+
+from .graphs import make_graph
+from .test_policies import predictor_for, tick
+
+
+def skewed(loads: list[int], *, queued: int = 0) -> Hypergraph:
+    """Rollout engines holding ``loads[k]`` requests each (whole groups on one engine,
+    as the router sends them), plus ``queued`` requests waiting for a slot."""
+    g = make_graph(rollout=len(loads), inference=1, actor=1)
+    g.apply(ev.IterationStarted(iteration=0))
+    for k, n in enumerate(loads):
+        iid = InstanceId(f"rollout-{k}")
+        refs = tuple(ev.ItemRef(ItemId(f"r{k}-{j}"), GroupId(f"g{k}")) for j in range(n))
+        g.apply(ev.ItemsEnqueued(edge=PROMPTS, items=refs))
+        for ref in refs:
+            g.apply(ev.ItemRouted(edge=PROMPTS, item=ref.id, instance=iid))
+        g.apply(
+            ev.EngineStats(instance=iid, kv_usage=min(1.0, 0.01 * n), num_running=n, num_queued=0)
+        )
+    if queued:
+        refs = tuple(ev.ItemRef(ItemId(f"q{j}"), GroupId("gq")) for j in range(queued))
+        g.apply(ev.ItemsEnqueued(edge=PROMPTS, items=refs))
+    return g
+
+
+def test_a_hot_engines_requests_are_spread_one_by_one_and_it_restarts_in_place() -> None:
+    g = skewed([64, 1, 1, 1, 1, 1, 1, 1])
+    plan = RebalanceTail(SchedulerConfig(), predictor_for(g)).decide(g, tick(5.0))
+    assert plan and plan.score_after < plan.score_before
+    (m,) = plan.migrations
+    hot = g.instances[InstanceId("rollout-0")]
+    assert (m.src, m.dst, m.drain) == (ROLLOUT, ROLLOUT, (hot.id,))
+    assert [s.devices for s in m.create] == [hot.devices]  # restarted on its own device
+    # Its one group is split: every request goes somewhere else, evenly.
+    assert sorted(i for i, _ in m.reassign) == sorted(hot.items)
+    others = [k for k in g.components[ROLLOUT].instances if k != hot.id]
+    per_target = [sum(1 for _, t in m.reassign if t == k) for k in others]
+    assert max(per_target) - min(per_target) <= 1 and sum(per_target) == 64
+    g.apply(ev.MigrationStarted(migration=m))
+    g.apply(ev.ItemsRequeued(edge=PROMPTS, items=tuple(i for i, _ in m.reassign)))
+    for item, target in m.reassign:
+        g.apply(ev.ItemRouted(edge=PROMPTS, item=item, instance=target))
+    g.apply(ev.MigrationDone(migration=m.id))
+    g.check()
+    loads = [len(n.items) for n in g.components[ROLLOUT].active_instances()]
+    assert max(loads) <= 11 and g.components[ROLLOUT].num_active == 8
+
+
+def test_balanced_engines_or_waiting_requests_are_left_alone() -> None:
+    cfg = SchedulerConfig()
+    g = skewed([6, 6, 6, 6, 6, 6])
+    assert not RebalanceTail(cfg, predictor_for(g)).decide(g, tick(5.0))
+    # Requests waiting for a slot will fill the light engines by themselves.
+    g = skewed([64, 1, 1, 1, 1, 1, 1, 1], queued=4)
+    assert not RebalanceTail(cfg, predictor_for(g)).decide(g, tick(5.0))
+
+
+def test_scoring_sees_the_most_loaded_engine_only_when_asked() -> None:
+    """The same requests finish later when one engine holds them all; a spread plan is
+    scored on where its requests go."""
+    g = skewed([64, 1, 1, 1, 1, 1, 1, 1])
+    predictor = predictor_for(g)
+    before = {c: n.num_active_devices for c, n in g.components.items()}
+    balanced = remaining_time(g, predictor, before)
+    skew = remaining_time(g, predictor, before, demand=demands(g, per_engine=True))
+    assert skew > balanced
+    plan = RebalanceTail(SchedulerConfig(), predictor).decide(g, tick(5.0))
+    spread = score_plan(g, predictor, plan, before, demands(g, per_engine=True))
+    assert spread == plan.score_after < skew
