@@ -201,7 +201,9 @@ class GrpoIteration:
 
         streaming = algo.minibatch_order == "completion"
         await self.world.router.submit(items)
-        async with send_ready, anyio.create_task_group() as tg:
+        # Both ends close however the rollout ends (the trainer task may close its end
+        # first); the task group is left before them.
+        async with send_ready, receive_ready, anyio.create_task_group() as tg:
             if streaming:
                 tg.start_soon(train_as_groups_finish)
             while len(completions) < len(items):
@@ -221,7 +223,6 @@ class GrpoIteration:
                     )
                 )
             stage_s["rollout"] = time.perf_counter() - started
-        receive_ready.close()
         stage_s["score"] = scoring[2]
 
         ordered = [completions[r.request_id] for r in requests]
