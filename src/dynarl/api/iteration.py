@@ -6,7 +6,10 @@ Requests go through the data router to the rollout engines (which route, drain a
 requeue them with their partial output); finished responses are rewarded by an
 :class:`~dynarl.envs.verifier.AsyncVerifier` and scored for old log-probs by the
 inference instances as they arrive; then the actor takes ``n_minibatches`` optimizer
-steps and the engines get the new weights.
+steps and the engines get the new weights. With ``algorithm.minibatch_order=completion``
+the actor instead steps on whole groups in the order they finish, during the rollout
+tail (a different data order from the in-process loop's). Each step waits for the actor
+to hold devices and for any move of them to end: moves happen between steps.
 
 Every step is reported to the controller as events (``IterationStarted``,
 ``ItemsEnqueued``, ``ItemRouted``, ``ItemCompleted``, ``TrainStepDone``,
