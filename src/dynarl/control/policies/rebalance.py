@@ -13,6 +13,8 @@ the predictor, whose rollout model sees the most loaded engine
 beats keeping the placement by ``min_gain``, migration cost and re-prefill included.
 """
 
+import math
+
 from dynarl.control.config import SchedulerConfig
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
@@ -50,6 +52,14 @@ class RebalanceTail:
                 continue
             demand = demands(graph, per_engine=True) if demand is None else demand
             base = remaining_time(graph, self.predictor, before, demand=demand)
+            # No spread can beat a perfectly even load (and none is free): if even that
+            # bound does not gain ``min_gain``, build no candidate. Cheap, and most
+            # ticks end here.
+            even = dict(demand)
+            even[cid] = demand[cid].with_hottest(math.ceil(mean))
+            bound = remaining_time(graph, self.predictor, before, demand=even)
+            if not bound < base * (1.0 - self.cfg.min_gain):
+                continue
             best: tuple[float, Plan] | None = None
             for k in _counts(len(hot), len(engines) // 2, self.cfg.num_candidates):
                 builder = PlanBuilder(graph)
