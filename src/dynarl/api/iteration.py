@@ -44,7 +44,7 @@ from dynarl.rl.batch import (
     to_arrays,
     with_advantages,
 )
-from dynarl.rl.requests import group_requests
+from dynarl.rl.requests import group_requests, prompt_ids, response_text
 from dynarl.workers.torch.inference_request import LogprobRequest
 from dynarl.workers.torch.request import Completion, GenerateRequest
 
@@ -143,7 +143,7 @@ class GrpoIteration:
         rewards: dict[str, float] = {}
         old_logprobs: dict[str, tuple[float, ...]] = {}
         # Wall time during which some chunk was being scored (chunks overlap).
-        scoring = [0, 0.0, 0.0]  # running chunks, busy since, busy seconds
+        num_scoring, scoring_since, score_s = 0, 0.0, 0.0
 
         # Groups whose every sample is rewarded and scored, in the order they finish.
         unscored = dict.fromkeys(range(algo.num_prompts), algo.group_size)
@@ -170,16 +170,20 @@ class GrpoIteration:
             return trajectories, [ItemId(r.request_id) for r in chosen]
 
         async def score(chunk: list[Completion]) -> None:
-            if not scoring[0]:
-                scoring[1] = time.perf_counter()
-            scoring[0] += 1
-            pairs = [(prompts[group_of[c.request_id]], self._decode(c)) for c in chunk]
+            nonlocal num_scoring, scoring_since, score_s
+            if not num_scoring:
+                scoring_since = time.perf_counter()
+            num_scoring += 1
+            texts = [response_text(self.tokenizer, c) for c in chunk]
+            pairs = [
+                (prompts[group_of[c.request_id]], t) for c, t in zip(chunk, texts, strict=True)
+            ]
             values = await self.verifier.score_many(pairs)
             rewards.update((c.request_id, v) for c, v in zip(chunk, values, strict=True))
             old_logprobs.update(await self._old_logprobs(chunk))
-            scoring[0] -= 1
-            if not scoring[0]:
-                scoring[2] += time.perf_counter() - scoring[1]
+            num_scoring -= 1
+            if not num_scoring:
+                score_s += time.perf_counter() - scoring_since
             for c in chunk:
                 unscored[group_of[c.request_id]] -= 1
                 if not unscored[group_of[c.request_id]]:
@@ -226,7 +230,7 @@ class GrpoIteration:
                     )
                 )
             stage_s["rollout"] = time.perf_counter() - started
-        stage_s["score"] = scoring[2]
+        stage_s["score"] = score_s
 
         ordered = [completions[r.request_id] for r in requests]
         if not streaming:
@@ -272,21 +276,7 @@ class GrpoIteration:
 
     def _requests(self, prompts: Sequence[Prompt], iteration: int) -> list[GenerateRequest]:
         # The in-process loop's requests, so both loops sample the same way.
-        return group_requests(self.cfg, [self._encode(p) for p in prompts], iteration)
-
-    def _encode(self, prompt: Prompt) -> tuple[int, ...]:
-        tok = self.tokenizer
-        ids = tok.encode(prompt.text, add_special_tokens=False)
-        bos = tok.bos_token_id
-        return tuple(([] if bos is None else [bos]) + list(ids))
-
-    def _decode(self, completion: Completion) -> str:
-        ids = list(completion.output_ids)
-        if completion.finish_reason == "stop" and ids:
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids)
-        assert isinstance(text, str)
-        return text
+        return group_requests(self.cfg, [prompt_ids(self.tokenizer, p) for p in prompts], iteration)
 
     async def _old_logprobs(
         self, chunk: Sequence[Completion]

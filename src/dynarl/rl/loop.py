@@ -31,7 +31,7 @@ from dynarl.envs.synthetic import SyntheticTask
 from dynarl.envs.verifier import MatchVerifier, Verifier, score_all
 from dynarl.rl.batch import Trajectory, from_completion, split_minibatches, with_advantages
 from dynarl.rl.grpo import GrpoLoss
-from dynarl.rl.requests import group_requests
+from dynarl.rl.requests import group_requests, prompt_ids, response_text
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.logprobs import sequence_logprobs
 from dynarl.workers.torch.model import build_model, load_tokenizer
@@ -167,18 +167,11 @@ class InprocessLoop:
 
     def encode(self, prompt: Prompt) -> tuple[int, ...]:
         """The prompt's token ids (after a BOS token when the tokenizer has one)."""
-        ids = self.tokenizer.encode(prompt.text, add_special_tokens=False)
-        bos = self.tokenizer.bos_token_id
-        return tuple(([] if bos is None else [bos]) + list(ids))
+        return prompt_ids(self.tokenizer, prompt)
 
     def decode(self, completion: Completion) -> str:
         """The response text the verifier sees: the output without its final EOS."""
-        ids = list(completion.output_ids)
-        if completion.finish_reason == "stop" and ids:
-            ids = ids[:-1]
-        text = self.tokenizer.decode(ids)
-        assert isinstance(text, str)
-        return text
+        return response_text(self.tokenizer, completion)
 
     def _requests(self, prompts: Sequence[Prompt]) -> list[GenerateRequest]:
         return group_requests(self.config, [self.encode(p) for p in prompts], self.iteration)

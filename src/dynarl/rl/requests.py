@@ -1,15 +1,36 @@
-"""An iteration's rollout requests: G samples per prompt, seeded per (run, iteration).
+"""An iteration's rollout requests: G samples per prompt, seeded per (run, iteration),
+and the text a prompt and a response become on the way.
 
 The in-process reference loop and the distributed run build their requests here, so
 both sample exactly the same way for the same seed.
 """
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from dynarl.api.config import DynaRLConfig
-from dynarl.workers.torch.request import GenerateRequest, SamplingParams
+from dynarl.envs.prompts import Prompt
+from dynarl.workers.torch.request import Completion, GenerateRequest, SamplingParams
+
+
+def prompt_ids(tokenizer: Any, prompt: Prompt) -> tuple[int, ...]:
+    """``prompt``'s token ids under ``tokenizer`` (a transformers tokenizer), after a
+    BOS token when the tokenizer has one."""
+    ids = tokenizer.encode(prompt.text, add_special_tokens=False)
+    bos = tokenizer.bos_token_id
+    return tuple(([] if bos is None else [bos]) + list(ids))
+
+
+def response_text(tokenizer: Any, completion: Completion) -> str:
+    """The response text the verifier sees: the output without its final EOS."""
+    ids = list(completion.output_ids)
+    if completion.finish_reason == "stop" and ids:
+        ids = ids[:-1]
+    text = tokenizer.decode(ids)
+    assert isinstance(text, str)
+    return text
 
 
 def group_requests(
