@@ -168,7 +168,8 @@ def test_actor_takes_the_cluster_at_its_largest_valid_size_once_alone_with_work(
 
 def test_rollout_borrows_the_actor_at_iteration_start_and_returns_it_for_the_tail() -> None:
     g = make_graph(rollout=2, inference=1, actor=2)
-    policy = RolloutBorrowsActor({ROLLOUT: 2, INFERENCE: 1, ACTOR: 2}, return_fraction=0.25)
+    cfg = SchedulerConfig(borrow_return_fraction=0.25, donor_window_s=2.0)
+    policy = RolloutBorrowsActor({ROLLOUT: 2, INFERENCE: 1, ACTOR: 2}, cfg)
     g.apply(ev.IterationStarted(iteration=0))
     plan = policy.decide(g, tick(0.0, "iteration_start"))
     assert [(m.src, m.dst, len(m.create)) for m in plan.migrations] == [(ACTOR, ROLLOUT, 2)]
@@ -177,11 +178,28 @@ def test_rollout_borrows_the_actor_at_iteration_start_and_returns_it_for_the_tai
         g.apply(ev.MigrationDone(migration=m.id))
     items = enqueue(g, PROMPTS, 8, "p")
     assert not policy.decide(g, tick(1.0))  # 8/8 outstanding: keep borrowing
+    engines = sorted(g.components[ROLLOUT].instances)
     for k, item in enumerate(items[:6]):
-        inst = sorted(g.components[ROLLOUT].instances)[k % 4]
+        inst = engines[k % 4]
         g.apply(ev.ItemRouted(edge=PROMPTS, item=item, instance=inst))
         g.apply(ev.ItemCompleted(edge=PROMPTS, item=item, instance=inst))
-    plan = policy.decide(g, tick(2.0))  # 2/8 outstanding <= 25%: hand back the surplus
+    for k, item in enumerate(items[6:]):
+        g.apply(ev.ItemRouted(edge=PROMPTS, item=item, instance=engines[k]))
+
+    def stats(t: float, kv: float) -> None:
+        for inst in engines:
+            g.apply(
+                ev.EngineStats(instance=inst, time_s=t, kv_usage=kv, num_running=1, num_queued=0)
+            )
+
+    # 2/8 outstanding <= 25%, but the engines' KV caches are still full (long
+    # requests): taking engines away would slow the tail, so they stay.
+    stats(2.0, 0.9)
+    assert not policy.decide(g, tick(5.0))
+    # Under-used for the donor window on every engine: hand back the surplus.
+    stats(6.0, 0.05)
+    assert not policy.decide(g, tick(7.0))  # not yet for 2 s
+    plan = policy.decide(g, tick(8.5))
     assert [(m.src, m.dst) for m in plan.migrations] == [(ROLLOUT, ACTOR)]
     assert sum(len(s.devices) for m in plan.migrations for s in m.create) == 2
 

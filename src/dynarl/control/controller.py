@@ -21,12 +21,14 @@ import msgspec
 from anyio.abc import ObjectReceiveStream, TaskGroup, TaskStatus
 
 from dynarl.control import events as ev
+from dynarl.control.elements import HyperNode
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import Migration, Plan
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Policy, Trigger, TriggerKind
 from dynarl.core.clock import Clock
 from dynarl.core.errors import EventError
+from dynarl.core.ids import ComponentId
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +124,9 @@ class Controller:
         self._tg: TaskGroup | None = None
         # Moves that failed recently, by (src, dst, kind): (retry not before, failures).
         self._backoff: dict[tuple[str | None, str | None, str], tuple[float, int]] = {}
+        # Per stage: (items completed, occupied instance-seconds, devices) when its
+        # capacity was last observed (see _observe_occupancy).
+        self._occupancy: dict[ComponentId, tuple[int, float, int]] = {}
 
     async def run(
         self,
@@ -273,23 +278,39 @@ class Controller:
         for cid, node in self.graph.components.items():
             devices = node.num_active_devices
             if not devices:
+                self._occupancy.pop(cid, None)
                 continue
             if node.spec.kind == "rollout":
                 active = list(node.active_instances())
                 load = float(sum(n.num_running for n in active))
                 rate = sum(n.gen_tokens_per_s for n in active)
-            elif node.spec.kind == "actor":
-                continue  # observed per optimizer step instead
-            elif not self.graph.queue_depth(cid):
-                # Nothing waits for it: its rate is its inputs' arrival rate, not what
-                # its devices can do; observing it would teach the predictor that the
-                # stage is slow exactly when it is starved.
-                continue
-            else:
-                load = float(self.graph.pending(cid))
-                rate = node.work_rate.rate(now)
-            if load > 0 and rate > 0:
-                self.predictor.observe(cid, devices, load, rate)
+                if load > 0 and rate > 0:
+                    self.predictor.observe(cid, devices, load, rate)
+            elif node.spec.kind != "actor":  # the actor is observed per optimizer step
+                self._observe_occupancy(self.predictor, cid, node, devices, now)
+
+    def _observe_occupancy(
+        self, predictor: Predictor, cid: ComponentId, node: HyperNode, devices: int, now: float
+    ) -> None:
+        """Observe what a stage's devices can do: items completed per instance-second
+        its instances held items, times its instances. (Its completion rate would be
+        its inputs' arrival rate whenever it waits for them: observing that would
+        teach the predictor the stage is slow exactly when it is starved.) Observed
+        once its instances have held items for the rate meter's time constant each
+        on average, on the same devices throughout."""
+        occupied = node.occupied_until(now)
+        mark = self._occupancy.get(cid)
+        if mark is None or mark[2] != devices:
+            self._occupancy[cid] = (node.items_completed, occupied, devices)
+            return
+        done = node.items_completed - mark[0]
+        held = occupied - mark[1]
+        if held < node.work_rate.tau_s * max(node.num_active, 1):
+            return
+        self._occupancy[cid] = (node.items_completed, occupied, devices)
+        if done > 0:
+            load = float(max(self.graph.pending(cid), done))
+            predictor.observe(cid, devices, load, done / held * node.num_active)
 
     def _observe_step(self, event: ev.TrainStepDone) -> None:
         node = self.graph.components.get(event.component)

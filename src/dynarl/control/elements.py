@@ -48,6 +48,7 @@ class Node:
         "component",
         "devices",
         "gen_tokens_per_s",
+        "held_since_s",
         "id",
         "items",
         "kv_usage",
@@ -69,6 +70,8 @@ class Node:
         self.gen_tokens_per_s = 0.0
         self.last_stats_s: float | None = None
         self.busy = False
+        # Since when it has held at least one item (None while it holds none).
+        self.held_since_s: float | None = None
         # Since when KV usage has stayed below the hypergraph's low-usage threshold.
         self.below_since_s: float | None = now_s
 
@@ -95,6 +98,8 @@ class HyperNode:
         self.steps_done = 0
         self.num_steps = 0
         self.last_step_samples_per_s = 0.0
+        # Instance-seconds its instances spent holding items (finished spans only).
+        self.occupied_s = 0.0
 
     @property
     def id(self) -> ComponentId:
@@ -105,6 +110,18 @@ class HyperNode:
         """Measure the work rate afresh from ``time_s`` (the component was resized)."""
         self.work_rate.reset()
         self.work_rate.add(time_s, 0.0)
+
+    def occupied_until(self, now_s: float) -> float:
+        """Instance-seconds its instances have held items, up to ``now_s``.
+
+        A stage whose instances hold items is working on them, so items completed per
+        occupied instance-second is what its instances can do -- unlike its completion
+        rate, which falls to its inputs' arrival rate whenever it waits for them.
+        """
+        running = sum(
+            now_s - n.held_since_s for n in self.instances.values() if n.held_since_s is not None
+        )
+        return self.occupied_s + running
 
     def active_instances(self) -> Iterable[Node]:
         """Instances not being drained."""

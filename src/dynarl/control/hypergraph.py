@@ -248,6 +248,8 @@ class Hypergraph:
             raise EventError(f"item {e.item!r} routed to draining instance {e.instance!r}")
         del edge.queue[e.item]
         item.owner = item.last_instance = e.instance
+        if not node.items:
+            node.held_since_s = e.time_s
         node.items[e.item] = edge.id
         node.busy = True
         edge.num_routed += 1
@@ -259,12 +261,12 @@ class Hypergraph:
             if st.owner is None or st.owner == TOOL:
                 raise EventError(f"item {st.id!r} requeued but no instance holds it")
         for st in states:
-            self._release(edge, st)
+            self._release(edge, st, e.time_s)
 
-    def _release(self, edge: HyperEdge, st: ItemState) -> None:
+    def _release(self, edge: HyperEdge, st: ItemState, time_s: float) -> None:
         """Move an item from its instance back to the edge's queue."""
         assert st.owner is not None and st.owner != TOOL
-        del self.instances[st.owner].items[st.id]
+        self._take(self.instances[st.owner], st.id, time_s)
         st.owner = None
         edge.queue[st.id] = None
         edge.num_requeued += 1
@@ -275,7 +277,7 @@ class Hypergraph:
         if st.owner != e.instance:
             raise EventError(f"{e.instance!r} completed {e.item!r} but {st.owner!r} holds it")
         node = self.instances[e.instance]
-        del node.items[e.item]
+        self._take(node, e.item, e.time_s)
         del edge.items[e.item]
         edge.num_completed += 1
         edge.tokens_completed += e.num_tokens
@@ -293,10 +295,18 @@ class Hypergraph:
         st = self._item(edge, e.item)
         if st.owner != e.instance:
             raise EventError(f"{e.instance!r} started a tool for {e.item!r} held by {st.owner!r}")
-        del self.instances[e.instance].items[e.item]
+        self._take(self.instances[e.instance], e.item, e.time_s)
         st.owner = TOOL
         st.prefix_tokens = e.prefix_tokens
         edge.num_in_tool += 1
+
+    def _take(self, node: Node, item: ItemId, time_s: float) -> None:
+        """Remove ``item`` from ``node``; close its occupied span if it holds no more."""
+        del node.items[item]
+        if not node.items and node.held_since_s is not None:
+            hn = self.components[node.component]
+            hn.occupied_s += max(0.0, time_s - node.held_since_s)
+            node.held_since_s = None
 
     def _on_tool_call_finished(self, e: ev.ToolCallFinished) -> None:
         edge = self._edge(e.edge)
@@ -406,7 +416,7 @@ class Hypergraph:
         del self.migrations[m.id]
         for iid in m.drain:
             if iid in self.instances:  # a drained instance may have failed meanwhile
-                self._remove_instance(self.instances[iid])
+                self._remove_instance(self.instances[iid], e.time_s)
         for d in m.devices:
             if self.device_owner.get(d) == m.id:
                 del self.device_owner[d]
@@ -442,7 +452,7 @@ class Hypergraph:
             hn = self.components[node.component]
             hn.num_active -= 1
             hn.num_active_devices -= len(node.devices)
-        self._remove_instance(node)
+        self._remove_instance(node, e.time_s)
         migration = next((m for m in self.migrations.values() if node.id in m.drain), None)
         if migration is not None:
             # A draining instance's devices already belong to its migration.
@@ -467,10 +477,10 @@ class Hypergraph:
                 self._instance_serial[component], int(serial) + 1
             )
 
-    def _remove_instance(self, node: Node) -> None:
+    def _remove_instance(self, node: Node, time_s: float) -> None:
         """Forget an instance; items it still held go back to their queues."""
         for item, edge_id in list(node.items.items()):
-            self._release(self.edges[edge_id], self.edges[edge_id].items[item])
+            self._release(self.edges[edge_id], self.edges[edge_id].items[item], time_s)
         for d in node.devices:
             if self.device_owner.get(d) == node.id:
                 del self.device_owner[d]

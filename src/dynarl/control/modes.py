@@ -22,7 +22,7 @@ def _dynamic(cfg: SchedulerConfig, predictor: Predictor, baseline: Baseline) -> 
     if cfg.actor_takes_cluster:
         policies.append(PredictorGate(ActorTakesCluster(), predictor, cfg.min_gain))
     if cfg.rollout_borrows_actor:
-        borrow = RolloutBorrowsActor(baseline, cfg.borrow_return_fraction)
+        borrow = RolloutBorrowsActor(baseline, cfg)
         policies.append(PredictorGate(borrow, predictor, cfg.min_gain))
     policies.append(StarvedStage())
     policies.append(RebalanceTail(cfg, predictor))

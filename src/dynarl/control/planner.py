@@ -224,22 +224,29 @@ class PlanBuilder:
         """Grow ``dst`` to exactly ``target`` instances from the free pool, then from
         ``donors`` in the given order. With ``drain_rest`` every donor instance is
         drained even once ``target`` is reached (the extra devices go to the free
-        pool). Returns whether ``target`` was reached; devices that do not fill a whole
-        ``dst`` instance go to the free pool, where the next decision picks them up."""
+        pool). Free devices too few for a whole instance join a donor's drained devices
+        to complete one. Returns whether ``target`` was reached; devices that do not
+        fill a whole ``dst`` instance go to the free pool, where the next decision
+        picks them up."""
         unit = self.graph.components[dst].spec.devices_per_instance
         missing = target - self.instances(dst)
-        free = self.free_devices()[: max(missing, 0) * unit]
-        if len(free) >= unit:
-            m = self.move(None, dst, take_free=free, create=len(free) // unit)
+        free = self.free_devices()
+        whole = min(max(missing, 0), len(free) // unit)
+        if whole:
+            m = self.move(None, dst, take_free=free[: whole * unit], create=whole)
             missing -= 0 if m is None else len(m.create)
         for cid in donors:
             available = len(self.drainable(cid))
             if not available or (missing <= 0 and not drain_rest):
                 continue
+            # Free devices too few for a whole instance complete a donor's devices.
+            spare = len(self.free_devices())
             cunit = self.graph.components[cid].spec.devices_per_instance
-            count = available if drain_rest else min(available, -(-missing * unit // cunit))
-            create = max(0, min(missing, count * cunit // unit))
-            m = self.move(cid, dst, drain=count, create=create)
+            need = max(missing, 0) * unit - spare
+            count = available if drain_rest else min(available, max(1, -(-need // cunit)))
+            create = max(0, min(missing, (count * cunit + spare) // unit))
+            extra = max(0, create * unit - count * cunit)
+            m = self.move(cid, dst, drain=count, take_free=extra, create=create)
             missing -= 0 if m is None else len(m.create)
         return missing == 0
 

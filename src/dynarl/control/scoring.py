@@ -121,7 +121,31 @@ def remaining_time(
     before: Mapping[ComponentId, int] | None = None,
     demand: Mapping[ComponentId, Demand] | None = None,
 ) -> float:
-    """Predicted seconds until the iteration's last stage finishes.
+    """Predicted seconds until the iteration's last stage finishes (the latest of
+    :func:`finish_times`)."""
+    finish = finish_times(
+        graph,
+        predictor,
+        devices,
+        delays=delays,
+        penalties=penalties,
+        before=before,
+        demand=demand,
+    )
+    return max(finish.values(), default=0.0)
+
+
+def finish_times(
+    graph: Hypergraph,
+    predictor: Predictor,
+    devices: Mapping[ComponentId, int],
+    *,
+    delays: Mapping[ComponentId, float] | None = None,
+    penalties: Mapping[ComponentId, float] | None = None,
+    before: Mapping[ComponentId, int] | None = None,
+    demand: Mapping[ComponentId, Demand] | None = None,
+) -> dict[ComponentId, float]:
+    """Predicted seconds until each stage finishes this iteration's work.
 
     Args:
         graph: the hypergraph (read only).
@@ -191,7 +215,7 @@ def remaining_time(
                 if later > 0:
                     joined = arrival + predictor.migration_cost(kind) + (d.work - done) / later
                     finish[cid] = min(finish[cid], joined)
-    return max(finish.values(), default=0.0)
+    return finish
 
 
 def _actor_finish(

@@ -245,7 +245,7 @@ class SimWorld:
                 for n in self.graph.components[INFERENCE].active_instances()
                 if n.id in self.inference.replicas
             ]
-            rooms = {iid: self.inference.room(iid) for iid in active}
+            rooms = {iid: room for iid in active if (room := self.inference.room(iid)) > 0}
             for item in list(self._inf_queue):
                 if not rooms:
                     break
@@ -294,8 +294,10 @@ class SimWorld:
         self._inf_queue = {**dict.fromkeys(items), **self._inf_queue}
 
     def assign_inference(self, iid: InstanceId, item: ItemId) -> None:
-        """Route queued sample ``item`` to inference replica ``iid`` (if it is queued)."""
-        if item in self._inf_queue:
+        """Route queued sample ``item`` to inference replica ``iid`` (if it is queued
+        and the replica has room: otherwise it stays queued, for the next replica
+        with room)."""
+        if item in self._inf_queue and self.inference.room(iid) > 0:
             del self._inf_queue[item]
             self.emit(ev.ItemRouted(edge=TO_INFERENCE, item=item, instance=iid))
             self.inference.assign(iid, item)

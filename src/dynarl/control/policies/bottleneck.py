@@ -24,6 +24,7 @@ from dynarl.control.config import SchedulerConfig
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
 from dynarl.control.planner import PlanBuilder
+from dynarl.control.policies.donors import underused_engines
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Trigger
 from dynarl.control.scoring import Demand, demands, rate, remaining_time, score_plan
@@ -52,18 +53,7 @@ class BottleneckPolicy:
             return node.num_active - node.spec.min_instances
         keep = max(node.spec.min_instances, 1)
         if node.spec.kind == "rollout":
-            if graph.queue_depth(cid):
-                # Requests are waiting for a slot: the engines are full, however little
-                # KV their (young, short-context) requests hold yet.
-                return 0
-            active = list(node.active_instances())
-            low = sum(
-                1
-                for n in active
-                if not n.num_queued and graph.low_for(n, now_s) >= self.cfg.donor_window_s
-            )
-            if low <= self.cfg.theta * len(active):
-                return 0
+            low = underused_engines(graph, cid, self.cfg, now_s)
             return max(0, min(low, node.num_active - keep))
         if graph.pending(cid) == 0:
             return max(0, node.num_active - keep)  # idle, waiting for its inputs

@@ -2,15 +2,21 @@
 
 * :class:`RolloutBorrowsActor`: at iteration start the actor has nothing to train, so
   rollout borrows its devices; once rollout's outstanding requests fall below a
-  fraction of the batch, rollout's surplus over its initial share goes back.
+  fraction of the batch *and* its engines are under-used (the donor signal of
+  :mod:`~dynarl.control.policies.donors`), rollout's surplus over its initial share
+  goes back, as many engines as are under-used. (The reference's rule returns them on
+  the count alone; with many long requests left, the engines are still full, and
+  taking them away slows the tail more than the actor gains.)
 * :class:`ActorTakesCluster`: once every other stage has finished the iteration's work
   (the actor's last minibatch can only start then), the actor takes every device they
   hold, at its largest valid data-parallel size.
 """
 
+from dynarl.control.config import SchedulerConfig
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
 from dynarl.control.planner import PlanBuilder
+from dynarl.control.policies.donors import underused_engines
 from dynarl.control.scheduler import Baseline, Trigger
 from dynarl.control.scoring import demands
 
@@ -20,9 +26,9 @@ class RolloutBorrowsActor:
 
     name = "rollout-borrows-actor"
 
-    def __init__(self, baseline: Baseline, return_fraction: float) -> None:
+    def __init__(self, baseline: Baseline, cfg: SchedulerConfig) -> None:
         self.baseline = dict(baseline)
-        self.return_fraction = return_fraction
+        self.cfg = cfg
 
     def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
         """Borrow on ``iteration_start`` (or when the batch arrives at a rollout
@@ -52,10 +58,13 @@ class RolloutBorrowsActor:
         surplus = node.num_active_devices - self.baseline.get(rollout, 0)
         batch = sum(e.enqueued_this_iteration for e in graph.edges_into(rollout))
         outstanding = graph.pending(rollout)
-        if surplus <= 0 or batch == 0 or outstanding > self.return_fraction * batch:
+        if surplus <= 0 or batch == 0 or outstanding > self.cfg.borrow_return_fraction * batch:
+            return EMPTY_PLAN
+        low = underused_engines(graph, rollout, self.cfg, trigger.time_s)
+        if not low:
             return EMPTY_PLAN
         unit = node.spec.devices_per_instance
-        builder.move(rollout, actor, drain=surplus // unit)
+        builder.move(rollout, actor, drain=min(surplus // unit, low))
         if not builder.migrations:
             return EMPTY_PLAN
         return builder.build(
