@@ -13,16 +13,18 @@ def make_graph(
     actor: int = 2,
     free: int = 0,
     rollout_tp: int = 1,
+    inference_tp: int = 1,
     actor_unit: int = 1,
     actor_sizes: tuple[int, ...] = (1, 2, 4, 8),
     u_low: float = 0.2,
     actor_steps: int = 1,
 ) -> Hypergraph:
     """A math pipeline with the given device counts (actor first, as the launcher lays
-    it out) and ``free`` unplaced devices."""
+    it out) and ``free`` unplaced devices; each count is split into instances of
+    ``actor_unit`` / ``rollout_tp`` / ``inference_tp`` devices."""
     spec = rl_pipeline(
         rollout_tp=rollout_tp,
-        inference_tp=1,
+        inference_tp=inference_tp,
         actor_devices_per_replica=actor_unit,
         actor_dp_sizes=actor_sizes,
         actor_steps_per_iteration=actor_steps,
@@ -32,7 +34,7 @@ def make_graph(
     for cid, count, unit in (
         (ACTOR, actor, actor_unit),
         (ROLLOUT, rollout, rollout_tp),
-        (INFERENCE, inference, 1),
+        (INFERENCE, inference, inference_tp),
     ):
         instances = []
         for i in range(count // unit):

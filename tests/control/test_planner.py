@@ -131,3 +131,35 @@ def test_plans_never_assign_a_device_twice_or_lose_one(
         g.apply(ev.MigrationDone(migration=m.id))
     g.check()
     assert len(g.free_devices) + sum(len(n.devices) for n in g.instances.values()) == g.num_devices
+
+
+def test_gather_completes_a_donors_devices_with_too_few_free_ones() -> None:
+    """2 free devices cannot make a 4-device actor replica alone, nor can 3 rollout
+    engines of 2 devices make 2 of them: together they make 2. With the 6 inference
+    replicas of 4 devices that is exactly 8 more replicas."""
+    g = make_graph(
+        rollout=6,
+        rollout_tp=2,
+        inference=24,
+        inference_tp=4,
+        actor=4,
+        actor_unit=4,
+        actor_sizes=tuple(range(1, 10)),
+        free=2,
+    )
+    assert len(g.free_devices) == 2
+    b = PlanBuilder(g)
+    before = b.instances(ACTOR)
+    assert b.gather(ACTOR, before + 8, [ROLLOUT, INFERENCE])
+    assert b.instances(ACTOR) == before + 8
+    plan = b.build("gather")
+    for m in plan.migrations:
+        g.apply(ev.MigrationStarted(migration=m))
+    g.check()
+    for m in plan.migrations:
+        g.apply(ev.MigrationDone(migration=m.id))
+    g.check()
+    assert g.components[ACTOR].num_active == before + 8
+    assert g.components[ACTOR].num_active_devices == 4 * (before + 8)
+    assert g.components[ROLLOUT].num_active == g.components[INFERENCE].num_active == 0
+    assert not g.free_devices

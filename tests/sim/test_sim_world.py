@@ -10,11 +10,15 @@ import pytest
 
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
+from dynarl.api.pipeline import build_hypergraph
 from dynarl.cli import main
 from dynarl.control import events as ev
+from dynarl.core.clock import ManualClock
+from dynarl.core.ids import InstanceId, ItemId
 from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.obs.timeline import Interval, TimelineRecorder, read_timeline, write_timeline
 from dynarl.sim.run import ModeResult, simulate
+from dynarl.sim.world import SimWorld
 
 
 def small(devices: int = 16, *extra: str) -> DynaRLConfig:
@@ -201,3 +205,63 @@ def test_dynamic_beats_static_colocated_on_the_64_device_math_setting() -> None:
         for mode in ("dynamic", "static-colocated")
     }
     assert results["dynamic"].throughput > results["static-colocated"].throughput
+
+
+def test_dynamic_never_routes_an_inference_replica_more_than_its_room() -> None:
+    """A replica holds at most two micro-batches (one running, one waiting): routing
+    never gives one more, also while replicas are drained and the rest take the load."""
+    cfg = small(
+        16,
+        "scheduler.mode=dynamic",
+        "rollout.initial_devices=6",
+        "inference.initial_devices=6",
+        "inference.micro_batch_size=4",
+        "run.num_iterations=1",
+    )
+    hold = 2 * cfg.inference.micro_batch_size
+    held: dict[str, set[str]] = {}
+    most: dict[str, int] = {}
+    drained: list[str] = []
+
+    def on_event(event: ev.Event) -> None:
+        if isinstance(event, ev.ItemRouted) and event.edge == "to_inference":
+            items = held.setdefault(event.instance, set())
+            items.add(event.item)
+            most[event.instance] = max(most.get(event.instance, 0), len(items))
+        elif isinstance(event, ev.ItemCompleted) and event.edge == "to_inference":
+            held[event.instance].remove(event.item)
+        elif isinstance(event, ev.ItemsRequeued) and event.edge == "to_inference":
+            for items in held.values():
+                items.difference_update(event.items)
+        elif isinstance(event, ev.MigrationStarted) and event.migration.src == "inference":
+            drained.extend(event.migration.drain)
+
+    result, _ = run(cfg, check=False, on_event=on_event)
+    assert result.events_rejected == {}
+    assert drained  # inference replicas were drained during the run
+    assert len(most) > 1 and max(most.values()) == hold, most  # full, never over
+    assert not any(held.values())
+
+
+def test_a_plan_reassigns_an_inference_sample_only_to_a_replica_with_room() -> None:
+    """A drained replica's samples, reassigned by a plan, go to a replica only while
+    it has room; the rest stay queued for the next replica with room."""
+    cfg = small(16, "scheduler.mode=dynamic", "inference.micro_batch_size=2")
+    hold = 2 * cfg.inference.micro_batch_size
+    emitted: list[ev.Event] = []
+
+    async def main() -> tuple[SimWorld, list[ItemId]]:
+        graph, _ = build_hypergraph(cfg)
+        world = SimWorld(graph, emitted.append, ManualClock(), cfg)
+        world.inference.add(InstanceId("inference-0"))
+        items = [ItemId(f"s{k}") for k in range(hold + 3)]
+        world.requeue_inference(items)
+        for item in items:
+            world.assign_inference(InstanceId("inference-0"), item)
+        return world, items
+
+    world, items = asyncio.run(main())
+    routed = [e.item for e in emitted if isinstance(e, ev.ItemRouted)]
+    assert routed == items[:hold]
+    assert world.inference.room(InstanceId("inference-0")) == 0
+    assert list(world._inf_queue) == items[hold:]  # still queued, in order

@@ -6,12 +6,21 @@ phase rules in a dynamic chain (which may do more for the stage), gives such a s
 the smallest valid instance count it can run at, from the free pool first and then
 from the stages with no work left (the most devices first). It is a floor, not a
 schedule: the other policies resize from there.
+
+A stage resized only between long steps (the trainer, at optimizer-step boundaries)
+is different: a step started on one replica runs on it to its end, however many
+devices free up meanwhile (in a simulated agentic iteration, 118 s on 4 devices while
+60 sat waiting for the step boundary). Such a stage is not started while items are
+still on their way to it: its predecessors' devices flow down to it as they finish
+(the actor takes the cluster, or the bottleneck policy grows it when that pays). Once
+nothing is on its way, the floor holds as for any stage.
 """
 
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
 from dynarl.control.planner import PlanBuilder
 from dynarl.control.scheduler import Trigger
+from dynarl.control.scoring import demands
 
 
 class StarvedStage:
@@ -28,6 +37,8 @@ class StarvedStage:
             node = graph.components[stage]
             if node.num_active or not graph.pending(stage):
                 continue
+            if node.spec.interruptible_at == "optimizer_step" and demands(graph)[stage].upstream:
+                continue  # devices flow down to it as its predecessors finish
             sizes = range(1, min(node.spec.max_instances, graph.num_devices) + 1)
             target = next((k for k in sizes if node.spec.is_valid_size(k)), None)
             if target is None:
