@@ -197,14 +197,23 @@ def test_cli_sim_writes_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 @pytest.mark.slow
-def test_dynamic_beats_static_colocated_on_the_64_device_math_setting() -> None:
+@pytest.mark.parametrize("size", ["1.5b", "7b", "32b"])
+def test_dynamic_is_never_worse_than_the_better_static_mode_on_the_math_settings(
+    size: str,
+) -> None:
+    """On the reference math settings (64 devices) dynamic is at least as fast as the
+    better static mode, within 5% (where its tail is short next to its bulk, 7B and
+    32B, there is little to reclaim); at 1.5B, where the tail dominates, it wins."""
     from recipes.paper import paper_setting
 
     results = {
-        mode: run(paper_setting("math", "1.5b", 64, mode=mode, num_iterations=2), check=False)[0]
-        for mode in ("dynamic", "static-colocated")
+        mode: run(paper_setting("math", size, 64, mode=mode, num_iterations=2), check=False)[0]
+        for mode in ("dynamic", "static-colocated", "static-disaggregated")
     }
-    assert results["dynamic"].throughput > results["static-colocated"].throughput
+    best = max(results["static-colocated"].throughput, results["static-disaggregated"].throughput)
+    assert results["dynamic"].throughput >= 0.95 * best
+    if size == "1.5b":
+        assert results["dynamic"].throughput > 1.3 * best
 
 
 def test_dynamic_never_routes_an_inference_replica_more_than_its_room() -> None:
