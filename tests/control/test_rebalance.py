@@ -1,5 +1,7 @@
 """Instance-level rebalancing of the rollout tail: hot engines spread over idle ones."""
 
+import pytest
+
 from dynarl.control import events as ev
 from dynarl.control.config import SchedulerConfig
 from dynarl.control.hypergraph import Hypergraph
@@ -76,3 +78,28 @@ def test_scoring_sees_the_most_loaded_engine_only_when_asked() -> None:
     plan = RebalanceTail(SchedulerConfig(), predictor).decide(g, tick(5.0))
     spread = score_plan(g, predictor, plan, before, demands(g, per_engine=True))
     assert spread == plan.score_after < skew
+
+
+@pytest.mark.parametrize(
+    "loads",
+    [
+        [64, 60, 56, 52, 2, 2, 2, 2],
+        [128, 128, 70, 70, 1, 1, 1, 1],
+        [128, 100, 64, 40, 30, 20, 10, 1],
+        [128 - 8 * i for i in range(16)] + [2] * 16,
+    ],
+)
+def test_a_spread_leaves_every_engine_lighter_than_the_engines_it_drains(
+    loads: list[int],
+) -> None:
+    """A spread that only moved the hot engines' load onto others (which then are as
+    hot, while the restarted ones are empty) would be swapped back on the next tick:
+    every engine a spread sends requests to ends lighter than the drained engines were
+    on average."""
+    g = skewed(loads)
+    plan = RebalanceTail(SchedulerConfig(), predictor_for(g)).decide(g, tick(5.0))
+    for m in plan.migrations:
+        drained = [len(g.instances[i].items) for i in m.drain]
+        targets = [t for _, t in m.reassign]
+        after = [len(g.instances[k].items) + targets.count(k) for k in set(targets)]
+        assert max(after) < sum(drained) / len(drained)

@@ -352,13 +352,13 @@ def score_plan(
         if m.dst is not None:
             after[m.dst] += sum(len(s.devices) for s in m.create)
             delays[m.dst] = max(delays.get(m.dst, 0.0), cost)
-    demand = _after_moves(graph, plan, demands(graph) if demand is None else demand)
+    demand = after_moves(graph, plan, demands(graph) if demand is None else demand)
     return remaining_time(
         graph, predictor, after, delays=delays, penalties=penalties, before=during, demand=demand
     )
 
 
-def _after_moves(
+def after_moves(
     graph: Hypergraph, plan: Plan, demand: Mapping[ComponentId, Demand]
 ) -> Mapping[ComponentId, Demand]:
     """``demand`` with each rollout's most loaded engine as it is after ``plan``: a

@@ -11,6 +11,12 @@ A few candidates (the 1, 2, 4, ... hottest engines above the mean load) are scor
 the predictor, whose rollout model sees the most loaded engine
 (:func:`~dynarl.control.scoring.score_plan`), and the best is committed only if it
 beats keeping the placement by ``min_gain``, migration cost and re-prefill included.
+
+A spread must also leave every engine less loaded than the engines it drains were on
+average. The drained engines restart empty and their requests land on the others: when
+half the engines are hot (not a tail, an uneven start), moving the hot half's requests
+onto the cold half only swaps which half is hot, and the next tick swaps them back --
+on 128 simulated 1.5B engines that churned 64 engines every 3.5 s for 170 s.
 """
 
 import math
@@ -21,7 +27,7 @@ from dynarl.control.plan import EMPTY_PLAN, Plan
 from dynarl.control.planner import PlanBuilder
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Trigger
-from dynarl.control.scoring import demands, remaining_time, score_plan
+from dynarl.control.scoring import after_moves, demands, remaining_time, score_plan
 
 
 class RebalanceTail:
@@ -69,6 +75,10 @@ class RebalanceTail:
                     f"rollout tail: spread the {k} most loaded engines "
                     f"({len(hot[0].items)} requests at most, {mean:.1f} mean)"
                 )
+                moved = after_moves(graph, plan, demand)[cid]
+                hottest = moved.hottest / moved.per_item if moved.per_item > 0 else 0.0
+                if hottest >= sum(len(n.items) for n in hot[:k]) / k:
+                    continue  # it only moves the load, it does not spread it
                 score = score_plan(graph, self.predictor, plan, before, demand)
                 if best is None or score < best[0]:
                     best = (score, plan)
