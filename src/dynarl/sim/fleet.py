@@ -187,7 +187,13 @@ class EngineFleet:
                 del self._room[iid]
                 continue
             jobs = []
-            while len(e.held) < self.cap and (item := self.router.pop_for(iid, now)) is not None:
+            # Only an idle engine takes a request whose KV prefix another engine holds:
+            # a busy one gains next to nothing from one more request in its batch
+            # (decode is memory-bound) and would stall its batch to re-prefill it.
+            while (
+                len(e.held) < self.cap
+                and (item := self.router.pop_for(iid, now, steal=not e.held)) is not None
+            ):
                 jobs.append(self._route_to(iid, e, item))
             if jobs:
                 self._submit(iid, e, jobs, now)
