@@ -56,7 +56,10 @@ def paper_setting(
             backend="megatron", tp=inference_tp, initial_devices=round(inference_d * scale)
         ),
         actor=ActorConfig(backend="megatron", tp=actor_tp, initial_devices=round(actor_d * scale)),
-        algorithm=AlgorithmConfig(num_prompts=512, group_size=16, n_minibatches=4),
+        # The reference system trains minibatches of whole groups as they complete.
+        algorithm=AlgorithmConfig(
+            num_prompts=512, group_size=16, n_minibatches=4, minibatch_order="completion"
+        ),
         scheduler=SchedulerConfig(mode=mode),
         run=RunConfig(num_iterations=num_iterations, seed=seed, run_dir="runs/sim"),
         sim=SimConfig(model=_MODEL[size], workload=workload),

@@ -34,9 +34,10 @@ class ClusterModel(msgspec.Struct, frozen=True, kw_only=True):
 
     ``padded_batches``: an optimizer step costs its minibatch padded to the longest
     sample (the reference CPU trainer), not its tokens. ``train_after_rollout``: the
-    first optimizer step waits for the whole iteration to be scored (the reference
-    GRPO loop splits minibatches at random over the whole iteration), instead of
-    starting on the first complete minibatch of groups.
+    first optimizer step waits for the whole iteration to be scored
+    (``algorithm.minibatch_order=seeded``: minibatches are split at random over the
+    whole iteration), instead of starting on the first complete minibatch of groups
+    (``completion``, as the reference system trains).
     """
 
     gpu: GpuProfile
@@ -102,6 +103,7 @@ class ClusterModel(msgspec.Struct, frozen=True, kw_only=True):
             migration=MigrationCostModel(),
             weight_sync=WeightSyncCost(),
             workload=workload,
+            train_after_rollout=algo.minibatch_order == "seeded",
         )
 
 
