@@ -106,6 +106,7 @@ def _sim(args: argparse.Namespace) -> int:
     from dynarl.core.virtual_time import VirtualTimeLoop
     from dynarl.obs.plot import plot_timeline
     from dynarl.obs.timeline import read_timeline, write_timeline
+    from dynarl.sim.cpu_profile import cpu_profile
     from dynarl.sim.run import simulate
 
     cfg = resolve_config(args.config, args.set)
@@ -117,14 +118,18 @@ def _sim(args: argparse.Namespace) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
     algo = cfg.algorithm
+    model = cfg.sim.model
+    if cpu_profile(cfg.sim.gpu) is not None:
+        m = cfg.model  # the CPU profile runs the model section's shape
+        model = m.path or f"{m.arch} {m.num_layers}x{m.hidden_size} (model section)"
     print(
         f"simulating {cfg.sim.workload} on {cfg.cluster.num_devices} x {cfg.sim.gpu}, "
-        f"{cfg.sim.model}, {algo.samples_per_iteration} sequences/iteration, "
+        f"{model}, {algo.samples_per_iteration} sequences/iteration, "
         f"{cfg.run.num_iterations} iterations ({cfg.sim.warmup_iterations} warm-up)"
     )
     print(
         f"{'mode':<22} {'throughput':>14} {'mean iter s':>11} {'bound s':>8} "
-        f"{'above bound':>11} {'migrations':>10}"
+        f"{'above bound':>11} {'migrations':>10} {'crit. path s':>12}"
     )
     recorders = []
     with (run_dir / "metrics.jsonl").open("wb") as metrics:
@@ -140,7 +145,8 @@ def _sim(args: argparse.Namespace) -> int:
             print(
                 f"{mode:<22} {result.throughput:>10.1f} {result.unit.split('/')[0][:3]}/s "
                 f"{result.mean_iteration_s:>11.1f} {result.bound_s:>8.1f} "
-                f"{result.bound_gap:>10.0%} {result.num_migrations:>10}"
+                f"{result.bound_gap:>10.0%} {result.num_migrations:>10} "
+                f"{result.critical_path_s:>12.1f}"
             )
             busy = ", ".join(
                 f"{c} {t.busy:.0f}/{t.held:.0f}" for c, t in result.devices.items() if t.held

@@ -12,6 +12,7 @@ from dynarl.api.config_io import apply_overrides
 from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.sim.cluster import ClusterModel
 from dynarl.sim.cpu_profile import CPU_1T, cpu_cluster, replay_workload
+from dynarl.sim.errors import SimError
 from dynarl.sim.run import ModeResult, simulate
 
 MODES = ("dynamic", "static-colocated", "static-disaggregated")
@@ -82,3 +83,9 @@ def test_a_replay_generates_the_recorded_lengths_and_training_waits_for_it() -> 
     # minibatch of groups during that group's decode; the seeded-order loop waits
     pipelined = _run(cfg, msgspec.structs.replace(cluster, train_after_rollout=False))
     assert barrier.mean_iteration_s > pipelined.mean_iteration_s
+
+
+def test_the_cpu_profile_refuses_a_workload_its_workers_do_not_run() -> None:
+    cfg = apply_overrides(e2e_cpu(), ["sim.workload=agentic"])
+    with pytest.raises(SimError, match=r"sim\.workload=.agentic"):
+        ClusterModel.from_config(cfg)

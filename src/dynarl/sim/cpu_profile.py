@@ -248,12 +248,20 @@ def cpu_cluster(
     ``cfg.sim.median_output_tokens`` (lognormal, capped at ``rollout.max_new_tokens``).
 
     Raises:
-        SimError: ``cfg.sim.gpu`` names no CPU profile and none is given.
+        SimError: ``cfg.sim.gpu`` names no CPU profile and none is given, or
+            ``cfg.sim.workload`` is not ``math`` (the reference CPU workers run the
+            math workload only).
     """
     profile = profile or cpu_profile(cfg.sim.gpu)
     if profile is None:
         raise SimError(
             f"sim.gpu={cfg.sim.gpu!r} is not a CPU profile; known: {', '.join(CPU_PROFILES)}"
+        )
+    if workload is None and cfg.sim.workload != "math":
+        raise SimError(
+            f"sim.workload={cfg.sim.workload!r}: the CPU profile sim.gpu={cfg.sim.gpu!r} "
+            "models the reference CPU workers, which run the math workload; set "
+            "sim.workload=math, or pick a GPU profile (sim.gpu=H100, H200 or A100)"
         )
     shape = model_profile(cfg.model)
     workload = workload or MathWorkload(
