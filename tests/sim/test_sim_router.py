@@ -47,3 +47,14 @@ def test_priority_serves_more_tool_calls_first_and_aging_bounds_the_wait() -> No
     assert r.pop_for(A, 6.0) == ItemId("fresh")
     assert r.num_aged == 1
     assert r.pop_for(A, 6.0) == ItemId("turn-2")
+
+
+def test_an_overdue_session_is_served_first_by_its_own_engine_not_by_a_busy_one() -> None:
+    r = RequestRouter(FifoOrder(), aging_factor=2.0, aging_floor_s=1.0)
+    r.add(ItemId("on-a"), now_s=0.0, prefix_tokens=500, engine=A)
+    r.add(ItemId("fresh"), now_s=4.0)
+    assert r.pop_for(B, 5.0, steal=False) == ItemId("fresh")
+    assert r.num_aged == 0
+    r.add(ItemId("fresh-2"), now_s=5.0)
+    assert r.pop_for(A, 6.0, steal=False) == ItemId("on-a")
+    assert r.num_aged == 1
