@@ -1,7 +1,8 @@
 """Small hypergraphs for control-plane tests."""
 
+from dynarl.control import events as ev
 from dynarl.control.hypergraph import Hypergraph
-from dynarl.control.plan import InstanceSpec
+from dynarl.control.plan import InstanceSpec, Plan
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT, rl_pipeline
 from dynarl.core.ids import ComponentId, DeviceId, InstanceId
 
@@ -43,3 +44,14 @@ def make_graph(
             device += unit
         placement[cid] = instances
     return Hypergraph(spec, num_devices=device + free, placement=placement, u_low=u_low)
+
+
+def carry_out(g: Hypergraph, plan: Plan) -> None:
+    """Apply ``plan`` to ``g`` as an executor would (every migration starts, then every
+    one is done), checking the invariants after each half."""
+    for m in plan.migrations:
+        g.apply(ev.MigrationStarted(migration=m))
+    g.check()
+    for m in plan.migrations:
+        g.apply(ev.MigrationDone(migration=m.id))
+    g.check()

@@ -8,7 +8,7 @@ from dynarl.control.planner import PlanBuilder, drain_order, redistribute
 from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT, valid_dp_sizes
 from dynarl.core.ids import GroupId, InstanceId, ItemId
 
-from .graphs import make_graph
+from .graphs import carry_out, make_graph
 
 
 def test_redistribute_sends_largest_groups_first_to_the_least_loaded() -> None:
@@ -124,12 +124,7 @@ def test_plans_never_assign_a_device_twice_or_lose_one(
     assert len(created) == len(set(created))
     ids = [s.id for m in plan.migrations for s in m.create]
     assert len(ids) == len(set(ids)) and not set(ids) & set(g.instances)
-    for m in plan.migrations:
-        g.apply(ev.MigrationStarted(migration=m))
-    g.check()
-    for m in plan.migrations:
-        g.apply(ev.MigrationDone(migration=m.id))
-    g.check()
+    carry_out(g, plan)
     assert len(g.free_devices) + sum(len(n.devices) for n in g.instances.values()) == g.num_devices
 
 
@@ -153,12 +148,7 @@ def test_gather_completes_a_donors_devices_with_too_few_free_ones() -> None:
     assert b.gather(ACTOR, before + 8, [ROLLOUT, INFERENCE])
     assert b.instances(ACTOR) == before + 8
     plan = b.build("gather")
-    for m in plan.migrations:
-        g.apply(ev.MigrationStarted(migration=m))
-    g.check()
-    for m in plan.migrations:
-        g.apply(ev.MigrationDone(migration=m.id))
-    g.check()
+    carry_out(g, plan)
     assert g.components[ACTOR].num_active == before + 8
     assert g.components[ACTOR].num_active_devices == 4 * (before + 8)
     assert g.components[ROLLOUT].num_active == g.components[INFERENCE].num_active == 0

@@ -19,7 +19,7 @@ from dynarl.control.scoring import remaining_time
 from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT, TO_ACTOR, TO_INFERENCE
 from dynarl.core.ids import EdgeId, GroupId, InstanceId, ItemId
 
-from .graphs import make_graph
+from .graphs import carry_out, make_graph
 
 
 def predictor_for(graph: Hypergraph, *, actor_rate: float = 10.0) -> Predictor:
@@ -140,11 +140,7 @@ def test_committed_plans_strictly_improve_and_keep_the_actor_valid(data: st.Data
     assert plan.score_after < plan.score_before * (1 - cfg.min_gain)
     before = {c: n.num_active_devices for c, n in g.components.items()}
     assert plan.score_before == pytest.approx(remaining_time(g, predictor, before))
-    for m in plan.migrations:
-        g.apply(ev.MigrationStarted(migration=m))
-    for m in plan.migrations:
-        g.apply(ev.MigrationDone(migration=m.id))
-    g.check()
+    carry_out(g, plan)
     assert g.components[ACTOR].spec.is_valid_size(g.components[ACTOR].num_active)
 
 
@@ -159,10 +155,7 @@ def test_actor_takes_the_cluster_at_its_largest_valid_size_once_alone_with_work(
     g.apply(ev.ItemCompleted(edge=TO_INFERENCE, item=item, instance=InstanceId("inference-0")))
     plan = policy.decide(g, tick(2.0, "stage_drained"))
     assert plan
-    for m in plan.migrations:
-        g.apply(ev.MigrationStarted(migration=m))
-        g.apply(ev.MigrationDone(migration=m.id))
-    g.check()
+    carry_out(g, plan)
     assert g.components[ACTOR].num_active == 4  # 8 devices, but 8 replicas is not valid
 
 
@@ -173,9 +166,7 @@ def test_rollout_borrows_the_actor_at_iteration_start_and_returns_it_for_the_tai
     g.apply(ev.IterationStarted(iteration=0))
     plan = policy.decide(g, tick(0.0, "iteration_start"))
     assert [(m.src, m.dst, len(m.create)) for m in plan.migrations] == [(ACTOR, ROLLOUT, 2)]
-    for m in plan.migrations:
-        g.apply(ev.MigrationStarted(migration=m))
-        g.apply(ev.MigrationDone(migration=m.id))
+    carry_out(g, plan)
     items = enqueue(g, PROMPTS, 8, "p")
     assert not policy.decide(g, tick(1.0))  # 8/8 outstanding: keep borrowing
     engines = sorted(g.components[ROLLOUT].instances)
@@ -224,9 +215,7 @@ def test_colocated_moves_devices_only_at_stage_boundaries() -> None:
         boundary = kind in ("iteration_start", "stage_drained", "placement_changed")
         assert bool(plan) == boundary, kind
     plan = policy.decide(g, tick(1.0, "iteration_start"))
-    for m in plan.migrations:
-        g.apply(ev.MigrationStarted(migration=m))
-        g.apply(ev.MigrationDone(migration=m.id))
+    carry_out(g, plan)
     assert g.components[ROLLOUT].num_active_devices == 4
     assert not policy.decide(g, tick(2.0, "stage_drained"))  # rollout still has work
 
