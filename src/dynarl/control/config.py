@@ -27,7 +27,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             must bring, beyond its own migration cost, to be committed.
         rollout_borrows_actor: (dynamic mode) at iteration start, lend the actor's
             devices to rollout and hand them back once rollout's running work falls below
-            ``borrow_return_fraction`` of the batch.
+            ``borrow_return_fraction`` of the batch and its engines are under-used (the
+            donor signal: ``u_low``, ``theta``, ``donor_window_s``).
         borrow_return_fraction: see ``rollout_borrows_actor``.
         actor_takes_cluster: (dynamic mode) before the actor's last minibatch, give it every device
             the other components no longer need.
