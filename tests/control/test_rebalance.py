@@ -103,3 +103,17 @@ def test_a_spread_leaves_every_engine_lighter_than_the_engines_it_drains(
         targets = [t for _, t in m.reassign]
         after = [len(g.instances[k].items) + targets.count(k) for k in set(targets)]
         assert max(after) < sum(drained) / len(drained)
+
+
+def test_no_spread_while_sessions_are_in_a_tool_call() -> None:
+    """A session in a tool call comes back to the engine holding its KV prefix; a
+    spread would restart engines and lose those prefixes, so the tail is left alone
+    until no session is in a tool."""
+    g = skewed([64, 1, 1, 1, 1, 1, 1, 1])
+    assert RebalanceTail(SchedulerConfig(), predictor_for(g)).decide(g, tick(5.0))
+    g.apply(
+        ev.ToolCallStarted(
+            edge=PROMPTS, item=ItemId("r1-0"), instance=InstanceId("rollout-1"), prefix_tokens=9
+        )
+    )
+    assert not RebalanceTail(SchedulerConfig(), predictor_for(g)).decide(g, tick(5.0))
