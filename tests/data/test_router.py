@@ -27,7 +27,9 @@ from dynarl.data.codec import Rejections, worker_codec
 
 from .helpers import PROMPTS, ROLLOUT, Net, cluster, echo, item, wait_until
 
-FAST = RouterConfig(heartbeat_interval_s=0.05, liveness_timeout_s=0.4)
+# Fast heartbeats; a liveness timeout long enough that a healthy peer never looks
+# silent when the whole suite's event loop stalls for a moment (0.4 s did, in CI).
+FAST = RouterConfig(heartbeat_interval_s=0.05, liveness_timeout_s=2.0)
 
 
 def _encode(msg: msgspec.Struct) -> bytes:
