@@ -97,10 +97,16 @@ async def test_a_killed_worker_process_items_are_served_by_another(short_tmp: Pa
                 await router.wait_for_instances(3)
             await router.submit([item(k) for k in range(90)])
             await wait_until(lambda: router.statistics().num_completed >= 10, 30)
+            w0 = InstanceId("w0")
+
+            def w0_busy() -> bool:
+                # Something in flight on w0, not only queued in front of it (between two
+                # of its batches it may momentarily have nothing running).
+                return len(graph.graph.instances[w0].items) > router.statistics().queues[w0].depth
+
+            await wait_until(w0_busy, 30)
             # What w0 holds (queued in front of it or in flight on it), per the hypergraph.
-            held = set(graph.graph.instances[InstanceId("w0")].items)
-            num_queued = router.statistics().queues[InstanceId("w0")].depth
-            assert len(held) > num_queued, "w0 has nothing in flight: the kill proves nothing"
+            held = set(graph.graph.instances[w0].items)
             os.kill(procs["w0"].pid, signal.SIGKILL)
             done = []
             with anyio.fail_after(30):
