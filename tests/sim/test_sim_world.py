@@ -3,6 +3,7 @@ sanity of the schedules, the timeline and the CLI."""
 
 import asyncio
 import itertools
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,10 +14,14 @@ from dynarl.api.config_io import apply_overrides
 from dynarl.api.pipeline import build_hypergraph
 from dynarl.cli import main
 from dynarl.control import events as ev
+from dynarl.control.topology import ACTOR
 from dynarl.core.clock import ManualClock
-from dynarl.core.ids import InstanceId, ItemId
+from dynarl.core.ids import GroupId, InstanceId, ItemId
 from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.obs.timeline import Interval, TimelineRecorder, read_timeline, write_timeline
+from dynarl.sim.actor import SimActor
+from dynarl.sim.cluster import ClusterModel
+from dynarl.sim.metrics import WorldTotals
 from dynarl.sim.run import ModeResult, simulate
 from dynarl.sim.world import SimWorld
 
@@ -274,3 +279,29 @@ def test_a_plan_reassigns_an_inference_sample_only_to_a_replica_with_room() -> N
     assert routed == items[:hold]
     assert world.inference.room(InstanceId("inference-0")) == 0
     assert list(world._inf_queue) == items[hold:]  # still queued, in order
+
+
+def test_a_held_trainer_starts_no_step_until_the_hold_lifts() -> None:
+    """The modelled trainer honours the controller's hold at its step boundary, as
+    the real one does (``Iteration._actor_ready``)."""
+    cfg = small(16, "scheduler.mode=dynamic", "algorithm.minibatch_order=completion")
+    graph, _ = build_hypergraph(cfg)
+    emitted: list[ev.Event] = []
+    actor = SimActor(
+        graph,
+        emitted.append,
+        cfg,
+        cluster=ClusterModel.from_config(cfg),
+        tokens=lambda item: 1000,
+        totals=WorldTotals(),
+    )
+    per_step = cfg.algorithm.samples_per_minibatch
+    for k in range(per_step):
+        actor.arrived(ItemId(f"s{k}"), GroupId(f"g{k // cfg.algorithm.group_size}"))
+    graph.components[ACTOR].hold_steps = True
+    actor.start(0.0)
+    assert actor.next_time() == math.inf and not emitted
+    graph.components[ACTOR].hold_steps = False
+    actor.start(1.0)
+    assert actor.next_time() > 1.0
+    assert sum(isinstance(e, ev.ItemRouted) for e in emitted) == per_step

@@ -146,7 +146,7 @@ class DynaRL:
         from dynarl.api.iteration import GrpoIteration
         from dynarl.api.world import RealWorld
         from dynarl.control.controller import Controller
-        from dynarl.control.modes import make_policy
+        from dynarl.control.modes import make_hold, make_policy
         from dynarl.control.predictor import Predictor
         from dynarl.data import RouterConfig
         from dynarl.data.router import Router
@@ -205,6 +205,7 @@ class DynaRL:
             predictor=predictor,
             tick_s=cfg.scheduler.tick_s,
             listeners=[executor.on_event, self._meter, self._recorder],
+            hold=make_hold(cfg.scheduler, predictor),
         )
         self.controller = controller
         stack.callback(self._write_timeline_at_exit)
@@ -250,10 +251,13 @@ class DynaRL:
         if isinstance(event, ev.ItemCompleted) and event.edge == PROMPTS:
             group = self._iteration.groups.get(event.item)
             if group is not None:
+                # The sample's size: its prompt (as the request was enqueued) plus the
+                # tokens the engine generated for it.
+                request = self.controller.graph.edges[PROMPTS].items.get(event.item)
+                tokens = (request.tokens if request is not None else 0) + event.num_tokens
+                sample = ev.ItemRef(event.item, group, tokens)
                 self.controller.handle(
-                    ev.ItemsEnqueued(
-                        edge=self._iteration.downstream(), items=(ev.ItemRef(event.item, group),)
-                    )
+                    ev.ItemsEnqueued(edge=self._iteration.downstream(), items=(sample,))
                 )
         self.controller.handle(event)
 

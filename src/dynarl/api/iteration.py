@@ -136,6 +136,7 @@ class GrpoIteration:
                 group=self.groups[ItemId(r.request_id)],
                 edge=PROMPTS,
                 payload=_ENCODER.encode(r),
+                tokens=len(r.prompt_ids),
             )
             for r in requests
         ]
@@ -307,7 +308,12 @@ class GrpoIteration:
                 ]
             )
         refs = tuple(
-            ev.ItemRef(ItemId(c.request_id), self.groups[ItemId(c.request_id)]) for c in chunk
+            ev.ItemRef(
+                ItemId(c.request_id),
+                self.groups[ItemId(c.request_id)],
+                len(c.prompt_ids) + len(c.output_ids),
+            )
+            for c in chunk
         )
         self.emit(ev.ItemsEnqueued(edge=TO_ACTOR, items=refs))
         for c in chunk:
@@ -357,13 +363,14 @@ class GrpoIteration:
         return metrics.loss, metrics.grad_norm
 
     async def _actor_ready(self) -> list[Node]:
-        """The actor's instances, once it has some and no move of its devices is under
-        way: a move decided at the last step boundary goes before the next step."""
+        """The actor's instances, once it has some, no move of its devices is under way
+        (a move decided at the last step boundary goes before the next step) and the
+        controller does not hold it (devices are on their way to it)."""
         with anyio.fail_after(600):
             while True:
                 moving = any(ACTOR in (m.src, m.dst) for m in self.graph.migrations.values())
                 actors = self._active(ACTOR)
-                if actors and not moving:
+                if actors and not moving and not self.graph.components[ACTOR].hold_steps:
                     return actors
                 await anyio.sleep(0.02)
 

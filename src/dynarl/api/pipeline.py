@@ -34,6 +34,7 @@ def build_pipeline(
         actor_devices_per_replica=actor_unit,
         rollout_max_running=cfg.rollout.max_running_requests,
         actor_steps_per_iteration=cfg.algorithm.n_minibatches,
+        actor_steps_in_arrival_order=cfg.algorithm.minibatch_order == "completion",
         actor_dp_sizes=valid_dp_sizes(
             cfg.algorithm.samples_per_minibatch,
             max_dp,

@@ -32,6 +32,11 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         borrow_return_fraction: see ``rollout_borrows_actor``.
         actor_takes_cluster: (dynamic mode) before the actor's last minibatch, give it every device
             the other components no longer need.
+        hold_trainer: (dynamic mode) keep the trainer from starting an optimizer step
+            on its own few devices when the predictor says the step ends sooner if it
+            waits for the devices the other stages free as they finish (a step runs to
+            its end on the devices it started on, and the freed devices would wait for
+            it).
         fusion_tail_fraction: (rlhfuse mode) once rollout's running requests fit on
             this fraction of its engines without slowing any decode step (no engine
             holding more requests than its cap or more KV than the busiest one), they
@@ -48,4 +53,5 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     rollout_borrows_actor: bool = True
     borrow_return_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.2
     actor_takes_cluster: bool = True
+    hold_trainer: bool = True
     fusion_tail_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.2

@@ -25,7 +25,7 @@ from dynarl.control.elements import HyperNode
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import Migration, Plan
 from dynarl.control.predictor import Predictor
-from dynarl.control.scheduler import Policy, Trigger, TriggerKind
+from dynarl.control.scheduler import Policy, StepHold, Trigger, TriggerKind
 from dynarl.core.clock import Clock
 from dynarl.core.errors import EventError
 from dynarl.core.ids import ComponentId
@@ -96,6 +96,8 @@ class Controller:
             seconds, at most this long (a success resets it); when the back-off ends
             the policy is asked again.
         listeners: called with every applied event (timeline, metrics), in order.
+        hold: decides which trainers should not start their next step yet (asked after
+            every decision; their hypernodes' ``hold_steps`` says so to the workers).
     """
 
     def __init__(
@@ -109,9 +111,11 @@ class Controller:
         tick_s: float = 1.0,
         max_backoff_s: float = 60.0,
         listeners: Iterable[Listener] = (),
+        hold: StepHold | None = None,
     ) -> None:
         self.graph = graph
         self.policy = policy
+        self.hold = hold
         self.executor = executor
         self.clock = clock
         self.predictor = predictor
@@ -124,9 +128,11 @@ class Controller:
         self._tg: TaskGroup | None = None
         # Moves that failed recently, by (src, dst, kind): (retry not before, failures).
         self._backoff: dict[tuple[str | None, str | None, str], tuple[float, int]] = {}
-        # Per stage: (items completed, occupied instance-seconds, devices) when its
-        # capacity was last observed (see _observe_occupancy).
-        self._occupancy: dict[ComponentId, tuple[int, float, int]] = {}
+        # Per stage: (items completed, work completed, occupied instance-seconds,
+        # devices) when its capacity was last observed (see _observe_occupancy).
+        self._occupancy: dict[ComponentId, tuple[int, float, float, int]] = {}
+        # Per trainer: its work completed when its last optimizer step ended.
+        self._step_mark: dict[ComponentId, float] = {}
 
     async def run(
         self,
@@ -181,11 +187,20 @@ class Controller:
         """Ask the policy for a plan and commit it."""
         t0 = time.perf_counter()
         plan = self.policy.decide(self.graph, trigger)
-        self._decision_s.append(time.perf_counter() - t0)
-        self._stats.decisions += 1
         if plan:
             self._commit(plan)
+        if self.hold is not None:
+            self._update_holds(self.hold.holds(self.graph))
+        self._decision_s.append(time.perf_counter() - t0)
+        self._stats.decisions += 1
         return plan
+
+    def _update_holds(self, held: frozenset[ComponentId]) -> None:
+        for cid, node in self.graph.components.items():
+            if node.hold_steps != (cid in held):
+                node.hold_steps = cid in held
+                verb = "hold" if node.hold_steps else "release"
+                logger.info("%s %s at its next step boundary", verb, cid)
 
     def statistics(self) -> ControllerStats:
         """A snapshot of the controller's counters."""
@@ -292,7 +307,7 @@ class Controller:
     def _observe_occupancy(
         self, predictor: Predictor, cid: ComponentId, node: HyperNode, devices: int, now: float
     ) -> None:
-        """Observe what a stage's devices can do: items completed per instance-second
+        """Observe what a stage's devices can do: work completed per instance-second
         its instances held items, times its instances. (Its completion rate would be
         its inputs' arrival rate whenever it waits for them: observing that would
         teach the predictor the stage is slow exactly when it is starved.) Observed
@@ -300,21 +315,31 @@ class Controller:
         on average, on the same devices throughout."""
         occupied = node.occupied_until(now)
         mark = self._occupancy.get(cid)
-        if mark is None or mark[2] != devices:
-            self._occupancy[cid] = (node.items_completed, occupied, devices)
+        if mark is None or mark[3] != devices:
+            self._occupancy[cid] = (node.items_completed, node.work_completed, occupied, devices)
             return
         done = node.items_completed - mark[0]
-        held = occupied - mark[1]
+        work = node.work_completed - mark[1]
+        held = occupied - mark[2]
         if held < node.work_rate.tau_s * max(node.num_active, 1):
             return
-        self._occupancy[cid] = (node.items_completed, occupied, devices)
-        if done > 0:
+        self._occupancy[cid] = (node.items_completed, node.work_completed, occupied, devices)
+        if done > 0 and work > 0:
             load = float(max(self.graph.pending(cid), done))
-            predictor.observe(cid, devices, load, done / held * node.num_active)
+            predictor.observe(cid, devices, load, work / held * node.num_active)
 
     def _observe_step(self, event: ev.TrainStepDone) -> None:
+        """Observe the trainer's rate over its last optimizer step: the work of the
+        items it completed in it (their tokens, once items carry sizes) per second."""
         node = self.graph.components.get(event.component)
-        if self.predictor is None or node is None or event.duration_s <= 0:
+        if node is None:
             return
-        rate = event.num_samples / event.duration_s
-        self.predictor.observe(event.component, node.num_active_devices, event.num_samples, rate)
+        mark = self._step_mark.get(event.component, 0.0)
+        self._step_mark[event.component] = node.work_completed
+        if self.predictor is None or event.duration_s <= 0:
+            return
+        work = node.work_completed - mark if self.graph.sized else float(event.num_samples)
+        if work > 0:
+            devices = node.num_active_devices
+            rate = work / event.duration_s
+            self.predictor.observe(event.component, devices, event.num_samples, rate)

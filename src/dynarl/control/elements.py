@@ -26,12 +26,14 @@ class ItemState:
         "last_instance",
         "owner",
         "prefix_tokens",
+        "tokens",
         "tool_calls",
     )
 
-    def __init__(self, item: ItemId, group: GroupId, enqueued_s: float) -> None:
+    def __init__(self, item: ItemId, group: GroupId, enqueued_s: float, tokens: int = 0) -> None:
         self.id = item
         self.group = group
+        self.tokens = tokens  # its size (ItemRef.tokens)
         self.owner: InstanceId | None = None  # None: waiting in the edge's queue
         self.last_instance: InstanceId | None = None
         self.tool_calls = 0
@@ -87,6 +89,10 @@ class HyperNode:
         self.work_rate = RateMeter(rate_tau_s)  # tokens/s (rollout) or samples/s
         self.items_completed = 0
         self.tokens_completed = 0
+        # Work completed in the unit its throughput is measured in: for the stages
+        # after rollout, tokens of the items it completed once items have sizes (else
+        # items); rollout's work is the tokens it generates (``tokens_completed``).
+        self.work_completed = 0.0
         # Longest response of finished iterations (this one's is biased short: its
         # longest responses have not finished yet) and of this one so far.
         self.max_tokens_completed = 0
@@ -98,6 +104,9 @@ class HyperNode:
         self.steps_done = 0
         self.num_steps = 0
         self.last_step_samples_per_s = 0.0
+        # Set by the controller: its workers should not start their next step yet
+        # (devices are on their way to it; see dynarl.control.policies.hold).
+        self.hold_steps = False
         # Instance-seconds its instances spent holding items (finished spans only).
         self.occupied_s = 0.0
 
@@ -146,6 +155,7 @@ class HyperEdge:
         self.num_requeued = 0
         self.num_completed = 0
         self.tokens_completed = 0
+        self.tokens_pending = 0  # sizes (ItemRef.tokens, 1 at least) of its pending items
 
     @property
     def id(self) -> EdgeId:

@@ -18,10 +18,15 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, tag_field="event", tag=Tr
 
 
 class ItemRef(msgspec.Struct, frozen=True, array_like=True):
-    """An item and its group (GRPO: the prompt whose G samples it belongs to)."""
+    """An item, its group (GRPO: the prompt whose G samples it belongs to) and its size:
+    ``tokens`` is the prompt's length for a rollout request and the sequence's (prompt
+    plus response) for a sample, which sets what scoring and training it cost; 0 when
+    the producer does not know it. Report sizes on every item or on none: the model
+    measures the work of the stages after rollout in tokens once any item has a size."""
 
     id: ItemId
     group: GroupId
+    tokens: int = 0
 
 
 class IterationStarted(Event, frozen=True, kw_only=True):

@@ -73,6 +73,9 @@ class Hypergraph:
         self.next_migration_id = MigrationId(0)
         self._instance_serial: dict[ComponentId, int] = dict.fromkeys(self.components, 0)
         self.events_applied = 0
+        # Whether items carry sizes (ItemRef.tokens): from the first sized item on, the
+        # stages after rollout measure their work in tokens (see :meth:`work_pending`).
+        self.sized = False
         for cid, instances in placement.items():
             if cid not in self.components:
                 raise EventError(f"placement names unknown component {cid!r}")
@@ -137,6 +140,33 @@ class Hypergraph:
     def of_kind(self, kind: str) -> list[ComponentId]:
         """Components of ``kind`` (``"rollout"``, ``"actor"``, ...)."""
         return [c for c, n in self.components.items() if n.spec.kind == kind]
+
+    def item_work(self, item: ItemState) -> float:
+        """Work ``item`` is to a stage after rollout: its tokens once items carry sizes
+        (the cost of scoring and training a sequence grows with its length), else 1."""
+        return float(max(item.tokens, 1)) if self.sized else 1.0
+
+    def work_pending(self, component: ComponentId) -> float:
+        """Work ``component`` has not yet completed, in :meth:`item_work` units (for
+        rollout, that is its requests' prompt tokens or count -- not its own work,
+        which is the tokens it still generates)."""
+        edges = self.edges_into(component)
+        if self.sized:
+            return float(sum(e.tokens_pending for e in edges))
+        return float(sum(e.num_pending for e in edges))
+
+    def expected_output_work(self, component: ComponentId) -> float:
+        """Work, in :meth:`item_work` units, of the samples a rollout component's
+        pending requests will become: their prompts, what they generated so far and
+        what they are expected to generate (:meth:`expected_remaining_tokens`); their
+        count before items carry sizes."""
+        pending = self.pending(component)
+        if not self.sized or not pending:
+            return float(pending)
+        node = self.components[component]
+        so_far = max(0.0, node.tokens_generated_iter - node.tokens_completed_iter)
+        prompts = sum(e.tokens_pending for e in self.edges_into(component))
+        return prompts + so_far + pending * self.expected_remaining_tokens(component)
 
     def _progress(self, component: ComponentId) -> float:
         """Mean tokens the pending requests of a rollout component have generated."""
@@ -231,8 +261,13 @@ class Hypergraph:
         if dup is not None or len(set(ids)) != len(ids):
             raise EventError(f"item {dup!r} enqueued twice on edge {edge.id!r}")
         for ref in e.items:
-            edge.items[ref.id] = ItemState(ref.id, ref.group, e.time_s)
+            if ref.tokens < 0:
+                raise EventError(f"item {ref.id!r} has a negative size ({ref.tokens} tokens)")
+        for ref in e.items:
+            edge.items[ref.id] = ItemState(ref.id, ref.group, e.time_s, ref.tokens)
             edge.queue[ref.id] = None
+            edge.tokens_pending += max(ref.tokens, 1)
+            self.sized = self.sized or ref.tokens > 0
         edge.num_enqueued += len(e.items)
         edge.enqueued_this_iteration += len(e.items)
 
@@ -281,7 +316,9 @@ class Hypergraph:
         del edge.items[e.item]
         edge.num_completed += 1
         edge.tokens_completed += e.num_tokens
+        edge.tokens_pending -= max(st.tokens, 1)
         hn = self.components[node.component]
+        hn.work_completed += e.num_tokens if hn.spec.kind == "rollout" else self.item_work(st)
         hn.items_completed += 1
         hn.tokens_completed += e.num_tokens
         hn.tokens_completed_iter += e.num_tokens

@@ -80,3 +80,6 @@ def check_invariants(graph: "Hypergraph") -> None:
             raise InvariantError(f"{edge.id}: num_in_tool {edge.num_in_tool} != {in_tool}")
         if edge.num_enqueued != edge.num_completed + len(edge.items):
             raise InvariantError(f"{edge.id}: enqueued != completed + pending")
+        sizes = sum(max(st.tokens, 1) for st in edge.items.values())
+        if edge.tokens_pending != sizes:
+            raise InvariantError(f"{edge.id}: tokens_pending {edge.tokens_pending} != {sizes}")

@@ -6,13 +6,14 @@ from dynarl.control.config import SchedulerConfig, SchedulingMode
 from dynarl.control.policies.bottleneck import BottleneckPolicy
 from dynarl.control.policies.colocated import ColocatedPolicy
 from dynarl.control.policies.gate import PredictorGate
+from dynarl.control.policies.hold import HoldForDevices
 from dynarl.control.policies.phases import ActorTakesCluster, RolloutBorrowsActor
 from dynarl.control.policies.rebalance import RebalanceTail
 from dynarl.control.policies.recovery import RebootCrashed
 from dynarl.control.policies.rlhfuse import RlhfusePolicy
 from dynarl.control.policies.starved import StarvedStage
 from dynarl.control.predictor import Predictor
-from dynarl.control.scheduler import Baseline, FirstOf, Policy
+from dynarl.control.scheduler import Baseline, FirstOf, Policy, StepHold
 
 PolicyFactory = Callable[[SchedulerConfig, Predictor, Baseline], Policy]
 
@@ -62,3 +63,13 @@ def make_policy(cfg: SchedulerConfig, predictor: Predictor, baseline: Baseline) 
     ``rlhfuse`` is colocated, but consolidates the rollout tail onto few engines and
     starts inference on the freed devices."""
     return POLICIES[cfg.mode](cfg, predictor, baseline)
+
+
+def make_hold(cfg: SchedulerConfig, predictor: Predictor) -> StepHold | None:
+    """What decides when trainers wait at a step boundary for devices on their way:
+    :class:`~dynarl.control.policies.hold.HoldForDevices` in ``dynamic`` mode with
+    ``hold_trainer``; nothing otherwise (a trainer starts each step once its minibatch
+    is ready)."""
+    if cfg.mode != "dynamic" or not cfg.hold_trainer:
+        return None
+    return HoldForDevices(predictor)

@@ -50,6 +50,17 @@ class Policy(Protocol):
         ...
 
 
+class StepHold(Protocol):
+    """Decides which step-wise components (trainers) should not start their next step
+    yet. Pure, like a policy; the controller asks it after every decision and marks
+    the components it names (:attr:`~dynarl.control.elements.HyperNode.hold_steps`),
+    which their workers honour at their next step boundary."""
+
+    def holds(self, graph: Hypergraph) -> frozenset[ComponentId]:
+        """The components to hold now (none: every trainer may start its next step)."""
+        ...
+
+
 class FirstOf:
     """Ask policies in order; the first non-empty plan wins."""
 

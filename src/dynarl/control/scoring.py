@@ -1,11 +1,14 @@
 """Scoring placements: the predicted remaining time of the current iteration.
 
-A component's remaining work is what it still has to do this iteration: its own
-pending items plus what its predecessors have not yet handed it (items flow through
-every stage). Rollout work is measured in tokens (pending requests times their expected
-remaining length), other stages' in items. Its finish time is the later of
-"all its work at its predicted throughput" and "its last input arrives, plus the time
-to process one chunk of it" -- or, if sooner, "its last input arrives, then its
+A component's remaining work is what it still has to do this iteration: its own pending
+items plus what its predecessors have not yet handed it (items flow through every
+stage). Rollout work is measured in tokens it still generates (pending requests times
+their expected remaining length); the other stages' in the tokens of the samples they
+score or train (what a sample costs them grows with its length: a trainer's minibatch of
+long responses takes many times one of short ones), or in items when the items carry no
+sizes (:meth:`~dynarl.control.hypergraph.Hypergraph.item_work`). Its finish time is the
+later of "all its work at its predicted throughput" and "its last input arrives, plus
+the time to process one chunk of it" -- or, if sooner, "its last input arrives, then its
 predecessors' devices join it (after a migration) for the work left": devices flow
 downstream as stages finish. The iteration's remaining time is the latest finish.
 
@@ -33,7 +36,7 @@ from dynarl.core.ids import ComponentId, GroupId, InstanceId
 class Demand:
     """Remaining work of one component, in the units its throughput is measured in."""
 
-    __slots__ = ("hottest", "load", "longest", "per_item", "tail", "upstream", "work")
+    __slots__ = ("hottest", "load", "longest", "per_item", "steps", "tail", "upstream", "work")
 
     def __init__(
         self,
@@ -45,14 +48,17 @@ class Demand:
         *,
         hottest: float = 0.0,
         per_item: float = 1.0,
+        steps: tuple[float, ...] = (),
     ) -> None:
         self.work = work  # units still to process
         self.longest = longest  # rollout: tokens of the longest remaining response
         self.load = load  # parallel work items (the batch it can run)
         self.tail = tail  # units left after its last input arrives
-        self.upstream = upstream  # items still on their way from predecessors
+        self.upstream = upstream  # work (rollout: items) still on its way from predecessors
         self.hottest = hottest  # rollout: tokens queued on its most loaded engine
         self.per_item = per_item  # units of work per item
+        # actor: the work of each remaining step in the order they run (empty: equal)
+        self.steps = steps
 
     def with_hottest(self, num_items: int) -> "Demand":
         """The same demand with ``num_items`` items on the most loaded engine."""
@@ -64,6 +70,7 @@ class Demand:
             self.longest,
             hottest=num_items * self.per_item,
             per_item=self.per_item,
+            steps=self.steps,
         )
 
 
@@ -76,16 +83,20 @@ def demands(graph: Hypergraph, *, per_engine: bool = False) -> dict[ComponentId,
     since the concave fit's per-request cost ``b`` is learned largely at the tail (long
     contexts) and would make a busy engine's queue look several times slower than it is.
     """
-    items: dict[ComponentId, float] = {}
+    items: dict[ComponentId, float] = {}  # items pending here or upstream
+    flow: dict[ComponentId, float] = {}  # their work as samples (``item_work`` units)
     out: dict[ComponentId, Demand] = {}
     for cid in graph.spec.stage_order():
         node = graph.components[cid]
-        upstream = max((items.get(p, 0.0) for p in graph.spec.predecessors(cid)), default=0.0)
+        preds = graph.spec.predecessors(cid)
+        upstream = max((items.get(p, 0.0) for p in preds), default=0.0)
+        upstream_work = max((flow.get(p, 0.0) for p in preds), default=0.0)
         own = float(graph.pending(cid))
         items[cid] = own + upstream
         total = own + upstream
         kind = node.spec.kind
         if kind == "rollout":
+            flow[cid] = graph.expected_output_work(cid) + upstream_work
             per_item = graph.expected_remaining_tokens(cid)
             in_tool = sum(e.num_in_tool for e in graph.edges_into(cid))
             load = max(own - in_tool, 0.0)
@@ -102,13 +113,61 @@ def demands(graph: Hypergraph, *, per_engine: bool = False) -> dict[ComponentId,
                 hottest=hottest * per_item,
                 per_item=per_item,
             )
-        elif kind == "actor":
+            continue
+        work = graph.work_pending(cid) + upstream_work
+        flow[cid] = work
+        if kind == "actor":
             num_steps = node.num_steps or node.spec.steps_per_iteration
             steps_left = max(num_steps - node.steps_done, 1)
-            out[cid] = Demand(work=total, load=total, tail=total / steps_left, upstream=upstream)
+            steps: tuple[float, ...] = ()
+            if node.spec.steps_in_arrival_order and graph.sized and steps_left > 1:
+                steps = _steps_in_arrival_order(graph, cid, steps_left)
+            out[cid] = Demand(
+                work=work, load=total, tail=work / steps_left, upstream=upstream_work, steps=steps
+            )
         else:
-            out[cid] = Demand(work=total, load=total, tail=min(total, 1.0), upstream=upstream)
+            # After its last input arrives, it still processes that input (one item).
+            chunk = min(work, work / total) if total else 0.0
+            out[cid] = Demand(work=work, load=total, tail=chunk, upstream=upstream_work)
     return out
+
+
+def _steps_in_arrival_order(
+    graph: Hypergraph, cid: ComponentId, steps_left: int
+) -> tuple[float, ...]:
+    """The work of each of a trainer's ``steps_left`` remaining steps when each trains
+    the next minibatch of samples in the order they arrive (streamed minibatches):
+    its own pending samples first, then those still upstream, stage by stage back to
+    rollout, each stage's samples at their mean size there (a rollout request at its
+    expected sample size). With heavy-tailed response lengths the last minibatch
+    holds the longest responses and can be several times the average step."""
+    segments: list[tuple[int, float]] = []  # (samples, their work), in arrival order
+    stage: ComponentId | None = cid
+    while stage is not None:
+        count = graph.pending(stage)
+        if graph.components[stage].spec.kind == "rollout":
+            segments.append((count, graph.expected_output_work(stage)))
+            break
+        segments.append((count, graph.work_pending(stage)))
+        preds = [p for p in graph.spec.predecessors(stage) if graph.spec.component(p).on_devices]
+        stage = max(preds, key=graph.pending, default=None)
+    total = sum(n for n, _ in segments)
+    per_step = math.ceil(total / steps_left)
+    steps: list[float] = []
+    room, work = per_step, 0.0
+    for count, seg_work in segments:
+        left = count
+        while left > 0:
+            take = min(left, room)
+            work += seg_work * take / count
+            left -= take
+            room -= take
+            if room == 0:
+                steps.append(work)
+                room, work = per_step, 0.0
+    if work > 0:
+        steps.append(work)
+    return tuple(steps)
 
 
 def remaining_time(
@@ -144,6 +203,7 @@ def finish_times(
     penalties: Mapping[ComponentId, float] | None = None,
     before: Mapping[ComponentId, int] | None = None,
     demand: Mapping[ComponentId, Demand] | None = None,
+    waiting: set[ComponentId] | None = None,
 ) -> dict[ComponentId, float]:
     """Predicted seconds until each stage finishes this iteration's work.
 
@@ -156,6 +216,9 @@ def finish_times(
         penalties: seconds a donor loses (its drained requests re-prefill elsewhere).
         before: devices per component now (defaults to ``devices``).
         demand: precomputed :func:`demands` (saves recomputing across candidates).
+        waiting: if given, receives the trainers whose next step is predicted to wait
+            for their predecessors' devices rather than start on their own (see
+            :func:`trainers_to_hold`).
     """
     demand = demands(graph) if demand is None else demand
     delays = delays or {}
@@ -185,7 +248,7 @@ def finish_times(
         new = rate(graph, predictor, cid, n_new, d)
         old = rate(graph, predictor, cid, n_old, d) if n_old != n_new else new
         if graph.components[cid].spec.kind == "actor" and d.tail > 0:
-            finish[cid] = _actor_finish(
+            end, waits = _actor_finish(
                 graph,
                 predictor,
                 cid,
@@ -195,7 +258,10 @@ def finish_times(
                 delay=delays.get(cid, 0.0),
                 arrival=arrival,
                 devices=devices,
-            ) + penalties.get(cid, 0.0)
+            )
+            finish[cid] = end + penalties.get(cid, 0.0)
+            if waits and waiting is not None:
+                waiting.add(cid)
             continue
         own = _time_for(d.work, old, new, delays.get(cid, 0.0)) + penalties.get(cid, 0.0)
         tail = d.tail / new if new > 0 else math.inf if d.tail > 0 else 0.0
@@ -229,8 +295,9 @@ def _actor_finish(
     delay: float,
     arrival: float,
     devices: Mapping[ComponentId, int],
-) -> float:
-    """When the trainer finishes its remaining optimizer steps.
+) -> tuple[float, bool]:
+    """When the trainer finishes its remaining optimizer steps, and whether its next
+    step (the first not yet running) waits for its predecessors' devices.
 
     The trainer works in whole minibatches and is resized only between steps: a step
     starts as soon as its minibatch is complete, on the devices the trainer holds
@@ -239,11 +306,13 @@ def _actor_finish(
     resizes the trainer takes effect ``delay`` after that step ends (after ``delay``
     if none runs; the next step waits for it). The samples already here make the
     first minibatches; the rest arrive evenly until the predecessors finish
-    (``arrival``). A step that starts after that may instead wait for the
-    predecessors' devices to join (a reshard), if that ends it sooner.
+    (``arrival``). A step may instead wait for the predecessors' devices to join
+    (a reshard after they finish), if that ends it sooner: the trainer is held at its
+    step boundary meanwhile (:func:`trainers_to_hold`). Steps are equal (``d.tail``
+    each) unless ``d.steps`` says what each holds.
     """
-    size = d.tail
-    steps = max(1, round(d.work / size))
+    sizes = d.steps or (d.tail,) * max(1, round(d.work / d.tail))
+    steps = len(sizes)
     own = max(d.work - d.upstream, 0.0)
     node = graph.components[cid]
     unit = node.spec.devices_per_instance
@@ -252,28 +321,44 @@ def _actor_finish(
     join = arrival + predictor.migration_cost("reshard") if arrival > 0 else math.inf
     rates: dict[int, float] = {}
 
-    def step_s(n: int) -> float:
+    def step_s(j: int, n: int) -> float:
         if n not in rates:
             rates[n] = rate(graph, predictor, cid, n, d)
-        return size / rates[n] if rates[n] > 0 else math.inf
+        return sizes[j - 1] / rates[n] if rates[n] > 0 else math.inf
 
     t, first = 0.0, 1
     resized = delay > 0 and n_new != n_old
     if node.num_in_flight():
-        t, first = step_s(n_old), 2
+        t, first = step_s(1, n_old), 2
     ready_new = t + delay if resized else 0.0
     n = n_new
-    for j in range(first, steps + 1):
-        need = j * size - own
+    need = 0.0 - own
+    waits = False
+    for j in range(1, steps + 1):
+        need += sizes[j - 1]
+        if j < first:
+            continue
         ready = 0.0 if need <= 1e-9 else arrival * min(1.0, need / max(d.upstream, 1e-9))
         start = max(t, ready, ready_new)
-        end = start + step_s(n)
-        if pooled > n and start >= arrival:
-            joined = max(start, join) + step_s(pooled)
+        end = start + step_s(j, n)
+        if pooled > n:
+            joined = max(start, join) + step_s(j, pooled)
             if joined < end:
+                waits = waits or (j == first and start < join)
                 n, end = pooled, joined
         t = end
-    return t
+    return t, waits
+
+
+def trainers_to_hold(graph: Hypergraph, predictor: Predictor) -> set[ComponentId]:
+    """Trainers that should not start their next step yet: the placement as it is
+    finishes sooner if that step waits for the devices their predecessors free when
+    they finish (a step runs to its end on the devices it started on: started on a
+    few, it keeps the freed devices waiting at its boundary)."""
+    devices = {c: n.num_active_devices for c, n in graph.components.items()}
+    waiting: set[ComponentId] = set()
+    finish_times(graph, predictor, devices, waiting=waiting)
+    return waiting
 
 
 def rate(

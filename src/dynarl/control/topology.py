@@ -31,7 +31,10 @@ class ComponentSpec(msgspec.Struct, frozen=True, kw_only=True):
     at once (a rollout engine's max running requests; 0: unbounded). A component with
     ``devices_per_instance == 0`` runs off the devices (a rule-based reward, a tool
     sandbox) and never takes part in migrations. ``steps_per_iteration`` is how many
-    chunks the iteration's work is processed in (the actor's ``n_minibatches``).
+    chunks the iteration's work is processed in (the actor's ``n_minibatches``);
+    ``steps_in_arrival_order`` says each chunk takes the next items in the order they
+    arrive (streamed minibatches: the last holds the longest responses), else every
+    chunk draws evenly from the iteration's items.
     """
 
     id: ComponentId
@@ -44,6 +47,7 @@ class ComponentSpec(msgspec.Struct, frozen=True, kw_only=True):
     valid_sizes: tuple[int, ...] = ()
     max_load_per_instance: int = 0
     steps_per_iteration: int = 1
+    steps_in_arrival_order: bool = False
 
     def is_valid_size(self, num_instances: int) -> bool:
         """Whether the component may run with ``num_instances`` instances."""
@@ -161,10 +165,12 @@ def rl_pipeline(
     reward_on_devices: bool = False,
     rollout_max_running: int = 0,
     actor_steps_per_iteration: int = 1,
+    actor_steps_in_arrival_order: bool = False,
 ) -> PipelineSpec:
     """The standard RL pipeline: prompts -> rollout -> (reward, inference) -> actor.
 
     Reward runs off the devices unless ``reward_on_devices`` (a reward model).
+    ``actor_steps_in_arrival_order``: minibatches are formed as samples arrive.
     """
     components = (
         ComponentSpec(
@@ -197,6 +203,7 @@ def rl_pipeline(
             scaling="linear",
             valid_sizes=tuple(actor_dp_sizes),
             steps_per_iteration=actor_steps_per_iteration,
+            steps_in_arrival_order=actor_steps_in_arrival_order,
         ),
     )
     edges = (

@@ -135,7 +135,7 @@ class Placement:
         """Enqueue checked new items and route them."""
         by_edge: dict[EdgeId, list[ev.ItemRef]] = {}
         for item in items:
-            by_edge.setdefault(item.edge, []).append(ev.ItemRef(item.id, item.group))
+            by_edge.setdefault(item.edge, []).append(ev.ItemRef(item.id, item.group, item.tokens))
         for edge, refs in by_edge.items():
             self.emit(ev.ItemsEnqueued(time_s=now, edge=edge, items=tuple(refs)))
         self.pending.update(item.id for item in items)

@@ -44,6 +44,8 @@ class Item(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     ``instance`` is the instance that served it before, if any, and ``affinity`` says
     whether it should return there. ``tool_calls`` and ``prefix_tokens`` (completed
     tool calls, reusable KV prefix length) drive the request queue's priority order.
+    ``tokens`` is its size (a request's prompt length; 0: unknown), reported to the
+    controller's model (:class:`~dynarl.control.events.ItemRef`).
     """
 
     id: ItemId
@@ -54,6 +56,7 @@ class Item(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     instance: InstanceId | None = None
     tool_calls: int = 0
     prefix_tokens: int = 0
+    tokens: int = 0
 
 
 class ItemResult(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

@@ -86,6 +86,8 @@ class SimActor:
             return
         if any(ACTOR in (m.src, m.dst) for m in self.graph.migrations.values()):
             return  # the trainer is told to pause at this boundary: it is being resized
+        if self.graph.components[ACTOR].hold_steps:
+            return  # the controller holds it: devices are on their way to it
         actors = sorted(self.graph.components[ACTOR].active_instances(), key=lambda n: n.id)
         if not actors or self.steps_done >= algo.n_minibatches:
             return

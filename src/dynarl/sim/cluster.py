@@ -117,7 +117,7 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
 
     Rollout rows come from the engine's decode step at the context the workload's
     tokens are generated at (token-weighted mean, from ``requests``); inference and
-    actor rows (samples/s) from their cost models at the workload's mean sample
+    actor rows (sample tokens/s) from their cost models at the workload's mean sample
     length and token-weighted attended context; migration costs from the migration
     model; the rollout engine's re-prefill cost from its prefill model and KV capacity.
     """
@@ -146,7 +146,7 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
     for n in range(unit, num_devices + 1, unit):
         per_item = cluster.inference.time_s(mean_tokens, unit, attended) / (n // unit)
         rows.append(
-            ProfileRow(component=INFERENCE, devices=n, load=1024, throughput=1.0 / per_item)
+            ProfileRow(component=INFERENCE, devices=n, load=1024, throughput=mean_tokens / per_item)
         )
     unit = cluster.actor.replica_devices
     for n in range(unit, num_devices + 1, unit):
@@ -156,7 +156,7 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
                 component=ACTOR,
                 devices=n,
                 load=samples_per_step,
-                throughput=samples_per_step / step_s,
+                throughput=samples_per_step * mean_tokens / step_s,
             )
         )
     mig, shape = cluster.migration, cluster.model

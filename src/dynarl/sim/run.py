@@ -20,7 +20,7 @@ from dynarl.api.config import DynaRLConfig
 from dynarl.api.pipeline import build_hypergraph
 from dynarl.control import events as ev
 from dynarl.control.controller import Controller
-from dynarl.control.modes import make_policy
+from dynarl.control.modes import make_hold, make_policy
 from dynarl.control.predictor import Predictor
 from dynarl.core.clock import LoopClock
 from dynarl.obs.timeline import TimelineRecorder
@@ -122,6 +122,7 @@ async def simulate(
         predictor=predictor,
         tick_s=cfg.scheduler.tick_s,
         listeners=listeners,
+        hold=make_hold(cfg.scheduler, predictor),
     )
     wall0 = time.perf_counter()
     send, receive = anyio.create_memory_object_stream[ev.Event](0)

@@ -130,7 +130,10 @@ class SimWorld:
             self.seqs[r.id] = SeqProgress(r)
             self.router.add(r.id, now_s=start)
         self.emit(
-            ev.ItemsEnqueued(edge=PROMPTS, items=tuple(ev.ItemRef(r.id, r.group) for r in requests))
+            ev.ItemsEnqueued(
+                edge=PROMPTS,
+                items=tuple(ev.ItemRef(r.id, r.group, r.prompt_tokens) for r in requests),
+            )
         )
         n_steps = self.cfg.algorithm.n_minibatches
         while self.actor.steps_done < n_steps:
@@ -218,7 +221,9 @@ class SimWorld:
 
     def _rollout_done(self, iid: InstanceId, finals: list[SeqProgress]) -> None:
         """Engine ``iid`` finished ``finals``: hand them to inference (or the actor)."""
-        refs = tuple(ev.ItemRef(s.request.id, s.request.group) for s in finals)
+        refs = tuple(
+            ev.ItemRef(s.request.id, s.request.group, s.request.total_tokens) for s in finals
+        )
         self.emit(ev.ItemsEnqueued(edge=self._after_rollout, items=refs))
         for s in finals:
             if self._after_rollout == TO_ACTOR:
@@ -259,7 +264,7 @@ class SimWorld:
         self.inference.start(now)
 
     def _inference_done(self, iid: InstanceId, items: list[ItemId]) -> None:
-        refs = tuple(ev.ItemRef(i, self.seqs[i].request.group) for i in items)
+        refs = tuple(ev.ItemRef(i, self.seqs[i].request.group, self._tokens(i)) for i in items)
         self.emit(ev.ItemsEnqueued(edge=TO_ACTOR, items=refs))
         for ref in refs:
             self.emit(ev.ItemCompleted(edge=TO_INFERENCE, item=ref.id, instance=iid))

@@ -10,7 +10,7 @@ from dynarl.api.pipeline import build_hypergraph
 from dynarl.control import events as ev
 from dynarl.control.controller import Controller, ControllerStats
 from dynarl.control.hypergraph import Hypergraph
-from dynarl.control.modes import make_policy
+from dynarl.control.modes import make_hold, make_policy
 from dynarl.control.plan import Migration
 from dynarl.control.predictor import Predictor, Profile, ProfileRow
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
@@ -100,6 +100,7 @@ async def run_with_fake_world(
         predictor=predictor,
         tick_s=cfg.scheduler.tick_s,
         listeners=[listen],
+        hold=make_hold(cfg.scheduler, predictor),
     )
     allocation.append((clock.now(), _devices(graph)))
     send, receive = anyio.create_memory_object_stream[ev.Event](0)

@@ -234,6 +234,8 @@ class FakeWorld:
         actors = self._active(ACTOR)
         if self.steps_done >= cfg.n_minibatches or not actors or len(edge.queue) < per_step:
             return
+        if self.graph.components[ACTOR].hold_steps:
+            return  # the controller holds it: devices are on their way to it
         batch = list(edge.queue)[:per_step]
         for k, item in enumerate(batch):
             node = actors[k % len(actors)]

@@ -58,6 +58,8 @@ class RebalanceTail:
             engines = sorted(node.active_instances(), key=lambda n: (-len(n.items), n.id))
             if len(engines) < 2:
                 continue
+            if not any(n.kv_usage < self.cfg.u_low for n in engines):
+                continue  # no engine has room: moved requests would only re-prefill
             mean = sum(len(n.items) for n in engines) / len(engines)
             hot = [n for n in engines if len(n.items) > mean]
             if not hot:

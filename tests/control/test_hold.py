@@ -1,0 +1,90 @@
+"""Holding the trainer at a step boundary while devices are on their way to it."""
+
+from dynarl.control import events as ev
+from dynarl.control.config import SchedulerConfig
+from dynarl.control.controller import Controller
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.modes import make_hold
+from dynarl.control.policies.hold import HoldForDevices
+from dynarl.control.predictor import Predictor
+from dynarl.control.scheduler import Trigger
+from dynarl.control.scoring import finish_times, trainers_to_hold
+from dynarl.control.topology import ACTOR, INFERENCE, TO_ACTOR, TO_INFERENCE
+from dynarl.core.clock import ManualClock
+from dynarl.core.ids import ComponentId, GroupId, ItemId
+
+from .graphs import make_graph
+from .test_controller_observe import DoNothing, NoMoves
+from .test_policies import predictor_for
+
+
+def fitted(graph: Hypergraph, *, inference_rate: float) -> Predictor:
+    """Rollout and actor as :func:`predictor_for`; inference ``inference_rate``
+    samples/s per device."""
+    p = Predictor({c: n.spec.scaling for c, n in graph.components.items()})
+    for n in (1, 2, 4, 8):
+        p.observe(INFERENCE, n, 512, inference_rate * n)
+        p.observe(ACTOR, n, 512, 10.0 * n)
+    return p
+
+
+def last_minibatch(*, at_inference: int) -> Hypergraph:
+    """The actor on 2 of 8 devices with one minibatch ready (1000 samples) and the
+    other (1000) still arriving: ``at_inference`` at the inference stage's 6 devices,
+    the rest already here. Inference does 100 samples/s per device, the actor 10."""
+    g = make_graph(rollout=0, inference=6, actor=2, actor_sizes=(1, 2, 4, 8), actor_steps=2)
+    g.apply(ev.IterationStarted(iteration=0))
+    here = 2000 - at_inference
+    refs = tuple(ev.ItemRef(ItemId(f"a{k}"), GroupId(f"g{k}")) for k in range(here))
+    g.apply(ev.ItemsEnqueued(edge=TO_ACTOR, items=refs))
+    refs = tuple(ev.ItemRef(ItemId(f"i{k}"), GroupId(f"h{k}")) for k in range(at_inference))
+    g.apply(ev.ItemsEnqueued(edge=TO_INFERENCE, items=refs))
+    replicas = sorted(g.components[INFERENCE].active_instances(), key=lambda n: n.id)
+    for k, ref in enumerate(refs):
+        g.apply(ev.ItemRouted(edge=TO_INFERENCE, item=ref.id, instance=replicas[k % 6].id))
+    return g
+
+
+def test_the_next_step_waits_when_the_freed_devices_finish_it_sooner() -> None:
+    # 60 samples left at inference: 0.1 s there, then a reshard (1.5 s) and the step on
+    # 8 devices (12.5 s) beats the step on 2 (50 s) started now.
+    g = last_minibatch(at_inference=60)
+    p = predictor_for(g)
+    assert trainers_to_hold(g, p) == {ACTOR}
+    assert HoldForDevices(p).holds(g) == frozenset({ACTOR})
+    # The model's finish counts the wait: both steps on 8 devices after the join.
+    devices = {c: n.num_active_devices for c, n in g.components.items()}
+    assert finish_times(g, p, devices)[ACTOR] < 30.0
+
+
+def test_no_hold_when_the_devices_come_too_late_or_never() -> None:
+    # The second minibatch is still at inference: at 0.5 samples/s per device its
+    # devices free in ~330 s, long after the first step on 2 devices (50 s) ends.
+    slow = last_minibatch(at_inference=1000)
+    assert trainers_to_hold(slow, fitted(slow, inference_rate=0.5)) == set()
+    # At 100 samples/s per device they free in under 2 s: worth waiting for.
+    assert trainers_to_hold(slow, fitted(slow, inference_rate=100.0)) == {ACTOR}
+    # Nothing upstream: no device is on its way, whatever the trainer holds.
+    done = last_minibatch(at_inference=0)
+    assert trainers_to_hold(done, predictor_for(done)) == set()
+
+
+def test_the_controller_marks_and_lifts_the_hold() -> None:
+    g = last_minibatch(at_inference=60)
+    cfg = SchedulerConfig()
+    hold = make_hold(cfg, predictor_for(g))
+    assert hold is not None
+    assert make_hold(SchedulerConfig(mode="static-colocated"), predictor_for(g)) is None
+    assert make_hold(SchedulerConfig(hold_trainer=False), predictor_for(g)) is None
+    controller = Controller(g, DoNothing(), NoMoves(), clock=ManualClock(), hold=hold)
+    assert not g.components[ComponentId(ACTOR)].hold_steps
+    controller.decide(Trigger(kind="tick", time_s=0.0))
+    assert g.components[ComponentId(ACTOR)].hold_steps
+    # Inference finishes: nothing is left upstream, so the hold lifts.
+    for node in list(g.components[INFERENCE].active_instances()):
+        for item in list(node.items):
+            sample = (ev.ItemRef(item, GroupId("x")),)
+            controller.handle(ev.ItemsEnqueued(edge=TO_ACTOR, items=sample))
+            controller.handle(ev.ItemCompleted(edge=TO_INFERENCE, item=item, instance=node.id))
+    controller.decide(Trigger(kind="tick", time_s=1.0))
+    assert not g.components[ComponentId(ACTOR)].hold_steps
