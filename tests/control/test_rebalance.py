@@ -117,3 +117,31 @@ def test_no_spread_while_sessions_are_in_a_tool_call() -> None:
         )
     )
     assert not RebalanceTail(SchedulerConfig(), predictor_for(g)).decide(g, tick(5.0))
+
+
+def with_kv_usage(g: Hypergraph, usage: dict[int, float]) -> Hypergraph:
+    """Engines ``rollout-k`` report ``usage[k]`` KV usage (their loads unchanged)."""
+    for k, kv in usage.items():
+        node = g.instances[InstanceId(f"rollout-{k}")]
+        g.apply(
+            ev.EngineStats(instance=node.id, kv_usage=kv, num_running=len(node.items), num_queued=0)
+        )
+    return g
+
+
+@pytest.mark.parametrize("usage", [0.2, 0.5, 0.95])
+def test_no_spread_when_no_engine_has_room(usage: float) -> None:
+    """Every engine at or above u_low: the moved requests would only wait and
+    re-prefill on engines as full as their own."""
+    cfg = SchedulerConfig(u_low=0.2)
+    g = with_kv_usage(skewed([64, 1, 1, 1, 1, 1, 1, 1]), dict.fromkeys(range(8), usage))
+    assert not RebalanceTail(cfg, predictor_for(g)).decide(g, tick(5.0))
+
+
+def test_one_engine_with_room_is_enough_to_spread() -> None:
+    cfg = SchedulerConfig(u_low=0.2)
+    usage = dict.fromkeys(range(8), 0.5) | {7: 0.19}
+    g = with_kv_usage(skewed([64, 1, 1, 1, 1, 1, 1, 1]), usage)
+    plan = RebalanceTail(cfg, predictor_for(g)).decide(g, tick(5.0))
+    assert plan and plan.score_after < plan.score_before
+    assert {i for m in plan.migrations for i in m.drain} == {InstanceId("rollout-0")}
