@@ -95,9 +95,32 @@ def test_stats_report_running_queued_and_usage() -> None:
     a, b = config.step_coefficients()
     held = stats.kv_usage * 100_000
     assert 4000 < held < 4000 + 4 * 5000
-    assert stats.gen_tokens_per_s == pytest.approx(4 / (a + b * held))
+    # Throughput since the last report (here: since start): every token generated in
+    # the first second (the prompts' 4 x 1000 were prefilled, not generated).
+    assert stats.gen_tokens_per_s == pytest.approx(held - 4000)
     assert stats.instance == "e0"
     assert stats.time_s == 1.0
+    # A second report at the same instant has no window: the current decode rate.
+    assert engine.stats().gen_tokens_per_s == pytest.approx(4 / (a + b * held))
+
+
+def test_reported_throughput_integrates_to_the_tokens_generated() -> None:
+    """Summing each report's rate times the time since the previous report gives the
+    tokens generated, including the stretch before an engine falls idle (a rate of
+    the current batch would count that stretch at 0)."""
+    config = _config(max_running_requests=4, kv_capacity_tokens=100_000)
+    engine = _engine(config)
+    engine.submit([_job(f"r{i}", 100, 50 * (i + 1)) for i in range(6)])
+    integral, last = 0.0, 0.0
+    t = 0.0
+    while engine.next_event_time() < math.inf or t == 0.0:
+        t = min(engine.next_event_time(), t + 0.37)
+        engine.advance_to(t)
+        stats = engine.stats()
+        integral += stats.gen_tokens_per_s * (t - last)
+        last = t
+    assert stats.num_running == 0
+    assert integral == pytest.approx(engine.totals().generated_tokens, rel=1e-9)
 
 
 def test_preemption_when_kv_is_full_keeps_every_token() -> None:
