@@ -58,7 +58,15 @@ async def test_a_short_run_learns_and_writes_its_run_directory(tmp_path: Path) -
     cfg = config(tmp_path, *FAST, "run.num_iterations=4")
     async with DynaRL(cfg) as rl:
         history = await rl.run()
+        graph = rl.controller.graph if rl.controller is not None else None
     assert [s.iteration for s in history] == [0, 1, 2, 3]
+    # The real workers report sizes: requests their prompt, samples prompt + response,
+    # so the trainer's work (what the scheduler's model counts) is in tokens.
+    assert graph is not None and graph.sized
+    generated = sum(s.gen_tokens for s in history)
+    samples = 4 * cfg.algorithm.num_prompts * cfg.algorithm.group_size
+    assert graph.components["actor"].items_completed == samples
+    assert graph.components["actor"].work_completed > generated + samples  # + prompts
     run_dir = tmp_path / "run"
     assert (run_dir / "config.yaml").is_file()
     assert read_metrics(run_dir / "metrics.jsonl") == history
