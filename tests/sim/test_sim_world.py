@@ -305,3 +305,27 @@ def test_a_held_trainer_starts_no_step_until_the_hold_lifts() -> None:
     actor.start(1.0)
     assert actor.next_time() > 1.0
     assert sum(isinstance(e, ev.ItemRouted) for e in emitted) == per_step
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("size", ["1.5b", "7b"])
+def test_dynamic_is_never_worse_than_the_better_static_mode_on_the_agentic_settings(
+    size: str,
+) -> None:
+    """On the reference agentic settings (64 devices) dynamic, with and without
+    priority ordering, is at least as fast as the better static mode within 5%: with
+    sessions sticky to their KV prefix the rollout is throughput-bound, so there is
+    little to reclaim, but nothing may be lost either."""
+    from recipes.paper import paper_setting
+
+    results = {}
+    for mode in ("dynamic", "dynamic+priority", "static-colocated", "static-disaggregated"):
+        base, _, extra = mode.partition("+")
+        cfg = paper_setting("agentic", size, 64, mode=base, num_iterations=2)
+        if extra:
+            cfg = apply_overrides(cfg, ["sim.request_order=priority"])
+        results[mode] = run(cfg, check=False)[0]
+    best = max(results["static-colocated"].throughput, results["static-disaggregated"].throughput)
+    assert results["dynamic"].throughput >= 0.95 * best
+    assert results["dynamic+priority"].throughput >= 0.95 * best

@@ -97,6 +97,11 @@ class HyperNode:
         # longest responses have not finished yet) and of this one so far.
         self.max_tokens_completed = 0
         self.max_tokens_iter = 0
+        # Rollout: the response lengths of this iteration so far, and those of the last
+        # finished iteration (sorted, with suffix sums: the survivors' expectation).
+        self.lengths_iter: list[int] = []
+        self.lengths_prev: list[int] = []
+        self.lengths_prev_suffix: list[float] = []
         # This iteration only: tokens generated (from engine reports) and completed.
         self.tokens_generated_iter = 0.0
         self.tokens_completed_iter = 0

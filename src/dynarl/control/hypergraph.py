@@ -11,6 +11,8 @@ validates before it mutates, so a rejected event (:class:`EventError`) changes n
 :meth:`Hypergraph.check` verifies the invariants from scratch (for tests and debugging).
 """
 
+import bisect
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -185,12 +187,20 @@ class Hypergraph:
         long ones.
         """
         node = self.components[component]
+        progress = self._progress(component)
+        lengths = node.lengths_prev
+        if lengths:
+            # Survivors of the last iteration's length distribution: E[L - p | L > p].
+            k = bisect.bisect_right(lengths, progress)
+            if k < len(lengths):
+                return node.lengths_prev_suffix[k] / (len(lengths) - k) - progress
+            return max(1.0, lengths[-1] - progress)
         done = node.items_completed - node.items_completed_iter
         if done:
             mean = (node.tokens_completed - node.tokens_completed_iter) / done
         else:
             mean = self.expected_tokens_per_request
-        return max(mean, self._progress(component))
+        return max(mean, progress)
 
     def expected_longest_remaining(self, component: ComponentId) -> float:
         """Tokens the longest pending request of a rollout component still generates:
@@ -229,6 +239,12 @@ class Hypergraph:
             node.items_completed_iter = 0
             node.max_tokens_completed = max(node.max_tokens_completed, node.max_tokens_iter)
             node.max_tokens_iter = 0
+            if node.lengths_iter:
+                node.lengths_prev = sorted(node.lengths_iter)
+                node.lengths_prev_suffix = list(
+                    itertools.accumulate(reversed(node.lengths_prev), initial=0.0)
+                )[::-1]
+                node.lengths_iter = []
         for edge in self.edges.values():
             edge.enqueued_this_iteration = 0
 
@@ -324,6 +340,8 @@ class Hypergraph:
         hn.tokens_completed_iter += e.num_tokens
         hn.items_completed_iter += 1
         hn.max_tokens_iter = max(hn.max_tokens_iter, e.num_tokens)
+        if hn.spec.kind == "rollout":
+            hn.lengths_iter.append(e.num_tokens)
         if hn.spec.kind != "rollout":  # rollout's rate comes from engine stats
             hn.work_rate.add(e.time_s, 1.0)
 
