@@ -165,9 +165,8 @@ class Hypergraph:
         pending = self.pending(component)
         if not self.sized or not pending:
             return float(pending)
-        node = self.components[component]
-        so_far = max(0.0, node.tokens_generated_iter - node.tokens_completed_iter)
         prompts = sum(e.tokens_pending for e in self.edges_into(component))
+        so_far = self._progress(component) * pending
         return prompts + so_far + pending * self.expected_remaining_tokens(component)
 
     def _progress(self, component: ComponentId) -> float:
