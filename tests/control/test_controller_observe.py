@@ -10,7 +10,7 @@ from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, InstanceSpec, Migration, Plan
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Trigger
-from dynarl.control.topology import INFERENCE, PROMPTS, ROLLOUT, TO_INFERENCE
+from dynarl.control.topology import INFERENCE, PROMPTS, ROLLOUT, TO_INFERENCE, rl_pipeline
 from dynarl.core.clock import ManualClock
 from dynarl.core.ids import DeviceId, EdgeId, GroupId, InstanceId, ItemId, MigrationId
 
@@ -180,3 +180,42 @@ def test_a_tool_call_closes_an_engines_occupied_span() -> None:
     g.apply(ev.ItemCompleted(edge=PROMPTS, item=p, instance=e0, time_s=9.0))
     assert rollout.occupied_s == pytest.approx(4.0)
     g.check()
+
+
+def rollout_graph(max_running: int) -> Hypergraph:
+    spec = rl_pipeline(
+        rollout_tp=1,
+        inference_tp=1,
+        actor_devices_per_replica=1,
+        actor_dp_sizes=(1,),
+        rollout_max_running=max_running,
+    )
+    placement = {
+        ROLLOUT: [
+            InstanceSpec(id=InstanceId(f"rollout-{i}"), devices=(DeviceId(i),)) for i in range(2)
+        ]
+    }
+    return Hypergraph(spec, num_devices=2, placement=placement)
+
+
+@pytest.mark.parametrize(("running", "observed"), [(8, True), (4, True), (3, False)])
+def test_the_rollout_is_observed_only_while_its_engines_are_at_least_half_full(
+    running: int, observed: bool
+) -> None:
+    # Two engines of 8 slots: with fewer than 8 requests running in all, it is the
+    # tail, whose long contexts the decode-step model would read as a large b.
+    g = rollout_graph(max_running=8)
+    controller, clock, predictor = observing_controller(g)
+    for i in range(2):
+        controller.handle(
+            ev.EngineStats(
+                instance=InstanceId(f"rollout-{i}"),
+                kv_usage=0.5,
+                num_running=running,
+                num_queued=0,
+                gen_tokens_per_s=100.0 * running,
+            )
+        )
+    controller._observe_tick(clock.now())
+    seen = predictor.predict(ROLLOUT, 2, 2 * running).num_observations
+    assert seen == (1 if observed else 0)

@@ -8,8 +8,9 @@ from dynarl.control.modes import make_hold
 from dynarl.control.policies.hold import HoldForDevices
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Trigger
-from dynarl.control.scoring import finish_times, trainers_to_hold
+from dynarl.control.scoring import finish_times
 from dynarl.control.topology import ACTOR, INFERENCE, TO_ACTOR, TO_INFERENCE
+from dynarl.control.trainer_steps import trainers_to_hold
 from dynarl.core.clock import ManualClock
 from dynarl.core.ids import ComponentId, GroupId, ItemId
 

@@ -101,11 +101,14 @@ class HypergraphMachine(RuleBasedStateMachine):
             )
             self.completed.add(item)
 
-    @rule(data=st.data())
-    def requeue(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), generated=st.none() | st.integers(0, 5000))
+    def requeue(self, data: st.DataObject, generated: int | None) -> None:
         if held := self.held():
             edge, item, _ = data.draw(st.sampled_from(held))
-            self.g.apply(ev.ItemsRequeued(edge=edge, items=(item,), time_s=self.tick()))
+            counts = () if generated is None else (generated,)
+            self.g.apply(
+                ev.ItemsRequeued(edge=edge, items=(item,), generated=counts, time_s=self.tick())
+            )
 
     @rule(data=st.data())
     def tool_call(self, data: st.DataObject) -> None:
@@ -123,17 +126,17 @@ class HypergraphMachine(RuleBasedStateMachine):
             item = data.draw(st.sampled_from(out))
             self.g.apply(ev.ToolCallFinished(edge=PROMPTS, item=item, time_s=self.tick()))
 
-    @rule(data=st.data(), usage=st.floats(0, 1))
-    def stats(self, data: st.DataObject, usage: float) -> None:
+    @rule(data=st.data(), usage=st.floats(0, 1), running=st.integers(0, 4))
+    def stats(self, data: st.DataObject, usage: float, running: int) -> None:
         if self.g.instances:
             inst = data.draw(st.sampled_from(sorted(self.g.instances)))
             self.g.apply(
                 ev.EngineStats(
                     instance=inst,
                     kv_usage=usage,
-                    num_running=2,
+                    num_running=running,
                     num_queued=0,
-                    gen_tokens_per_s=10.0,
+                    gen_tokens_per_s=10.0 * running,
                     time_s=self.tick(),
                 )
             )

@@ -7,6 +7,7 @@ import pytest
 from dynarl.control import events as ev
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import InstanceSpec
+from dynarl.control.rollout_lengths import expected_output_work
 from dynarl.control.scoring import demands
 from dynarl.control.topology import (
     ACTOR,
@@ -132,7 +133,7 @@ def test_an_unsized_graph_keeps_item_counts() -> None:
     assert not g.sized
     for cid, count in ((ROLLOUT, 4), (INFERENCE, 3), (ACTOR, 2)):
         assert g.work_pending(cid) == count == g.pending(cid)
-    assert g.expected_output_work(ROLLOUT) == 4.0
+    assert expected_output_work(g, ROLLOUT) == 4.0
 
     d = demands(g)
     # Items flow through every stage: each stage's work is its own plus what is upstream.
@@ -195,7 +196,7 @@ def test_demands_of_the_stages_after_rollout_are_in_tokens() -> None:
 
     # The rollout's two requests become samples of prompt + 40 so far + 1000 each to come.
     out = 50 + 70 + 40 + 2 * 1000.0
-    assert g.expected_output_work(ROLLOUT) == pytest.approx(out)
+    assert expected_output_work(g, ROLLOUT) == pytest.approx(out)
     d = demands(g)
     inf, act = d[INFERENCE], d[ACTOR]
     assert inf.work == pytest.approx(800 + out)

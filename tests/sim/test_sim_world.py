@@ -71,6 +71,29 @@ def test_every_requested_token_is_generated_exactly_once(mode: str) -> None:
         assert result.num_migrations > 0
 
 
+def test_the_engines_reports_add_up_to_the_tokens_they_generated() -> None:
+    """Each report's rate times the time since the engine's last report (or its start)
+    sums to what the engines generated: the controller's progress estimates rest on it.
+    (Reports of engines idle since their last event once came stamped later than the
+    window they measured, losing a quarter of the tokens.)"""
+    migrations: dict[int, tuple[InstanceId, ...]] = {}
+    last: dict[InstanceId, float] = {}
+    reported = [0.0]
+
+    def on_event(e: ev.Event) -> None:
+        if isinstance(e, ev.MigrationStarted):
+            migrations[e.migration.id] = tuple(spec.id for spec in e.migration.create)
+        elif isinstance(e, ev.MigrationDone):
+            last.update(dict.fromkeys(migrations[e.migration], e.time_s))
+        elif isinstance(e, ev.EngineStats):
+            reported[0] += e.gen_tokens_per_s * (e.time_s - last.get(e.instance, 0.0))
+            last[e.instance] = e.time_s
+
+    result, _ = run(small(16, "scheduler.mode=dynamic"), check=False, on_event=on_event)
+    assert result.num_migrations > 0
+    assert reported[0] == pytest.approx(result.engine_tokens, rel=1e-3)
+
+
 @pytest.mark.parametrize("order", ["fifo", "priority"])
 def test_agentic_turns_and_tool_calls_are_conserved(order: str) -> None:
     cfg = small(16, "sim.workload=agentic", f"sim.request_order={order}", "run.num_iterations=1")

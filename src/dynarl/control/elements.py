@@ -17,15 +17,20 @@ InstanceState = Literal["active", "draining"]
 
 
 class ItemState:
-    """One item on a hyperedge: who holds it and its affinity history."""
+    """One item on a hyperedge: who holds it, its affinity history and, for a rollout
+    request, the tokens it has generated (``generated``, plus what it gained on its
+    owner since ``mark`` while ``running``; see :meth:`Node.progress_of`)."""
 
     __slots__ = (
         "enqueued_s",
+        "generated",
         "group",
         "id",
         "last_instance",
+        "mark",
         "owner",
         "prefix_tokens",
+        "running",
         "tokens",
         "tool_calls",
     )
@@ -39,10 +44,23 @@ class ItemState:
         self.tool_calls = 0
         self.prefix_tokens = 0
         self.enqueued_s = enqueued_s
+        self.generated = 0.0
+        self.mark = 0.0
+        self.running = False
 
 
 class Node:
-    """One worker instance and its last reported load."""
+    """One worker instance and its last reported load.
+
+    A rollout engine also keeps ``tokens_per_request``: the tokens one running request
+    has gained on it, summed over its stats reports (each report's tokens over the
+    requests running). Requests start in the order they were routed (engines admit
+    first come, first served), so a report of ``n`` running marks the ``n`` oldest as
+    running; each remembers the counter then (``ItemState.mark``). So every request's
+    progress is known without a report per request -- the finish of a rollout depends
+    on which requests are far from done, not on their mean -- and the sum over the
+    requests is the tokens the engine reported.
+    """
 
     __slots__ = (
         "below_since_s",
@@ -57,7 +75,12 @@ class Node:
         "last_stats_s",
         "num_queued",
         "num_running",
+        "progress_base",
+        "started",
         "state",
+        "tokens_per_request",
+        "unreported",
+        "waiting",
     )
 
     def __init__(self, spec: InstanceSpec, component: ComponentId, now_s: float) -> None:
@@ -70,12 +93,88 @@ class Node:
         self.num_running = 0
         self.num_queued = 0
         self.gen_tokens_per_s = 0.0
-        self.last_stats_s: float | None = None
+        # The last stats report (its creation before any: an engine's first report
+        # covers its time since it started).
+        self.last_stats_s = now_s
         self.busy = False
         # Since when it has held at least one item (None while it holds none).
         self.held_since_s: float | None = None
         # Since when KV usage has stayed below the hypergraph's low-usage threshold.
         self.below_since_s: float | None = now_s
+        self.tokens_per_request = 0.0
+        # Items held and running, in the order they started, and those waiting, in
+        # the order they will start (routed, or preempted: these first).
+        self.started: dict[ItemId, ItemState] = {}
+        self.waiting: dict[ItemId, ItemState] = {}
+        # generated (- mark, if running) summed over its items (see progress_sum).
+        self.progress_base = 0.0
+        # Tokens of requests that completed here beyond their estimate: generated since
+        # the last report, so the next reports count them, but they are nobody's now.
+        self.unreported = 0.0
+
+    def attach(self, st: ItemState) -> None:
+        """Hold ``st`` (routed here); it waits until a report says it runs."""
+        st.running = False
+        self.waiting[st.id] = st
+        self.progress_base += st.generated
+
+    def start_oldest(self, num_running: int) -> None:
+        """Mark the first waiting items running, until ``num_running`` are."""
+        while len(self.started) < num_running and self.waiting:
+            st = self.waiting.pop(next(iter(self.waiting)))
+            st.running, st.mark = True, self.tokens_per_request
+            self.started[st.id] = st
+            self.progress_base -= st.mark
+
+    def stop_youngest(self, num_running: int) -> None:
+        """Mark the youngest running items preempted, until ``num_running`` run (an
+        engine short of KV retracts its youngest requests; they resume first)."""
+        stopped: dict[ItemId, ItemState] = {}
+        while len(self.started) > num_running:
+            _, st = self.started.popitem()
+            self._fold(st)
+            stopped[st.id] = st
+        if stopped:
+            self.waiting = dict(reversed(stopped.items())) | self.waiting
+
+    def add_tokens(self, tokens: float) -> None:
+        """The engine generated ``tokens`` more: its running items share them, less
+        what requests that have completed since generated (:meth:`settle`)."""
+        owed = min(tokens, self.unreported) if self.unreported > 0 else self.unreported
+        self.unreported -= owed
+        if self.started:
+            self.tokens_per_request += (tokens - owed) / len(self.started)
+
+    def settle(self, st: ItemState, generated: float) -> None:
+        """``st`` completed here having generated ``generated`` tokens in all: what
+        that differs from its estimate is not the remaining requests' progress."""
+        self.unreported += generated - self.progress_of(st)
+
+    def detach(self, st: ItemState) -> None:
+        """Fold the progress ``st`` made here into ``st.generated`` (it leaves)."""
+        if st.running:
+            del self.started[st.id]
+            self._fold(st)
+        else:
+            del self.waiting[st.id]
+        self.progress_base -= st.generated
+
+    def _fold(self, st: ItemState) -> None:
+        """Stop counting ``st`` as running: its progress so far goes into ``generated``
+        (``progress_base`` then counts it as a waiting item)."""
+        self.progress_base += self.tokens_per_request
+        st.generated += self.tokens_per_request - st.mark
+        st.running, st.mark = False, 0.0
+
+    def progress_of(self, st: ItemState) -> float:
+        """Tokens ``st`` (held here) has generated, as of the last stats report."""
+        if st.running:
+            return st.generated + self.tokens_per_request - st.mark
+        return st.generated
+
+    def progress_sum(self) -> float:
+        """Tokens the items it holds have generated in all."""
+        return self.progress_base + len(self.started) * self.tokens_per_request
 
 
 class HyperNode:
@@ -161,6 +260,8 @@ class HyperEdge:
         self.num_completed = 0
         self.tokens_completed = 0
         self.tokens_pending = 0  # sizes (ItemRef.tokens, 1 at least) of its pending items
+        # Tokens generated by its pending items that no instance holds (queued, in a tool).
+        self.progress_parked = 0.0
 
     @property
     def id(self) -> EdgeId:

@@ -58,10 +58,13 @@ class ItemRouted(Event, frozen=True, kw_only=True):
 
 class ItemsRequeued(Event, frozen=True, kw_only=True):
     """Items were taken back from the instances holding them (aborted for a migration)
-    and put back in the queue; they keep their partial output."""
+    and put back in the queue; they keep their partial output. ``generated``, if the
+    producer knows it, is the tokens each has generated so far (one per item, in
+    order); without it the model keeps its estimate from the engines' reports."""
 
     edge: EdgeId
     items: tuple[ItemId, ...]
+    generated: tuple[int, ...] = ()
 
 
 class ItemCompleted(Event, frozen=True, kw_only=True):

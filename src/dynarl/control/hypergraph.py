@@ -11,7 +11,6 @@ validates before it mutates, so a rejected event (:class:`EventError`) changes n
 :meth:`Hypergraph.check` verifies the invariants from scratch (for tests and debugging).
 """
 
-import bisect
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -157,60 +156,6 @@ class Hypergraph:
             return float(sum(e.tokens_pending for e in edges))
         return float(sum(e.num_pending for e in edges))
 
-    def expected_output_work(self, component: ComponentId) -> float:
-        """Work, in :meth:`item_work` units, of the samples a rollout component's
-        pending requests will become: their prompts, what they generated so far and
-        what they are expected to generate (:meth:`expected_remaining_tokens`); their
-        count before items carry sizes."""
-        pending = self.pending(component)
-        if not self.sized or not pending:
-            return float(pending)
-        prompts = sum(e.tokens_pending for e in self.edges_into(component))
-        so_far = self._progress(component) * pending
-        return prompts + so_far + pending * self.expected_remaining_tokens(component)
-
-    def _progress(self, component: ComponentId) -> float:
-        """Mean tokens the pending requests of a rollout component have generated."""
-        node = self.components[component]
-        in_flight = self.pending(component)
-        so_far = max(0.0, node.tokens_generated_iter - node.tokens_completed_iter)
-        return so_far / in_flight if in_flight else 0.0
-
-    def expected_remaining_tokens(self, component: ComponentId) -> float:
-        """Expected tokens a pending request of a rollout component still generates.
-
-        At least the mean response length of finished iterations (the prior during
-        the first: this iteration's completions are the short ones, so their mean is
-        biased low until it ends), and at least what the requests still in flight have
-        generated on average so far: with heavy-tailed lengths, the survivors are the
-        long ones.
-        """
-        node = self.components[component]
-        progress = self._progress(component)
-        lengths = node.lengths_prev
-        if lengths:
-            # Survivors of the last iteration's length distribution: E[L - p | L > p].
-            k = bisect.bisect_right(lengths, progress)
-            if k < len(lengths):
-                return node.lengths_prev_suffix[k] / (len(lengths) - k) - progress
-            return max(1.0, lengths[-1] - progress)
-        done = node.items_completed - node.items_completed_iter
-        if done:
-            mean = (node.tokens_completed - node.tokens_completed_iter) / done
-        else:
-            mean = self.expected_tokens_per_request
-        return max(mean, progress)
-
-    def expected_longest_remaining(self, component: ComponentId) -> float:
-        """Tokens the longest pending request of a rollout component still generates:
-        the longest response seen (or the cap, before any) less the progress so far.
-        The rollout cannot end sooner, however many devices it has."""
-        if not self.pending(component):
-            return 0.0
-        node = self.components[component]
-        longest = node.max_tokens_completed or self.max_tokens_per_request
-        return max(self.expected_remaining_tokens(component), longest - self._progress(component))
-
     def low_for(self, instance: Node, now_s: float) -> float:
         """Seconds ``instance`` has kept KV usage below ``u_low`` (0 if it is above)."""
         return 0.0 if instance.below_since_s is None else now_s - instance.below_since_s
@@ -246,6 +191,8 @@ class Hypergraph:
                 node.lengths_iter = []
         for edge in self.edges.values():
             edge.enqueued_this_iteration = 0
+        for inst in self.instances.values():
+            inst.unreported = 0.0  # the last iteration's requests are gone
 
     def _on_iteration_done(self, e: ev.IterationDone) -> None:
         if e.iteration != self.iteration:
@@ -301,6 +248,8 @@ class Hypergraph:
         if not node.items:
             node.held_since_s = e.time_s
         node.items[e.item] = edge.id
+        edge.progress_parked -= item.generated
+        node.attach(item)
         node.busy = True
         edge.num_routed += 1
 
@@ -310,15 +259,24 @@ class Hypergraph:
         for st in states:
             if st.owner is None or st.owner == TOOL:
                 raise EventError(f"item {st.id!r} requeued but no instance holds it")
+        if e.generated and (len(e.generated) != len(states) or min(e.generated) < 0):
+            raise EventError(
+                f"requeue of {len(states)} items reports {len(e.generated)} progress counts "
+                "(give one non-negative count per item, or none)"
+            )
         for st in states:
             self._release(edge, st, e.time_s)
+        for st, generated in zip(states, e.generated, strict=False):
+            edge.progress_parked += generated - st.generated
+            st.generated = float(generated)
 
     def _release(self, edge: HyperEdge, st: ItemState, time_s: float) -> None:
         """Move an item from its instance back to the edge's queue."""
         assert st.owner is not None and st.owner != TOOL
-        self._take(self.instances[st.owner], st.id, time_s)
+        self._take(self.instances[st.owner], st, time_s)
         st.owner = None
         edge.queue[st.id] = None
+        edge.progress_parked += st.generated
         edge.num_requeued += 1
 
     def _on_item_completed(self, e: ev.ItemCompleted) -> None:
@@ -327,7 +285,9 @@ class Hypergraph:
         if st.owner != e.instance:
             raise EventError(f"{e.instance!r} completed {e.item!r} but {st.owner!r} holds it")
         node = self.instances[e.instance]
-        self._take(node, e.item, e.time_s)
+        if self.components[node.component].spec.kind == "rollout":
+            node.settle(st, e.num_tokens)
+        self._take(node, st, e.time_s)
         del edge.items[e.item]
         edge.num_completed += 1
         edge.tokens_completed += e.num_tokens
@@ -349,14 +309,16 @@ class Hypergraph:
         st = self._item(edge, e.item)
         if st.owner != e.instance:
             raise EventError(f"{e.instance!r} started a tool for {e.item!r} held by {st.owner!r}")
-        self._take(self.instances[e.instance], e.item, e.time_s)
+        self._take(self.instances[e.instance], st, e.time_s)
         st.owner = TOOL
+        edge.progress_parked += st.generated
         st.prefix_tokens = e.prefix_tokens
         edge.num_in_tool += 1
 
-    def _take(self, node: Node, item: ItemId, time_s: float) -> None:
-        """Remove ``item`` from ``node``; close its occupied span if it holds no more."""
-        del node.items[item]
+    def _take(self, node: Node, st: ItemState, time_s: float) -> None:
+        """Remove ``st`` from ``node``; close its occupied span if it holds no more."""
+        node.detach(st)
+        del node.items[st.id]
         if not node.items and node.held_since_s is not None:
             hn = self.components[node.component]
             hn.occupied_s += max(0.0, time_s - node.held_since_s)
@@ -376,16 +338,22 @@ class Hypergraph:
         node = self._instance(e.instance)
         if not 0.0 <= e.kv_usage <= 1.0 or e.num_running < 0 or e.num_queued < 0:
             raise EventError(f"impossible engine stats from {e.instance!r}: {e}")
+        hn = self.components[node.component]
+        if e.time_s > node.last_stats_s:
+            # Tokens generated since the last report, at the rate of this one, by the
+            # requests running over the window (between the two reports' counts).
+            tokens = e.gen_tokens_per_s * max(0.0, e.time_s - node.last_stats_s)
+            hn.tokens_generated_iter += tokens
+            hn.work_rate.add(e.time_s, tokens)
+            # Those that ran in the window: at least the running of either report.
+            node.start_oldest(max(node.num_running, e.num_running))
+            node.add_tokens(tokens)
+        node.start_oldest(e.num_running)
+        node.stop_youngest(e.num_running)
         node.kv_usage = e.kv_usage
         node.num_running = e.num_running
         node.num_queued = e.num_queued
         node.busy = e.num_running + e.num_queued > 0
-        hn = self.components[node.component]
-        if node.last_stats_s is not None:
-            # Tokens generated since the last report, at the rate of this one.
-            tokens = e.gen_tokens_per_s * max(0.0, e.time_s - node.last_stats_s)
-            hn.tokens_generated_iter += tokens
-            hn.work_rate.add(e.time_s, tokens)
         node.last_stats_s = e.time_s
         node.gen_tokens_per_s = e.gen_tokens_per_s
         if e.kv_usage >= self.u_low:
@@ -477,7 +445,7 @@ class Hypergraph:
         placed: set[DeviceId] = set()
         for spec in m.create:
             assert m.dst is not None
-            self._add_instance(spec, m.dst)
+            self._add_instance(spec, m.dst, e.time_s)
             placed.update(spec.devices)
         if m.create and m.dst is not None:
             self.components[m.dst].restart_rate(e.time_s)  # resized: see _on_migration_started
@@ -516,8 +484,10 @@ class Hypergraph:
             self.free_devices.update(node.devices)
             self.crashed_devices.update(node.devices)
 
-    def _add_instance(self, spec: InstanceSpec, component: ComponentId) -> None:
-        node = Node(spec, component, self.now_s)
+    def _add_instance(
+        self, spec: InstanceSpec, component: ComponentId, time_s: float | None = None
+    ) -> None:
+        node = Node(spec, component, self.now_s if time_s is None else time_s)
         self.instances[spec.id] = node
         hn = self.components[component]
         hn.instances[spec.id] = node

@@ -1,5 +1,6 @@
 """The hypergraph's invariants, verified from scratch (for tests and debugging)."""
 
+import math
 from typing import TYPE_CHECKING
 
 from dynarl.control.elements import TOOL
@@ -15,7 +16,8 @@ def check_invariants(graph: "Hypergraph") -> None:
 
     A device is held by at most one instance or migration, or is free; device
     counts are conserved; every pending item is held by exactly one consumer
-    instance, the tool stage, or its edge's queue; cached counters agree.
+    instance, the tool stage, or its edge's queue; cached counters agree, the
+    rollout progress sums included.
     """
     seen: dict[DeviceId, str] = {}
 
@@ -83,3 +85,18 @@ def check_invariants(graph: "Hypergraph") -> None:
         sizes = sum(max(st.tokens, 1) for st in edge.items.values())
         if edge.tokens_pending != sizes:
             raise InvariantError(f"{edge.id}: tokens_pending {edge.tokens_pending} != {sizes}")
+        parked = sum(st.generated for st in edge.items.values() if st.owner in (None, TOOL))
+        if not math.isclose(edge.progress_parked, parked, rel_tol=1e-9, abs_tol=1e-3):
+            raise InvariantError(f"{edge.id}: progress_parked {edge.progress_parked} != {parked}")
+    for node in graph.instances.values():
+        base, started, waiting = 0.0, 0, set()
+        for item, edge_id in node.items.items():
+            st = graph.edges[edge_id].items[item]
+            base += st.generated - (st.mark if st.running else 0.0)
+            started += st.running
+            if not st.running:
+                waiting.add(item)
+        if started != len(node.started) or waiting != set(node.waiting):
+            raise InvariantError(f"{node.id}: running/waiting items out of date")
+        if not math.isclose(node.progress_base, base, rel_tol=1e-9, abs_tol=1e-3):
+            raise InvariantError(f"{node.id}: progress_base {node.progress_base} != {base}")

@@ -11,6 +11,10 @@ later of "all its work at its predicted throughput" and "its last input arrives,
 the time to process one chunk of it" -- or, if sooner, "its last input arrives, then its
 predecessors' devices join it (after a migration) for the work left": devices flow
 downstream as stages finish. The iteration's remaining time is the latest finish.
+The work (:class:`~dynarl.control.demand.Demand`) and the rate devices get through it
+(:func:`~dynarl.control.demand.rate`) live in :mod:`dynarl.control.demand`; the
+trainer, which works in whole optimizer steps, is played out step by step by
+:mod:`dynarl.control.trainer_steps`.
 
 Devices a migration brings arrive only after its cost; a component whose instances
 are drained while they hold requests pays the cost too (its requests re-prefill
@@ -27,51 +31,13 @@ import heapq
 import math
 from collections.abc import Iterable, Mapping
 
+from dynarl.control import rollout_lengths
+from dynarl.control.demand import Demand, rate
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import Plan
-from dynarl.control.predictor import Predictor, busy_devices
+from dynarl.control.predictor import Predictor
+from dynarl.control.trainer_steps import actor_finish, steps_in_arrival_order
 from dynarl.core.ids import ComponentId, GroupId, InstanceId
-
-
-class Demand:
-    """Remaining work of one component, in the units its throughput is measured in."""
-
-    __slots__ = ("hottest", "load", "longest", "per_item", "steps", "tail", "upstream", "work")
-
-    def __init__(
-        self,
-        work: float,
-        load: float,
-        tail: float,
-        upstream: float = 0.0,
-        longest: float = 0.0,
-        *,
-        hottest: float = 0.0,
-        per_item: float = 1.0,
-        steps: tuple[float, ...] = (),
-    ) -> None:
-        self.work = work  # units still to process
-        self.longest = longest  # rollout: tokens of the longest remaining response
-        self.load = load  # parallel work items (the batch it can run)
-        self.tail = tail  # units left after its last input arrives
-        self.upstream = upstream  # work (rollout: items) still on its way from predecessors
-        self.hottest = hottest  # rollout: tokens queued on its most loaded engine
-        self.per_item = per_item  # units of work per item
-        # actor: the work of each remaining step in the order they run (empty: equal)
-        self.steps = steps
-
-    def with_hottest(self, num_items: int) -> "Demand":
-        """The same demand with ``num_items`` items on the most loaded engine."""
-        return Demand(
-            self.work,
-            self.load,
-            self.tail,
-            self.upstream,
-            self.longest,
-            hottest=num_items * self.per_item,
-            per_item=self.per_item,
-            steps=self.steps,
-        )
 
 
 def demands(graph: Hypergraph, *, per_engine: bool = False) -> dict[ComponentId, Demand]:
@@ -96,11 +62,11 @@ def demands(graph: Hypergraph, *, per_engine: bool = False) -> dict[ComponentId,
         total = own + upstream
         kind = node.spec.kind
         if kind == "rollout":
-            flow[cid] = graph.expected_output_work(cid) + upstream_work
-            per_item = graph.expected_remaining_tokens(cid)
+            flow[cid] = rollout_lengths.expected_output_work(graph, cid) + upstream_work
+            per_item = rollout_lengths.expected_remaining_tokens(graph, cid)
             in_tool = sum(e.num_in_tool for e in graph.edges_into(cid))
             load = max(own - in_tool, 0.0)
-            longest = graph.expected_longest_remaining(cid) if own else 0.0
+            longest = rollout_lengths.expected_longest_remaining(graph, cid) if own else 0.0
             hottest = 0
             if per_engine:
                 hottest = max((len(n.items) for n in node.active_instances()), default=0)
@@ -121,7 +87,7 @@ def demands(graph: Hypergraph, *, per_engine: bool = False) -> dict[ComponentId,
             steps_left = max(num_steps - node.steps_done, 1)
             steps: tuple[float, ...] = ()
             if node.spec.steps_in_arrival_order and graph.sized and steps_left > 1:
-                steps = _steps_in_arrival_order(graph, cid, steps_left)
+                steps = steps_in_arrival_order(graph, cid, steps_left)
             out[cid] = Demand(
                 work=work, load=total, tail=work / steps_left, upstream=upstream_work, steps=steps
             )
@@ -130,44 +96,6 @@ def demands(graph: Hypergraph, *, per_engine: bool = False) -> dict[ComponentId,
             chunk = min(work, work / total) if total else 0.0
             out[cid] = Demand(work=work, load=total, tail=chunk, upstream=upstream_work)
     return out
-
-
-def _steps_in_arrival_order(
-    graph: Hypergraph, cid: ComponentId, steps_left: int
-) -> tuple[float, ...]:
-    """The work of each of a trainer's ``steps_left`` remaining steps when each trains
-    the next minibatch of samples in the order they arrive (streamed minibatches):
-    its own pending samples first, then those still upstream, stage by stage back to
-    rollout, each stage's samples at their mean size there (a rollout request at its
-    expected sample size). With heavy-tailed response lengths the last minibatch
-    holds the longest responses and can be several times the average step."""
-    segments: list[tuple[int, float]] = []  # (samples, their work), in arrival order
-    stage: ComponentId | None = cid
-    while stage is not None:
-        count = graph.pending(stage)
-        if graph.components[stage].spec.kind == "rollout":
-            segments.append((count, graph.expected_output_work(stage)))
-            break
-        segments.append((count, graph.work_pending(stage)))
-        preds = [p for p in graph.spec.predecessors(stage) if graph.spec.component(p).on_devices]
-        stage = max(preds, key=graph.pending, default=None)
-    total = sum(n for n, _ in segments)
-    per_step = math.ceil(total / steps_left)
-    steps: list[float] = []
-    room, work = per_step, 0.0
-    for count, seg_work in segments:
-        left = count
-        while left > 0:
-            take = min(left, room)
-            work += seg_work * take / count
-            left -= take
-            room -= take
-            if room == 0:
-                steps.append(work)
-                room, work = per_step, 0.0
-    if work > 0:
-        steps.append(work)
-    return tuple(steps)
 
 
 def remaining_time(
@@ -218,7 +146,7 @@ def finish_times(
         demand: precomputed :func:`demands` (saves recomputing across candidates).
         waiting: if given, receives the trainers whose next step is predicted to wait
             for their predecessors' devices rather than start on their own (see
-            :func:`trainers_to_hold`).
+            :func:`~dynarl.control.trainer_steps.trainers_to_hold`).
     """
     demand = demands(graph) if demand is None else demand
     delays = delays or {}
@@ -239,7 +167,7 @@ def finish_times(
             # so count those its predecessors hold, arriving after a migration; all
             # its work waits until then. (With no input still coming, zero devices
             # is a stall: infinitely slow.)
-            upstream = sum(devices.get(p, 0) for p in _ancestors(graph, cid))
+            upstream = sum(devices.get(p, 0) for p in graph.spec.ancestors(cid))
             unit = graph.components[cid].spec.devices_per_instance
             later = rate(graph, predictor, cid, max(unit, upstream - upstream % unit), d)
             cost = predictor.migration_cost("workload")
@@ -248,7 +176,7 @@ def finish_times(
         new = rate(graph, predictor, cid, n_new, d)
         old = rate(graph, predictor, cid, n_old, d) if n_old != n_new else new
         if graph.components[cid].spec.kind == "actor" and d.tail > 0:
-            end, waits = _actor_finish(
+            end, waits = actor_finish(
                 graph,
                 predictor,
                 cid,
@@ -272,7 +200,7 @@ def finish_times(
             # fed by others need not hold now the devices it will need at the end.
             spec = graph.components[cid].spec
             unit = spec.devices_per_instance
-            pooled = n_new + sum(devices.get(p, 0) for p in _ancestors(graph, cid))
+            pooled = n_new + sum(devices.get(p, 0) for p in graph.spec.ancestors(cid))
             pooled -= pooled % unit
             if pooled > n_new:
                 done = min(max(d.work - d.tail, 0.0), new * arrival)
@@ -282,120 +210,6 @@ def finish_times(
                     joined = arrival + predictor.migration_cost(kind) + (d.work - done) / later
                     finish[cid] = min(finish[cid], joined)
     return finish
-
-
-def _actor_finish(
-    graph: Hypergraph,
-    predictor: Predictor,
-    cid: ComponentId,
-    d: Demand,
-    *,
-    n_old: int,
-    n_new: int,
-    delay: float,
-    arrival: float,
-    devices: Mapping[ComponentId, int],
-) -> tuple[float, bool]:
-    """When the trainer finishes its remaining optimizer steps, and whether its next
-    step (the first not yet running) waits for its predecessors' devices.
-
-    The trainer works in whole minibatches and is resized only between steps: a step
-    starts as soon as its minibatch is complete, on the devices the trainer holds
-    then, and runs on them to its end, whatever devices free up meanwhile. A step in
-    progress (the trainer holds samples) runs on the current devices, and a plan that
-    resizes the trainer takes effect ``delay`` after that step ends (after ``delay``
-    if none runs; the next step waits for it). The samples already here make the
-    first minibatches; the rest arrive evenly until the predecessors finish
-    (``arrival``). A step may instead wait for the predecessors' devices to join
-    (a reshard after they finish), if that ends it sooner: the trainer is held at its
-    step boundary meanwhile (:func:`trainers_to_hold`). Steps are equal (``d.tail``
-    each) unless ``d.steps`` says what each holds.
-    """
-    sizes = d.steps or (d.tail,) * max(1, round(d.work / d.tail))
-    steps = len(sizes)
-    own = max(d.work - d.upstream, 0.0)
-    node = graph.components[cid]
-    unit = node.spec.devices_per_instance
-    pooled = n_new + sum(devices.get(p, 0) for p in _ancestors(graph, cid))
-    pooled -= pooled % unit
-    join = arrival + predictor.migration_cost("reshard") if arrival > 0 else math.inf
-    rates: dict[int, float] = {}
-
-    def step_s(j: int, n: int) -> float:
-        if n not in rates:
-            rates[n] = rate(graph, predictor, cid, n, d)
-        return sizes[j - 1] / rates[n] if rates[n] > 0 else math.inf
-
-    t, first = 0.0, 1
-    resized = delay > 0 and n_new != n_old
-    if node.num_in_flight():
-        t, first = step_s(1, n_old), 2
-    ready_new = t + delay if resized else 0.0
-    n = n_new
-    need = 0.0 - own
-    waits = False
-    for j in range(1, steps + 1):
-        need += sizes[j - 1]
-        if j < first:
-            continue
-        ready = 0.0 if need <= 1e-9 else arrival * min(1.0, need / max(d.upstream, 1e-9))
-        start = max(t, ready, ready_new)
-        end = start + step_s(j, n)
-        if pooled > n:
-            joined = max(start, join) + step_s(j, pooled)
-            if joined < end:
-                waits = waits or (j == first and start < join)
-                n, end = pooled, joined
-        t = end
-    return t, waits
-
-
-def trainers_to_hold(graph: Hypergraph, predictor: Predictor) -> set[ComponentId]:
-    """Trainers that should not start their next step yet: the placement as it is
-    finishes sooner if that step waits for the devices their predecessors free when
-    they finish (a step runs to its end on the devices it started on: started on a
-    few, it keeps the freed devices waiting at its boundary)."""
-    devices = {c: n.num_active_devices for c, n in graph.components.items()}
-    waiting: set[ComponentId] = set()
-    finish_times(graph, predictor, devices, waiting=waiting)
-    return waiting
-
-
-def rate(
-    graph: Hypergraph, predictor: Predictor, cid: ComponentId, devices: int, d: Demand
-) -> float:
-    """Effective rate at which ``cid`` gets through its remaining work on ``devices``.
-
-    For rollout with a fitted step cost the finish time is ``a * longest + b * work /
-    devices``: every step pays the fixed cost ``a`` until the longest response ends,
-    while the per-sequence cost ``b`` is shared by the devices (those its requests can
-    keep busy, one engine each at least: :func:`~dynarl.control.predictor.busy_devices`).
-    So the tail cannot be bought down with devices, and devices given to a rollout at
-    its tail are wasted.
-    With more requests than its engines run at once, rollout works in waves at full
-    batch, ``work * (a + b * cap) / (instances * cap)``, and the longest response may
-    start only after them. Requests stay on the engine they were routed to, so the
-    shared term is at least the most loaded engine's, ``b * hottest / devices per
-    engine``: devices added elsewhere do not shorten it.
-    """
-    load = max(d.load, 1.0)
-    costs = predictor.step_costs(cid) if d.longest > 0 else None
-    if costs is None or devices <= 0:
-        return predictor.predict(cid, devices, load).throughput
-    a, b = costs
-    spec = graph.components[cid].spec
-    shared = b * d.work / busy_devices(devices, load, spec.devices_per_instance)
-    if d.hottest > 0:
-        shared = max(shared, b * d.hottest / spec.devices_per_instance)
-    if spec.max_load_per_instance:
-        cap = spec.max_load_per_instance
-        instances = max(1, devices // spec.devices_per_instance)
-        if load > cap * instances:
-            # The longest response may wait behind the waves of the others.
-            step = a + b * cap / spec.devices_per_instance
-            shared = max(shared, d.work * step / (instances * cap))
-    finish = a * d.longest + shared
-    return d.work / finish
 
 
 def score_plan(
@@ -486,17 +300,6 @@ def _place_groups(loads: dict[InstanceId, int], sizes: Iterable[int]) -> None:
         load, iid = heapq.heappop(heap)
         loads[iid] = load + size
         heapq.heappush(heap, (load + size, iid))
-
-
-def _ancestors(graph: Hypergraph, cid: ComponentId) -> set[ComponentId]:
-    seen: set[ComponentId] = set()
-    stack = list(graph.spec.predecessors(cid))
-    while stack:
-        c = stack.pop()
-        if c not in seen:
-            seen.add(c)
-            stack.extend(graph.spec.predecessors(c))
-    return seen
 
 
 def _time_for(work: float, old: float, new: float, delay: float) -> float:

@@ -107,6 +107,17 @@ class PipelineSpec(msgspec.Struct, frozen=True, kw_only=True):
             e.producer for e in self.edges if cid in e.consumers and e.producer is not None
         )
 
+    def ancestors(self, cid: ComponentId) -> set[ComponentId]:
+        """Components feeding ``cid``, directly or through others."""
+        seen: set[ComponentId] = set()
+        stack = list(self.predecessors(cid))
+        while stack:
+            c = stack.pop()
+            if c not in seen:
+                seen.add(c)
+                stack.extend(self.predecessors(c))
+        return seen
+
     def successors(self, cid: ComponentId) -> tuple[ComponentId, ...]:
         """Components ``cid`` feeds."""
         return tuple(c for e in self.edges if e.producer == cid for c in e.consumers)

@@ -59,7 +59,8 @@ class SimExecutor:
             elif iid in world.inference.replicas:
                 inf_requeued += world.inference.drain(iid, now)
         if requeued:
-            world.emit(ev.ItemsRequeued(edge=PROMPTS, items=tuple(requeued)))
+            generated = tuple(world.seqs[item].generated() for item in requeued)
+            world.emit(ev.ItemsRequeued(edge=PROMPTS, items=tuple(requeued), generated=generated))
             for item in requeued:
                 world.router.add(item, now_s=now, tool_calls=world.seqs[item].tool_calls)
         if inf_requeued:

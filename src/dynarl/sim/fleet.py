@@ -103,12 +103,17 @@ class EngineFleet:
             if not self._stale(t, iid):
                 self._touch(iid, now)
 
-    def report(self, *, all_engines: bool) -> None:
-        """Emit the stats of the engines touched since the last report (or of all)."""
+    def report(self, now: float, *, all_engines: bool) -> None:
+        """Emit the stats of the engines touched since the last report (or of all), as
+        of ``now``: the controller stamps a report with its arrival time, so an engine
+        whose clock lags (no event of its own since) is brought to ``now`` first."""
         if all_engines:
             self._touched.update(dict.fromkeys(self.engines))
-        for iid in self._touched:
+        touched, self._touched = self._touched, {}
+        for iid in touched:
             if iid in self.engines:
+                if self.engines[iid].sim.now < now:
+                    self._touch(iid, now)
                 self.emit(self.engines[iid].sim.stats())
         self._touched.clear()
 
@@ -217,6 +222,7 @@ class EngineFleet:
         it held (in id order), now unrouted."""
         self._touch(iid, now)
         e = self.engines.pop(iid)
+        self.emit(e.sim.stats())  # its last window, which would be lost with it
         for p in e.sim.abort_all():
             self.seqs[p.id].done += p.generated_tokens
             self.totals.generated_tokens += p.generated_tokens

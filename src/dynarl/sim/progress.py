@@ -22,6 +22,10 @@ class SeqProgress:
         self.tool_calls = 0
         self.engine: InstanceId | None = None
 
+    def generated(self) -> int:
+        """Tokens it has generated so far, every turn's (as of its last abort)."""
+        return sum(self.request.output_tokens[: self.turn]) + self.done
+
     def job(self) -> Job:
         """What is left of the current turn."""
         job = turn_job(self.request, self.turn)

@@ -207,7 +207,7 @@ class SimWorld:
         report_all = now + _EPS >= self._next_stats_s
         if report_all:
             self._next_stats_s = now + self.cfg.sim.stats_period_s
-        self.fleet.report(all_engines=report_all)
+        self.fleet.report(now, all_engines=report_all)
 
     def _sync_instances(self, now: float) -> None:
         """Create modelled workers for instances a migration started."""

@@ -21,13 +21,14 @@ import itertools
 from collections.abc import Iterator
 
 from dynarl.control.config import SchedulerConfig
+from dynarl.control.demand import Demand, rate
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
 from dynarl.control.planner import PlanBuilder
 from dynarl.control.policies.donors import underused_engines
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Trigger
-from dynarl.control.scoring import Demand, demands, rate, remaining_time, score_plan
+from dynarl.control.scoring import demands, remaining_time, score_plan
 from dynarl.core.ids import ComponentId
 
 

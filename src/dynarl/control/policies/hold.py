@@ -12,7 +12,7 @@ upstream (then no device is on its way).
 
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.predictor import Predictor
-from dynarl.control.scoring import trainers_to_hold
+from dynarl.control.trainer_steps import trainers_to_hold
 from dynarl.core.ids import ComponentId
 
 

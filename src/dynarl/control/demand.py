@@ -1,0 +1,93 @@
+"""The remaining work of a component and the rate its devices get through it.
+
+A :class:`Demand` is what one component still has to do this iteration, in the units its
+throughput is measured in: tokens still to generate for rollout; for the other stages
+the tokens of the samples they score or train, or items when the items carry no sizes.
+:func:`~dynarl.control.scoring.demands` computes it for every component on devices.
+:func:`rate` is the effective rate at which a component gets through its demand on a
+given number of devices (for rollout, bounded by its longest response and its most
+loaded engine). Both the scoring of placements (:mod:`dynarl.control.scoring`) and the
+trainer's step model (:mod:`dynarl.control.trainer_steps`) build on them.
+"""
+
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.predictor import Predictor, busy_devices
+from dynarl.core.ids import ComponentId
+
+
+class Demand:
+    """Remaining work of one component, in the units its throughput is measured in."""
+
+    __slots__ = ("hottest", "load", "longest", "per_item", "steps", "tail", "upstream", "work")
+
+    def __init__(
+        self,
+        work: float,
+        load: float,
+        tail: float,
+        upstream: float = 0.0,
+        longest: float = 0.0,
+        *,
+        hottest: float = 0.0,
+        per_item: float = 1.0,
+        steps: tuple[float, ...] = (),
+    ) -> None:
+        self.work = work  # units still to process
+        self.longest = longest  # rollout: tokens of the longest remaining response
+        self.load = load  # parallel work items (the batch it can run)
+        self.tail = tail  # units left after its last input arrives
+        self.upstream = upstream  # work (rollout: items) still on its way from predecessors
+        self.hottest = hottest  # rollout: tokens queued on its most loaded engine
+        self.per_item = per_item  # units of work per item
+        # actor: the work of each remaining step in the order they run (empty: equal)
+        self.steps = steps
+
+    def with_hottest(self, num_items: int) -> "Demand":
+        """The same demand with ``num_items`` items on the most loaded engine."""
+        return Demand(
+            self.work,
+            self.load,
+            self.tail,
+            self.upstream,
+            self.longest,
+            hottest=num_items * self.per_item,
+            per_item=self.per_item,
+            steps=self.steps,
+        )
+
+
+def rate(
+    graph: Hypergraph, predictor: Predictor, cid: ComponentId, devices: int, d: Demand
+) -> float:
+    """Effective rate at which ``cid`` gets through its remaining work on ``devices``.
+
+    For rollout with a fitted step cost the finish time is ``a * longest + b * work /
+    devices``: every step pays the fixed cost ``a`` until the longest response ends,
+    while the per-sequence cost ``b`` is shared by the devices (those its requests can
+    keep busy, one engine each at least: :func:`~dynarl.control.predictor.busy_devices`).
+    So the tail cannot be bought down with devices, and devices given to a rollout at
+    its tail are wasted.
+    With more requests than its engines run at once, rollout works in waves at full
+    batch, ``work * (a + b * cap) / (instances * cap)``, and the longest response may
+    start only after them. Requests stay on the engine they were routed to, so the
+    shared term is at least the most loaded engine's, ``b * hottest / devices per
+    engine``: devices added elsewhere do not shorten it.
+    """
+    load = max(d.load, 1.0)
+    costs = predictor.step_costs(cid) if d.longest > 0 else None
+    if costs is None or devices <= 0:
+        return predictor.predict(cid, devices, load).throughput
+    a, b = costs
+    spec = graph.components[cid].spec
+    shared = b * d.work / busy_devices(devices, load, spec.devices_per_instance)
+    if d.hottest > 0:
+        shared = max(shared, b * d.hottest / spec.devices_per_instance)
+    if spec.max_load_per_instance:
+        cap = spec.max_load_per_instance
+        instances = max(1, devices // spec.devices_per_instance)
+        if load > cap * instances:
+            # The longest response may wait behind the waves of the others.
+            step = a + b * cap / spec.devices_per_instance
+            shared = max(shared, d.work * step / (instances * cap))
+    finish = a * d.longest + shared
+    return d.work / finish

@@ -1,0 +1,183 @@
+"""What a rollout component's pending requests are expected to generate, read from the
+hypergraph: how far each has got, how much more the average one and the longest one
+will generate, and the samples they will become.
+
+Response lengths are heavy-tailed and capped, so the requests still running late in a
+rollout are the long ones: a pending request's remaining length is the last finished
+iteration's *survivors* past its progress, ``E[L - p | L > p]``. The rollout ends with
+its longest request, and which one that is depends on how far each has got -- the
+least advanced request that will hit the cap sets the end, however advanced the
+average is -- so the longest is estimated from every pending request's own progress
+(:meth:`~dynarl.control.elements.Node.progress_of`), as the median of the maximum of
+their remaining lengths.
+"""
+
+import bisect
+import math
+import weakref
+
+from dynarl.control.elements import TOOL
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.core.ids import ComponentId
+
+_BUCKETS = 32  # progress quantiles the longest-remaining estimate works on
+# The longest-remaining estimate costs O(pending requests): it is recomputed once a
+# second of model time, or sooner when the pending count moved by more than this share.
+_LONGEST_PERIOD_S = 1.0
+_LONGEST_PENDING_CHANGE = 0.02
+_progress_memo: "weakref.WeakKeyDictionary[Hypergraph, tuple[int, ComponentId, list[float]]]"
+_progress_memo = weakref.WeakKeyDictionary()
+# graph -> (component, iteration, time, pending count, estimate)
+_longest_memo: "weakref.WeakKeyDictionary[Hypergraph, tuple[ComponentId, int, float, int, float]]"
+_longest_memo = weakref.WeakKeyDictionary()
+
+
+def mean_progress(graph: Hypergraph, component: ComponentId) -> float:
+    """Mean tokens the pending requests of a rollout component have generated."""
+    pending = graph.pending(component)
+    if not pending:
+        return 0.0
+    edges = graph.edges_into(component)
+    parked = sum(e.progress_parked for e in edges)
+    held = sum(n.progress_sum() for n in graph.components[component].instances.values())
+    return max(0.0, parked + held) / pending
+
+
+def pending_progress(graph: Hypergraph, component: ComponentId) -> list[float]:
+    """Tokens each pending request of a rollout component has generated, ascending
+    (computed once per event applied)."""
+    memo = _progress_memo.get(graph)
+    if memo is not None and memo[0] == graph.events_applied and memo[1] == component:
+        return memo[2]
+    out: list[float] = []
+    for edge in graph.edges_into(component):
+        for st in edge.items.values():
+            owner = st.owner
+            if owner is None or owner == TOOL:
+                out.append(st.generated)
+            else:
+                out.append(graph.instances[owner].progress_of(st))
+    out.sort()
+    _progress_memo[graph] = (graph.events_applied, component, out)
+    return out
+
+
+def expected_remaining_tokens(graph: Hypergraph, component: ComponentId) -> float:
+    """Expected tokens a pending request of a rollout component still generates.
+
+    With a finished iteration, the survivors of its lengths past the mean progress,
+    ``E[L - p | L > p]``. During the first, at least the mean response length so far
+    (or the prior before any: this iteration's completions are the short ones, so
+    their mean is biased low until it ends), and at least what the requests in flight
+    have generated on average: with heavy-tailed lengths, the survivors are the long
+    ones.
+    """
+    node = graph.components[component]
+    progress = mean_progress(graph, component)
+    lengths = node.lengths_prev
+    if lengths:
+        k = bisect.bisect_right(lengths, progress)
+        if k < len(lengths):
+            return node.lengths_prev_suffix[k] / (len(lengths) - k) - progress
+        return max(1.0, lengths[-1] - progress)
+    done = node.items_completed - node.items_completed_iter
+    if done:
+        mean = (node.tokens_completed - node.tokens_completed_iter) / done
+    else:
+        mean = graph.expected_tokens_per_request
+    return max(mean, progress)
+
+
+def expected_longest_remaining(graph: Hypergraph, component: ComponentId) -> float:
+    """Tokens the longest pending request of a rollout component still generates.
+    The rollout cannot end sooner, however many devices it has.
+
+    With a finished iteration, the median of the maximum over pending requests of
+    their survivors' remaining lengths (independent draws given each one's progress).
+    During the first, the longest response seen (or the cap, before any) less the
+    least progress: that request may be as long as the longest.
+
+    It reads every pending request, so it is refreshed once a second of model time
+    (``_LONGEST_PERIOD_S``; a decode step is milliseconds, so the longest moves by a
+    few hundred tokens at most meanwhile) or when the pending count moved by more
+    than 2%, and is reused in between.
+    """
+    pending = graph.pending(component)
+    if not pending:
+        return 0.0
+    memo = _longest_memo.get(graph)
+    if (
+        memo is not None
+        and memo[:2] == (component, graph.iteration)
+        and graph.now_s - memo[2] < _LONGEST_PERIOD_S
+        and abs(pending - memo[3]) <= _LONGEST_PENDING_CHANGE * memo[3]
+    ):
+        return memo[4]
+    progress = pending_progress(graph, component)
+    node = graph.components[component]
+    mean = expected_remaining_tokens(graph, component)
+    if node.lengths_prev:
+        cap = graph.max_tokens_per_request
+        longest = max(mean, _median_of_max(node.lengths_prev, progress, cap))
+    else:
+        longest = max(
+            mean, (node.max_tokens_completed or graph.max_tokens_per_request) - progress[0]
+        )
+    _longest_memo[graph] = (component, graph.iteration, graph.now_s, pending, longest)
+    return longest
+
+
+def expected_output_work(graph: Hypergraph, component: ComponentId) -> float:
+    """Work, in :meth:`~dynarl.control.hypergraph.Hypergraph.item_work` units, of the
+    samples a rollout component's pending requests will become: their prompts, what
+    they generated so far and what they are expected to generate
+    (:func:`expected_remaining_tokens`); their count before items carry sizes."""
+    pending = graph.pending(component)
+    if not graph.sized or not pending:
+        return float(pending)
+    prompts = sum(e.tokens_pending for e in graph.edges_into(component))
+    so_far = mean_progress(graph, component) * pending
+    return prompts + so_far + pending * expected_remaining_tokens(graph, component)
+
+
+def _median_of_max(lengths: list[int], progress: list[float], cap: float) -> float:
+    """The smallest ``r`` with ``P(max_i (L_i - p_i) <= r) >= 1/2``, where ``L_i`` is
+    drawn from ``lengths`` (sorted) given ``L_i > p_i``, for the sorted ``progress``.
+
+    Progress is taken in up to ``_BUCKETS`` equal-count quantiles, each at its least
+    value (the least advanced request has the most left, so this errs long). A request
+    past every length seen runs to the cap.
+    """
+    n, buckets = len(progress), []
+    size = max(1, math.ceil(n / _BUCKETS))
+    for i in range(0, n, size):
+        buckets.append((progress[i], min(size, n - i)))
+    floor = 0.0  # a request past every length seen ends at the cap
+    survivors: list[tuple[float, int, int, int]] = []  # (p, count, first survivor, survivors)
+    for p, count in buckets:
+        k = bisect.bisect_right(lengths, p)
+        if k == len(lengths):
+            floor = max(floor, cap - p, 1.0)
+        else:
+            survivors.append((p, count, k, len(lengths) - k))
+    if not survivors:
+        return floor
+
+    def log_p_max_within(r: float) -> float:
+        total = 0.0
+        for p, count, k, left in survivors:
+            within = bisect.bisect_right(lengths, p + r) - k
+            if within == 0:
+                return -math.inf
+            total += count * math.log(within / left)
+        return total
+
+    lo, hi = 0.0, float(lengths[-1])  # P(max <= longest length) = 1
+    half = math.log(0.5)
+    while hi - lo > max(1.0, hi / 512):
+        mid = (lo + hi) / 2
+        if log_p_max_within(mid) >= half:
+            hi = mid
+        else:
+            lo = mid
+    return max(floor, hi)

@@ -1,0 +1,167 @@
+"""The trainer's step model: when an actor gets through its remaining optimizer steps.
+
+The trainer (the ``actor`` component) works in whole minibatches, one optimizer step
+each, and is resized only between steps: a step starts as soon as its minibatch is
+complete, on the devices the trainer holds then, and runs on them to its end, whatever
+devices free up meanwhile. Its finish time is therefore not its remaining work over a
+rate: scoring (:func:`~dynarl.control.scoring.finish_times`) plays its steps out one
+by one with :func:`actor_finish`. A step in progress runs on the current devices, and
+a plan that resizes the trainer takes effect only after that step ends (plus the
+move's cost). The samples already at the trainer make the first minibatches; the rest
+arrive evenly until its predecessors finish.
+
+What a step costs depends on the samples in its minibatch. When every minibatch draws
+evenly from the iteration's samples, the remaining steps are equal. When minibatches
+are formed in arrival order (``steps_in_arrival_order`` on the actor's spec, set by
+``algorithm.minibatch_order=completion``) and samples carry sizes, each step trains the
+next samples in the order they arrive -- the trainer's own first, then those still
+upstream, stage by stage back to rollout (:func:`steps_in_arrival_order`) -- so with
+heavy-tailed response lengths the last step, holding the longest responses, can take
+several times the average.
+
+A step may finish sooner if it waits for the devices the trainer's predecessors free
+when they finish (they join it after a reshard) than if it starts now on the few it
+holds and keeps them waiting at its boundary. :func:`trainers_to_hold` names the
+trainers whose next step should wait; :class:`~dynarl.control.policies.hold.HoldForDevices`
+holds them at their step boundary.
+"""
+
+import math
+from collections.abc import Mapping
+
+from dynarl.control import rollout_lengths
+from dynarl.control.demand import Demand, rate
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.predictor import Predictor
+from dynarl.core.ids import ComponentId
+
+
+def steps_in_arrival_order(
+    graph: Hypergraph, cid: ComponentId, steps_left: int
+) -> tuple[float, ...]:
+    """The work of each of a trainer's ``steps_left`` remaining steps when each trains
+    the next minibatch of samples in the order they arrive (streamed minibatches):
+    its own pending samples first, then those still upstream, stage by stage back to
+    rollout, each stage's samples at their mean size there (a rollout request at its
+    expected sample size). With heavy-tailed response lengths the last minibatch
+    holds the longest responses and can be several times the average step.
+
+    :func:`~dynarl.control.scoring.demands` stores the result as the actor's
+    :attr:`Demand.steps <dynarl.control.demand.Demand.steps>` (only for a trainer with
+    ``steps_in_arrival_order``, sized items and more than one step left), which
+    :func:`actor_finish` then plays out."""
+    segments: list[tuple[int, float]] = []  # (samples, their work), in arrival order
+    stage: ComponentId | None = cid
+    while stage is not None:
+        count = graph.pending(stage)
+        if graph.components[stage].spec.kind == "rollout":
+            segments.append((count, rollout_lengths.expected_output_work(graph, stage)))
+            break
+        segments.append((count, graph.work_pending(stage)))
+        preds = [p for p in graph.spec.predecessors(stage) if graph.spec.component(p).on_devices]
+        stage = max(preds, key=graph.pending, default=None)
+    total = sum(n for n, _ in segments)
+    per_step = math.ceil(total / steps_left)
+    steps: list[float] = []
+    room, work = per_step, 0.0
+    for count, seg_work in segments:
+        left = count
+        while left > 0:
+            take = min(left, room)
+            work += seg_work * take / count
+            left -= take
+            room -= take
+            if room == 0:
+                steps.append(work)
+                room, work = per_step, 0.0
+    if work > 0:
+        steps.append(work)
+    return tuple(steps)
+
+
+def actor_finish(
+    graph: Hypergraph,
+    predictor: Predictor,
+    cid: ComponentId,
+    d: Demand,
+    *,
+    n_old: int,
+    n_new: int,
+    delay: float,
+    arrival: float,
+    devices: Mapping[ComponentId, int],
+) -> tuple[float, bool]:
+    """When the trainer finishes its remaining optimizer steps, and whether its next
+    step (the first not yet running) waits for its predecessors' devices.
+
+    The trainer works in whole minibatches and is resized only between steps: a step
+    starts as soon as its minibatch is complete, on the devices the trainer holds
+    then, and runs on them to its end, whatever devices free up meanwhile. A step in
+    progress (the trainer holds samples) runs on the current devices, and a plan that
+    resizes the trainer takes effect ``delay`` after that step ends (after ``delay``
+    if none runs; the next step waits for it). The samples already here make the
+    first minibatches; the rest arrive evenly until the predecessors finish
+    (``arrival``). A step may instead wait for the predecessors' devices to join
+    (a reshard after they finish), if that ends it sooner: the trainer is held at its
+    step boundary meanwhile (:func:`trainers_to_hold`). Steps are equal (``d.tail``
+    each) unless ``d.steps`` says what each holds.
+
+    Returns the predicted seconds from now until the last step ends (before any
+    penalty for drained requests, which the caller adds) and whether the next step
+    waits. :func:`~dynarl.control.scoring.finish_times` uses it for an actor with work
+    left; ``n_old``/``n_new`` are its devices now and after the plan, ``delay`` the
+    plan's migration cost, ``arrival`` when its predecessors are predicted to finish,
+    and ``devices`` every component's devices after the plan.
+    """
+    sizes = d.steps or (d.tail,) * max(1, round(d.work / d.tail))
+    steps = len(sizes)
+    own = max(d.work - d.upstream, 0.0)
+    node = graph.components[cid]
+    unit = node.spec.devices_per_instance
+    pooled = n_new + sum(devices.get(p, 0) for p in graph.spec.ancestors(cid))
+    pooled -= pooled % unit
+    join = arrival + predictor.migration_cost("reshard") if arrival > 0 else math.inf
+    rates: dict[int, float] = {}
+
+    def step_s(j: int, n: int) -> float:
+        if n not in rates:
+            rates[n] = rate(graph, predictor, cid, n, d)
+        return sizes[j - 1] / rates[n] if rates[n] > 0 else math.inf
+
+    t, first = 0.0, 1
+    resized = delay > 0 and n_new != n_old
+    if node.num_in_flight():
+        t, first = step_s(1, n_old), 2
+    ready_new = t + delay if resized else 0.0
+    n = n_new
+    need = 0.0 - own
+    waits = False
+    for j in range(1, steps + 1):
+        need += sizes[j - 1]
+        if j < first:
+            continue
+        ready = 0.0 if need <= 1e-9 else arrival * min(1.0, need / max(d.upstream, 1e-9))
+        start = max(t, ready, ready_new)
+        end = start + step_s(j, n)
+        if pooled > n:
+            joined = max(start, join) + step_s(j, pooled)
+            if joined < end:
+                waits = waits or (j == first and start < join)
+                n, end = pooled, joined
+        t = end
+    return t, waits
+
+
+def trainers_to_hold(graph: Hypergraph, predictor: Predictor) -> set[ComponentId]:
+    """Trainers that should not start their next step yet: the placement as it is
+    finishes sooner if that step waits for the devices their predecessors free when
+    they finish (a step runs to its end on the devices it started on: started on a
+    few, it keeps the freed devices waiting at its boundary)."""
+    # Imported here: scoring plays the trainer's steps out with this module's
+    # actor_finish, so it imports this module, not the other way round.
+    from dynarl.control.scoring import finish_times
+
+    devices = {c: n.num_active_devices for c, n in graph.components.items()}
+    waiting: set[ComponentId] = set()
+    finish_times(graph, predictor, devices, waiting=waiting)
+    return waiting
