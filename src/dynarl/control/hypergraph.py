@@ -4,7 +4,9 @@ A *hypernode* per component holds its static spec and dynamic facts (instances,
 devices, utilisation, queue depth, throughput); a *node* per worker instance holds its
 devices and load; a *hyperedge* per dataflow holds its items, each owned by exactly one
 consumer instance, the tool stage, or the edge's queue. Device placement says which
-instance (or migration, or the free pool) holds every device.
+instance (or migration, or the free pool) holds every device; the hypergraph keeps that
+state, and :mod:`dynarl.control.device_placement` holds the code that changes it
+(instance creation and removal, migrations, worker failures).
 
 :meth:`Hypergraph.apply` updates it from one event in O(1) or O(items affected); it
 validates before it mutates, so a rejected event (:class:`EventError`) changes nothing.
@@ -13,19 +15,26 @@ validates before it mutates, so a rejected event (:class:`EventError`) changes n
 
 import itertools
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any
 
+from dynarl.control import device_placement
 from dynarl.control import events as ev
 from dynarl.control.elements import TOOL, HyperEdge, HyperNode, ItemState, Node
 from dynarl.control.invariants import check_invariants
 from dynarl.control.plan import InstanceSpec, Migration
-from dynarl.control.topology import ComponentSpec, PipelineSpec
+from dynarl.control.topology import PipelineSpec
 from dynarl.core.errors import EventError
 from dynarl.core.ids import ComponentId, DeviceId, EdgeId, InstanceId, ItemId, MigrationId
 
 
 class Hypergraph:
     """Live model of the pipeline, updated event by event.
+
+    Items, engine stats and iterations are handled here; the placement events
+    (``MigrationStarted``, ``MigrationDone``, ``MigrationFailed``, ``WorkerFailed``)
+    by the functions of :mod:`dynarl.control.device_placement`, registered in the same
+    handler table.
 
     Args:
         spec: components and dataflows.
@@ -72,21 +81,13 @@ class Hypergraph:
         self.crashed_devices: set[DeviceId] = set()
         self.migrations: dict[MigrationId, Migration] = {}
         self.next_migration_id = MigrationId(0)
+        # The serial of each component's next instance (device_placement keeps it).
         self._instance_serial: dict[ComponentId, int] = dict.fromkeys(self.components, 0)
         self.events_applied = 0
         # Whether items carry sizes (ItemRef.tokens): from the first sized item on, the
         # stages after rollout measure their work in tokens (see :meth:`work_pending`).
         self.sized = False
-        for cid, instances in placement.items():
-            if cid not in self.components:
-                raise EventError(f"placement names unknown component {cid!r}")
-            for inst in instances:
-                self._check_new_instance(inst, self.components[cid].spec)
-                for d in inst.devices:
-                    if d not in self.free_devices:
-                        raise EventError(f"placement puts device {d} in two instances")
-                    self.free_devices.discard(d)
-                self._add_instance(inst, cid)
+        device_placement.place_initial(self, placement)
         self._handlers: dict[type[ev.Event], Callable[[Any], None]] = {
             ev.IterationStarted: self._on_iteration_started,
             ev.IterationDone: self._on_iteration_done,
@@ -99,10 +100,11 @@ class Hypergraph:
             ev.EngineStats: self._on_engine_stats,
             ev.WorkerIdle: self._on_worker_idle,
             ev.TrainStepDone: self._on_train_step_done,
-            ev.MigrationStarted: self._on_migration_started,
-            ev.MigrationDone: self._on_migration_done,
-            ev.MigrationFailed: self._on_migration_failed,
-            ev.WorkerFailed: self._on_worker_failed,
+            # Device placement: see dynarl.control.device_placement.
+            ev.MigrationStarted: partial(device_placement.on_migration_started, self),
+            ev.MigrationDone: partial(device_placement.on_migration_done, self),
+            ev.MigrationFailed: partial(device_placement.on_migration_failed, self),
+            ev.WorkerFailed: partial(device_placement.on_worker_failed, self),
         }
 
     # ------------------------------------------------------------------ queries
@@ -374,142 +376,6 @@ class Hypergraph:
         hn.work_rate.add(e.time_s, e.num_samples)
         if e.duration_s > 0:
             hn.last_step_samples_per_s = e.num_samples / e.duration_s
-
-    def _on_migration_started(self, e: ev.MigrationStarted) -> None:
-        m = e.migration
-        if m.id in self.migrations:
-            raise EventError(f"migration {m.id} started twice")
-        drained = [self._instance(i) for i in m.drain]
-        for node in drained:
-            if node.component != m.src or node.state != "active":
-                raise EventError(f"migration {m.id} drains {node.id!r}: not an active {m.src}")
-        from_instances = {d for n in drained for d in n.devices}
-        from_free = set(m.devices) - from_instances
-        if len(set(m.devices)) != len(m.devices) or not from_instances <= set(m.devices):
-            raise EventError(f"migration {m.id}: devices disagree with its drained instances")
-        if not from_free <= self.free_devices:
-            taken = sorted(from_free - self.free_devices)
-            raise EventError(f"migration {m.id} takes devices {taken} that are not free")
-        created = [d for spec in m.create for d in spec.devices]
-        if len(set(created)) != len(created) or not set(created) <= set(m.devices):
-            raise EventError(f"migration {m.id} creates instances on devices it does not move")
-        if m.create:
-            if m.dst is None:
-                raise EventError(f"migration {m.id} creates instances in the free pool")
-            dst = self.components[m.dst].spec
-            for spec in m.create:
-                self._check_new_instance(spec, dst)
-        for node in drained:
-            node.state = "draining"
-            hn = self.components[node.component]
-            hn.num_active -= 1
-            hn.num_active_devices -= len(node.devices)
-        if drained and m.src is not None:
-            # A measured rate belongs to a device count: what the component did on its
-            # old devices must not be read as the rate of its new ones.
-            self.components[m.src].restart_rate(e.time_s)
-        for d in from_free:
-            self.free_devices.discard(d)
-            self.crashed_devices.discard(d)
-            self.device_owner[d] = m.id
-        if m.dst is not None:
-            # Reserve the new ids now, so the next plan does not reuse them.
-            self._instance_serial[m.dst] += len(m.create)
-        self.migrations[m.id] = m
-        self.next_migration_id = MigrationId(max(self.next_migration_id, m.id + 1))
-
-    def _check_new_instance(self, spec: InstanceSpec, component: ComponentSpec) -> None:
-        if spec.id in self.instances:
-            raise EventError(f"instance {spec.id!r} already exists")
-        if len(spec.devices) != component.devices_per_instance:
-            raise EventError(
-                f"instance {spec.id!r} has {len(spec.devices)} devices; "
-                f"{component.id} instances take {component.devices_per_instance}"
-            )
-
-    def _migration(self, mid: MigrationId) -> Migration:
-        try:
-            return self.migrations[mid]
-        except KeyError:
-            raise EventError(f"unknown migration {mid}") from None
-
-    def _on_migration_done(self, e: ev.MigrationDone) -> None:
-        m = self._migration(e.migration)
-        del self.migrations[m.id]
-        for iid in m.drain:
-            if iid in self.instances:  # a drained instance may have failed meanwhile
-                self._remove_instance(self.instances[iid], e.time_s)
-        for d in m.devices:
-            if self.device_owner.get(d) == m.id:
-                del self.device_owner[d]
-        placed: set[DeviceId] = set()
-        for spec in m.create:
-            assert m.dst is not None
-            self._add_instance(spec, m.dst, e.time_s)
-            placed.update(spec.devices)
-        if m.create and m.dst is not None:
-            self.components[m.dst].restart_rate(e.time_s)  # resized: see _on_migration_started
-        self.free_devices.update(d for d in m.devices if d not in placed)
-
-    def _on_migration_failed(self, e: ev.MigrationFailed) -> None:
-        m = self._migration(e.migration)
-        del self.migrations[m.id]
-        for iid in m.drain:
-            node = self.instances.get(iid)
-            if node is not None and node.state == "draining":
-                node.state = "active"
-                hn = self.components[node.component]
-                hn.num_active += 1
-                hn.num_active_devices += len(node.devices)
-        if m.drain and m.src is not None:
-            self.components[m.src].restart_rate(e.time_s)  # resized back
-        for d in m.devices:
-            if self.device_owner.get(d) == m.id:
-                del self.device_owner[d]
-                self.free_devices.add(d)
-
-    def _on_worker_failed(self, e: ev.WorkerFailed) -> None:
-        node = self._instance(e.instance)
-        if node.state == "active":
-            hn = self.components[node.component]
-            hn.num_active -= 1
-            hn.num_active_devices -= len(node.devices)
-        self._remove_instance(node, e.time_s)
-        migration = next((m for m in self.migrations.values() if node.id in m.drain), None)
-        if migration is not None:
-            # A draining instance's devices already belong to its migration.
-            self.device_owner.update(dict.fromkeys(node.devices, migration.id))
-        else:
-            # The devices go back to the pool: the scheduler may reboot an instance there.
-            self.free_devices.update(node.devices)
-            self.crashed_devices.update(node.devices)
-
-    def _add_instance(
-        self, spec: InstanceSpec, component: ComponentId, time_s: float | None = None
-    ) -> None:
-        node = Node(spec, component, self.now_s if time_s is None else time_s)
-        self.instances[spec.id] = node
-        hn = self.components[component]
-        hn.instances[spec.id] = node
-        hn.num_active += 1
-        hn.num_active_devices += len(spec.devices)
-        for d in spec.devices:
-            self.device_owner[d] = spec.id
-        serial = spec.id.rsplit("-", 1)[-1]
-        if serial.isdigit():
-            self._instance_serial[component] = max(
-                self._instance_serial[component], int(serial) + 1
-            )
-
-    def _remove_instance(self, node: Node, time_s: float) -> None:
-        """Forget an instance; items it still held go back to their queues."""
-        for item, edge_id in list(node.items.items()):
-            self._release(self.edges[edge_id], self.edges[edge_id].items[item], time_s)
-        for d in node.devices:
-            if self.device_owner.get(d) == node.id:
-                del self.device_owner[d]
-        del self.instances[node.id]
-        del self.components[node.component].instances[node.id]
 
     # ------------------------------------------------------------------ invariants
 

@@ -1,0 +1,194 @@
+"""Device placement in the hypergraph: which instance, migration or pool holds each device.
+
+The hypergraph keeps the placement state (``instances``, ``device_owner``,
+``free_devices``, ``crashed_devices``, ``migrations``, ``next_migration_id`` and the
+per-component instance serials behind :meth:`Hypergraph.new_instance_id`); this module
+holds the code that changes it: the initial placement, instance creation and removal,
+and the handlers for :class:`~dynarl.control.events.MigrationStarted`,
+:class:`~dynarl.control.events.MigrationDone`,
+:class:`~dynarl.control.events.MigrationFailed` and
+:class:`~dynarl.control.events.WorkerFailed`, which :class:`Hypergraph` registers in its
+handler table.
+
+Like every handler, each validates before it mutates: a rejected event
+(:class:`EventError`) changes nothing. Removing an instance returns the items it held to
+their queues through the hypergraph's item bookkeeping (``Hypergraph._release``).
+"""
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from dynarl.control import events as ev
+from dynarl.control.elements import Node
+from dynarl.control.plan import InstanceSpec, Migration
+from dynarl.control.topology import ComponentSpec
+from dynarl.core.errors import EventError
+from dynarl.core.ids import ComponentId, DeviceId, MigrationId
+
+if TYPE_CHECKING:
+    from dynarl.control.hypergraph import Hypergraph
+
+
+def place_initial(
+    graph: "Hypergraph", placement: Mapping[ComponentId, Iterable[InstanceSpec]]
+) -> None:
+    """Create the initial instances per component; devices not placed stay free."""
+    for cid, instances in placement.items():
+        if cid not in graph.components:
+            raise EventError(f"placement names unknown component {cid!r}")
+        for inst in instances:
+            check_new_instance(graph, inst, graph.components[cid].spec)
+            for d in inst.devices:
+                if d not in graph.free_devices:
+                    raise EventError(f"placement puts device {d} in two instances")
+                graph.free_devices.discard(d)
+            add_instance(graph, inst, cid)
+
+
+def on_migration_started(graph: "Hypergraph", e: ev.MigrationStarted) -> None:
+    """Drain the migration's instances and move its free devices into transit."""
+    m = e.migration
+    if m.id in graph.migrations:
+        raise EventError(f"migration {m.id} started twice")
+    drained = [graph._instance(i) for i in m.drain]
+    for node in drained:
+        if node.component != m.src or node.state != "active":
+            raise EventError(f"migration {m.id} drains {node.id!r}: not an active {m.src}")
+    from_instances = {d for n in drained for d in n.devices}
+    from_free = set(m.devices) - from_instances
+    if len(set(m.devices)) != len(m.devices) or not from_instances <= set(m.devices):
+        raise EventError(f"migration {m.id}: devices disagree with its drained instances")
+    if not from_free <= graph.free_devices:
+        taken = sorted(from_free - graph.free_devices)
+        raise EventError(f"migration {m.id} takes devices {taken} that are not free")
+    created = [d for spec in m.create for d in spec.devices]
+    if len(set(created)) != len(created) or not set(created) <= set(m.devices):
+        raise EventError(f"migration {m.id} creates instances on devices it does not move")
+    if m.create:
+        if m.dst is None:
+            raise EventError(f"migration {m.id} creates instances in the free pool")
+        dst = graph.components[m.dst].spec
+        for spec in m.create:
+            check_new_instance(graph, spec, dst)
+    for node in drained:
+        node.state = "draining"
+        hn = graph.components[node.component]
+        hn.num_active -= 1
+        hn.num_active_devices -= len(node.devices)
+    if drained and m.src is not None:
+        # A measured rate belongs to a device count: what the component did on its
+        # old devices must not be read as the rate of its new ones.
+        graph.components[m.src].restart_rate(e.time_s)
+    for d in from_free:
+        graph.free_devices.discard(d)
+        graph.crashed_devices.discard(d)
+        graph.device_owner[d] = m.id
+    if m.dst is not None:
+        # Reserve the new ids now, so the next plan does not reuse them.
+        graph._instance_serial[m.dst] += len(m.create)
+    graph.migrations[m.id] = m
+    graph.next_migration_id = MigrationId(max(graph.next_migration_id, m.id + 1))
+
+
+def on_migration_done(graph: "Hypergraph", e: ev.MigrationDone) -> None:
+    """Remove the drained instances, place the new ones, free the remaining devices."""
+    m = _migration(graph, e.migration)
+    del graph.migrations[m.id]
+    for iid in m.drain:
+        if iid in graph.instances:  # a drained instance may have failed meanwhile
+            remove_instance(graph, graph.instances[iid], e.time_s)
+    for d in m.devices:
+        if graph.device_owner.get(d) == m.id:
+            del graph.device_owner[d]
+    placed: set[DeviceId] = set()
+    for spec in m.create:
+        assert m.dst is not None
+        add_instance(graph, spec, m.dst, e.time_s)
+        placed.update(spec.devices)
+    if m.create and m.dst is not None:
+        graph.components[m.dst].restart_rate(e.time_s)  # resized: see on_migration_started
+    graph.free_devices.update(d for d in m.devices if d not in placed)
+
+
+def on_migration_failed(graph: "Hypergraph", e: ev.MigrationFailed) -> None:
+    """Put the drained instances back to work and return the migration's free devices."""
+    m = _migration(graph, e.migration)
+    del graph.migrations[m.id]
+    for iid in m.drain:
+        node = graph.instances.get(iid)
+        if node is not None and node.state == "draining":
+            node.state = "active"
+            hn = graph.components[node.component]
+            hn.num_active += 1
+            hn.num_active_devices += len(node.devices)
+    if m.drain and m.src is not None:
+        graph.components[m.src].restart_rate(e.time_s)  # resized back
+    for d in m.devices:
+        if graph.device_owner.get(d) == m.id:
+            del graph.device_owner[d]
+            graph.free_devices.add(d)
+
+
+def on_worker_failed(graph: "Hypergraph", e: ev.WorkerFailed) -> None:
+    """Forget a crashed instance; its devices go to its migration or, marked crashed,
+    to the free pool."""
+    node = graph._instance(e.instance)
+    if node.state == "active":
+        hn = graph.components[node.component]
+        hn.num_active -= 1
+        hn.num_active_devices -= len(node.devices)
+    remove_instance(graph, node, e.time_s)
+    migration = next((m for m in graph.migrations.values() if node.id in m.drain), None)
+    if migration is not None:
+        # A draining instance's devices already belong to its migration.
+        graph.device_owner.update(dict.fromkeys(node.devices, migration.id))
+    else:
+        # The devices go back to the pool: the scheduler may reboot an instance there.
+        graph.free_devices.update(node.devices)
+        graph.crashed_devices.update(node.devices)
+
+
+def check_new_instance(graph: "Hypergraph", spec: InstanceSpec, component: ComponentSpec) -> None:
+    """Raise :class:`EventError` unless ``spec`` is a new, well-sized ``component`` instance."""
+    if spec.id in graph.instances:
+        raise EventError(f"instance {spec.id!r} already exists")
+    if len(spec.devices) != component.devices_per_instance:
+        raise EventError(
+            f"instance {spec.id!r} has {len(spec.devices)} devices; "
+            f"{component.id} instances take {component.devices_per_instance}"
+        )
+
+
+def add_instance(
+    graph: "Hypergraph", spec: InstanceSpec, component: ComponentId, time_s: float | None = None
+) -> None:
+    """Create an active instance of ``component`` holding ``spec``'s devices."""
+    node = Node(spec, component, graph.now_s if time_s is None else time_s)
+    graph.instances[spec.id] = node
+    hn = graph.components[component]
+    hn.instances[spec.id] = node
+    hn.num_active += 1
+    hn.num_active_devices += len(spec.devices)
+    for d in spec.devices:
+        graph.device_owner[d] = spec.id
+    serial = spec.id.rsplit("-", 1)[-1]
+    if serial.isdigit():
+        graph._instance_serial[component] = max(graph._instance_serial[component], int(serial) + 1)
+
+
+def remove_instance(graph: "Hypergraph", node: Node, time_s: float) -> None:
+    """Forget an instance; items it still held go back to their queues."""
+    for item, edge_id in list(node.items.items()):
+        graph._release(graph.edges[edge_id], graph.edges[edge_id].items[item], time_s)
+    for d in node.devices:
+        if graph.device_owner.get(d) == node.id:
+            del graph.device_owner[d]
+    del graph.instances[node.id]
+    del graph.components[node.component].instances[node.id]
+
+
+def _migration(graph: "Hypergraph", mid: MigrationId) -> Migration:
+    try:
+        return graph.migrations[mid]
+    except KeyError:
+        raise EventError(f"unknown migration {mid}") from None
