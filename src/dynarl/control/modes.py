@@ -22,12 +22,13 @@ def _dynamic(cfg: SchedulerConfig, predictor: Predictor, baseline: Baseline) -> 
     policies: list[Policy] = [RebootCrashed(baseline)]
     if cfg.actor_takes_cluster:
         policies.append(PredictorGate(ActorTakesCluster(), predictor, cfg.min_gain))
+    bottleneck = BottleneckPolicy(cfg, predictor)
     if cfg.rollout_borrows_actor:
         borrow = RolloutBorrowsActor(baseline, cfg)
-        policies.append(PredictorGate(borrow, predictor, cfg.min_gain))
+        policies.append(PredictorGate(borrow, predictor, cfg.min_gain, rival=bottleneck))
     policies.append(StarvedStage())
     policies.append(RebalanceTail(cfg, predictor))
-    policies.append(BottleneckPolicy(cfg, predictor))
+    policies.append(bottleneck)
     return FirstOf("dynamic", policies)
 
 

@@ -4,7 +4,13 @@ The iteration-phase rules of the reference system (rollout borrows the actor's
 devices; the actor takes the cluster) ignore what a move costs. Behind
 :class:`PredictorGate` they obey the same contract as every dynamic decision: a plan is
 committed only when its predicted remaining iteration time, migration costs included,
-beats keeping the placement by ``min_gain``.
+beats keeping the placement by ``min_gain`` -- and, given a ``rival`` (the policy that
+would decide in its place), beats the rival's plan too. A rule comes first in a chain,
+so without the rival its merely good plan would stop the better one behind it: on
+simulated 32B math at 64 GPUs, returning the borrowed devices to the trainer at the
+rollout's end (predicted 823 s -> 778 s) kept the bottleneck policy from sending them
+all to inference (predicted -> 665 s), and the trainer ran its first step on 16
+devices for 69 s while inference was the bottleneck.
 """
 
 import msgspec
@@ -19,14 +25,17 @@ from dynarl.control.scoring import remaining_time, score_plan
 class PredictorGate:
     """Wraps a policy; passes its plans on only when they strictly improve."""
 
-    def __init__(self, policy: Policy, predictor: Predictor, min_gain: float) -> None:
+    def __init__(
+        self, policy: Policy, predictor: Predictor, min_gain: float, rival: Policy | None = None
+    ) -> None:
         self.policy = policy
         self.predictor = predictor
         self.min_gain = min_gain
+        self.rival = rival
         self.name = f"gated-{policy.name}"
 
     def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
-        """The wrapped policy's plan, if it beats doing nothing."""
+        """The wrapped policy's plan, if it beats doing nothing (and the rival's plan)."""
         plan = self.policy.decide(graph, trigger)
         if not plan:
             return plan
@@ -35,6 +44,10 @@ class PredictorGate:
         after = score_plan(graph, self.predictor, plan, before)
         if not after < base * (1.0 - self.min_gain):
             return EMPTY_PLAN
+        if self.rival is not None:
+            other = self.rival.decide(graph, trigger)
+            if other and score_plan(graph, self.predictor, other, before) < after:
+                return EMPTY_PLAN  # the rival, later in the chain, does better
         return msgspec.structs.replace(
             plan,
             reason=f"{plan.reason}: predicted {base:.1f}s -> {after:.1f}s",
