@@ -26,7 +26,7 @@ class Moves:
         return builder.build(f"move {self.engines} engines")
 
 
-def test_a_rule_yields_to_a_rival_that_does_better_and_not_to_one_that_does_worse() -> None:
+def test_the_gate_commits_the_better_of_the_rule_and_its_rival() -> None:
     g = tail_state(low_engines=5)
     predictor = predictor_for(g)
     before = {c: n.num_active_devices for c, n in g.components.items()}
@@ -41,7 +41,7 @@ def test_a_rule_yields_to_a_rival_that_does_better_and_not_to_one_that_does_wors
     assert alone.score_after < alone.score_before
 
     behind_better = PredictorGate(Moves(1), predictor, min_gain=0.0, rival=Moves(4))
-    assert not behind_better.decide(g, tick(1.0))
+    assert behind_better.decide(g, tick(1.0)).migrations == four.migrations
 
     behind_worse = PredictorGate(Moves(4), predictor, min_gain=0.0, rival=Moves(1))
     assert behind_worse.decide(g, tick(1.0)).migrations == four.migrations

@@ -4,9 +4,10 @@ The iteration-phase rules of the reference system (rollout borrows the actor's
 devices; the actor takes the cluster) ignore what a move costs. Behind
 :class:`PredictorGate` they obey the same contract as every dynamic decision: a plan is
 committed only when its predicted remaining iteration time, migration costs included,
-beats keeping the placement by ``min_gain`` -- and, given a ``rival`` (the policy that
-would decide in its place), beats the rival's plan too. A rule comes first in a chain,
-so without the rival its merely good plan would stop the better one behind it: on
+beats keeping the placement by ``min_gain``. Given a ``rival`` (a policy later in the
+chain), the gate commits whichever of the two plans is predicted better. A rule comes
+first in a chain, so without the rival its merely good plan would stop the better one
+behind it: on
 simulated 32B math at 64 GPUs, returning the borrowed devices to the trainer at the
 rollout's end (predicted 823 s -> 778 s) kept the bottleneck policy from sending them
 all to inference (predicted -> 665 s), and the trainer ran its first step on 16
@@ -35,7 +36,8 @@ class PredictorGate:
         self.name = f"gated-{policy.name}"
 
     def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
-        """The wrapped policy's plan, if it beats doing nothing (and the rival's plan)."""
+        """The wrapped policy's plan, if it beats doing nothing -- or the rival's, if
+        that is predicted better still."""
         plan = self.policy.decide(graph, trigger)
         if not plan:
             return plan
@@ -47,7 +49,9 @@ class PredictorGate:
         if self.rival is not None:
             other = self.rival.decide(graph, trigger)
             if other and score_plan(graph, self.predictor, other, before) < after:
-                return EMPTY_PLAN  # the rival, later in the chain, does better
+                # Committed here: returning nothing would let the policies between
+                # this rule and its rival decide instead.
+                return other
         return msgspec.structs.replace(
             plan,
             reason=f"{plan.reason}: predicted {base:.1f}s -> {after:.1f}s",
