@@ -198,14 +198,8 @@ def rollout_graph(max_running: int) -> Hypergraph:
     return Hypergraph(spec, num_devices=2, placement=placement)
 
 
-@pytest.mark.parametrize(("running", "observed"), [(8, True), (4, True), (3, False)])
-def test_the_rollout_is_observed_only_while_its_engines_are_at_least_half_full(
-    running: int, observed: bool
-) -> None:
-    # Two engines of 8 slots: with fewer than 8 requests running in all, it is the
-    # tail, whose long contexts the decode-step model would read as a large b.
-    g = rollout_graph(max_running=8)
-    controller, clock, predictor = observing_controller(g)
+def report(controller: Controller, running: int) -> None:
+    """Both engines report ``running`` requests, each making 100 tokens/s."""
     for i in range(2):
         controller.handle(
             ev.EngineStats(
@@ -216,6 +210,38 @@ def test_the_rollout_is_observed_only_while_its_engines_are_at_least_half_full(
                 gen_tokens_per_s=100.0 * running,
             )
         )
+
+
+@pytest.mark.parametrize(("running", "observed"), [(8, True), (4, True), (3, False)])
+def test_the_rollout_is_observed_only_while_its_engines_are_at_least_half_full(
+    running: int, observed: bool
+) -> None:
+    # Two engines of 8 slots: with fewer than 8 requests running in all, it is the
+    # tail, whose long contexts the decode-step model would read as a large b.
+    g = rollout_graph(max_running=8)
+    controller, clock, predictor = observing_controller(g)
+    clock.advance(1.0)
+    report(controller, running)  # its first window: the meter starts
+    clock.advance(g.components[ROLLOUT].work_rate.tau_s)
+    report(controller, running)
     controller._observe_tick(clock.now())
     seen = predictor.predict(ROLLOUT, 2, 2 * running).num_observations
     assert seen == (1 if observed else 0)
+
+
+def test_a_resized_rollout_is_observed_again_only_after_the_meters_time_constant() -> None:
+    # Just resized, its engines re-prefill the requests moved to them: a slow window
+    # the fit would read as a large per-request cost.
+    g = rollout_graph(max_running=8)
+    controller, clock, predictor = observing_controller(g)
+    tau = g.components[ROLLOUT].work_rate.tau_s
+    clock.advance(1.0)
+    report(controller, 8)  # its first window since it started (or was resized)
+    clock.advance(tau / 2)
+    report(controller, 8)
+    controller._observe_tick(clock.now())
+    assert predictor.predict(ROLLOUT, 2, 16).num_observations == 0
+    clock.advance(tau / 2)
+    report(controller, 8)
+    controller._observe_tick(clock.now())
+    assert predictor.predict(ROLLOUT, 2, 16).num_observations == 1

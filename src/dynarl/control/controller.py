@@ -311,7 +311,11 @@ class Controller:
                 rate = sum(n.gen_tokens_per_s for n in active)
                 cap = node.spec.max_load_per_instance
                 if cap and load < _ROLLOUT_MIN_FILL * cap * len(active):
-                    # The tail: see _ROLLOUT_MIN_FILL.
+                    continue  # the tail: see _ROLLOUT_MIN_FILL
+                if node.work_rate.age(now) < node.work_rate.tau_s:
+                    # Resized within the meter's time constant: its engines are still
+                    # re-prefilling the requests moved to them, and the fit would take
+                    # the stall for a per-request cost.
                     continue
                 if load > 0 and rate > 0:
                     self.predictor.observe(cid, devices, load, rate)

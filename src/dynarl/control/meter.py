@@ -39,6 +39,10 @@ class RateMeter:
         window = self.tau_s * (1.0 - math.exp(-span / self.tau_s))
         return decayed / window
 
+    def age(self, time_s: float) -> float:
+        """Seconds since its first work (0 before any)."""
+        return 0.0 if self._start_s is None else max(0.0, time_s - self._start_s)
+
     def reset(self) -> None:
         """Forget all work (a new iteration, a resized component)."""
         self._mass = 0.0
