@@ -1,5 +1,7 @@
 """Scheduling decisions on hand-built states: donors, valid sizes, scoring, modes."""
 
+from typing import Literal
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -159,12 +161,17 @@ def test_actor_takes_the_cluster_at_its_largest_valid_size_once_alone_with_work(
     assert g.components[ACTOR].num_active == 4  # 8 devices, but 8 replicas is not valid
 
 
-def test_rollout_borrows_the_actor_at_iteration_start_and_returns_it_for_the_tail() -> None:
+@pytest.mark.parametrize("phase", ["both", "start", "return"])
+def test_rollout_borrows_the_actor_at_iteration_start_and_returns_it_for_the_tail(
+    phase: Literal["both", "start", "return"],
+) -> None:
     g = make_graph(rollout=2, inference=1, actor=2)
     cfg = SchedulerConfig(borrow_return_fraction=0.25, donor_window_s=2.0)
     policy = RolloutBorrowsActor({ROLLOUT: 2, INFERENCE: 1, ACTOR: 2}, cfg)
+    only = RolloutBorrowsActor({ROLLOUT: 2, INFERENCE: 1, ACTOR: 2}, cfg, phase=phase)
     g.apply(ev.IterationStarted(iteration=0))
     plan = policy.decide(g, tick(0.0, "iteration_start"))
+    assert bool(only.decide(g, tick(0.0, "iteration_start"))) == (phase != "return")
     assert [(m.src, m.dst, len(m.create)) for m in plan.migrations] == [(ACTOR, ROLLOUT, 2)]
     carry_out(g, plan)
     items = enqueue(g, PROMPTS, 8, "p")
@@ -193,6 +200,7 @@ def test_rollout_borrows_the_actor_at_iteration_start_and_returns_it_for_the_tai
     plan = policy.decide(g, tick(8.5))
     assert [(m.src, m.dst) for m in plan.migrations] == [(ROLLOUT, ACTOR)]
     assert sum(len(s.devices) for m in plan.migrations for s in m.create) == 2
+    assert bool(only.decide(g, tick(8.5))) == (phase != "start")
 
 
 ALL_TRIGGERS: list[TriggerKind] = [

@@ -24,8 +24,12 @@ def _dynamic(cfg: SchedulerConfig, predictor: Predictor, baseline: Baseline) -> 
         policies.append(PredictorGate(ActorTakesCluster(), predictor, cfg.min_gain))
     bottleneck = BottleneckPolicy(cfg, predictor)
     if cfg.rollout_borrows_actor:
-        borrow = RolloutBorrowsActor(baseline, cfg)
-        policies.append(PredictorGate(borrow, predictor, cfg.min_gain, rival=bottleneck))
+        # Lending at iteration start is the rule's call; giving the devices back at the
+        # tail competes with the bottleneck policy's plan (see PredictorGate).
+        lend = RolloutBorrowsActor(baseline, cfg, phase="start")
+        give_back = RolloutBorrowsActor(baseline, cfg, phase="return")
+        policies.append(PredictorGate(lend, predictor, cfg.min_gain))
+        policies.append(PredictorGate(give_back, predictor, cfg.min_gain, rival=bottleneck))
     policies.append(StarvedStage())
     policies.append(RebalanceTail(cfg, predictor))
     policies.append(bottleneck)

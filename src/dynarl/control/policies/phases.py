@@ -12,6 +12,8 @@
   hold, at its largest valid data-parallel size.
 """
 
+from typing import Literal
+
 from dynarl.control.config import SchedulerConfig
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
@@ -22,13 +24,26 @@ from dynarl.control.scoring import demands
 
 
 class RolloutBorrowsActor:
-    """Lend the actor's devices to rollout at iteration start; return them for the tail."""
+    """Lend the actor's devices to rollout at iteration start; return them for the tail.
+
+    ``phase`` limits it to the lending (``"start"``) or the return (``"return"``), so
+    a chain can gate the two differently.
+    """
 
     name = "rollout-borrows-actor"
 
-    def __init__(self, baseline: Baseline, cfg: SchedulerConfig) -> None:
+    def __init__(
+        self,
+        baseline: Baseline,
+        cfg: SchedulerConfig,
+        *,
+        phase: Literal["start", "return", "both"] = "both",
+    ) -> None:
         self.baseline = dict(baseline)
         self.cfg = cfg
+        self.phase = phase
+        if phase != "both":
+            self.name = f"rollout-borrows-actor-{phase}"
 
     def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
         """Borrow on ``iteration_start`` (or when the batch arrives at a rollout
@@ -43,6 +58,8 @@ class RolloutBorrowsActor:
         starting = trigger.kind == "iteration_start" or (
             trigger.kind == "work_arrived" and trigger.component == rollout
         )
+        if (self.phase == "start" and not starting) or (self.phase == "return" and starting):
+            return EMPTY_PLAN  # the other phase's trigger
         if starting:
             # The actor has nothing to train until a minibatch arrives. (The batch's
             # requests arrive just after ``iteration_start``; if rollout holds no
