@@ -22,23 +22,28 @@ E0 = InstanceId("rollout-0")
 E1 = InstanceId("rollout-1")
 
 
-def progress_to(
-    g: Hypergraph, tokens_per_request: float, pending: int, t0: float, engine: InstanceId = E0
+def report(
+    g: Hypergraph, running: int, tokens_per_s: float, t: float, engine: InstanceId = E0
 ) -> None:
-    """``engine`` reports generating ``tokens_per_request`` per pending request over 1 s."""
-    g.apply(
-        ev.EngineStats(instance=engine, kv_usage=0.1, num_running=pending, num_queued=0, time_s=t0)
-    )
+    """``engine`` reports ``running`` requests and ``tokens_per_s`` since its last report."""
     g.apply(
         ev.EngineStats(
             instance=engine,
             kv_usage=0.1,
-            num_running=pending,
+            num_running=running,
             num_queued=0,
-            gen_tokens_per_s=tokens_per_request * pending,
-            time_s=t0 + 1.0,
+            gen_tokens_per_s=tokens_per_s,
+            time_s=t,
         )
     )
+
+
+def progress_to(
+    g: Hypergraph, tokens_per_request: float, pending: int, t0: float, engine: InstanceId = E0
+) -> None:
+    """``engine`` reports generating ``tokens_per_request`` per pending request over 1 s."""
+    report(g, pending, 0.0, t0, engine)
+    report(g, pending, tokens_per_request * pending, t0 + 1.0, engine)
 
 
 def test_expected_remaining_is_the_survivors_mean_less_the_progress() -> None:
@@ -196,16 +201,7 @@ def test_the_longest_is_refreshed_each_second_or_when_the_pending_count_moves() 
         g.apply(ev.ItemRouted(edge=PROMPTS, item=item, instance=E0))
     progress_to(g, 1000.0, 10, t0=0.0)
     assert expected_longest_remaining(g, ROLLOUT) == pytest.approx(3000.0)
-    g.apply(
-        ev.EngineStats(
-            instance=E0,
-            kv_usage=0.1,
-            num_running=10,
-            num_queued=0,
-            gen_tokens_per_s=10 * 500.0 / 0.5,
-            time_s=1.5,
-        )
-    )
+    report(g, 10, 10 * 500.0 / 0.5, 1.5)
     assert expected_longest_remaining(g, ROLLOUT) == pytest.approx(3000.0)  # 0.5 s later
     g.apply(ev.ItemCompleted(edge=PROMPTS, item=ids[0], instance=E0, num_tokens=1500, time_s=1.5))
     assert expected_longest_remaining(g, ROLLOUT) == pytest.approx(2500.0)  # 10% fewer pending
@@ -223,16 +219,7 @@ def test_requests_queued_inside_an_engine_make_no_progress_and_the_sum_is_what_i
     progress_to(g, 100.0, 2, t0=0.0)  # two run (a and b, the first routed); c waits
     assert pending_progress(g, ROLLOUT) == pytest.approx([0.0, 100.0, 100.0])
     # KV runs short: one is preempted; the 60 tokens of the window still sum exactly.
-    g.apply(
-        ev.EngineStats(
-            instance=E0,
-            kv_usage=0.9,
-            num_running=1,
-            num_queued=2,
-            gen_tokens_per_s=60.0,
-            time_s=2.0,
-        )
-    )
+    report(g, 1, 60.0, 2.0)
     assert sum(pending_progress(g, ROLLOUT)) == pytest.approx(260.0)
     assert mean_progress(g, ROLLOUT) == pytest.approx(260.0 / 3)
     g.apply(ev.ItemCompleted(edge=PROMPTS, item=a, instance=E0, num_tokens=130, time_s=2.0))
