@@ -201,8 +201,7 @@ class HyperNode:
         self.lengths_iter: list[int] = []
         self.lengths_prev: list[int] = []
         self.lengths_prev_suffix: list[float] = []
-        # This iteration only: tokens generated (from engine reports) and completed.
-        self.tokens_generated_iter = 0.0
+        # This iteration only: tokens and requests completed.
         self.tokens_completed_iter = 0
         self.items_completed_iter = 0
         self.steps_done = 0

@@ -180,7 +180,6 @@ class Hypergraph:
         for node in self.components.values():
             node.steps_done = 0
             node.num_steps = 0
-            node.tokens_generated_iter = 0.0
             node.tokens_completed_iter = 0
             node.items_completed_iter = 0
             node.max_tokens_completed = max(node.max_tokens_completed, node.max_tokens_iter)
@@ -345,7 +344,6 @@ class Hypergraph:
             # Tokens generated since the last report, at the rate of this one, by the
             # requests running over the window (between the two reports' counts).
             tokens = e.gen_tokens_per_s * max(0.0, e.time_s - node.last_stats_s)
-            hn.tokens_generated_iter += tokens
             hn.work_rate.add(e.time_s, tokens)
             # Those that ran in the window: at least the running of either report.
             node.start_oldest(max(node.num_running, e.num_running))
