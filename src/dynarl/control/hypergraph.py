@@ -343,7 +343,7 @@ class Hypergraph:
         if e.time_s > node.last_stats_s:
             # Tokens generated since the last report, at the rate of this one, by the
             # requests running over the window (between the two reports' counts).
-            tokens = e.gen_tokens_per_s * max(0.0, e.time_s - node.last_stats_s)
+            tokens = e.gen_tokens_per_s * (e.time_s - node.last_stats_s)
             hn.work_rate.add(e.time_s, tokens)
             # Those that ran in the window: at least the running of either report.
             node.start_oldest(max(node.num_running, e.num_running))
