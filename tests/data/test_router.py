@@ -2,7 +2,9 @@
 input and backpressure. Every event goes through a real hypergraph, which rejects an
 inconsistent one."""
 
+import functools
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 import anyio
 import msgspec
@@ -34,6 +36,34 @@ FAST = RouterConfig(heartbeat_interval_s=0.05, liveness_timeout_s=2.0)
 
 def _encode(msg: msgspec.Struct) -> bytes:
     return msgspec.msgpack.encode(msg)
+
+
+async def hold_until_aborted(
+    link: WorkerLink, *, num_tokens: int = 0, taken: set[str] | None = None
+) -> None:
+    """Hold every item until the controller asks for it back, then hand it back with
+    its partial output: ``num_tokens`` generated tokens (an ``x`` byte each). The ids
+    of the items it received go into ``taken``."""
+    held: list[wire.Item] = []
+    try:
+        while True:
+            received = link.receive_nowait()
+            held += received
+            if taken is not None:
+                taken.update(it.id for it in received)
+            for it in [h for h in held if link.abort_requested(h.id)]:
+                held.remove(it)
+                link.complete(
+                    ItemResult(
+                        item=it.id,
+                        status="aborted",
+                        payload=b"partial:" + it.payload + b"x" * num_tokens,
+                        num_tokens=num_tokens,
+                    )
+                )
+            await anyio.sleep(0.005)
+    except PeerLostError:
+        pass
 
 
 async def test_every_item_completes_exactly_once_on_every_transport(net: Net) -> None:
@@ -240,20 +270,6 @@ async def test_a_session_moves_when_its_engine_has_no_room(inproc: Net) -> None:
 
 
 async def test_drain_reroutes_queued_and_in_flight_items(inproc: Net) -> None:
-    async def hold_until_aborted(link: WorkerLink) -> None:
-        held: list[wire.Item] = []
-        try:
-            while True:
-                held += link.receive_nowait()
-                for it in [h for h in held if link.abort_requested(h.id)]:
-                    held.remove(it)
-                    link.complete(
-                        ItemResult(item=it.id, status="aborted", payload=b"partial:" + it.payload)
-                    )
-                await anyio.sleep(0.005)
-        except PeerLostError:
-            pass
-
     async with cluster(inproc, [], all_instances=["w0", "w1"]) as c:
         c.add_worker("w0", capacity=2, serve=hold_until_aborted)
         await c.router.wait_for_instances(1)
@@ -280,6 +296,74 @@ async def test_drain_reroutes_queued_and_in_flight_items(inproc: Net) -> None:
     assert len(partial) == 2 and all(d.item.instance == "w0" for d in partial)
     requeued = [i for e in c.graph.of(ev.ItemsRequeued) for i in e.items]
     assert sorted(requeued) == sorted(f"i{k}" for k in range(6))
+    c.graph.check()
+
+
+async def test_requeued_items_carry_the_tokens_they_generated(inproc: Net) -> None:
+    taken: dict[str, set[str]] = {"w0": set(), "w1": set()}
+
+    def holder(name: str, num_tokens: int) -> Callable[[WorkerLink], Awaitable[None]]:
+        return functools.partial(hold_until_aborted, num_tokens=num_tokens, taken=taken[name])
+
+    async with cluster(inproc, [], all_instances=["w0", "w1", "w2"]) as c:
+        c.add_worker("w0", capacity=1, serve=holder("w0", 5))
+        await c.router.wait_for_instances(1)
+        await c.router.submit([item(k) for k in range(3)])
+        await wait_until(lambda: taken["w0"] == {"i0"})  # the worker runs i0
+        # Draining w0 takes i1 and i2 back from its queue before they ran and aborts
+        # i0, which generated 5 tokens there; all three queue on w1, i1 first.
+        c.add_worker("w1", capacity=1, serve=holder("w1", 7))
+        await c.router.wait_for_instances(2)
+        with anyio.fail_after(5):
+            await c.router.drain(InstanceId("w0"))
+        await wait_until(lambda: taken["w1"] == {"i1"})
+        # Draining w1 takes back i2 (fresh) and i0 (aborted once, with its 5 tokens)
+        # from its queue and aborts i1 after 7 tokens; w2 finishes all three.
+        c.add_worker("w2")
+        await c.router.wait_for_instances(3)
+        with anyio.fail_after(5):
+            await c.router.drain(InstanceId("w1"))
+        done = await c.collect(3)
+    requeued = [(e.items, e.generated) for e in c.graph.of(ev.ItemsRequeued)]
+    assert requeued == [
+        (("i1", "i2"), (0, 0)),
+        (("i0",), (5,)),
+        (("i2", "i0"), (0, 5)),
+        (("i1",), (7,)),
+    ]
+    # Each count is the length of the partial output the item was routed again with.
+    assert {d.item.id: d.item.payload.count(b"x") for d in done} == {"i0": 5, "i1": 7, "i2": 0}
+    # Completion counts every token of the request, as the requeues did (w2 adds one).
+    completed = {e.item: e.num_tokens for e in c.graph.of(ev.ItemCompleted)}
+    assert completed == {"i0": 6, "i1": 8, "i2": 1}
+    c.graph.check()
+
+
+async def test_a_requeued_session_counts_the_tokens_of_every_turn(inproc: Net) -> None:
+    async def tool_call_then_hold(link: WorkerLink) -> None:
+        # Turn 1 generates 4 tokens and calls a tool; turn 2 is aborted after 3.
+        [first] = await link.receive()
+        link.complete(ItemResult(item=first.id, status="tool_call", payload=b"xxxx", num_tokens=4))
+        await hold_until_aborted(link, num_tokens=3)
+
+    async with cluster(inproc, [], all_instances=["w0", "w1"]) as c:
+        c.add_worker("w0", serve=tool_call_then_hold)
+        await c.router.wait_for_instances(1)
+        await c.router.submit([item(0, affinity="prefer")])
+        [turn] = await c.collect(1)
+        assert turn.result.status == "tool_call"
+        await c.router.resume(turn.item.id, turn.result.payload + b"+tool")
+        await wait_until(lambda: c.links["w0"].statistics().num_held == 1)
+        c.add_worker("w1")
+        await c.router.wait_for_instances(2)
+        with anyio.fail_after(5):
+            await c.router.drain(InstanceId("w0"))
+        [done] = await c.collect(1)
+    assert done.instance == "w1" and done.item.payload.count(b"x") == 7
+    [requeued] = c.graph.of(ev.ItemsRequeued)
+    assert (requeued.items, requeued.generated) == (("i0",), (7,))
+    [completed] = c.graph.of(ev.ItemCompleted)
+    assert completed.num_tokens == 8
     c.graph.check()
 
 

@@ -5,6 +5,11 @@ frames arrive. An item is pending from submission to completion and is in exactl
 place: the backlog (no instance can take it now), an instance's request queue, in
 flight on that instance's worker, or out on a tool call. Every move is reported as a
 control-plane event, in an order the hypergraph accepts (see :mod:`dynarl.data.router`).
+
+It also adds up the tokens each item's results report (``ItemResult.num_tokens``: what
+one instance generated for it, on top of any partial output it resumed from), so that
+``ItemsRequeued`` and ``ItemCompleted`` carry a request's whole output so far, every
+turn's and every instance's: the counts the hypergraph keeps per request.
 """
 
 import logging
@@ -59,6 +64,9 @@ class Placement:
         self.pending: set[ItemId] = set()
         self.in_tool: dict[ItemId, wire.Item] = {}
         self.backlog: deque[wire.Item] = deque()
+        self.generated_tokens: dict[ItemId, int] = {}
+        """Tokens each pending item's aborted and tool-call results reported: the
+        length of the partial output it carries (absent: none)."""
         self.held: set[InstanceId] = set()
         """Instances that start drained when they join (see ``Router.hold``)."""
         self.num_routed = 0
@@ -164,6 +172,7 @@ class Placement:
         item = w.in_flight.pop(r.item, None)
         if item is None:
             raise RoutingError(f"{w.instance!r} returned {r.item!r}, which it does not hold")
+        generated = self.generated_tokens.pop(item.id, 0) + r.num_tokens
         if r.status == "done":
             self.pending.discard(item.id)
             self.num_completed += 1
@@ -173,10 +182,12 @@ class Placement:
                     edge=item.edge,
                     item=item.id,
                     instance=w.instance,
-                    num_tokens=r.num_tokens,
+                    num_tokens=generated,
                 )
             )
             return Completion(item=item, result=r, instance=w.instance)
+        if generated:
+            self.generated_tokens[item.id] = generated
         served = msgspec.structs.replace(
             item, payload=r.payload, instance=w.instance, prefix_tokens=r.prefix_tokens
         )
@@ -227,12 +238,16 @@ class Placement:
                 misses = 0
 
     def _requeue(self, items: list[wire.Item], now: float) -> None:
-        """Report items taken back from an instance and route them again."""
+        """Report items taken back from an instance, each with the tokens of the
+        partial output it keeps, and route them again."""
         by_edge: dict[EdgeId, list[ItemId]] = {}
         for item in items:
             by_edge.setdefault(item.edge, []).append(item.id)
         for edge, ids in by_edge.items():
-            self.emit(ev.ItemsRequeued(time_s=now, edge=edge, items=tuple(ids)))
+            generated = tuple(self.generated_tokens.get(i, 0) for i in ids)
+            self.emit(
+                ev.ItemsRequeued(time_s=now, edge=edge, items=tuple(ids), generated=generated)
+            )
         self.num_requeued += len(items)
         for item in items:
             self._place(item, now)

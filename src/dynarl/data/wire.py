@@ -63,9 +63,10 @@ class ItemResult(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """What a worker hands back for one item.
 
     ``payload`` is the output (for ``aborted``: the partial output, which replaces the
-    item's payload when it is routed again); ``num_tokens`` is the work done
-    (generated tokens for rollout); ``prefix_tokens`` the context the engine now holds
-    cached for it (its reusable KV prefix).
+    item's payload when it is routed again); ``num_tokens`` is the work this instance
+    did for it (for rollout, the tokens it generated, not those of a partial output the
+    item resumed from: the router adds up every result's); ``prefix_tokens`` the context
+    the engine now holds cached for it (its reusable KV prefix).
     """
 
     item: ItemId
