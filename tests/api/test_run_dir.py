@@ -18,6 +18,7 @@ from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides, dump_config
 from dynarl.api.pipeline import build_hypergraph
 from dynarl.api.run_dir import RunDirectory
+from dynarl.core.ids import DeviceId
 from dynarl.obs.metrics import (
     IterationStats,
     MetricsWriter,
@@ -176,3 +177,31 @@ def test_timeline_lines_round_trip(tmp_path: Path) -> None:
     ]
     write_lines(tmp_path / "t.jsonl", lines)
     assert read_timeline(tmp_path / "t.jsonl") == lines
+
+
+def test_a_device_that_arrives_and_leaves_at_one_instant_keeps_one_interval() -> None:
+    # A device that finished one move and started the next at the same instant held
+    # its new component for no time: its "migrating" interval goes on, not split in two.
+    cfg = apply_overrides(
+        DynaRLConfig(),
+        ["cluster.num_devices=2", "rollout.initial_devices=1", "inference.initial_devices=0"],
+    )
+    graph, _ = build_hypergraph(cfg, now_s=0.0)
+    script = {0: ["migrating", "actor", "migrating", "rollout"], 1: ["actor"] * 4}
+
+    class Scripted(TimelineRecorder):
+        step = 0
+
+        def _label(self, d: DeviceId) -> str:
+            return script[d][self.step - 1] if self.step else "rollout"
+
+    recorder = Scripted(graph, run="m")
+    for step, t in enumerate((1.0, 2.0, 2.0, 5.0), start=1):
+        recorder.step = step
+        recorder._refresh(t)
+    recorder.close(6.0)
+    spans = sorted(
+        (iv.start_s, iv.end_s, iv.component) for iv in recorder.intervals if iv.device == 0
+    )
+    assert spans == [(0.0, 1.0, "rollout"), (1.0, 5.0, "migrating"), (5.0, 6.0, "rollout")]
+    assert sum(iv.end_s - iv.start_s for iv in recorder.intervals) == pytest.approx(12.0)

@@ -198,35 +198,51 @@ def rollout_graph(max_running: int) -> Hypergraph:
     return Hypergraph(spec, num_devices=2, placement=placement)
 
 
-def report(controller: Controller, running: int) -> None:
-    """Both engines report ``running`` requests, each making 100 tokens/s."""
+def report(controller: Controller, running: int, context: int = 1000) -> None:
+    """Both engines report ``running`` requests holding ``context`` tokens each, at
+    the rate a decode step of ``STEP_A + (STEP_B + STEP_C * context) * running``
+    seconds gives."""
+    step = STEP_A + (STEP_B + STEP_C * context) * running
     for i in range(2):
         controller.handle(
             ev.EngineStats(
                 instance=InstanceId(f"rollout-{i}"),
-                kv_usage=0.5,
+                kv_usage=min(1.0, running * context / 100_000),
                 num_running=running,
                 num_queued=0,
-                gen_tokens_per_s=100.0 * running,
+                gen_tokens_per_s=running / step,
+                kv_tokens=running * context,
             )
         )
 
 
-@pytest.mark.parametrize(("running", "observed"), [(8, True), (4, True), (3, False)])
-def test_the_rollout_is_observed_only_while_its_engines_are_at_least_half_full(
-    running: int, observed: bool
-) -> None:
-    # Two engines of 8 slots: with fewer than 8 requests running in all, it is the
-    # tail, whose long contexts the decode-step model would read as a large b.
-    g = rollout_graph(max_running=8)
+STEP_A, STEP_B, STEP_C = 0.02, 1e-4, 1e-7
+
+
+def test_the_rollout_is_observed_at_its_context_so_the_tail_does_not_skew_the_bulk() -> None:
+    # A full batch at short contexts, then the tail: few requests, long contexts. The
+    # fit learns what a token of context costs; its prediction of the next full batch
+    # stays right after the tail (a model without context read the tail as a large
+    # per-request cost and predicted the next rollout several times too slow).
+    g = rollout_graph(max_running=64)
     controller, clock, predictor = observing_controller(g)
     clock.advance(1.0)
-    report(controller, running)  # its first window: the meter starts
-    clock.advance(g.components[ROLLOUT].work_rate.tau_s)
-    report(controller, running)
-    controller._observe_tick(clock.now())
-    seen = predictor.predict(ROLLOUT, 2, 2 * running).num_observations
-    assert seen == (1 if observed else 0)
+    report(controller, 64, 500)  # its first window: the meter starts
+    tau = g.components[ROLLOUT].work_rate.tau_s
+    for running, context in [(64, 500), (64, 1000), (48, 2000), (32, 4000)] + [
+        (n, 8000 + 1000 * n) for n in (16, 8, 4, 2, 1, 1, 1, 1)
+    ]:
+        clock.advance(tau)
+        report(controller, running, context)
+        controller._observe_tick(clock.now())
+    costs = predictor.step_costs(ROLLOUT)
+    assert costs is not None
+    assert costs.a == pytest.approx(STEP_A, rel=0.02)
+    assert costs.per_token(1000) == pytest.approx(STEP_B + STEP_C * 1000, rel=0.05)
+    truth = 128 / (STEP_A + (STEP_B + STEP_C * 500) * 64)
+    assert predictor.predict(ROLLOUT, 2, 128, context=500).throughput == pytest.approx(
+        truth, rel=0.02
+    )
 
 
 def test_a_resized_rollout_is_observed_again_only_after_the_meters_time_constant() -> None:

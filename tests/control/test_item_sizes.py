@@ -233,12 +233,37 @@ def arrival_state(*, arrival_order: bool, sizes: bool = True) -> Hypergraph:
 def test_steps_in_arrival_order_put_the_long_late_samples_in_the_last_step() -> None:
     g = arrival_state(arrival_order=True)
     d = demands(g)[ACTOR]
-    # 8 samples in 4 steps of 2: the trainer's own 3 (100 each on average), then
-    # inference's 3 (400 each), then rollout's 2 (50 + 2000 each).
-    assert d.steps == pytest.approx((200.0, 100.0 + 400.0, 800.0, 4100.0))
+    # 8 samples (each its own group) in 4 steps of 2: the trainer's own 3, then
+    # inference's 3, then rollout's 2 (50 + 2000 each, the prior's expected length).
+    assert d.steps == pytest.approx((80.0 + 100.0, 120.0 + 300.0, 400.0 + 500.0, 4100.0))
     assert all(a < b for a, b in zip(d.steps, d.steps[1:], strict=False))
     assert sum(d.steps) == pytest.approx(d.work)
     assert d.steps[-1] > d.work / 4  # far above the equal share (d.tail)
+    # When each step's last sample arrives (a share of the time until inference ends):
+    # here; inference's arrive evenly in work over it; a request still in rollout ends
+    # at the median of the rollout's remaining time (no lengths seen yet: uniform).
+    upstream = 1200.0 + 4100.0
+    assert d.ready == pytest.approx((0.0, 300.0 / upstream, 1200.0 / upstream, 9 / 16))
+
+
+def test_a_step_waits_for_the_last_request_of_each_of_its_groups() -> None:
+    g = sized_graph(actor_steps=2, arrival_order=True, expected_tokens=2000.0)
+    group = {"a0": "A", "a1": "A", "b0": "B", "b1": "B", "c0": "C", "c1": "C"}
+
+    def enqueue(edge: EdgeId, names: list[str]) -> None:
+        refs = tuple(ev.ItemRef(ItemId(n), GroupId(group[n]), 100) for n in names)
+        g.apply(ev.ItemsEnqueued(edge=edge, items=refs))
+
+    enqueue(PROMPTS, ["b1", "c0", "c1"])
+    enqueue(TO_ACTOR, ["a0", "a1", "b0"])
+    d = demands(g)[ACTOR]
+    # Three samples are here, a minibatch's worth, but group B's other request is in
+    # rollout: the first step trains A and B, and starts when b1 ends.
+    assert len(d.steps) == 2
+    assert d.steps[0] == pytest.approx(300.0 + 100.0 + 2000.0)
+    assert d.ready[0] == pytest.approx(9 / 16)  # b1: the median of one request
+    # The second waits for both of C's: the median of the later of two.
+    assert d.ready[1] == pytest.approx((int(0.5**0.5 * 16) + 1) / 16)
 
 
 def test_without_arrival_order_or_sizes_the_steps_are_equal() -> None:

@@ -11,23 +11,27 @@ from dynarl.control import events as ev
 from dynarl.control.config import SchedulerConfig
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.modes import make_policy
-from dynarl.control.policies.bottleneck import BottleneckPolicy
+from dynarl.control.planner import PlanBuilder
+from dynarl.control.policies.bottleneck import BottleneckPolicy, _amounts
 from dynarl.control.policies.colocated import ColocatedPolicy
+from dynarl.control.policies.donors import spare_engines, underused_engines
 from dynarl.control.policies.phases import ActorTakesCluster, RolloutBorrowsActor
 from dynarl.control.policies.rlhfuse import RlhfusePolicy
-from dynarl.control.predictor import Predictor
+from dynarl.control.predictor import Predictor, PrefillCost, Profile
 from dynarl.control.scheduler import Trigger, TriggerKind
-from dynarl.control.scoring import remaining_time
+from dynarl.control.scoring import remaining_time, score_plan
 from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT, TO_ACTOR, TO_INFERENCE
 from dynarl.core.ids import EdgeId, GroupId, InstanceId, ItemId
 
 from .graphs import carry_out, make_graph
 
 
-def predictor_for(graph: Hypergraph, *, actor_rate: float = 10.0) -> Predictor:
+def predictor_for(
+    graph: Hypergraph, *, actor_rate: float = 10.0, profile: Profile | None = None
+) -> Predictor:
     """A predictor fitted to a known world: decode step 20 ms + 0.5 ms per sequence per
     device; inference 100 and actor ``actor_rate`` items/s per device."""
-    p = Predictor({c: n.spec.scaling for c, n in graph.components.items()})
+    p = Predictor({c: n.spec.scaling for c, n in graph.components.items()}, profile=profile)
     for n in (1, 2, 4, 8):
         for load in (1, 8, 64):
             p.observe(ROLLOUT, n, load, load / (0.02 + 0.0005 * load / n))
@@ -72,18 +76,35 @@ def tick(t: float, kind: TriggerKind = "tick") -> Trigger:
     return Trigger(kind=kind, time_s=t)
 
 
-def test_rollout_donates_only_after_T_seconds_below_u_low_on_more_than_theta() -> None:
+def test_engines_are_under_used_only_after_T_seconds_below_u_low_on_more_than_theta() -> None:
     cfg = SchedulerConfig(theta=0.7, donor_window_s=4.0, u_low=0.2)
     g = tail_state(low_engines=4)
-    policy = BottleneckPolicy(cfg, predictor_for(g))
-    assert not policy.decide(g, tick(3.9))  # 4/5 low, but not yet for T seconds
-    plan = policy.decide(g, tick(4.0))
+    assert underused_engines(g, ROLLOUT, cfg, 3.9) == 0  # 4/5 low, not yet for T seconds
+    assert underused_engines(g, ROLLOUT, cfg, 4.0) == 4
+    g = tail_state(low_engines=3)  # 60% low: not more than theta
+    assert underused_engines(g, ROLLOUT, cfg, 100.0) == 0
+
+
+def test_spare_engines_are_those_the_requests_do_not_need_packed_to_70_percent() -> None:
+    g = tail_state(low_engines=4)  # KV usage 4 x 0.05 + 0.6 = 0.8 engines' worth
+    assert spare_engines(g, ROLLOUT) == 5 - 2
+    g = tail_state(low_engines=0)  # 5 x 0.6: all five are needed
+    assert spare_engines(g, ROLLOUT) == 0
+    g = tail_state(low_engines=4)
+    enqueue(g, PROMPTS, 1, "waiting")  # a request waits for a slot: none to spare
+    assert spare_engines(g, ROLLOUT) == 0
+
+
+def test_a_rollout_gives_the_engines_its_requests_do_not_need_when_it_pays() -> None:
+    cfg = SchedulerConfig(theta=0.7, donor_window_s=4.0, u_low=0.2)
+    g = tail_state(low_engines=4)
+    plan = BottleneckPolicy(cfg, predictor_for(g)).decide(g, tick(1.0))  # before T
     assert plan and all(m.src == ROLLOUT and m.dst == ACTOR for m in plan.migrations)
     drained = {i for m in plan.migrations for i in m.drain}
     assert drained <= {InstanceId(f"rollout-{k}") for k in range(4)}  # never the busy one
+    assert len(drained) <= 3
     assert plan.score_after < plan.score_before
-
-    g = tail_state(low_engines=3)  # 60% low: not more than theta
+    g = tail_state(low_engines=0)  # every engine needed, none under-used
     assert not BottleneckPolicy(cfg, predictor_for(g)).decide(g, tick(100.0))
 
 
@@ -271,3 +292,44 @@ def test_modes_are_a_table_of_policies() -> None:
             msgspec.structs.replace(SchedulerConfig(), mode=mode), predictor_for(g), {}
         )
         assert policy.name == mode
+
+
+def test_a_donor_is_offered_one_half_all_then_halvings() -> None:
+    # A 26-engine rollout's best move may be 4 engines, between one and half; the first
+    # three stay one, half and all, which a small candidate budget must not crowd out.
+    assert _amounts(26) == [1, 13, 26, 6, 3]
+    assert _amounts(8) == [1, 4, 8, 2]
+    assert _amounts(1) == [1]
+
+
+def test_a_donor_is_charged_the_re_prefill_of_the_requests_it_moves() -> None:
+    # Moving two of five tail engines sends their requests (40 tokens generated each)
+    # to the three kept engines, which stall to re-prefill them: the rollout (here the
+    # last to finish: the actor is fast) loses at least the migration's flat cost,
+    # more when the contexts are dear to prefill.
+    g = tail_state(low_engines=4)
+    for k in range(5):  # a second of decoding at 40 tokens/s
+        usage = 0.05 if k < 4 else 0.6
+        g.apply(
+            ev.EngineStats(
+                instance=InstanceId(f"rollout-{k}"),
+                kv_usage=usage,
+                num_running=1,
+                num_queued=0,
+                gen_tokens_per_s=40.0,
+                time_s=1.0,
+            )
+        )
+    before = {c: n.num_active_devices for c, n in g.components.items()}
+    builder = PlanBuilder(g)
+    assert builder.move(ROLLOUT, ACTOR, drain=2)
+    plan = builder.build("move two engines")
+    cheap = predictor_for(g, actor_rate=1e6)
+    dear_prefill = PrefillCost(s_per_token=3.0, s_per_token_context=0.0, kv_capacity_tokens=1e6)
+    dear = predictor_for(g, actor_rate=1e6, profile=Profile(prefill={ROLLOUT: dear_prefill}))
+    stall = 2 * dear_prefill.seconds(40) / 3  # two requests re-prefilled on three engines
+    assert stall > dear.migration_cost("workload")
+    flat = score_plan(g, cheap, plan, before)
+    assert score_plan(g, dear, plan, before) == pytest.approx(
+        flat - cheap.migration_cost("workload") + stall, rel=0.05
+    )

@@ -97,7 +97,52 @@ def test_at_the_tail_a_request_runs_on_one_engine_not_on_a_share_of_all() -> Non
     for engines in (8, 16, 32) * 10:  # enough data that the fit's ridge is negligible
         for load in (1, 4, 16, 64, 512):
             p.observe(R, 2 * engines, load, world(engines, load))
-    a, b = p.step_costs(R) or (0.0, 0.0)
-    assert a == pytest.approx(0.02, rel=0.03) and b == pytest.approx(0.001, rel=0.03)
+    costs = p.step_costs(R)
+    assert costs is not None and costs.c < 1e-9  # observed without context
+    assert costs.a == pytest.approx(0.02, rel=0.03) and costs.b == pytest.approx(0.001, rel=0.03)
     assert p.predict(R, 64, 4).throughput == pytest.approx(world(32, 4), rel=1e-2)
     assert p.predict(R, 64, 512).throughput == pytest.approx(world(32, 512), rel=1e-2)
+
+
+def test_a_rollout_observed_at_several_contexts_yields_each_step_cost() -> None:
+    """A step of ``load`` requests holding ``ctx`` tokens each costs ``a + (b + c *
+    ctx) * load / devices``: the fit separates the cost per request from the cost per
+    token of context, and predicts a context it never saw."""
+
+    def world(devices: int, load: int, ctx: float) -> float:
+        return load / (0.01 + (2e-4 + 5e-8 * ctx) * load / min(devices, load))
+
+    p = Predictor({R: "concave"})
+    for devices in (4, 8, 16) * 10:
+        for load in (1, 8, 64, 256):
+            for ctx in (500.0, 2000.0, 8000.0):
+                p.observe(R, devices, load, world(devices, load, ctx), context=ctx)
+    costs = p.step_costs(R)
+    assert costs is not None
+    assert (costs.a, costs.b, costs.c) == pytest.approx((0.01, 2e-4, 5e-8), rel=0.03)
+    assert p.predict(R, 8, 128, context=20_000.0).throughput == pytest.approx(
+        world(8, 128, 20_000.0), rel=0.02
+    )
+    # Without a context, at the observations' mean one (forgetting-weighted: ~3,500).
+    assert p.predict(R, 8, 128).throughput == pytest.approx(
+        p.predict(R, 8, 128, context=3500.0).throughput, rel=0.01
+    )
+
+
+def test_a_cost_the_data_would_make_negative_is_zero_and_the_others_refit_without_it() -> None:
+    """Steps that get cheaper as contexts grow (prefill stalls fading as a rollout goes
+    on, say) would fit a negative cost per context token: it is fixed at 0 and the
+    other costs are those of the fit without context, not left fitted to it."""
+
+    def world(devices: int, load: int, ctx: float) -> float:
+        return load / (0.01 + (2e-3 - 1e-7 * ctx) * load / min(devices, load))
+
+    seen = [(n, load, ctx) for n in (4, 8, 16) * 5 for load in (8, 64) for ctx in (1e3, 5e3)]
+    with_context, without = Predictor({R: "concave"}), Predictor({R: "concave"})
+    for n, load, ctx in seen:
+        with_context.observe(R, n, load, world(n, load, ctx), context=ctx)
+        without.observe(R, n, load, world(n, load, ctx))
+    costs, plain = with_context.step_costs(R), without.step_costs(R)
+    assert costs is not None and plain is not None
+    assert costs.c < 1e-9
+    assert (costs.a, costs.b) == pytest.approx((plain.a, plain.b), rel=1e-6)

@@ -7,6 +7,8 @@ import pytest
 from dynarl.control import events as ev
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.rollout_lengths import (
+    completion_order,
+    expected_context,
     expected_longest_remaining,
     expected_remaining_tokens,
     mean_progress,
@@ -71,6 +73,33 @@ def test_expected_remaining_is_the_survivors_mean_less_the_progress() -> None:
     progress_to(g, 5000.0, 2, t0=12.0)
     assert expected_remaining_tokens(g, ROLLOUT) == pytest.approx(1.0)
     assert expected_longest_remaining(g, ROLLOUT) >= 1.0
+
+
+def test_the_context_a_remaining_token_reads_weighs_the_long_survivors_most() -> None:
+    g = sized_graph(expected_tokens=1000.0)
+    lengths = [100, 200, 1000, 5000]
+    refs = tuple(ev.ItemRef(ItemId(f"a{k}"), GroupId("g"), 10) for k in range(len(lengths)))
+    g.apply(ev.ItemsEnqueued(edge=PROMPTS, items=refs))
+    for ref, n in zip(refs, lengths, strict=True):
+        g.apply(ev.ItemRouted(edge=PROMPTS, item=ref.id, instance=E0))
+        g.apply(ev.ItemCompleted(edge=PROMPTS, item=ref.id, instance=E0, num_tokens=n))
+    g.apply(ev.IterationStarted(iteration=1, time_s=10.0))
+    refs = (
+        ev.ItemRef(ItemId("b0"), GroupId("h"), 300),
+        ev.ItemRef(ItemId("b1"), GroupId("h"), 100),
+    )
+    g.apply(ev.ItemsEnqueued(edge=PROMPTS, items=refs))
+    for ref in refs:
+        g.apply(ev.ItemRouted(edge=PROMPTS, item=ref.id, instance=E0))
+    progress_to(g, 150.0, 2, t0=10.0)
+    # Survivors past 150 have 50, 850 and 4850 left: a remaining token is on average
+    # half-way into a remainder drawn by its length, E[r^2] / 2E[r].
+    left = [50, 850, 4850]
+    half = sum(r * r for r in left) / (2 * sum(left))
+    assert expected_context(g, ROLLOUT) == pytest.approx(200 + 150 + half)
+    # Past every length seen: as if each had the one token left it is expected to have.
+    progress_to(g, 5000.0, 2, t0=11.0)
+    assert expected_context(g, ROLLOUT) == pytest.approx(200 + 5150 + 0.5)
 
 
 def enqueue(g: Hypergraph, names: list[str], t: float = 0.0) -> list[ItemId]:
@@ -224,3 +253,27 @@ def test_requests_queued_inside_an_engine_make_no_progress_and_the_sum_is_what_i
     assert mean_progress(g, ROLLOUT) == pytest.approx(260.0 / 3)
     g.apply(ev.ItemCompleted(edge=PROMPTS, item=a, instance=E0, num_tokens=130, time_s=2.0))
     g.check()
+
+
+def test_requests_complete_short_remainders_first_and_the_longest_at_the_end() -> None:
+    g = sized_graph()
+    g.max_tokens_per_request = 10_000.0
+    assert completion_order(g, ROLLOUT) is None  # no finished iteration yet
+    finished_iteration(g, [1000 * k for k in range(1, 11)] * 10)  # 1,000 .. 10,000
+    # 32 requests, none started: each ends at one of the lengths seen, equally likely.
+    ids = enqueue(g, [f"p{k}" for k in range(32)], t=10.0)
+    for item in ids:
+        g.apply(ev.ItemRouted(edge=PROMPTS, item=item, instance=E0, time_s=10.0))
+    order = completion_order(g, ROLLOUT)
+    assert order is not None and len(order.time) == len(order.length) == 16
+    assert list(order.time) == sorted(order.time) and order.time[-1] == 1.0
+    assert list(order.length) == sorted(order.length)
+    assert order.length[0] == pytest.approx(1000.0) and order.length[-1] == pytest.approx(10_000.0)
+    # A response of L ends L / longest of the way: the first sixteenth at 1,000 tokens.
+    longest = expected_longest_remaining(g, ROLLOUT)
+    assert order.time[0] == pytest.approx(1000.0 / longest)
+    # 6,000 tokens in, only the lengths past it remain: 7,000 .. 10,000.
+    progress_to(g, 6000.0, 32, t0=10.0)
+    later = completion_order(g, ROLLOUT)
+    assert later is not None and min(later.length) == pytest.approx(7000.0)
+    assert later.time[0] == pytest.approx(1000.0 / expected_longest_remaining(g, ROLLOUT))

@@ -22,7 +22,8 @@ class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             to donate devices.
         donor_window_s: seconds (T) the engines must stay under-used (2-8 s is best).
         tick_s: period of the scheduler's periodic trigger.
-        num_candidates: candidate plans scored per decision (3-10).
+        num_candidates: candidate plans scored per receiving component and decision
+            (3-10).
         min_gain: relative improvement of the predicted remaining iteration time a plan
             must bring, beyond its own migration cost, to be committed.
         rollout_borrows_actor: (dynamic mode) at iteration start, lend the actor's

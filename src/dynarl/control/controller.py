@@ -64,16 +64,6 @@ class ControllerStats(msgspec.Struct, kw_only=True):
     """Wall-clock seconds of the most recent decisions (up to 4096)."""
 
 
-# The rollout is observed only while its engines run at least this share of their
-# request slots. Its model (a decode step costs ``a + b * load / devices``) has no term
-# for context length, while a request's step cost grows with its context (the KV it
-# reads): at the tail, a few requests with the longest contexts cost several times a
-# bulk request each, and the fit would read them as a large ``b`` that mispredicts the
-# next iteration's bulk (on simulated 7B math: b rose 10x over the tail and the next
-# rollout was predicted 3x slower than it ran). The tail's time is ``a`` times its
-# longest response, which the bulk and the profile fit well.
-_ROLLOUT_MIN_FILL = 0.5
-
 _TRIGGERS: dict[type[ev.Event], TriggerKind] = {
     ev.IterationStarted: "iteration_start",
     ev.IterationDone: "iteration_end",
@@ -309,16 +299,16 @@ class Controller:
                 active = list(node.active_instances())
                 load = float(sum(n.num_running for n in active))
                 rate = sum(n.gen_tokens_per_s for n in active)
-                cap = node.spec.max_load_per_instance
-                if cap and load < _ROLLOUT_MIN_FILL * cap * len(active):
-                    continue  # the tail: see _ROLLOUT_MIN_FILL
+                # Mean context per running request, where the engines report their
+                # KV tokens (0 otherwise: the fit then has no context term).
+                context = sum(n.kv_tokens for n in active) / load if load > 0 else 0.0
                 if node.work_rate.age(now) < node.work_rate.tau_s:
                     # Resized within the meter's time constant: its engines are still
                     # re-prefilling the requests moved to them, and the fit would take
                     # the stall for a per-request cost.
                     continue
                 if load > 0 and rate > 0:
-                    self.predictor.observe(cid, devices, load, rate)
+                    self.predictor.observe(cid, devices, load, rate, context=context)
             elif node.spec.kind != "actor":  # the actor is observed per optimizer step
                 self._observe_occupancy(self.predictor, cid, node, devices, now)
 

@@ -18,7 +18,18 @@ from dynarl.core.ids import ComponentId
 class Demand:
     """Remaining work of one component, in the units its throughput is measured in."""
 
-    __slots__ = ("hottest", "load", "longest", "per_item", "steps", "tail", "upstream", "work")
+    __slots__ = (
+        "context",
+        "hottest",
+        "load",
+        "longest",
+        "per_item",
+        "ready",
+        "steps",
+        "tail",
+        "upstream",
+        "work",
+    )
 
     def __init__(
         self,
@@ -31,6 +42,8 @@ class Demand:
         hottest: float = 0.0,
         per_item: float = 1.0,
         steps: tuple[float, ...] = (),
+        context: float = 0.0,
+        ready: tuple[float, ...] = (),
     ) -> None:
         self.work = work  # units still to process
         self.longest = longest  # rollout: tokens of the longest remaining response
@@ -41,6 +54,11 @@ class Demand:
         self.per_item = per_item  # units of work per item
         # actor: the work of each remaining step in the order they run (empty: equal)
         self.steps = steps
+        # rollout: mean tokens of context a remaining token attends to (its KV read)
+        self.context = context
+        # actor: when each remaining step's last sample arrives, as a share of the time
+        # until its predecessors finish (empty: the samples arrive evenly)
+        self.ready = ready
 
     def with_hottest(self, num_items: int) -> "Demand":
         """The same demand with ``num_items`` items on the most loaded engine."""
@@ -53,6 +71,8 @@ class Demand:
             hottest=num_items * self.per_item,
             per_item=self.per_item,
             steps=self.steps,
+            context=self.context,
+            ready=self.ready,
         )
 
 
@@ -61,23 +81,25 @@ def rate(
 ) -> float:
     """Effective rate at which ``cid`` gets through its remaining work on ``devices``.
 
-    For rollout with a fitted step cost the finish time is ``a * longest + b * work /
-    devices``: every step pays the fixed cost ``a`` until the longest response ends,
-    while the per-sequence cost ``b`` is shared by the devices (those its requests can
-    keep busy, one engine each at least: :func:`~dynarl.control.predictor.busy_devices`).
-    So the tail cannot be bought down with devices, and devices given to a rollout at
-    its tail are wasted.
+    For rollout with fitted step costs (:class:`~dynarl.control.predictor.StepCosts`)
+    the finish time is ``a * longest + b' * work / devices``: every step pays the fixed
+    cost ``a`` until the longest response ends, while a token's own cost ``b' = b + c
+    * context`` (its request, and the KV of its context: ``d.context``) is shared by
+    the devices (those its requests can keep busy, one engine each at least:
+    :func:`~dynarl.control.predictor.busy_devices`). So the tail cannot be bought down
+    with devices, and devices given to a rollout at its tail are wasted.
     With more requests than its engines run at once, rollout works in waves at full
-    batch, ``work * (a + b * cap) / (instances * cap)``, and the longest response may
+    batch, ``work * (a + b' * cap) / (instances * cap)``, and the longest response may
     start only after them. Requests stay on the engine they were routed to, so the
-    shared term is at least the most loaded engine's, ``b * hottest / devices per
+    shared term is at least the most loaded engine's, ``b' * hottest / devices per
     engine``: devices added elsewhere do not shorten it.
     """
     load = max(d.load, 1.0)
     costs = predictor.step_costs(cid) if d.longest > 0 else None
     if costs is None or devices <= 0:
-        return predictor.predict(cid, devices, load).throughput
-    a, b = costs
+        context = d.context if d.context > 0 else None
+        return predictor.predict(cid, devices, load, context=context).throughput
+    a, b = costs.a, costs.per_token(d.context)
     spec = graph.components[cid].spec
     shared = b * d.work / busy_devices(devices, load, spec.devices_per_instance)
     if d.hottest > 0:

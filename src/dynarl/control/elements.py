@@ -71,6 +71,7 @@ class Node:
         "held_since_s",
         "id",
         "items",
+        "kv_tokens",
         "kv_usage",
         "last_stats_s",
         "num_queued",
@@ -90,6 +91,7 @@ class Node:
         self.state: InstanceState = "active"
         self.items: dict[ItemId, EdgeId] = {}
         self.kv_usage = 0.0
+        self.kv_tokens = 0
         self.num_running = 0
         self.num_queued = 0
         self.gen_tokens_per_s = 0.0
@@ -201,6 +203,7 @@ class HyperNode:
         self.lengths_iter: list[int] = []
         self.lengths_prev: list[int] = []
         self.lengths_prev_suffix: list[float] = []
+        self.lengths_prev_suffix_sq: list[float] = []  # suffix sums of squares
         # This iteration only: tokens and requests completed.
         self.tokens_completed_iter = 0
         self.items_completed_iter = 0

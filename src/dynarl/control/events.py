@@ -106,13 +106,17 @@ class ToolCallFinished(Event, frozen=True, kw_only=True):
 
 class EngineStats(Event, frozen=True, kw_only=True):
     """A rollout engine's load: KV usage (tokens held / capacity), running and queued
-    request counts, and its recent generation throughput."""
+    request counts, its recent generation throughput and, if it says, ``kv_tokens``:
+    the tokens of context its running requests hold (SGLang's ``num_used_tokens``; 0
+    when the engine does not report it). A decode step reads that KV, so it is what
+    the step costs beyond the weights."""
 
     instance: InstanceId
     kv_usage: float
     num_running: int
     num_queued: int
     gen_tokens_per_s: float = 0.0
+    kv_tokens: int = 0
 
 
 class WorkerIdle(Event, frozen=True, kw_only=True):

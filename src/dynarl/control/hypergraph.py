@@ -189,6 +189,9 @@ class Hypergraph:
                 node.lengths_prev_suffix = list(
                     itertools.accumulate(reversed(node.lengths_prev), initial=0.0)
                 )[::-1]
+                node.lengths_prev_suffix_sq = list(
+                    itertools.accumulate((n * n for n in reversed(node.lengths_prev)), initial=0.0)
+                )[::-1]
                 node.lengths_iter = []
         for edge in self.edges.values():
             edge.enqueued_this_iteration = 0
@@ -337,7 +340,11 @@ class Hypergraph:
 
     def _on_engine_stats(self, e: ev.EngineStats) -> None:
         node = self._instance(e.instance)
-        if not 0.0 <= e.kv_usage <= 1.0 or e.num_running < 0 or e.num_queued < 0:
+        if (
+            not 0.0 <= e.kv_usage <= 1.0
+            or min(e.num_running, e.num_queued, e.kv_tokens) < 0
+            or not e.gen_tokens_per_s >= 0.0
+        ):
             raise EventError(f"impossible engine stats from {e.instance!r}: {e}")
         hn = self.components[node.component]
         if e.time_s > node.last_stats_s:
@@ -351,6 +358,7 @@ class Hypergraph:
         node.start_oldest(e.num_running)
         node.stop_youngest(e.num_running)
         node.kv_usage = e.kv_usage
+        node.kv_tokens = e.kv_tokens
         node.num_running = e.num_running
         node.num_queued = e.num_queued
         node.busy = e.num_running + e.num_queued > 0

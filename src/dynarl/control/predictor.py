@@ -3,15 +3,19 @@
 Two model families, each a linear least-squares fit refined online (recursive, with
 forgetting so it follows drift):
 
-* **concave** (rollout): a decode step costs ``a + b * load / devices`` seconds and
-  advances every running request by one token, so throughput is
-  ``load / (a + b * load / devices)`` tokens/s: each extra device helps less as
-  requests finish. Fitted as ``1/throughput = a/load + b/devices``. A request runs on
-  one engine, so only the devices of engines holding one count: ``devices`` is floored
-  at ``load x devices per instance`` (at the tail, with fewer requests than engines, a
-  request's step does not get cheaper with the idle engines; without the floor the fit
-  reads the tail's slow steps as a large ``b``).
-* **linear** (actor, inference): ``throughput = c * devices ** e`` with ``e <= 1`` the
+* **concave** (rollout): a decode step advances every running request by one token
+  and costs ``a + (b + c * context) * load / devices`` seconds: a fixed cost (reading
+  the weights), a cost per request and one per token of context the requests hold
+  (reading their KV), ``context`` being the mean context per running request. So
+  throughput is ``load / step`` tokens/s: each extra device helps less as requests
+  finish, and the same batch slows down as its contexts grow. Fitted as ``1/throughput
+  = a/load + b/devices + c * context/devices``. Without context in the observations
+  (an engine that does not report its KV tokens) ``c`` stays 0 and ``b`` absorbs the
+  context. A request runs on one engine, so only the devices of engines holding one
+  count: ``devices`` is floored at ``load x devices per instance`` (at the tail, with
+  fewer requests than engines, a request's step does not get cheaper with the idle
+  engines; without the floor the fit reads the tail's slow steps as a large ``b``).
+* **linear** (actor, inference): ``throughput = k * devices ** e`` with ``e <= 1`` the
   data-parallel efficiency; fitted in log space. Devices beyond the load do nothing.
 
 The fit is seeded from a :class:`Profile` (rows a profiling run or the simulator
@@ -35,12 +39,14 @@ from dynarl.core.ids import ComponentId
 
 class ProfileRow(msgspec.Struct, frozen=True, kw_only=True):
     """One measurement: ``component`` on ``devices`` devices with ``load`` parallel
-    work items (running requests, samples) did ``throughput`` units/s."""
+    work items (running requests, samples) did ``throughput`` units/s; for rollout,
+    ``context`` is the mean tokens of context a running request held (0: unknown)."""
 
     component: ComponentId
     devices: int
     load: float
     throughput: float
+    context: float = 0.0
 
 
 class PrefillCost(msgspec.Struct, frozen=True, kw_only=True):
@@ -80,6 +86,21 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
         return msgspec.json.decode(Path(path).read_bytes(), type=cls)
 
 
+class StepCosts(msgspec.Struct, frozen=True):
+    """A rollout's fitted decode-step costs: a step over ``load`` requests holding
+    ``context`` tokens each on average, on ``devices`` devices, takes ``a + (b + c *
+    context) * load / devices`` seconds (``devices`` floored as :func:`busy_devices`
+    says)."""
+
+    a: float  # seconds per step
+    b: float  # device-seconds per request per step
+    c: float  # device-seconds per token of context per step
+
+    def per_token(self, context: float) -> float:
+        """Device-seconds one request's token costs at ``context`` beyond ``a``."""
+        return self.b + self.c * max(context, 0.0)
+
+
 class Estimate(msgspec.Struct, frozen=True):
     """A predicted throughput and the fit's relative standard error (0.1 = ±10%);
     ``num_observations`` says how much data stands behind it."""
@@ -103,41 +124,50 @@ def busy_devices(devices: float, load: float, unit: int) -> float:
 
 
 class _Fit:
-    """Weighted recursive least squares on a 2-feature model with forgetting."""
+    """Weighted recursive least squares with forgetting: 3 features for a concave
+    model (the last is 0 without context), 2 for a linear one."""
 
     def __init__(self, scaling: Scaling, forget: float, unit: int = 1) -> None:
         self.scaling = scaling
         self.forget = forget
         self.unit = unit  # devices per instance
-        self.xtx = np.zeros((2, 2))
-        self.xty = np.zeros(2)
+        k = 3 if scaling == "concave" else 2
+        self.xtx = np.zeros((k, k))
+        self.xty = np.zeros(k)
         self.yty = 0.0
         self.ysum = 0.0
         self.weight = 0.0
+        self.context_sum = 0.0  # forgetting-weighted, as ``weight``
         self.count = 0
         self.coef: np.ndarray | None = None
 
-    def features(self, devices: float, load: float) -> tuple[np.ndarray, float] | None:
+    @property
+    def context(self) -> float:
+        """Mean context of the observations (forgetting-weighted)."""
+        return self.context_sum / self.weight if self.weight > 0 else 0.0
+
+    def features(self, devices: float, load: float, context: float) -> np.ndarray | None:
         if devices <= 0 or load <= 0:
             return None
         if self.scaling == "concave":
-            return np.array([1.0 / load, 1.0 / busy_devices(devices, load, self.unit)]), 1.0
-        return np.array([1.0, math.log(min(devices, load))]), 1.0
+            busy = busy_devices(devices, load, self.unit)
+            return np.array([1.0 / load, 1.0 / busy, max(context, 0.0) / busy])
+        return np.array([1.0, math.log(min(devices, load))])
 
     def target(self, throughput: float) -> float:
         return 1.0 / throughput if self.scaling == "concave" else math.log(throughput)
 
-    def add(self, devices: float, load: float, throughput: float) -> None:
-        feats = self.features(devices, load)
-        if feats is None or throughput <= 0 or not math.isfinite(throughput):
+    def add(self, devices: float, load: float, throughput: float, context: float) -> None:
+        x = self.features(devices, load, context)
+        if x is None or throughput <= 0 or not math.isfinite(throughput):
             return
-        x, _ = feats
         y = self.target(throughput)
         self.xtx = self.forget * self.xtx + np.outer(x, x)
         self.xty = self.forget * self.xty + x * y
         self.yty = self.forget * self.yty + y * y
         self.ysum = self.forget * self.ysum + y
         self.weight = self.forget * self.weight + 1.0
+        self.context_sum = self.forget * self.context_sum + max(context, 0.0)
         self.count += 1
         self.coef = None
 
@@ -146,12 +176,25 @@ class _Fit:
             # Ridge towards a prior: linear scaling (e = 1) for linear components. A
             # direction the data does not vary in (a component always on the same
             # device count) is decided by the prior, not by numerical noise.
-            prior = np.array([0.0, 1.0]) if self.scaling == "linear" else np.zeros(2)
-            ridge = np.diag([1e-9, 1e-3])
-            delta = np.linalg.solve(self.xtx + ridge, self.xty - self.xtx @ prior)
-            coef = prior + delta
+            k = len(self.xty)
+            prior = np.array([0.0, 1.0]) if self.scaling == "linear" else np.zeros(k)
+            ridge = np.diag([1e-9, 1e-3, 1e-3][:k])
+            free = np.ones(k, dtype=bool)
+            while True:
+                coef = prior.copy()
+                idx = np.flatnonzero(free)
+                sub = (self.xtx + ridge)[np.ix_(idx, idx)]
+                coef[idx] += np.linalg.solve(sub, (self.xty - self.xtx @ prior)[idx])
+                # Step costs are never negative: a cost the data would make negative
+                # is fixed at (almost) 0 and the others are fitted again without it
+                # (clamping it alone would leave them fitted to the negative one).
+                if self.scaling != "concave" or (coef >= 0).all():
+                    break
+                free &= coef >= 0
+                if not free.any():
+                    break
             if self.scaling == "concave":
-                coef = np.maximum(coef, 1e-12)  # step costs are never negative
+                coef = np.maximum(coef, 1e-12)
             else:
                 coef[1] = min(max(coef[1], 0.0), 1.0)  # 0 <= DP efficiency exponent <= 1
             self.coef = coef
@@ -159,10 +202,11 @@ class _Fit:
 
     def rel_std(self) -> float:
         coef = self.solve()
-        if coef is None or self.weight <= 2:
+        k = len(self.xty)
+        if coef is None or self.weight <= k:
             return 1.0
         sse = self.yty - 2 * coef @ self.xty + coef @ self.xtx @ coef
-        var = max(float(sse), 0.0) / (self.weight - 2)
+        var = max(float(sse), 0.0) / (self.weight - k)
         std = math.sqrt(var)
         if self.scaling == "concave":
             # y is 1/throughput: its relative error is the throughput's relative error.
@@ -170,12 +214,11 @@ class _Fit:
             return min(1.0, std / mean_y) if mean_y > 0 else 1.0
         return min(1.0, std)  # log space: std is the relative error
 
-    def predict(self, devices: float, load: float) -> float | None:
+    def predict(self, devices: float, load: float, context: float | None) -> float | None:
         coef = self.solve()
-        feats = self.features(devices, load)
-        if coef is None or feats is None:
+        x = self.features(devices, load, self.context if context is None else context)
+        if coef is None or x is None:
             return None
-        x, _ = feats
         y = float(coef @ x)
         if self.scaling == "concave":
             return 1.0 / y if y > 0 else None
@@ -214,16 +257,25 @@ class Predictor:
             self.migration_s.update(profile.migration_s)
             self._prefill.update(profile.prefill)
 
-    def observe(self, component: ComponentId, devices: int, load: float, throughput: float) -> None:
-        """Add one measurement of ``component``'s throughput."""
+    def observe(
+        self,
+        component: ComponentId,
+        devices: int,
+        load: float,
+        throughput: float,
+        *,
+        context: float = 0.0,
+    ) -> None:
+        """Add one measurement of ``component``'s throughput (for rollout, at a mean
+        ``context`` tokens per running request; 0 if unknown)."""
         fit = self._fits.get(component)
         if fit is not None:
-            fit.add(devices, load, throughput)
+            fit.add(devices, load, throughput, context)
 
     def observe_all(self, rows: Iterable[ProfileRow]) -> None:
         """Add profile rows."""
         for r in rows:
-            self.observe(r.component, r.devices, r.load, r.throughput)
+            self.observe(r.component, r.devices, r.load, r.throughput, context=r.context)
 
     def observe_migration(self, kind: str, duration_s: float, *, alpha: float = 0.3) -> None:
         """Fold an observed migration duration into the cost estimate of its kind."""
@@ -239,28 +291,30 @@ class Predictor:
         ``None`` if the profile did not measure it."""
         return self._prefill.get(component)
 
-    def predict(self, component: ComponentId, devices: int, load: float) -> Estimate:
-        """Expected throughput of ``component`` on ``devices`` devices at ``load``.
+    def predict(
+        self, component: ComponentId, devices: int, load: float, *, context: float | None = None
+    ) -> Estimate:
+        """Expected throughput of ``component`` on ``devices`` devices at ``load`` (for
+        rollout, at a mean ``context`` per request; default: the observations' mean).
 
         Zero devices or zero load predict zero throughput (with certainty).
         """
         fit = self._fits[component]
         if devices <= 0 or load <= 0:
             return Estimate(0.0, 0.0, fit.count)
-        value = fit.predict(devices, load)
+        value = fit.predict(devices, load, context)
         if value is None:
             # No data yet: linear in the devices the load can use.
             value = self._prior.get(component, 1.0) * min(devices, load)
             return Estimate(value, 1.0, fit.count)
         return Estimate(value, fit.rel_std(), fit.count)
 
-    def step_costs(self, component: ComponentId) -> tuple[float, float] | None:
-        """A concave component's fitted decode-step costs ``(a, b)``: a step takes
-        ``a + b * load / devices`` seconds, ``devices`` floored as :func:`busy_devices`
-        says. ``None`` before the fit exists."""
+    def step_costs(self, component: ComponentId) -> StepCosts | None:
+        """A concave component's fitted decode-step costs (:class:`StepCosts`); ``None``
+        before the fit exists."""
         fit = self._fits[component]
         coef = fit.solve() if fit.scaling == "concave" else None
-        return None if coef is None else (float(coef[0]), float(coef[1]))
+        return None if coef is None else StepCosts(*(float(v) for v in coef))
 
     def to_profile(self, rows: Iterable[ProfileRow] = ()) -> Profile:
         """A profile holding ``rows`` and the learned migration costs."""

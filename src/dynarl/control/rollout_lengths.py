@@ -30,6 +30,24 @@ _progress_memo = weakref.WeakKeyDictionary()
 # graph -> (component, iteration, time, pending count, estimate)
 _longest_memo: "weakref.WeakKeyDictionary[Hypergraph, tuple[ComponentId, int, float, int, float]]"
 _longest_memo = weakref.WeakKeyDictionary()
+_ORDER_BUCKETS = 16  # equal-count buckets of :func:`completion_order`
+_ORDER_POINTS = 32  # survivor lengths drawn per progress bucket
+_OrderMemo = tuple[ComponentId, int, float, int, "Completions"]
+_order_memo: "weakref.WeakKeyDictionary[Hypergraph, _OrderMemo]" = weakref.WeakKeyDictionary()
+
+
+class Completions:
+    """The pending requests of a rollout in the order they are expected to complete,
+    in equal-count buckets: ``time[k]``, the share of the longest remaining response
+    at which the requests of bucket ``k`` have completed (every running request gains
+    a token per decode step, so a remainder of ``r`` tokens ends ``r / longest`` of the
+    way to the rollout's end); ``length[k]``, their mean response length then."""
+
+    __slots__ = ("length", "time")
+
+    def __init__(self, time: tuple[float, ...], length: tuple[float, ...]) -> None:
+        self.time = time
+        self.length = length
 
 
 def mean_progress(graph: Hypergraph, component: ComponentId) -> float:
@@ -125,6 +143,98 @@ def expected_longest_remaining(graph: Hypergraph, component: ComponentId) -> flo
         )
     _longest_memo[graph] = (component, graph.iteration, graph.now_s, pending, longest)
     return longest
+
+
+def expected_context(graph: Hypergraph, component: ComponentId) -> float:
+    """Mean tokens of context a token the pending requests of a rollout component
+    still generate attends to: their prompt, what they generated so far and half of
+    what they still generate, weighted by it -- ``p + g + E[r^2] / 2E[r]`` with ``r``
+    the survivors' remaining length past the mean progress ``g`` (so the long
+    remainders, which generate most tokens, weigh most). Without a finished iteration,
+    as if each had the expected remainder (:func:`expected_remaining_tokens`).
+
+    A decode step reads the KV of every running request, so this is what each of
+    those tokens costs beyond the weights.
+    """
+    pending = graph.pending(component)
+    if not pending:
+        return 0.0
+    prompt = sum(e.tokens_pending for e in graph.edges_into(component)) / pending
+    progress = mean_progress(graph, component)
+    node = graph.components[component]
+    lengths = node.lengths_prev
+    k = bisect.bisect_right(lengths, progress)
+    if k < len(lengths):
+        # Over the survivors L > g: E[(L-g)^2] / 2E[L-g] = (E[L^2] - 2g E[L] + g^2) / 2(E[L] - g)
+        n = len(lengths) - k
+        first, second = node.lengths_prev_suffix[k] / n, node.lengths_prev_suffix_sq[k] / n
+        remaining = first - progress
+        half = (second - 2 * progress * first + progress**2) / (2 * remaining)
+    else:
+        half = expected_remaining_tokens(graph, component) / 2
+    return prompt + progress + max(half, 0.0)
+
+
+def completion_order(graph: Hypergraph, component: ComponentId) -> Completions | None:
+    """When the pending requests of a rollout component complete, in order, and how
+    long they are then (:class:`Completions`); ``None`` before a finished iteration.
+
+    Each pending request's remainder is drawn from the survivors of the last finished
+    iteration's lengths past its progress (independently); the mixture over requests,
+    cut into equal-count buckets, is the completion order: the short remainders first,
+    the requests that reach the longest lengths last. Like the longest remaining, it is
+    refreshed once a second of model time or on a >2% change in the pending count.
+    """
+    node = graph.components[component]
+    pending = graph.pending(component)
+    if not node.lengths_prev or not pending:
+        return None
+    memo = _order_memo.get(graph)
+    if (
+        memo is not None
+        and memo[:2] == (component, graph.iteration)
+        and graph.now_s - memo[2] < _LONGEST_PERIOD_S
+        and abs(pending - memo[3]) <= _LONGEST_PENDING_CHANGE * memo[3]
+    ):
+        return memo[4]
+    lengths = node.lengths_prev
+    progress = pending_progress(graph, component)
+    n = len(progress)
+    size = max(1, math.ceil(n / _BUCKETS))
+    points: list[tuple[float, float, float]] = []  # (remainder, weight, final length)
+    for i in range(0, n, size):
+        p, count = progress[i], min(size, n - i)
+        k = bisect.bisect_right(lengths, p)
+        left = len(lengths) - k
+        if left == 0:  # past every length seen: one more token (see expected_remaining)
+            points.append((1.0, float(count), p + 1.0))
+            continue
+        draws = min(left, _ORDER_POINTS)
+        for j in range(draws):
+            final = float(lengths[k + (2 * j + 1) * left // (2 * draws)])
+            points.append((final - p, count / draws, final))
+    points.sort()
+    longest = max(expected_longest_remaining(graph, component), 1.0)
+    total = sum(w for _, w, _ in points)
+    times: list[float] = []
+    means: list[float] = []
+    edge = total / _ORDER_BUCKETS
+    acc = mass = tokens = 0.0
+    for r, w, final in points:
+        acc += w
+        mass += w
+        tokens += w * final
+        if acc >= edge * (len(times) + 1) - 1e-9 and len(times) < _ORDER_BUCKETS:
+            times.append(min(1.0, r / longest))
+            means.append(tokens / mass)
+            mass = tokens = 0.0
+    while len(times) < _ORDER_BUCKETS:  # rounding: the last bucket ends with the last
+        times.append(min(1.0, points[-1][0] / longest))
+        means.append(tokens / mass if mass > 0 else (means[-1] if means else 0.0))
+        mass = tokens = 0.0
+    out = Completions(tuple(times), tuple(means))
+    _order_memo[graph] = (component, graph.iteration, graph.now_s, pending, out)
+    return out
 
 
 def expected_output_work(graph: Hypergraph, component: ComponentId) -> float:

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping
 
 from dynarl.control import rollout_lengths
 from dynarl.control.demand import Demand, rate
+from dynarl.control.elements import Node
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import Plan
 from dynarl.control.predictor import Predictor
@@ -78,6 +79,7 @@ def demands(graph: Hypergraph, *, per_engine: bool = False) -> dict[ComponentId,
                 longest=longest,
                 hottest=hottest * per_item,
                 per_item=per_item,
+                context=rollout_lengths.expected_context(graph, cid) if own else 0.0,
             )
             continue
         work = graph.work_pending(cid) + upstream_work
@@ -86,10 +88,16 @@ def demands(graph: Hypergraph, *, per_engine: bool = False) -> dict[ComponentId,
             num_steps = node.num_steps or node.spec.steps_per_iteration
             steps_left = max(num_steps - node.steps_done, 1)
             steps: tuple[float, ...] = ()
+            ready: tuple[float, ...] = ()
             if node.spec.steps_in_arrival_order and graph.sized and steps_left > 1:
-                steps = steps_in_arrival_order(graph, cid, steps_left)
+                steps, ready = steps_in_arrival_order(graph, cid, steps_left)
             out[cid] = Demand(
-                work=work, load=total, tail=work / steps_left, upstream=upstream_work, steps=steps
+                work=work,
+                load=total,
+                tail=work / steps_left,
+                upstream=upstream_work,
+                steps=steps,
+                ready=ready,
             )
         else:
             # After its last input arrives, it still processes that input (one item).
@@ -226,10 +234,13 @@ def score_plan(
     drained instances stop at once (the trainer's only at its step boundary), so a
     component that drains and restarts its own instances runs without them meanwhile.
 
-    The flat cost stands in for the re-prefill: charging the moved context's prefill
-    (:meth:`~dynarl.control.predictor.Predictor.prefill_cost`) instead made draining
-    full engines look nearly free at 1.5B, because nothing here charges the moved
-    requests' wait for a slot on the (full) engines they go to.
+    The donor's loss is at least the migration's flat cost, and at least the re-prefill
+    of the moved requests' contexts (:meth:`~dynarl.control.predictor.Predictor.prefill_cost`)
+    shared by the engines it keeps, whose batches stall meanwhile. Charging the
+    re-prefill alone made draining full engines look nearly free at 1.5B (nothing here
+    charges the moved requests' wait for a slot on the full engines they go to); at
+    32B, where a long context takes seconds to prefill, the flat cost alone made
+    moving engines mid-rollout look several times cheaper than it is.
     """
     if before is None:
         before = {c: n.num_active_devices for c, n in graph.components.items()}
@@ -247,7 +258,8 @@ def score_plan(
             if kind != "actor":
                 during[m.src] -= num_devices
             if any(n.items for n in drained):
-                penalties[m.src] = max(penalties.get(m.src, 0.0), cost)
+                stall = _reprefill_s(graph, predictor, m.src, drained, len(m.drain))
+                penalties[m.src] = max(penalties.get(m.src, 0.0), cost, stall)
         if m.dst is not None:
             after[m.dst] += sum(len(s.devices) for s in m.create)
             delays[m.dst] = max(delays.get(m.dst, 0.0), cost)
@@ -255,6 +267,27 @@ def score_plan(
     return remaining_time(
         graph, predictor, after, delays=delays, penalties=penalties, before=during, demand=demand
     )
+
+
+def _reprefill_s(
+    graph: Hypergraph,
+    predictor: Predictor,
+    cid: ComponentId,
+    drained: list[Node],
+    num_drained: int,
+) -> float:
+    """Seconds each engine ``cid`` keeps stalls re-prefilling the requests of its
+    ``drained`` engines (0 without a measured prefill cost)."""
+    cost = predictor.prefill_cost(cid)
+    keep = graph.components[cid].num_active - num_drained
+    if cost is None or keep <= 0:
+        return 0.0
+    total = 0.0
+    for n in drained:
+        for item, edge in n.items.items():
+            st = graph.edges[edge].items[item]
+            total += cost.seconds(max(st.tokens + n.progress_of(st), st.prefix_tokens))
+    return total / keep
 
 
 def after_moves(

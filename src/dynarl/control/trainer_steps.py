@@ -27,56 +27,133 @@ holds them at their step boundary.
 """
 
 import math
+import weakref
 from collections.abc import Mapping
 
 from dynarl.control import rollout_lengths
 from dynarl.control.demand import Demand, rate
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.predictor import Predictor
-from dynarl.core.ids import ComponentId
+from dynarl.core.ids import ComponentId, GroupId
+
+# The step plan reads every pending sample: refreshed once a second of model time, or
+# sooner when the pending samples moved by more than this share.
+_STEPS_PERIOD_S = 1.0
+_STEPS_PENDING_CHANGE = 0.02
+_StepsMemo = tuple[ComponentId, int, int, float, int, tuple[tuple[float, ...], tuple[float, ...]]]
+_steps_memo: "weakref.WeakKeyDictionary[Hypergraph, _StepsMemo]" = weakref.WeakKeyDictionary()
 
 
 def steps_in_arrival_order(
     graph: Hypergraph, cid: ComponentId, steps_left: int
-) -> tuple[float, ...]:
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The work of each of a trainer's ``steps_left`` remaining steps when each trains
-    the next minibatch of samples in the order they arrive (streamed minibatches):
-    its own pending samples first, then those still upstream, stage by stage back to
-    rollout, each stage's samples at their mean size there (a rollout request at its
-    expected sample size). With heavy-tailed response lengths the last minibatch
-    holds the longest responses and can be several times the average step.
+    the next minibatch of whole groups in the order the groups complete (streamed
+    minibatches), and when each step's last group completes, as a share of the time
+    until the trainer's predecessors finish.
 
-    :func:`~dynarl.control.scoring.demands` stores the result as the actor's
-    :attr:`Demand.steps <dynarl.control.demand.Demand.steps>` (only for a trainer with
-    ``steps_in_arrival_order``, sized items and more than one step left), which
-    :func:`actor_finish` then plays out."""
-    segments: list[tuple[int, float]] = []  # (samples, their work), in arrival order
+    A group is complete when its last sample reaches the trainer. Samples already here
+    have arrived; those at a stage between rollout and the trainer arrive evenly (in
+    work) over that time, in queue order. A group with ``m`` requests still in
+    rollout completes with the last of them: at the median of the maximum of ``m``
+    draws from the rollout's completion order
+    (:func:`~dynarl.control.rollout_lengths.completion_order`; before a finished
+    iteration, of draws uniform in time), and its requests are then about as long as
+    the responses that end there (a group's lengths correlate). So with heavy-tailed
+    response lengths the groups with a long response come last, the last minibatch
+    holds the longest responses, and a step can wait long for its last group even
+    with many samples here.
+
+    The result is refreshed once a second of model time, or sooner when the pending
+    samples moved by more than 2%.
+    :func:`~dynarl.control.scoring.demands` stores it as the actor's
+    :attr:`Demand.steps <dynarl.control.demand.Demand.steps>` and ``ready`` (only for a
+    trainer with ``steps_in_arrival_order``, sized items and more than one step left),
+    which :func:`actor_finish` then plays out."""
+    chain: list[ComponentId] = []
     stage: ComponentId | None = cid
     while stage is not None:
-        count = graph.pending(stage)
+        chain.append(stage)
         if graph.components[stage].spec.kind == "rollout":
-            segments.append((count, rollout_lengths.expected_output_work(graph, stage)))
             break
-        segments.append((count, graph.work_pending(stage)))
         preds = [p for p in graph.spec.predecessors(stage) if graph.spec.component(p).on_devices]
         stage = max(preds, key=graph.pending, default=None)
-    total = sum(n for n, _ in segments)
+    pending = sum(graph.pending(c) for c in chain)
+    memo = _steps_memo.get(graph)
+    if (
+        memo is not None
+        and memo[:3] == (cid, graph.iteration, steps_left)
+        and graph.now_s - memo[3] < _STEPS_PERIOD_S
+        and abs(pending - memo[4]) <= _STEPS_PENDING_CHANGE * memo[4]
+    ):
+        return memo[5]
+    # group -> [samples, work, ready share, requests in rollout, their prompt tokens]
+    groups: dict[GroupId, list[float]] = {}
+    between: list[tuple[GroupId, float]] = []  # samples between rollout and trainer
+    rollout: ComponentId | None = None
+    for stage in chain:
+        kind = graph.components[stage].spec.kind
+        for edge in graph.edges_into(stage):
+            for st in edge.items.values():
+                g = groups.setdefault(st.group, [0.0, 0.0, 0.0, 0.0, 0.0])
+                g[0] += 1
+                if kind == "rollout":
+                    rollout = stage
+                    g[3] += 1
+                    g[4] += max(st.tokens, 1)
+                else:
+                    g[1] += graph.item_work(st)
+                    if stage != cid:
+                        between.append((st.group, graph.item_work(st)))
+    if rollout is not None:
+        _rollout_groups(graph, rollout, groups)
+    upstream = sum(g[1] for g in groups.values()) - graph.work_pending(cid)
+    arrived = 0.0
+    for group, work in between:  # chain order: nearest the trainer first
+        arrived += work
+        g = groups[group]
+        g[2] = max(g[2], min(1.0, arrived / upstream) if upstream > 0 else 0.0)
+    total = sum(g[0] for g in groups.values())
     per_step = math.ceil(total / steps_left)
     steps: list[float] = []
-    room, work = per_step, 0.0
-    for count, seg_work in segments:
-        left = count
-        while left > 0:
-            take = min(left, room)
-            work += seg_work * take / count
-            left -= take
-            room -= take
-            if room == 0:
-                steps.append(work)
-                room, work = per_step, 0.0
-    if work > 0:
+    ready: list[float] = []
+    count, work, last = 0.0, 0.0, 0.0
+    for g in sorted(groups.values(), key=lambda g: g[2]):
+        count, work, last = count + g[0], work + g[1], max(last, g[2])
+        if count >= per_step - 1e-9:
+            steps.append(work)
+            ready.append(last)
+            count = work = 0.0
+    if count > 0:
         steps.append(work)
-    return tuple(steps)
+        ready.append(last)
+    out = (tuple(steps), tuple(ready))
+    _steps_memo[graph] = (cid, graph.iteration, steps_left, graph.now_s, pending, out)
+    return out
+
+
+def _rollout_groups(
+    graph: Hypergraph, rollout: ComponentId, groups: dict[GroupId, list[float]]
+) -> None:
+    """Fill in, for the groups with requests in ``rollout``, when their last request
+    completes (share of the rollout's remaining time) and their requests' work."""
+    order = rollout_lengths.completion_order(graph, rollout)
+    if order is None:  # no lengths yet: completions uniform in time, each of the mean
+        length = rollout_lengths.mean_progress(graph, rollout)
+        length += rollout_lengths.expected_remaining_tokens(graph, rollout)
+        times: tuple[float, ...] = tuple((k + 1) / 16 for k in range(16))
+        lengths: tuple[float, ...] = (length,) * 16
+    else:
+        times, lengths = order.time, order.length
+    k = len(times)
+    for g in groups.values():
+        m = g[3]
+        if not m:
+            continue
+        q = 0.5 ** (1.0 / m)  # median of the maximum of m uniform quantiles
+        b = min(k - 1, int(q * k))
+        g[2] = max(g[2], times[b])
+        g[1] += g[4] + m * lengths[b]
 
 
 def actor_finish(
@@ -104,7 +181,8 @@ def actor_finish(
     (``arrival``). A step may instead wait for the predecessors' devices to join
     (a reshard after they finish), if that ends it sooner: the trainer is held at its
     step boundary meanwhile (:func:`trainers_to_hold`). Steps are equal (``d.tail``
-    each) unless ``d.steps`` says what each holds.
+    each) unless ``d.steps`` says what each holds, and ``d.ready`` when each one's
+    last sample arrives (as a share of ``arrival``).
 
     Returns the predicted seconds from now until the last step ends (before any
     penalty for drained requests, which the caller adds) and whether the next step
@@ -140,7 +218,10 @@ def actor_finish(
         need += sizes[j - 1]
         if j < first:
             continue
-        ready = 0.0 if need <= 1e-9 else arrival * min(1.0, need / max(d.upstream, 1e-9))
+        if d.ready:
+            ready = arrival * d.ready[j - 1]
+        else:
+            ready = 0.0 if need <= 1e-9 else arrival * min(1.0, need / max(d.upstream, 1e-9))
         start = max(t, ready, ready_new)
         end = start + step_s(j, n)
         if pooled > n:

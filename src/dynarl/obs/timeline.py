@@ -77,6 +77,7 @@ class TimelineRecorder:
         self._open: dict[DeviceId, tuple[str, float]] = {
             DeviceId(d): (self._label(DeviceId(d)), offset_s) for d in range(graph.num_devices)
         }
+        self._last: dict[DeviceId, int] = {}  # index of each device's last closed interval
 
     def __call__(self, event: ev.Event) -> None:
         """Listener: update on placement events and iteration boundaries."""
@@ -149,14 +150,27 @@ class TimelineRecorder:
         now_s -= self.origin_s
         for d, (label, since) in self._open.items():
             new = self._label(d)
-            if new != label:
-                if now_s > since:
-                    self.intervals.append(
-                        Interval(
-                            run=self.run, device=d, component=label, start_s=since, end_s=now_s
-                        )
-                    )
-                self._open[d] = (new, now_s)
+            if new == label:
+                continue
+            if now_s > since:
+                self._last[d] = len(self.intervals)
+                self.intervals.append(
+                    Interval(run=self.run, device=d, component=label, start_s=since, end_s=now_s)
+                )
+            elif (k := self._last.get(d)) is not None and (
+                (prev := self.intervals[k]).component == new and prev.end_s == since
+            ):
+                # It held ``label`` for no time (a device that arrived and left at the
+                # same instant): its last interval goes on.
+                self.intervals[k] = self.intervals[-1]
+                self.intervals.pop()
+                for dev, idx in self._last.items():
+                    if idx == len(self.intervals):
+                        self._last[dev] = k
+                del self._last[d]
+                self._open[d] = (new, prev.start_s)
+                continue
+            self._open[d] = (new, now_s)
 
 
 def write_timeline(path: str | Path, recorders: Iterable[TimelineRecorder]) -> None:

@@ -116,7 +116,8 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
     """What a short profiling run on ``cluster`` would measure, as predictor seed rows.
 
     Rollout rows come from the engine's decode step at the context the workload's
-    tokens are generated at (token-weighted mean, from ``requests``); inference and
+    tokens are generated at (token-weighted mean, from ``requests``), a quarter of it
+    and four times it; inference and
     actor rows (sample tokens/s) from their cost models at the workload's mean sample
     length and token-weighted attended context; migration costs from the migration
     model; the rollout engine's re-prefill cost from its prefill model and KV capacity.
@@ -137,11 +138,18 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
         engines = n // eng.tp
         for load in (1, 4, 16, 64, 256, 1024, 4096, 16384):
             running = min(load, cap * engines)
-            # fewer requests than engines: each runs alone on its engine
-            step = a + b * context * running / min(running, engines)
-            rows.append(
-                ProfileRow(component=ROLLOUT, devices=n, load=running, throughput=running / step)
-            )
+            for ctx in (context / 4, context, context * 4):
+                # fewer requests than engines: each runs alone on its engine
+                step = a + b * ctx * running / min(running, engines)
+                rows.append(
+                    ProfileRow(
+                        component=ROLLOUT,
+                        devices=n,
+                        load=running,
+                        throughput=running / step,
+                        context=ctx,
+                    )
+                )
     unit = cluster.inference.tp
     for n in range(unit, num_devices + 1, unit):
         per_item = cluster.inference.time_s(mean_tokens, unit, attended) / (n // unit)

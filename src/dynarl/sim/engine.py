@@ -211,9 +211,9 @@ class SimEngine:
 
     def stats(self) -> EngineStats:
         """What a real engine reports now: KV usage (held / capacity, prefix cache not
-        counted), running and queued jobs, and its generation throughput since its
-        last report (SGLang logs a windowed ``gen throughput`` too; with no time since
-        the last report, the current decode rate)."""
+        counted) and the tokens held, running and queued jobs, and its generation
+        throughput since its last report (SGLang logs a windowed ``gen throughput``
+        too; with no time since the last report, the current decode rate)."""
         batch = len(self._running)
         held, generated = self._held, self._generated
         if batch and self._t < self._now:
@@ -234,6 +234,7 @@ class SimEngine:
             num_running=batch,
             num_queued=len(self._queue),
             gen_tokens_per_s=rate,
+            kv_tokens=held,
         )
 
     def totals(self) -> EngineTotals:

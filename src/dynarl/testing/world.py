@@ -195,6 +195,7 @@ class FakeWorld:
                     num_running=len(node.items),
                     num_queued=0,
                     gen_tokens_per_s=generated / dt,
+                    kv_tokens=round(held),
                 )
             )
 

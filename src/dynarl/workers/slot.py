@@ -290,6 +290,7 @@ class SlotServer:
                         num_running=load.num_running,
                         num_queued=load.num_queued,
                         gen_tokens_per_s=load.gen_tokens_per_s,
+                        kv_tokens=load.kv_tokens,
                     )
                 )
 

@@ -4,17 +4,20 @@
 
 * a rollout component when no request waits for a slot and more than ``theta`` of
   its engines have kept KV usage below ``u_low`` for ``donor_window_s`` seconds with
-  nothing queued (it may give up to those engines, keeping one while it has work);
+  nothing queued (it may give up to those engines, keeping one while it has work),
+  or when its requests fit on fewer engines (it may give the rest; see
+  :mod:`~dynarl.control.policies.donors`);
 * any component with no work left in this iteration (all its instances);
 * a component that is idle, waiting for its inputs (all but its minimum);
 * the free pool.
 
 *Receivers* are the components with work left, the predicted slowest first. For each
-donor/receiver pair a few amounts are tried (one instance, half, all it can give), up to
-``num_candidates`` plans; the predictor scores each as the predicted remaining iteration
-time including the migration's cost, and the best is committed only if it beats keeping
-the placement by ``min_gain``. Devices can move in every direction: rollout, inference
-and the actor each grow and shrink within an iteration.
+donor/receiver pair a few amounts are tried (one instance, half, all it can give, then
+a quarter, an eighth, ...), up to ``num_candidates`` plans per receiver (taken in turn
+across receivers); the predictor scores each as the predicted
+remaining iteration time including the migration's cost, and the best is committed only
+if it beats keeping the placement by ``min_gain``. Devices can move in every direction:
+rollout, inference and the actor each grow and shrink within an iteration.
 """
 
 import itertools
@@ -25,7 +28,7 @@ from dynarl.control.demand import Demand, rate
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
 from dynarl.control.planner import PlanBuilder
-from dynarl.control.policies.donors import underused_engines
+from dynarl.control.policies.donors import spare_engines, underused_engines
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Trigger
 from dynarl.control.scoring import demands, remaining_time, score_plan
@@ -55,7 +58,7 @@ class BottleneckPolicy:
         keep = max(node.spec.min_instances, 1)
         if node.spec.kind == "rollout":
             low = underused_engines(graph, cid, self.cfg, now_s)
-            return max(0, min(low, node.num_active - keep))
+            return max(0, min(max(low, spare_engines(graph, cid)), node.num_active - keep))
         if graph.pending(cid) == 0:
             return max(0, node.num_active - keep)  # idle, waiting for its inputs
         return 0
@@ -100,7 +103,7 @@ class BottleneckPolicy:
         best: tuple[float, tuple[ComponentId | None, ComponentId, int]] | None = None
         seen: set[tuple[object, ...]] = set()
         for src, dst, amount in _round_robin(per_receiver):
-            if len(seen) >= self.cfg.num_candidates:
+            if len(seen) >= self.cfg.num_candidates * len(receivers):
                 break
             candidate = self._candidate(graph, src, dst, amount, reassign=False)
             if candidate is None:
@@ -188,5 +191,12 @@ def _round_robin(
 
 
 def _amounts(give: int) -> list[int]:
-    """Instance counts to try for a donor that can give ``give``: 1, half, all."""
-    return sorted({1, max(1, give // 2), give})
+    """Instance counts to try for a donor that can give ``give``, in the order they are
+    tried: one, half and all, then a quarter, an eighth, ... (a 26-engine rollout's
+    best move may be 4 engines, between one and half)."""
+    out = [1, max(1, give // 2), give]
+    k = give // 4
+    while k > 1:
+        out.append(k)
+        k //= 2
+    return list(dict.fromkeys(out))

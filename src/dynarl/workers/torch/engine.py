@@ -252,6 +252,7 @@ class RolloutEngine:
             num_running=len(self._scheduler.running),
             num_queued=self._scheduler.num_waiting,
             gen_tokens_per_s=tokens / busy_s if busy_s > 0 else 0.0,
+            kv_tokens=self._scheduler.kv_tokens_held,
         )
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:

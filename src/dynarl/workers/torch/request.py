@@ -119,9 +119,11 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
         num_queued: requests waiting to be admitted (including preempted ones).
         gen_tokens_per_s: tokens generated per second of stepping, over the steps of
             the last few seconds (0 when there were none).
+        kv_tokens: KV-cache tokens held by running requests.
     """
 
     kv_usage: float
     num_running: int
     num_queued: int
     gen_tokens_per_s: float
+    kv_tokens: int = 0
