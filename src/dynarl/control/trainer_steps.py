@@ -174,7 +174,8 @@ def actor_finish(
     The trainer works in whole minibatches and is resized only between steps: a step
     starts as soon as its minibatch is complete, on the devices the trainer holds
     then, and runs on them to its end, whatever devices free up meanwhile. A step in
-    progress (the trainer holds samples) runs on the current devices, and a plan that
+    progress (the trainer holds samples, since it started) runs on the current
+    devices for what is left of it, and a plan that
     resizes the trainer takes effect ``delay`` after that step ends (after ``delay``
     if none runs; the next step waits for it). The samples already here make the
     first minibatches; the rest arrive evenly until the predecessors finish
@@ -209,7 +210,14 @@ def actor_finish(
     t, first = 0.0, 1
     resized = delay > 0 and n_new != n_old
     if node.num_in_flight():
-        t, first = step_s(1, n_old), 2
+        # The step in progress ends its predicted length after it started (when the
+        # trainer's instances took its samples), not a whole step from now: counted
+        # from now, a hold for the devices on their way was seen too late to matter.
+        began = min(
+            (n.held_since_s for n in node.active_instances() if n.held_since_s is not None),
+            default=graph.now_s,
+        )
+        t, first = max(step_s(1, n_old) - (graph.now_s - began), 0.0), 2
     ready_new = t + delay if resized else 0.0
     n = n_new
     need = 0.0 - own
