@@ -89,3 +89,22 @@ def test_the_controller_marks_and_lifts_the_hold() -> None:
             controller.handle(ev.ItemCompleted(edge=TO_INFERENCE, item=item, instance=node.id))
     controller.decide(Trigger(kind="tick", time_s=1.0))
     assert not g.components[ComponentId(ACTOR)].hold_steps
+
+
+def test_a_step_in_progress_ends_its_length_after_it_began_not_from_now() -> None:
+    # The first step (1000 samples, 50 s on 2 devices) began at t=0; the second
+    # minibatch's last 60 samples leave inference at 20 s. At t=40 the first step ends
+    # in 10 s, before the devices come: the second should wait for them (on 8
+    # devices at ~21.5 s it ends at ~34 s, not at 60 s on 2). Counting the running
+    # step from now (ending at 90 s), the devices looked as if they came in time.
+    g = last_minibatch(at_inference=60)
+    trainers = sorted(g.components[ACTOR].active_instances(), key=lambda n: n.id)
+    for k in range(1000):
+        g.apply(
+            ev.ItemRouted(
+                edge=TO_ACTOR, item=ItemId(f"a{k}"), instance=trainers[k % 2].id, time_s=0.0
+            )
+        )
+    p = fitted(g, inference_rate=0.5)
+    g.apply(ev.WorkerIdle(instance=trainers[0].id, time_s=40.0))  # the clock moves on
+    assert trainers_to_hold(g, p) == {ACTOR}
