@@ -29,6 +29,7 @@ where the plan sends them (or as the planner would) before scoring.
 
 import heapq
 import math
+import weakref
 from collections.abc import Iterable, Mapping
 
 from dynarl.control import rollout_lengths
@@ -36,7 +37,7 @@ from dynarl.control.demand import Demand, rate
 from dynarl.control.elements import Node
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import Plan
-from dynarl.control.predictor import Predictor
+from dynarl.control.predictor import Predictor, PrefillCost
 from dynarl.control.trainer_steps import actor_finish, steps_in_arrival_order
 from dynarl.core.ids import ComponentId, GroupId, InstanceId
 
@@ -282,12 +283,30 @@ def _reprefill_s(
     keep = graph.components[cid].num_active - num_drained
     if cost is None or keep <= 0:
         return 0.0
+    memo = _prefill_memo.get(graph)
+    if memo is None or memo[0] != graph.events_applied or memo[1] is not cost:
+        memo = (graph.events_applied, cost, {})
+        _prefill_memo[graph] = memo
+    per_engine = memo[2]
     total = 0.0
     for n in drained:
-        for item, edge in n.items.items():
-            st = graph.edges[edge].items[item]
-            total += cost.seconds(max(st.tokens + n.progress_of(st), st.prefix_tokens))
+        seconds = per_engine.get(n.id)
+        if seconds is None:
+            seconds = 0.0
+            for item, edge in n.items.items():
+                st = graph.edges[edge].items[item]
+                seconds += cost.seconds(max(st.tokens + n.progress_of(st), st.prefix_tokens))
+            per_engine[n.id] = seconds
+        total += seconds
     return total / keep
+
+
+# graph -> (events applied, the prefill cost used, re-prefill seconds per engine): the
+# candidates of one decision drain the same engines over and over.
+_prefill_memo: (
+    "weakref.WeakKeyDictionary[Hypergraph, tuple[int, PrefillCost, dict[InstanceId, float]]]"
+)
+_prefill_memo = weakref.WeakKeyDictionary()
 
 
 def after_moves(
