@@ -57,19 +57,24 @@ def tail_state(*, low_engines: int, engines: int = 5, t0: float = 0.0) -> Hyperg
     for k, item in enumerate(enqueue(g, PROMPTS, engines, "r")):
         g.apply(ev.ItemRouted(edge=PROMPTS, item=item, instance=InstanceId(f"rollout-{k}")))
     enqueue(g, TO_ACTOR, 2000, "a")
+    report_tail(g, low_engines=low_engines, engines=engines, t=t0)
+    return g
+
+
+def report_tail(g: Hypergraph, *, low_engines: int, engines: int, t: float) -> None:
+    """Each engine reports its one request running at 40 tokens/s at ``t``, the first
+    ``low_engines`` at KV usage 0.05, the others at 0.6."""
     for k in range(engines):
-        usage = 0.05 if k < low_engines else 0.6
         g.apply(
             ev.EngineStats(
                 instance=InstanceId(f"rollout-{k}"),
-                kv_usage=usage,
+                kv_usage=0.05 if k < low_engines else 0.6,
                 num_running=1,
                 num_queued=0,
                 gen_tokens_per_s=40.0,
-                time_s=t0,
+                time_s=t,
             )
         )
-    return g
 
 
 def tick(t: float, kind: TriggerKind = "tick") -> Trigger:
@@ -308,18 +313,7 @@ def test_a_donor_is_charged_the_re_prefill_of_the_requests_it_moves() -> None:
     # last to finish: the actor is fast) loses at least the migration's flat cost,
     # more when the contexts are dear to prefill.
     g = tail_state(low_engines=4)
-    for k in range(5):  # a second of decoding at 40 tokens/s
-        usage = 0.05 if k < 4 else 0.6
-        g.apply(
-            ev.EngineStats(
-                instance=InstanceId(f"rollout-{k}"),
-                kv_usage=usage,
-                num_running=1,
-                num_queued=0,
-                gen_tokens_per_s=40.0,
-                time_s=1.0,
-            )
-        )
+    report_tail(g, low_engines=4, engines=5, t=1.0)  # a second of decoding
     before = {c: n.num_active_devices for c, n in g.components.items()}
     builder = PlanBuilder(g)
     assert builder.move(ROLLOUT, ACTOR, drain=2)

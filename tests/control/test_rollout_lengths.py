@@ -77,13 +77,7 @@ def test_expected_remaining_is_the_survivors_mean_less_the_progress() -> None:
 
 def test_the_context_a_remaining_token_reads_weighs_the_long_survivors_most() -> None:
     g = sized_graph(expected_tokens=1000.0)
-    lengths = [100, 200, 1000, 5000]
-    refs = tuple(ev.ItemRef(ItemId(f"a{k}"), GroupId("g"), 10) for k in range(len(lengths)))
-    g.apply(ev.ItemsEnqueued(edge=PROMPTS, items=refs))
-    for ref, n in zip(refs, lengths, strict=True):
-        g.apply(ev.ItemRouted(edge=PROMPTS, item=ref.id, instance=E0))
-        g.apply(ev.ItemCompleted(edge=PROMPTS, item=ref.id, instance=E0, num_tokens=n))
-    g.apply(ev.IterationStarted(iteration=1, time_s=10.0))
+    finished_iteration(g, [100, 200, 1000, 5000])
     refs = (
         ev.ItemRef(ItemId("b0"), GroupId("h"), 300),
         ev.ItemRef(ItemId("b1"), GroupId("h"), 100),

@@ -124,12 +124,7 @@ def expected_longest_remaining(graph: Hypergraph, component: ComponentId) -> flo
     if not pending:
         return 0.0
     memo = _longest_memo.get(graph)
-    if (
-        memo is not None
-        and memo[:2] == (component, graph.iteration)
-        and graph.now_s - memo[2] < _LONGEST_PERIOD_S
-        and abs(pending - memo[3]) <= _LONGEST_PENDING_CHANGE * memo[3]
-    ):
+    if memo is not None and _fresh(memo, graph, component, pending):
         return memo[4]
     progress = pending_progress(graph, component)
     node = graph.components[component]
@@ -190,12 +185,7 @@ def completion_order(graph: Hypergraph, component: ComponentId) -> Completions |
     if not node.lengths_prev or not pending:
         return None
     memo = _order_memo.get(graph)
-    if (
-        memo is not None
-        and memo[:2] == (component, graph.iteration)
-        and graph.now_s - memo[2] < _LONGEST_PERIOD_S
-        and abs(pending - memo[3]) <= _LONGEST_PENDING_CHANGE * memo[3]
-    ):
+    if memo is not None and _fresh(memo, graph, component, pending):
         return memo[4]
     lengths = node.lengths_prev
     progress = pending_progress(graph, component)
@@ -248,6 +238,22 @@ def expected_output_work(graph: Hypergraph, component: ComponentId) -> float:
     prompts = sum(e.tokens_pending for e in graph.edges_into(component))
     so_far = mean_progress(graph, component) * pending
     return prompts + so_far + pending * expected_remaining_tokens(graph, component)
+
+
+def _fresh(
+    memo: tuple[ComponentId, int, float, int, object],
+    graph: Hypergraph,
+    component: ComponentId,
+    pending: int,
+) -> bool:
+    """Whether a memo ``(component, iteration, time, pending count, value)`` still
+    serves: same component and iteration, under a second of model time old, and the
+    pending count within 2% of its own."""
+    return (
+        memo[:2] == (component, graph.iteration)
+        and graph.now_s - memo[2] < _LONGEST_PERIOD_S
+        and abs(pending - memo[3]) <= _LONGEST_PENDING_CHANGE * memo[3]
+    )
 
 
 def _median_of_max(lengths: list[int], progress: list[float], cap: float) -> float:
