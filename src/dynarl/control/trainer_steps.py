@@ -8,16 +8,17 @@ rate: scoring (:func:`~dynarl.control.scoring.finish_times`) plays its steps out
 by one with :func:`actor_finish`. A step in progress runs on the current devices, and
 a plan that resizes the trainer takes effect only after that step ends (plus the
 move's cost). The samples already at the trainer make the first minibatches; the rest
-arrive evenly until its predecessors finish.
+arrive until its predecessors finish (evenly, or as :func:`steps_in_arrival_order`
+says when each step's last group arrives).
 
 What a step costs depends on the samples in its minibatch. When every minibatch draws
 evenly from the iteration's samples, the remaining steps are equal. When minibatches
 are formed in arrival order (``steps_in_arrival_order`` on the actor's spec, set by
 ``algorithm.minibatch_order=completion``) and samples carry sizes, each step trains the
-next samples in the order they arrive -- the trainer's own first, then those still
-upstream, stage by stage back to rollout (:func:`steps_in_arrival_order`) -- so with
-heavy-tailed response lengths the last step, holding the longest responses, can take
-several times the average.
+next whole groups in the order they complete -- the trainer's own complete groups
+first, then the others as their last sample arrives (:func:`steps_in_arrival_order`)
+-- so with heavy-tailed response lengths the last step, holding the longest
+responses, can take several times the average and waits for the rollout's end.
 
 A step may finish sooner if it waits for the devices the trainer's predecessors free
 when they finish (they join it after a reshard) than if it starts now on the few it
