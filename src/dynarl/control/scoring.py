@@ -284,29 +284,31 @@ def _reprefill_s(
     if cost is None or keep <= 0:
         return 0.0
     memo = _prefill_memo.get(graph)
-    if memo is None or memo[0] != graph.events_applied or memo[1] is not cost:
-        memo = (graph.events_applied, cost, {})
+    if memo is None or memo[0] is not cost:
+        memo = (cost, {})
         _prefill_memo[graph] = memo
-    per_engine = memo[2]
+    per_engine = memo[1]
     total = 0.0
     for n in drained:
-        seconds = per_engine.get(n.id)
-        if seconds is None:
+        # An engine's sum changes only when it reports (progress) or its requests change.
+        key = (n.last_stats_s, len(n.items), n.progress_base, n.tokens_per_request)
+        known = per_engine.get(n.id)
+        if known is None or known[0] != key:
             seconds = 0.0
             for item, edge in n.items.items():
                 st = graph.edges[edge].items[item]
                 seconds += cost.seconds(max(st.tokens + n.progress_of(st), st.prefix_tokens))
-            per_engine[n.id] = seconds
-        total += seconds
+            known = (key, seconds)
+            per_engine[n.id] = known
+        total += known[1]
     return total / keep
 
 
-# graph -> (events applied, the prefill cost used, re-prefill seconds per engine): the
-# candidates of one decision drain the same engines over and over.
-_prefill_memo: (
-    "weakref.WeakKeyDictionary[Hypergraph, tuple[int, PrefillCost, dict[InstanceId, float]]]"
-)
-_prefill_memo = weakref.WeakKeyDictionary()
+# graph -> (the prefill cost used, per engine: (its state then, re-prefill seconds)):
+# the candidates of every decision drain the same engines over and over.
+_EngineState = tuple[float, int, float, float]
+_PrefillMemo = tuple[PrefillCost, dict[InstanceId, tuple[_EngineState, float]]]
+_prefill_memo: "weakref.WeakKeyDictionary[Hypergraph, _PrefillMemo]" = weakref.WeakKeyDictionary()
 
 
 def after_moves(
