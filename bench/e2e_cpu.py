@@ -218,6 +218,7 @@ def simulate_modes(
     (``measured`` around the run, else the built-in one), replaying the measured
     response lengths of each mode's own iterations."""
     from dynarl.core.virtual_time import VirtualTimeLoop
+    from dynarl.sim.config import SimConfig, SimulatedRun, simulated_run
     from dynarl.sim.cpu_profile import cpu_cluster, replay_workload
     from dynarl.sim.run import simulate
     from profile_cpu import profile_from
@@ -227,11 +228,11 @@ def simulate_modes(
         if not run.tokens.tokens:
             continue
         num = len(run.tokens.tokens)
-        cfg = apply_overrides(
-            run.cfg,
+        cfg = simulated_run(
+            SimulatedRun(job=run.cfg, sim=SimConfig(gpu="cpu-1t")),
             [f"run.num_iterations={num}", f"sim.warmup_iterations={min(warmup, num - 1)}"],
         )
-        workload = replay_workload(cfg, run.tokens.tokens)
+        workload = replay_workload(cfg.job, run.tokens.tokens)
         profile = profile_from(measured) if measured else None
         cluster = cpu_cluster(cfg, profile=profile, workload=workload)
         with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:

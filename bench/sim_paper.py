@@ -14,10 +14,10 @@ import json
 import time
 from typing import Literal
 
-import msgspec
 from recipes.paper import SIZES, Size, paper_setting
 
 from dynarl.core.virtual_time import VirtualTimeLoop
+from dynarl.sim.config import simulated_run
 from dynarl.sim.run import ModeResult, simulate
 
 REFERENCE = {
@@ -38,9 +38,7 @@ def run_one(
     base, _, extra = mode.partition("+")
     cfg = paper_setting(workload, size, devices, mode=base, num_iterations=iterations)  # type: ignore[arg-type]
     if extra == "priority":
-        cfg = msgspec.structs.replace(
-            cfg, sim=msgspec.structs.replace(cfg.sim, request_order="priority")
-        )
+        cfg = simulated_run(cfg, ["sim.request_order=priority"])
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
         result, _ = runner.run(simulate(cfg, name=mode))
     return result

@@ -21,7 +21,6 @@ from dynarl.api.config import (
     RunConfig,
 )
 from dynarl.control.config import SchedulerConfig, SchedulingMode
-from dynarl.sim.config import SimConfig
 
 
 def e2e_cpu(
@@ -54,5 +53,4 @@ def e2e_cpu(
             checkpoint_every=0,
             run_dir=f"runs/e2e_cpu/{mode}",
         ),
-        sim=SimConfig(gpu="cpu-1t", warmup_iterations=1),
     )

@@ -20,7 +20,7 @@ from dynarl.api.config import (
     RunConfig,
 )
 from dynarl.control.config import SchedulerConfig, SchedulingMode
-from dynarl.sim.config import SimConfig
+from dynarl.sim.config import SimConfig, SimulatedRun
 
 Size = Literal["1.5b", "7b", "32b"]
 SIZES: tuple[Size, ...] = ("1.5b", "7b", "32b")
@@ -37,14 +37,14 @@ def paper_setting(
     mode: SchedulingMode = "dynamic",
     num_iterations: int = 3,
     seed: int = 0,
-) -> DynaRLConfig:
+) -> SimulatedRun:
     """The reference setting ``workload``-``size`` on ``num_devices`` H100s (a multiple
     of 64 scales the 64-GPU placement)."""
     scale = num_devices / 64
     actor_d, rollout_d, inference_d = (32, 24, 8) if size == "32b" else (16, 40, 8)
     actor_tp, rollout_tp, inference_tp = _TP[size]
-    return DynaRLConfig(
-        cluster=ClusterConfig(num_devices=num_devices, num_nodes=max(1, num_devices // 8)),
+    job = DynaRLConfig(
+        cluster=ClusterConfig(num_devices=num_devices),
         rollout=RolloutConfig(
             backend="sglang",
             tp=rollout_tp,
@@ -62,25 +62,25 @@ def paper_setting(
         ),
         scheduler=SchedulerConfig(mode=mode),
         run=RunConfig(num_iterations=num_iterations, seed=seed, run_dir="runs/sim"),
-        sim=SimConfig(model=_MODEL[size], workload=workload),
     )
+    return SimulatedRun(job=job, sim=SimConfig(model=_MODEL[size], workload=workload))
 
 
-def math_1_5b_64() -> DynaRLConfig:
+def math_1_5b_64() -> SimulatedRun:
     """Math, 1.5B, 64 GPUs."""
     return paper_setting("math", "1.5b", 64)
 
 
-def math_7b_64() -> DynaRLConfig:
+def math_7b_64() -> SimulatedRun:
     """Math, 7B, 64 GPUs (the reference's timeline figure)."""
     return paper_setting("math", "7b", 64)
 
 
-def math_32b_64() -> DynaRLConfig:
+def math_32b_64() -> SimulatedRun:
     """Math, 32B, 64 GPUs."""
     return paper_setting("math", "32b", 64)
 
 
-def agentic_7b_64() -> DynaRLConfig:
+def agentic_7b_64() -> SimulatedRun:
     """Agentic, 7B, 64 GPUs."""
     return paper_setting("agentic", "7b", 64)

@@ -19,39 +19,54 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import yaml
 
 from dynarl.api.config import DynaRLConfig
-from dynarl.api.config_io import apply_overrides, load_config
+from dynarl.api.config_io import apply_overrides, read_config_file
 from dynarl.core.errors import ConfigError, DynaRLError
 
 MODES = ("static-colocated", "static-disaggregated", "dynamic")
 
 
-def resolve_config(source: str | None, overrides: Sequence[str]) -> DynaRLConfig:
-    """A config from a recipe name (a function in ``recipes``), a file, or the
-    embedded default, with ``overrides`` applied."""
+def resolve_source(source: str | None) -> msgspec.Struct | dict[str, Any]:
+    """What ``source`` names, before overrides: the embedded default (``None``), a
+    recipe's result (a function in ``recipes`` that takes no argument), or a config
+    file's tree of builtins."""
     if source is None:
-        base = DynaRLConfig()
-    elif Path(source).suffix.lower() in (".yaml", ".yml", ".toml", ".json"):
-        return load_config(source, overrides)
-    else:
-        recipes = importlib.import_module("recipes")
-        named = {n: getattr(recipes, n) for n in getattr(recipes, "__all__", ())}
-        # Recipes the command line can name: those that need no argument.
-        runnable = {n: f for n, f in named.items() if callable(f) and _takes_no_argument(f)}
-        factory = runnable.get(source)
-        if factory is None:
-            known = ", ".join(sorted(runnable))
-            hint = (
-                f"recipe {source!r} takes arguments; call it from Python"
-                if source in named
-                else f"no recipe {source!r}"
-            )
-            raise ConfigError(f"{hint}; recipes to name here: {known} (or a config file)")
-        base = factory()
+        return DynaRLConfig()
+    if Path(source).suffix.lower() in (".yaml", ".yml", ".toml", ".json"):
+        return read_config_file(source)
+    recipes = importlib.import_module("recipes")
+    named = {n: getattr(recipes, n) for n in getattr(recipes, "__all__", ())}
+    # Recipes the command line can name: those that need no argument.
+    runnable = {n: f for n, f in named.items() if callable(f) and _takes_no_argument(f)}
+    factory = runnable.get(source)
+    if factory is None:
+        known = ", ".join(sorted(runnable))
+        hint = (
+            f"recipe {source!r} takes arguments; call it from Python"
+            if source in named
+            else f"no recipe {source!r}"
+        )
+        raise ConfigError(f"{hint}; recipes to name here: {known} (or a config file)")
+    made = factory()
+    if not isinstance(made, msgspec.Struct):
+        raise ConfigError(f"recipe {source!r} returned a {type(made).__name__}, not a config")
+    return made
+
+
+def resolve_config(source: str | None, overrides: Sequence[str]) -> DynaRLConfig:
+    """A run's config from a recipe name, a file, or the embedded default, with
+    ``overrides`` applied."""
+    base = resolve_source(source)
+    if isinstance(base, msgspec.Struct) and not isinstance(base, DynaRLConfig):
+        raise ConfigError(
+            f"{source!r} is a {type(base).__name__}, not a run's configuration; "
+            f"simulate it with `dynarl sim {source}`"
+        )
     return apply_overrides(base, overrides)
 
 
@@ -106,26 +121,33 @@ def _sim(args: argparse.Namespace) -> int:
     from dynarl.core.virtual_time import VirtualTimeLoop
     from dynarl.obs.plot import plot_timeline
     from dynarl.obs.timeline import read_timeline, write_timeline
+    from dynarl.sim.config import SimulatedRun, simulated_run
     from dynarl.sim.cpu_profile import cpu_profile
     from dynarl.sim.run import simulate
 
-    cfg = resolve_config(args.config, args.set)
+    base = resolve_source(args.config)
+    if isinstance(base, msgspec.Struct) and not isinstance(base, DynaRLConfig | SimulatedRun):
+        raise ConfigError(f"{args.config!r} is neither a run's nor a simulated run's config")
+    sim_run = simulated_run(base, args.set)
+    cfg, sim = sim_run.job, sim_run.sim
     modes = args.modes.split(",") if args.modes else [cfg.scheduler.mode]
     if args.compare:
         modes = ["dynamic", "static-colocated", "static-disaggregated"]
-        modes.append("rlhfuse" if cfg.sim.workload == "math" else "dynamic+priority")
+        modes.append("rlhfuse" if sim.workload == "math" else "dynamic+priority")
     run_dir = Path(args.out or cfg.run.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False))
+    (run_dir / "config.yaml").write_text(
+        yaml.safe_dump(msgspec.to_builtins(sim_run), sort_keys=False)
+    )
     algo = cfg.algorithm
-    model = cfg.sim.model
-    if cpu_profile(cfg.sim.gpu) is not None:
+    model = sim.model
+    if cpu_profile(sim.gpu) is not None:
         m = cfg.model  # the CPU profile runs the model section's shape
         model = m.path or f"{m.arch} {m.num_layers}x{m.hidden_size} (model section)"
     print(
-        f"simulating {cfg.sim.workload} on {cfg.cluster.num_devices} x {cfg.sim.gpu}, "
+        f"simulating {sim.workload} on {cfg.cluster.num_devices} x {sim.gpu}, "
         f"{model}, {algo.samples_per_iteration} sequences/iteration, "
-        f"{cfg.run.num_iterations} iterations ({cfg.sim.warmup_iterations} warm-up)"
+        f"{cfg.run.num_iterations} iterations ({sim.warmup_iterations} warm-up)"
     )
     print(
         f"{'mode':<22} {'throughput':>14} {'mean iter s':>11} {'bound s':>8} "
@@ -134,12 +156,12 @@ def _sim(args: argparse.Namespace) -> int:
     recorders = []
     with (run_dir / "metrics.jsonl").open("wb") as metrics:
         for mode in modes:
-            base, _, extra = mode.partition("+")
-            mode_cfg = apply_overrides(cfg, [f"scheduler.mode={base}"])
+            mode_name, _, extra = mode.partition("+")
+            mode_run = simulated_run(sim_run, [f"scheduler.mode={mode_name}"])
             if extra:
-                mode_cfg = apply_overrides(mode_cfg, [f"sim.request_order={extra}"])
+                mode_run = simulated_run(mode_run, [f"sim.request_order={extra}"])
             with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
-                result, recorder = runner.run(simulate(mode_cfg, name=mode))
+                result, recorder = runner.run(simulate(mode_run, name=mode))
             recorders.append(recorder)
             metrics.write(msgspec.json.encode({"run": mode, "result": result}) + b"\n")
             print(
@@ -153,7 +175,7 @@ def _sim(args: argparse.Namespace) -> int:
             )
             print(f"{'':<22} busy/held device-s: {busy}")
     write_timeline(run_dir / "timeline.jsonl", recorders)
-    title = f"{cfg.sim.workload} {cfg.sim.model} on {cfg.cluster.num_devices} x {cfg.sim.gpu}"
+    title = f"{sim.workload} {sim.model} on {cfg.cluster.num_devices} x {sim.gpu}"
     plot_timeline(read_timeline(run_dir / "timeline.jsonl"), run_dir / "timeline.png", title=title)
     print(f"wrote {run_dir}/: config.yaml, metrics.jsonl, timeline.jsonl, timeline.png")
     return 0
@@ -243,8 +265,15 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    cfg = resolve_config(args.config, args.set)
-    print(yaml.safe_dump(msgspec.to_builtins(cfg), sort_keys=False), end="")
+    from dynarl.sim.config import SimulatedRun, simulated_run
+
+    base = resolve_source(args.config)
+    resolved: msgspec.Struct = (
+        simulated_run(base, args.set)
+        if isinstance(base, SimulatedRun)
+        else resolve_config(args.config, args.set)
+    )
+    print(yaml.safe_dump(msgspec.to_builtins(resolved), sort_keys=False), end="")
     return 0
 
 

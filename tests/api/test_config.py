@@ -8,8 +8,8 @@ import pytest
 from dynarl import ConfigError
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides, convert, dump_config, load_config
-from dynarl.api.pipeline import build_pipeline
 from dynarl.control.config import SchedulerConfig
+from dynarl.control.pipeline import build_pipeline
 
 
 @pytest.mark.parametrize("suffix", [".yaml", ".toml", ".json"])
@@ -107,7 +107,7 @@ def test_pipeline_places_the_actor_first_then_rollout_then_inference() -> None:
             "inference.initial_devices=2",
         ],
     )
-    spec, placement, baseline = build_pipeline(cfg)
+    spec, placement, baseline = build_pipeline(cfg.pipeline_layout())
     assert [i.devices for i in placement["actor"]] == [(0,), (1,)]
     assert [i.devices for i in placement["rollout"]] == [(2, 3), (4, 5)]
     assert [i.devices for i in placement["inference"]] == [(6,), (7,)]

@@ -16,8 +16,8 @@ from dynarl.api.checkpoint import (
 )
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides, dump_config
-from dynarl.api.pipeline import build_hypergraph
 from dynarl.api.run_dir import RunDirectory
+from dynarl.control.pipeline import build_hypergraph
 from dynarl.core.ids import DeviceId
 from dynarl.obs.metrics import (
     IterationStats,
@@ -160,7 +160,7 @@ def test_the_timeline_so_far_includes_open_intervals_and_continues_an_offset() -
         DynaRLConfig(),
         ["cluster.num_devices=2", "rollout.initial_devices=1", "inference.initial_devices=0"],
     )
-    graph, _ = build_hypergraph(cfg, now_s=100.0)
+    graph, _ = build_hypergraph(cfg.pipeline_layout(), now_s=100.0)
     recorder = TimelineRecorder(graph, run="m", offset_s=20.0)
     assert list(recorder.lines()) == []
     lines = list(recorder.lines(now_s=103.0))
@@ -186,7 +186,7 @@ def test_a_device_that_arrives_and_leaves_at_one_instant_keeps_one_interval() ->
         DynaRLConfig(),
         ["cluster.num_devices=2", "rollout.initial_devices=1", "inference.initial_devices=0"],
     )
-    graph, _ = build_hypergraph(cfg, now_s=0.0)
+    graph, _ = build_hypergraph(cfg.pipeline_layout(), now_s=0.0)
     script = {0: ["migrating", "actor", "migrating", "rollout"], 1: ["actor"] * 4}
 
     class Scripted(TimelineRecorder):

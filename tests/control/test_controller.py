@@ -11,10 +11,10 @@ import pytest
 
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
-from dynarl.api.pipeline import build_hypergraph
 from dynarl.control import events as ev
 from dynarl.control.controller import Controller
 from dynarl.control.modes import make_policy
+from dynarl.control.pipeline import build_hypergraph
 from dynarl.control.plan import Migration
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Trigger
@@ -120,7 +120,7 @@ def test_controller_applies_streamed_events_rejects_bad_ones_and_decides(caplog)
     cfg = apply_overrides(DynaRLConfig(), [*CLUSTER, "scheduler.mode=static-colocated"])
 
     async def main() -> tuple[Controller, RecordingExecutor, float]:
-        graph, baseline = build_hypergraph(cfg)
+        graph, baseline = build_hypergraph(cfg.pipeline_layout())
         predictor = Predictor({c: n.spec.scaling for c, n in graph.components.items()})
         executor = RecordingExecutor()
         controller = Controller(
@@ -159,7 +159,7 @@ def test_controller_applies_streamed_events_rejects_bad_ones_and_decides(caplog)
 
 def test_commit_outside_a_running_controller_is_an_error() -> None:
     cfg = apply_overrides(DynaRLConfig(), [*CLUSTER, "scheduler.mode=static-colocated"])
-    graph, baseline = build_hypergraph(cfg)
+    graph, baseline = build_hypergraph(cfg.pipeline_layout())
     predictor = Predictor({c: n.spec.scaling for c, n in graph.components.items()})
     controller = Controller(
         graph,
@@ -185,7 +185,7 @@ def test_a_failing_move_is_retried_with_exponential_back_off() -> None:
     cfg = apply_overrides(DynaRLConfig(), [*CLUSTER, "scheduler.mode=static-colocated"])
 
     async def main() -> tuple[Controller, AlwaysFails]:
-        graph, baseline = build_hypergraph(cfg)
+        graph, baseline = build_hypergraph(cfg.pipeline_layout())
         predictor = Predictor({c: n.spec.scaling for c, n in graph.components.items()})
         executor = AlwaysFails()
         controller = Controller(

@@ -15,11 +15,11 @@ from dynarl.control.plan import InstanceSpec
 from dynarl.control.topology import ComponentSpec, EdgeSpec, PipelineSpec
 from dynarl.core.ids import ComponentId, DeviceId, EdgeId, GroupId, InstanceId, ItemId
 from dynarl.data import (
-    Completion,
     InProcNetwork,
     Item,
     ItemResult,
     PeerLostError,
+    RoutedResult,
     Router,
     Transport,
     WorkerLink,
@@ -171,9 +171,9 @@ class Cluster:
 
         self._tg.start_soon(run)
 
-    async def collect(self, num: int, timeout_s: float = 10.0) -> list[Completion]:
+    async def collect(self, num: int, timeout_s: float = 10.0) -> list[RoutedResult]:
         """The next ``num`` completions."""
-        out: list[Completion] = []
+        out: list[RoutedResult] = []
         with anyio.fail_after(timeout_s):
             while len(out) < num:
                 out += await self.router.receive_batch()

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynarl.control.request_order import FifoOrder, ToolCallPriorityOrder
 from dynarl.core.clock import ManualClock
 from dynarl.core.errors import ConfigError
 from dynarl.data import AgingBound, RequestQueue
+from dynarl.data.request_order import FifoOrder, ToolCallPriorityOrder
 
 
 @dataclass(frozen=True)

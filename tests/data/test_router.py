@@ -11,7 +11,6 @@ import msgspec
 import pytest
 
 from dynarl.control import events as ev
-from dynarl.control.request_order import ToolCallPriorityOrder
 from dynarl.core.ids import EdgeId, InstanceId, ItemId
 from dynarl.data import (
     CONTROLLER,
@@ -26,6 +25,7 @@ from dynarl.data import (
     wire,
 )
 from dynarl.data.codec import Rejections, worker_codec
+from dynarl.data.request_order import ToolCallPriorityOrder
 
 from .helpers import PROMPTS, ROLLOUT, Net, cluster, echo, item, wait_until
 

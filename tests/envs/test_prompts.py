@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dynarl.api.config import DataConfig
+from dynarl.envs.config import DataConfig
 from dynarl.envs.prompts import (
     Prompt,
     PromptError,

@@ -12,7 +12,7 @@ from dynarl.rl.batch import (
     to_arrays,
     with_advantages,
 )
-from dynarl.workers.torch.request import Completion
+from dynarl.workers.rollout import Completion
 
 
 def _trajectory(group: int, prompt_len: int, output_len: int, reward: float = 0.0) -> Trajectory:

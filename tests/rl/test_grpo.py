@@ -5,7 +5,7 @@ import pickle
 import pytest
 import torch
 
-from dynarl.api.config import AlgorithmConfig
+from dynarl.rl.config import AlgorithmConfig
 from dynarl.rl.grpo import GrpoLoss, LossInputError
 
 VOCAB = 5

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dynarl.api.config import ActorConfig, AlgorithmConfig, DynaRLConfig, RolloutConfig, RunConfig
-from dynarl.rl.loop import IterationMetrics, run_inprocess
+from dynarl.workers.torch.reference_loop import IterationMetrics, run_inprocess
 
 pytestmark = pytest.mark.slow
 

@@ -9,9 +9,9 @@ import torch
 
 from dynarl.api.config import ActorConfig, AlgorithmConfig, DynaRLConfig, RolloutConfig, RunConfig
 from dynarl.envs.prompts import Prompt, PromptSampler
-from dynarl.rl.loop import InprocessLoop, run_inprocess
+from dynarl.workers.rollout import GenerateRequest, SamplingParams
 from dynarl.workers.torch.logprobs import sequence_logprobs
-from dynarl.workers.torch.request import GenerateRequest, SamplingParams
+from dynarl.workers.torch.reference_loop import InprocessLoop, run_inprocess
 
 SMALL = DynaRLConfig(
     algorithm=AlgorithmConfig(num_prompts=4, group_size=4, n_minibatches=2),

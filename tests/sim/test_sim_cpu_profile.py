@@ -8,9 +8,9 @@ import pytest
 from recipes import e2e_cpu
 
 from dynarl.api.config import DynaRLConfig
-from dynarl.api.config_io import apply_overrides
 from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.sim.cluster import ClusterModel
+from dynarl.sim.config import SimConfig, SimulatedRun, simulated_run
 from dynarl.sim.cpu_profile import CPU_1T, cpu_cluster, replay_workload
 from dynarl.sim.errors import SimError
 from dynarl.sim.run import ModeResult, simulate
@@ -18,30 +18,33 @@ from dynarl.sim.run import ModeResult, simulate
 MODES = ("dynamic", "static-colocated", "static-disaggregated")
 
 
-def _small(mode: str, *sets: str) -> DynaRLConfig:
-    return apply_overrides(
+def cpu_run(cfg: DynaRLConfig, *sets: str) -> SimulatedRun:
+    """The job simulated on the CPU worker profile."""
+    return simulated_run(SimulatedRun(job=cfg, sim=SimConfig(gpu="cpu-1t")), sets)
+
+
+def _small(mode: str, *sets: str) -> SimulatedRun:
+    return cpu_run(
         e2e_cpu(mode),  # type: ignore[arg-type]
-        [
-            "algorithm.num_prompts=8",
-            "algorithm.group_size=4",
-            "sim.median_output_tokens=40",
-            "run.num_iterations=2",
-            *sets,
-        ],
+        "algorithm.num_prompts=8",
+        "algorithm.group_size=4",
+        "sim.median_output_tokens=40",
+        "run.num_iterations=2",
+        *sets,
     )
 
 
-def _run(cfg: DynaRLConfig, cluster: ClusterModel | None = None) -> ModeResult:
+def _run(cfg: SimulatedRun, cluster: ClusterModel | None = None) -> ModeResult:
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
         result, _ = runner.run(simulate(cfg, cluster=cluster))
     return result
 
 
 def test_the_recipe_selects_the_cpu_profile() -> None:
-    cluster = ClusterModel.from_config(e2e_cpu())
+    cluster = ClusterModel.from_config(cpu_run(e2e_cpu()))
     assert cluster.gpu.name == CPU_1T.name
     assert cluster.train_after_rollout and cluster.padded_batches
-    completion = apply_overrides(e2e_cpu(), ["algorithm.minibatch_order=completion"])
+    completion = cpu_run(e2e_cpu(), "algorithm.minibatch_order=completion")
     assert not ClusterModel.from_config(completion).train_after_rollout
     a, b = cluster.engine.step_coefficients()
     assert a == pytest.approx(CPU_1T.decode_step_s)
@@ -76,7 +79,7 @@ def test_a_replay_generates_the_recorded_lengths_and_training_waits_for_it() -> 
         {f"{i}-{p}-{g}": 5 + 40 * p * (p == 7) + g for p in range(8) for g in range(4)}
         for i in range(2)
     ]
-    cluster = cpu_cluster(cfg, workload=replay_workload(cfg, generated))
+    cluster = cpu_cluster(cfg, workload=replay_workload(cfg.job, generated))
     barrier = _run(cfg, cluster)
     assert barrier.generated_tokens == sum(sum(it.values()) for it in generated)
     # one long group: with its own device the actor could train the first whole
@@ -86,6 +89,6 @@ def test_a_replay_generates_the_recorded_lengths_and_training_waits_for_it() -> 
 
 
 def test_the_cpu_profile_refuses_a_workload_its_workers_do_not_run() -> None:
-    cfg = apply_overrides(e2e_cpu(), ["sim.workload=agentic"])
+    cfg = cpu_run(e2e_cpu(), "sim.workload=agentic")
     with pytest.raises(SimError, match=r"sim\.workload=.agentic"):
         ClusterModel.from_config(cfg)

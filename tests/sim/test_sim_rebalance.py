@@ -3,17 +3,17 @@
 import asyncio
 
 from dynarl.api.config import DynaRLConfig
-from dynarl.api.config_io import apply_overrides
 from dynarl.control import events as ev
 from dynarl.control.plan import Migration
 from dynarl.core.virtual_time import VirtualTimeLoop
+from dynarl.sim.config import SimulatedRun, simulated_run
 from dynarl.sim.run import simulate
 
 
-def skewed_small() -> DynaRLConfig:
+def skewed_small() -> SimulatedRun:
     """10 rollout engines, 32 requests each at most, 28K-token responses: 20 groups of 16 leave
     whole groups of similar length on one engine."""
-    return apply_overrides(
+    return simulated_run(
         DynaRLConfig(),
         [
             "cluster.num_devices=16",

@@ -1,8 +1,8 @@
 """The simulated router's rollout side: stickiness to the engine holding a request's
 KV prefix, and when another engine may take it anyway."""
 
-from dynarl.control.request_order import FifoOrder, ToolCallPriorityOrder
 from dynarl.core.ids import InstanceId, ItemId
+from dynarl.data.request_order import FifoOrder, ToolCallPriorityOrder
 from dynarl.sim.router import RequestRouter
 
 A, B = InstanceId("rollout-0"), InstanceId("rollout-1")

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 
 from dynarl.api.config import DynaRLConfig
-from dynarl.api.config_io import apply_overrides
-from dynarl.api.pipeline import build_hypergraph
 from dynarl.cli import main
 from dynarl.control import events as ev
+from dynarl.control.pipeline import build_hypergraph
 from dynarl.control.topology import ACTOR
 from dynarl.core.clock import ManualClock
 from dynarl.core.ids import GroupId, InstanceId, ItemId
@@ -21,15 +20,16 @@ from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.obs.timeline import Interval, TimelineRecorder, read_timeline, write_timeline
 from dynarl.sim.actor import SimActor
 from dynarl.sim.cluster import ClusterModel
+from dynarl.sim.config import SimulatedRun, simulated_run
 from dynarl.sim.metrics import WorldTotals
 from dynarl.sim.run import ModeResult, simulate
 from dynarl.sim.world import SimWorld
 
 
-def small(devices: int = 16, *extra: str) -> DynaRLConfig:
+def small(devices: int = 16, *extra: str) -> SimulatedRun:
     """A 16-device cluster (actor 4, rollout 10, inference 2) with 256 sequences."""
     scale = devices // 16
-    return apply_overrides(
+    return simulated_run(
         DynaRLConfig(),
         [
             f"cluster.num_devices={devices}",
@@ -50,7 +50,7 @@ def small(devices: int = 16, *extra: str) -> DynaRLConfig:
 
 
 def run(
-    cfg: DynaRLConfig, *, check: bool = True, on_event: Callable[[ev.Event], None] | None = None
+    cfg: SimulatedRun, *, check: bool = True, on_event: Callable[[ev.Event], None] | None = None
 ) -> tuple[ModeResult, TimelineRecorder]:
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
         return runner.run(simulate(cfg, check=check, on_event=on_event))
@@ -111,7 +111,7 @@ def test_same_seed_same_result() -> None:
     assert a.iterations == b.iterations
     assert a.throughput == b.throughput
     assert ta.intervals == tb.intervals
-    c, _ = run(apply_overrides(cfg, ["run.seed=1"]), check=False)
+    c, _ = run(simulated_run(cfg, ["run.seed=1"]), check=False)
     assert c.iterations != a.iterations
 
 
@@ -255,7 +255,7 @@ def test_dynamic_never_routes_an_inference_replica_more_than_its_room() -> None:
         "inference.micro_batch_size=4",
         "run.num_iterations=1",
     )
-    hold = 2 * cfg.inference.micro_batch_size
+    hold = 2 * cfg.job.inference.micro_batch_size
     held: dict[str, set[str]] = {}
     most: dict[str, int] = {}
     drained: list[str] = []
@@ -284,11 +284,11 @@ def test_a_plan_reassigns_an_inference_sample_only_to_a_replica_with_room() -> N
     """A drained replica's samples, reassigned by a plan, go to a replica only while
     it has room; the rest stay queued for the next replica with room."""
     cfg = small(16, "scheduler.mode=dynamic", "inference.micro_batch_size=2")
-    hold = 2 * cfg.inference.micro_batch_size
+    hold = 2 * cfg.job.inference.micro_batch_size
     emitted: list[ev.Event] = []
 
     async def main() -> tuple[SimWorld, list[ItemId]]:
-        graph, _ = build_hypergraph(cfg)
+        graph, _ = build_hypergraph(cfg.job.pipeline_layout())
         world = SimWorld(graph, emitted.append, ManualClock(), cfg)
         world.inference.add(InstanceId("inference-0"))
         items = [ItemId(f"s{k}") for k in range(hold + 3)]
@@ -308,19 +308,19 @@ def test_a_held_trainer_starts_no_step_until_the_hold_lifts() -> None:
     """The modelled trainer honours the controller's hold at its step boundary, as
     the real one does (``Iteration._actor_ready``)."""
     cfg = small(16, "scheduler.mode=dynamic", "algorithm.minibatch_order=completion")
-    graph, _ = build_hypergraph(cfg)
+    graph, _ = build_hypergraph(cfg.job.pipeline_layout())
     emitted: list[ev.Event] = []
     actor = SimActor(
         graph,
         emitted.append,
-        cfg,
+        cfg.job.algorithm,
         cluster=ClusterModel.from_config(cfg),
         tokens=lambda item: 1000,
         totals=WorldTotals(),
     )
-    per_step = cfg.algorithm.samples_per_minibatch
+    per_step = cfg.job.algorithm.samples_per_minibatch
     for k in range(per_step):
-        actor.arrived(ItemId(f"s{k}"), GroupId(f"g{k // cfg.algorithm.group_size}"))
+        actor.arrived(ItemId(f"s{k}"), GroupId(f"g{k // cfg.job.algorithm.group_size}"))
     graph.components[ACTOR].hold_steps = True
     actor.start(0.0)
     assert actor.next_time() == math.inf and not emitted
@@ -347,7 +347,7 @@ def test_dynamic_is_never_worse_than_the_better_static_mode_on_the_agentic_setti
         base, _, extra = mode.partition("+")
         cfg = paper_setting("agentic", size, 64, mode=base, num_iterations=2)
         if extra:
-            cfg = apply_overrides(cfg, ["sim.request_order=priority"])
+            cfg = simulated_run(cfg, ["sim.request_order=priority"])
         results[mode] = run(cfg, check=False)[0]
     best = max(results["static-colocated"].throughput, results["static-disaggregated"].throughput)
     assert results["dynamic"].throughput >= 0.95 * best

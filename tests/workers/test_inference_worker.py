@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from dynarl.api.config import InferenceConfig, ModelConfig
+from dynarl.workers.rollout import GenerateRequest, SamplingParams
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.inference import InferenceWorker, LogprobRequest, LogprobResult
 from dynarl.workers.torch.model import build_model, build_tokenizer
-from dynarl.workers.torch.request import GenerateRequest, SamplingParams
 
 TOKENIZER = build_tokenizer()
 MODEL = ModelConfig(max_seq_len=64)

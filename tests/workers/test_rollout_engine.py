@@ -9,14 +9,14 @@ import torch
 from transformers import PreTrainedModel
 
 from dynarl.api.config import ModelConfig, RolloutConfig
-from dynarl.control.request_order import ToolCallPriorityOrder
 from dynarl.core.clock import ManualClock
+from dynarl.data.request_order import ToolCallPriorityOrder
 from dynarl.data.request_queue import RequestQueue
+from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams, TokenDelta
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.logprobs import sequence_logprobs
 from dynarl.workers.torch.model import build_model, build_tokenizer
-from dynarl.workers.torch.request import Completion, GenerateRequest, SamplingParams, TokenDelta
 from dynarl.workers.torch.sequence import Sequence
 from dynarl.workers.torch.trainer_errors import WeightSyncError
 

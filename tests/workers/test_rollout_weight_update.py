@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from dynarl.api.config import ModelConfig
+from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.logprobs import sequence_logprobs
 from dynarl.workers.torch.model import build_model, build_tokenizer
-from dynarl.workers.torch.request import Completion, GenerateRequest, SamplingParams
 from dynarl.workers.torch.weight_sync import join_weight_sync_group, leave_weight_sync_group
 
 MODEL = ModelConfig(max_seq_len=64)
@@ -108,7 +108,7 @@ def _assert_scored_by(model: torch.nn.Module, completion: Completion) -> None:
 
 def test_wire_types_and_scheduler_import_without_torch() -> None:
     code = (
-        "import sys, dynarl.workers.torch.request, dynarl.workers.torch.scheduler\n"
+        "import sys, dynarl.workers.rollout, dynarl.workers.torch.scheduler\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,7 +1,7 @@
 """The rollout engine's scheduler: admission order and limits, preemption, removal."""
 
-from dynarl.control.request_order import FifoOrder, RequestOrder, ToolCallPriorityOrder
-from dynarl.workers.torch.request import GenerateRequest
+from dynarl.data.request_order import FifoOrder, RequestOrder, ToolCallPriorityOrder
+from dynarl.workers.rollout import GenerateRequest
 from dynarl.workers.torch.scheduler import Scheduler
 from dynarl.workers.torch.sequence import Sequence, SequenceStatus
 from dynarl.workers.torch.waiting import OrderedWaitingList

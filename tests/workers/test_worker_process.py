@@ -27,12 +27,12 @@ from dynarl.data.zmq_transport import ZmqTransport  # noqa: E402
 from dynarl.launch.local import LaunchConfig, LocalLauncher  # noqa: E402
 from dynarl.workers.errors import WorkerCallError  # noqa: E402
 from dynarl.workers.handles import RolloutHandle, TrainerHandle  # noqa: E402
+from dynarl.workers.inference import LogprobRequest  # noqa: E402
 from dynarl.workers.protocol import InferenceRole, RolloutRole  # noqa: E402
+from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams  # noqa: E402
 from dynarl.workers.torch.engine import RolloutEngine  # noqa: E402
-from dynarl.workers.torch.inference_request import LogprobRequest  # noqa: E402
 from dynarl.workers.torch.loss import weighted_nll  # noqa: E402
 from dynarl.workers.torch.model import build_model, build_tokenizer  # noqa: E402
-from dynarl.workers.torch.request import Completion, GenerateRequest, SamplingParams  # noqa: E402
 from dynarl.workers.torch.trainer_config import TrainerConfig  # noqa: E402
 from dynarl.workers.torch.trainer_pool import TrainerPool  # noqa: E402
 

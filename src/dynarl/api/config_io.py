@@ -41,6 +41,11 @@ def convert(raw: Mapping[str, Any], cls: type[T] = DynaRLConfig) -> T:  # type: 
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> DynaRLConfig:
     """Load a YAML, TOML or JSON file, apply dotted ``overrides``, and validate."""
+    return apply_overrides(read_config_file(path), overrides)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The tree of builtins a YAML, TOML or JSON config file holds (not validated)."""
     path = Path(path)
     fmt = _SUFFIXES.get(path.suffix.lower())
     if fmt is None:
@@ -63,15 +68,28 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> DynaRLConfig
     if not isinstance(raw, dict):
         kind = type(raw).__name__
         raise ConfigError(f"{str(path)!r} must hold a mapping of sections, not a {kind}")
-    return apply_overrides(raw, overrides)
+    return raw
+
+
+@typing.overload
+def apply_overrides(
+    base: DynaRLConfig | Mapping[str, Any], overrides: Iterable[str]
+) -> DynaRLConfig: ...
+
+
+@typing.overload
+def apply_overrides(base: T | Mapping[str, Any], overrides: Iterable[str], cls: type[T]) -> T: ...
 
 
 def apply_overrides(
-    base: DynaRLConfig | Mapping[str, Any], overrides: Iterable[str]
-) -> DynaRLConfig:
-    """Apply ``a.b=value`` overrides (values parsed as YAML scalars) and validate."""
+    base: msgspec.Struct | Mapping[str, Any],
+    overrides: Iterable[str],
+    cls: type[msgspec.Struct] = DynaRLConfig,
+) -> msgspec.Struct:
+    """Apply ``a.b=value`` overrides (values parsed as YAML scalars) and validate into
+    ``cls`` (default: the run's :class:`DynaRLConfig`)."""
     raw: dict[str, Any] = (
-        msgspec.to_builtins(base) if isinstance(base, DynaRLConfig) else _deepcopy(base)
+        msgspec.to_builtins(base) if isinstance(base, msgspec.Struct) else _deepcopy(base)
     )
     for override in overrides:
         key, sep, text = override.partition("=")
@@ -82,8 +100,8 @@ def apply_overrides(
             value = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError:
             value = text
-        _set_path(raw, key.split("."), value, DynaRLConfig)
-    return convert(raw)
+        _set_path(raw, key.split("."), value, cls)
+    return convert(raw, cls)
 
 
 def dump_config(cfg: msgspec.Struct, path: str | Path) -> None:

@@ -29,9 +29,9 @@ import msgspec
 from dynarl.api.checkpoint import Checkpoint, RunState, trainer_path, write_state
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import dump_config
-from dynarl.api.pipeline import build_hypergraph
 from dynarl.api.run_dir import RunDirectory
 from dynarl.control import events as ev
+from dynarl.control.pipeline import build_hypergraph
 from dynarl.control.topology import PROMPTS, ROLLOUT
 from dynarl.core.clock import LoopClock
 from dynarl.core.errors import ConfigError, DynaRLError
@@ -173,7 +173,7 @@ class DynaRL:
         stack.push_async_callback(transport.aclose)
 
         clock = LoopClock()
-        graph, baseline = build_hypergraph(cfg, now_s=clock.now())
+        graph, baseline = build_hypergraph(cfg.pipeline_layout(), now_s=clock.now())
         predictor = Predictor({c: n.spec.scaling for c, n in graph.components.items()})
         self._meter = DeviceMeter(graph, now_s=clock.now())
         # Generous liveness: on a small CPU machine the slots share cores with training.

@@ -1,6 +1,6 @@
 """One GRPO iteration over the real world's handles, reported to the controller.
 
-The maths is :class:`~dynarl.rl.loop.InprocessLoop`'s: the same prompts, request seeds,
+The maths is the torch reference loop's (``InprocessLoop``): the same prompts, request seeds,
 rewards, group advantages, minibatch split and loss; only where it runs differs.
 Requests go through the data router to the rollout engines (which route, drain and
 requeue them with their partial output); finished responses are rewarded by an
@@ -45,8 +45,8 @@ from dynarl.rl.batch import (
     with_advantages,
 )
 from dynarl.rl.requests import group_requests, prompt_ids, response_text
-from dynarl.workers.torch.inference_request import LogprobRequest
-from dynarl.workers.torch.request import Completion, GenerateRequest
+from dynarl.workers.inference import LogprobRequest
+from dynarl.workers.rollout import Completion, GenerateRequest
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +277,11 @@ class GrpoIteration:
 
     def _requests(self, prompts: Sequence[Prompt], iteration: int) -> list[GenerateRequest]:
         # The in-process loop's requests, so both loops sample the same way.
-        return group_requests(self.cfg, [prompt_ids(self.tokenizer, p) for p in prompts], iteration)
+        cfg = self.cfg
+        ids = [prompt_ids(self.tokenizer, p) for p in prompts]
+        return group_requests(
+            cfg.algorithm, cfg.rollout, ids, seed=cfg.run.seed, iteration=iteration
+        )
 
     async def _old_logprobs(
         self, chunk: Sequence[Completion]

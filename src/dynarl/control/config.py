@@ -4,6 +4,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from dynarl.core.config import Section
+
 SchedulingMode = Literal["dynamic", "static-colocated", "static-disaggregated", "rlhfuse"]
 """Policies of one system: move devices to the bottleneck (``dynamic``), give all
 devices to each stage in turn (``static-colocated``, like verl), keep a fixed split
@@ -11,7 +13,7 @@ and pipeline (``static-disaggregated``, like RLinf), or the colocated schedule w
 RLHFuse-style fusion of the rollout tail with inference (``rlhfuse``)."""
 
 
-class SchedulerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class SchedulerConfig(Section, frozen=True, kw_only=True):
     """How and when devices move between components.
 
     Attributes:

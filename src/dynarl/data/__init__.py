@@ -19,7 +19,7 @@ from dynarl.data.errors import (
 )
 from dynarl.data.inproc import InProcNetwork, InProcTransport
 from dynarl.data.peers import RouterConfig, RouterStatistics
-from dynarl.data.placement import Completion
+from dynarl.data.placement import RoutedResult
 from dynarl.data.request_queue import AgingBound, QueueStatistics, RequestQueue
 from dynarl.data.router import Router
 from dynarl.data.routing import AffinityRouting, RoutingPolicy
@@ -34,7 +34,6 @@ __all__ = [
     "AffinityRouting",
     "AgingBound",
     "Codec",
-    "Completion",
     "DataPlaneError",
     "HelloRefusedError",
     "InProcNetwork",
@@ -51,6 +50,7 @@ __all__ = [
     "Rejections",
     "RequestQueue",
     "ResultStatus",
+    "RoutedResult",
     "Router",
     "RouterConfig",
     "RouterStatistics",

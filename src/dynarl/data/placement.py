@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 _MAX_REFILL_MISSES = 4
 
 
-class Completion(msgspec.Struct, frozen=True, kw_only=True):
+class RoutedResult(msgspec.Struct, frozen=True, kw_only=True):
     """A result handed to the caller: ``item`` as it was routed, what ``instance``
     returned for it. ``result.status`` is ``"done"`` or ``"tool_call"`` (then resume
     the session with the tool's output for its next turn)."""
@@ -166,7 +166,7 @@ class Placement:
             msgspec.structs.replace(item, payload=payload, tool_calls=item.tool_calls + 1), now
         )
 
-    def on_result(self, w: WorkerState, r: wire.ItemResult, now: float) -> Completion | None:
+    def on_result(self, w: WorkerState, r: wire.ItemResult, now: float) -> RoutedResult | None:
         """Apply one result from ``w``; the completion to hand to the caller, if any.
         Raises :class:`RoutingError` if ``w`` does not hold the item (a stale result)."""
         item = w.in_flight.pop(r.item, None)
@@ -185,7 +185,7 @@ class Placement:
                     num_tokens=generated,
                 )
             )
-            return Completion(item=item, result=r, instance=w.instance)
+            return RoutedResult(item=item, result=r, instance=w.instance)
         if generated:
             self.generated_tokens[item.id] = generated
         served = msgspec.structs.replace(
@@ -202,7 +202,7 @@ class Placement:
                     prefix_tokens=r.prefix_tokens,
                 )
             )
-            return Completion(item=item, result=r, instance=w.instance)
+            return RoutedResult(item=item, result=r, instance=w.instance)
         self._requeue([served], now)  # aborted: routed again with its partial output
         return None
 

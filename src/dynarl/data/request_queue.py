@@ -1,7 +1,7 @@
 """The request queue in front of each engine: bounded, closable, observable, ordered
 by a request-order policy with an aging bound on top.
 
-The order (:mod:`dynarl.control.request_order`: FIFO, or tool-call priority) decides
+The order (:mod:`dynarl.data.request_order`: FIFO, or tool-call priority) decides
 who is served next; the aging bound guarantees that nothing starves: when the oldest
 waiting request has waited longer than ``factor`` times the mean wait (and at least
 ``floor_s``), it is served first, oldest first among the overdue. The reference design
@@ -21,9 +21,9 @@ from typing import Generic, Protocol, TypeVar
 import anyio
 import msgspec
 
-from dynarl.control.request_order import FifoOrder, RequestOrder
 from dynarl.core.clock import Clock
 from dynarl.core.errors import ConfigError
+from dynarl.data.request_order import FifoOrder, RequestOrder
 
 
 class Prioritized(Protocol):

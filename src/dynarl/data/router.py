@@ -29,7 +29,6 @@ import anyio
 import anyio.abc
 
 from dynarl.control import events as ev
-from dynarl.control.request_order import FifoOrder, RequestOrder
 from dynarl.core.clock import Clock, LoopClock
 from dynarl.core.ids import ComponentId, EdgeId, InstanceId, ItemId
 from dynarl.data import wire
@@ -38,7 +37,8 @@ from dynarl.data.calls import Call
 from dynarl.data.codec import Rejections, controller_codec
 from dynarl.data.errors import RoutingError
 from dynarl.data.peers import RouterConfig, RouterStatistics, WorkerState
-from dynarl.data.placement import Completion, Placement
+from dynarl.data.placement import Placement, RoutedResult
+from dynarl.data.request_order import FifoOrder, RequestOrder
 from dynarl.data.routing import AffinityRouting, RoutingPolicy
 from dynarl.data.sessions import Sessions
 from dynarl.data.transport import Transport
@@ -92,8 +92,8 @@ class Router:
             on_results=self._on_results,
         )
         self._backlog_space = anyio.Event()
-        self._outbox: list[Completion] = []
-        send, receive = anyio.create_memory_object_stream[Completion](self.config.results_buffer)
+        self._outbox: list[RoutedResult] = []
+        send, receive = anyio.create_memory_object_stream[RoutedResult](self.config.results_buffer)
         self._results_send = send
         self.results = receive
         """Completions in arrival order (a memory object stream); see also
@@ -167,7 +167,7 @@ class Router:
         self._backlog_space = anyio.Event()
         await self._backlog_space.wait()
 
-    async def receive_batch(self, max_items: int = 1024) -> list[Completion]:
+    async def receive_batch(self, max_items: int = 1024) -> list[RoutedResult]:
         """Wait for at least one completion; return up to ``max_items`` of those
         already waiting (one await for many results)."""
         out = [await self.results.receive()]

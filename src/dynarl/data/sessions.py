@@ -17,7 +17,6 @@ import anyio
 import msgspec
 
 from dynarl.control import events as ev
-from dynarl.control.request_order import RequestOrder
 from dynarl.core.clock import Clock
 from dynarl.data import wire
 from dynarl.data.calls import Calls
@@ -25,6 +24,7 @@ from dynarl.data.codec import Codec, Rejections, peek_hello_version
 from dynarl.data.errors import PeerUnreachableError
 from dynarl.data.peers import RouterConfig, WorkerState
 from dynarl.data.placement import Placement
+from dynarl.data.request_order import RequestOrder
 from dynarl.data.request_queue import RequestQueue
 from dynarl.data.transport import PeerId, Transport
 

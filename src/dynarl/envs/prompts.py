@@ -17,8 +17,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from dynarl.api.config import DataConfig
 from dynarl.core.errors import DynaRLError
+from dynarl.envs.config import DataConfig
 
 logger = logging.getLogger(__name__)
 

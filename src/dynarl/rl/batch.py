@@ -29,7 +29,7 @@ import numpy.typing as npt
 
 from dynarl.core.errors import DynaRLError
 from dynarl.rl.advantages import Baseline, group_advantages
-from dynarl.workers.torch.request import Completion
+from dynarl.workers.rollout import Completion
 
 Arrays = dict[str, npt.NDArray[Any]]
 """A minibatch: named arrays with the samples on dimension 0."""

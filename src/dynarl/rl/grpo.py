@@ -24,9 +24,9 @@ from typing import Annotated, Literal, NamedTuple
 import msgspec
 import torch
 
-from dynarl.api.config import AlgorithmConfig
 from dynarl.core.errors import DynaRLError
-from dynarl.workers.torch.loss import LossOutput
+from dynarl.rl.config import AlgorithmConfig
+from dynarl.workers.trainer import LossOutput
 
 LossAgg = Literal["token-mean", "seq-mean"]
 """How token losses are aggregated; see the module docstring."""

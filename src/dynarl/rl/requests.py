@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from dynarl.api.config import DynaRLConfig
 from dynarl.envs.prompts import Prompt
-from dynarl.workers.torch.request import Completion, GenerateRequest, SamplingParams
+from dynarl.rl.config import AlgorithmConfig
+from dynarl.workers.config import RolloutConfig
+from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams
 
 
 def prompt_ids(tokenizer: Any, prompt: Prompt) -> tuple[int, ...]:
@@ -34,12 +35,16 @@ def response_text(tokenizer: Any, completion: Completion) -> str:
 
 
 def group_requests(
-    cfg: DynaRLConfig, prompt_ids: Sequence[tuple[int, ...]], iteration: int
+    algo: AlgorithmConfig,
+    rollout: RolloutConfig,
+    prompt_ids: Sequence[tuple[int, ...]],
+    *,
+    seed: int,
+    iteration: int,
 ) -> list[GenerateRequest]:
-    """``algorithm.group_size`` requests per prompt (ids ``"{iteration}-{p}-{g}"``),
-    with rollout's sampling parameters and a seed drawn from ``(run.seed, iteration)``."""
-    algo, rollout = cfg.algorithm, cfg.rollout
-    seeds = np.random.default_rng([cfg.run.seed, iteration]).integers(
+    """``algo.group_size`` requests per prompt (ids ``"{iteration}-{p}-{g}"``), with
+    ``rollout``'s sampling parameters and a seed drawn from ``(seed, iteration)``."""
+    seeds = np.random.default_rng([seed, iteration]).integers(
         2**62, size=(len(prompt_ids), algo.group_size)
     )
     return [

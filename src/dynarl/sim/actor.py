@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 import anyio
 
-from dynarl.api.config import DynaRLConfig
 from dynarl.control import events as ev
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.topology import ACTOR, TO_ACTOR
 from dynarl.core.ids import GroupId, ItemId
+from dynarl.rl.config import AlgorithmConfig
 from dynarl.sim.cluster import ClusterModel
 from dynarl.sim.costs import attended_context
 from dynarl.sim.metrics import WorldTotals
@@ -33,7 +33,7 @@ class SimActor:
         graph: the controller's hypergraph, read to see the actor's instances and the
             migrations under way.
         emit: where events go (``Controller.handle``).
-        cfg: the configuration (its ``algorithm`` section).
+        algorithm: the batch shape (groups, minibatches).
         cluster: the cost models (the actor's step time, padding, training order).
         tokens: a sample's length in tokens.
         totals: the world's counters (the steps' busy device-seconds go here).
@@ -43,7 +43,7 @@ class SimActor:
         self,
         graph: Hypergraph,
         emit: Callable[[ev.Event], None],
-        cfg: DynaRLConfig,
+        algorithm: AlgorithmConfig,
         *,
         cluster: ClusterModel,
         tokens: Callable[[ItemId], int],
@@ -51,7 +51,7 @@ class SimActor:
     ) -> None:
         self.graph = graph
         self.emit = emit
-        self.cfg = cfg
+        self.algorithm = algorithm
         self.cluster = cluster
         self.tokens = tokens
         self.totals = totals
@@ -65,7 +65,7 @@ class SimActor:
         """``item`` is ready to train; its group joins the minibatch queue once whole."""
         members = self._group_arrived.setdefault(group, [])
         members.append(item)
-        if len(members) == self.cfg.algorithm.group_size:
+        if len(members) == self.algorithm.group_size:
             self._ready.extend(members)
             del self._group_arrived[group]
 
@@ -80,7 +80,7 @@ class SimActor:
 
     def start(self, now: float) -> None:
         """Start the next optimizer step if a minibatch is ready and the trainer may run."""
-        algo = self.cfg.algorithm
+        algo = self.algorithm
         per_step = algo.samples_per_minibatch
         if self._step is not None or len(self._ready) < per_step:
             return
@@ -119,7 +119,7 @@ class SimActor:
             ev.TrainStepDone(
                 component=ACTOR,
                 step=self.steps_done,
-                num_steps=self.cfg.algorithm.n_minibatches,
+                num_steps=self.algorithm.n_minibatches,
                 num_samples=len(step.items),
                 duration_s=step.end_s - step.start_s,
             )

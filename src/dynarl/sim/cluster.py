@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 import msgspec
 
-from dynarl.api.config import DynaRLConfig
 from dynarl.control.predictor import PrefillCost, Profile, ProfileRow
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
+from dynarl.sim.config import SimulatedRun
 from dynarl.sim.costs import (
     ActorCost,
     InferenceCost,
@@ -52,14 +52,14 @@ class ClusterModel(msgspec.Struct, frozen=True, kw_only=True):
     train_after_rollout: bool = False
 
     @classmethod
-    def from_config(cls, cfg: DynaRLConfig) -> "ClusterModel":
-        """Build every model from ``cfg`` (its ``sim`` section and the component
+    def from_config(cls, run: SimulatedRun) -> "ClusterModel":
+        """Build every model from ``run`` (its ``sim`` section and the job's component
         sections: parallel sizes, batch caps, batch shape, length cap)."""
         from dynarl.sim.cpu_profile import cpu_cluster, cpu_profile
 
-        if cpu_profile(cfg.sim.gpu) is not None:
-            return cpu_cluster(cfg)
-        sim, algo = cfg.sim, cfg.algorithm
+        if cpu_profile(run.sim.gpu) is not None:
+            return cpu_cluster(run)
+        cfg, sim, algo = run.job, run.sim, run.job.algorithm
         device, shape = gpu(sim.gpu), model(sim.model)
         workload: MathWorkload | AgenticWorkload
         if sim.workload == "math":

@@ -1,21 +1,23 @@
-"""The simulator's section of the configuration: what the modelled cluster runs.
+"""The simulator's configuration: a run's job wrapped with what the modelled cluster runs.
 
-Devices, initial placement, parallel sizes, batch shape, response-length cap and the
-scheduling mode come from the rest of the configuration tree (``cluster``,
-``rollout``, ``inference``, ``actor``, ``algorithm``, ``scheduler``); this section
-adds only what a real run would learn from its hardware and data: the device and
-model profiles, the workload's shape, and the request order in front of each engine.
+A :class:`SimulatedRun` holds the job (a :class:`~dynarl.api.config.DynaRLConfig`,
+exactly as a real run takes it: devices, initial placement, parallel sizes, batch
+shape, response-length cap, scheduling mode) and :class:`SimConfig`, only what a real
+run would learn from its hardware and data: the device and model profiles, the
+workload's shape, and the request order in front of each engine.
 """
 
-from typing import Annotated, Literal
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
+from dynarl.api.config import DynaRLConfig
+from dynarl.api.config_io import apply_overrides
+from dynarl.core.config import PositiveFloat, PositiveInt, Section
 
 
-class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class SimConfig(Section, frozen=True, kw_only=True):
     """A simulated run (``dynarl sim``): hardware, model and workload.
 
     The simulated engines derive their KV capacity from ``gpu`` memory and the model
@@ -53,3 +55,32 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     request_order: Literal["fifo", "priority"] = "fifo"
     warmup_iterations: Annotated[int, msgspec.Meta(ge=0)] = 1
     stats_period_s: PositiveFloat = 1.0
+
+
+class SimulatedRun(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A simulated run: the job a real run would run (``job``), on the modelled
+    hardware and workload of ``sim``.
+
+    Attributes:
+        job: the run's configuration, as a real run would take it.
+        sim: the modelled cluster: device and model profiles, workload, request order.
+    """
+
+    job: DynaRLConfig = msgspec.field(default_factory=DynaRLConfig)
+    sim: SimConfig = msgspec.field(default_factory=SimConfig)
+
+
+def simulated_run(
+    base: DynaRLConfig | SimulatedRun | Mapping[str, Any], overrides: Iterable[str] = ()
+) -> SimulatedRun:
+    """A :class:`SimulatedRun` from a job (simulated on the default hardware), a
+    simulated run, or a tree of builtins of either (a file's: one with a top-level
+    ``job`` or ``sim`` key is a simulated run), with dotted ``overrides``:
+    ``sim.gpu=H200`` sets the modelled cluster, every other key the job
+    (``cluster.num_devices=128``; ``job.cluster.num_devices=128`` also works)."""
+    if isinstance(base, DynaRLConfig):
+        base = SimulatedRun(job=base)
+    elif not isinstance(base, SimulatedRun) and not {"job", "sim"} & base.keys():
+        base = {"job": dict(base)}
+    keys = [o if o.lstrip().startswith(("sim.", "job.")) else f"job.{o}" for o in overrides]
+    return apply_overrides(base, keys, SimulatedRun)

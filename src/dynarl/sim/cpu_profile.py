@@ -26,9 +26,10 @@ from types import MappingProxyType
 
 import msgspec
 
-from dynarl.api.config import DynaRLConfig, ModelConfig
+from dynarl.api.config import DynaRLConfig
 from dynarl.core.ids import GroupId, ItemId
 from dynarl.sim.cluster import ClusterModel
+from dynarl.sim.config import SimulatedRun
 from dynarl.sim.costs import (
     ActorCost,
     DataParallelEfficiency,
@@ -43,6 +44,7 @@ from dynarl.sim.hardware import GpuProfile
 from dynarl.sim.models import ModelProfile
 from dynarl.sim.replay import ReplayWorkload
 from dynarl.sim.workloads import MathWorkload, Request
+from dynarl.workers.config import ModelConfig
 
 _BUILTIN_VOCAB = 4 + len(string.printable)
 """Vocabulary of the built-in character-level tokenizer (4 special tokens, then the
@@ -238,28 +240,29 @@ def _mean_decode_context(workload: MathWorkload | ReplayWorkload) -> float:
 
 
 def cpu_cluster(
-    cfg: DynaRLConfig,
+    run: SimulatedRun,
     *,
     profile: CpuProfile | None = None,
     workload: MathWorkload | ReplayWorkload | None = None,
 ) -> ClusterModel:
-    """The simulator's cost models for ``cfg`` on CPU device slots of ``profile``
-    (default: the one ``cfg.sim.gpu`` names). Without ``workload``, a math workload of
-    ``cfg.sim.median_output_tokens`` (lognormal, capped at ``rollout.max_new_tokens``).
+    """The simulator's cost models for ``run`` on CPU device slots of ``profile``
+    (default: the one ``run.sim.gpu`` names). Without ``workload``, a math workload of
+    ``run.sim.median_output_tokens`` (lognormal, capped at ``rollout.max_new_tokens``).
 
     Raises:
-        SimError: ``cfg.sim.gpu`` names no CPU profile and none is given, or
-            ``cfg.sim.workload`` is not ``math`` (the reference CPU workers run the
+        SimError: ``run.sim.gpu`` names no CPU profile and none is given, or
+            ``run.sim.workload`` is not ``math`` (the reference CPU workers run the
             math workload only).
     """
-    profile = profile or cpu_profile(cfg.sim.gpu)
+    cfg, sim = run.job, run.sim
+    profile = profile or cpu_profile(sim.gpu)
     if profile is None:
         raise SimError(
-            f"sim.gpu={cfg.sim.gpu!r} is not a CPU profile; known: {', '.join(CPU_PROFILES)}"
+            f"sim.gpu={sim.gpu!r} is not a CPU profile; known: {', '.join(CPU_PROFILES)}"
         )
-    if workload is None and cfg.sim.workload != "math":
+    if workload is None and sim.workload != "math":
         raise SimError(
-            f"sim.workload={cfg.sim.workload!r}: the CPU profile sim.gpu={cfg.sim.gpu!r} "
+            f"sim.workload={sim.workload!r}: the CPU profile sim.gpu={sim.gpu!r} "
             "models the reference CPU workers, which run the math workload; set "
             "sim.workload=math, or pick a GPU profile (sim.gpu=H100, H200 or A100)"
         )
@@ -267,7 +270,7 @@ def cpu_cluster(
     workload = workload or MathWorkload(
         num_prompts=cfg.algorithm.num_prompts,
         group_size=cfg.algorithm.group_size,
-        median_output_tokens=cfg.sim.median_output_tokens,
+        median_output_tokens=sim.median_output_tokens,
         max_output_tokens=cfg.rollout.max_new_tokens,
         prompt_median_tokens=8,
         min_prompt_tokens=2,

@@ -12,18 +12,18 @@ import heapq
 import math
 from collections.abc import Callable
 
-from dynarl.api.config import DynaRLConfig
 from dynarl.control import events as ev
 from dynarl.control.hypergraph import Hypergraph
-from dynarl.control.request_order import FifoOrder, ToolCallPriorityOrder
 from dynarl.control.topology import PROMPTS, ROLLOUT
 from dynarl.core.ids import InstanceId, ItemId
+from dynarl.data.request_order import FifoOrder, ToolCallPriorityOrder
 from dynarl.sim.cluster import ClusterModel
 from dynarl.sim.engine import SimEngine
 from dynarl.sim.jobs import Job, JobDone
 from dynarl.sim.metrics import WorldTotals
 from dynarl.sim.progress import EngineSlot, SeqProgress
 from dynarl.sim.router import RequestRouter
+from dynarl.workers.config import RolloutConfig
 
 
 class EngineFleet:
@@ -32,7 +32,9 @@ class EngineFleet:
     Args:
         graph: the controller's hypergraph, read to see the rollout instances.
         emit: where events go (``Controller.handle``).
-        cfg: the configuration (its ``rollout`` and ``sim`` sections).
+        rollout: the engines' limits.
+        request_order: the order of the queue in front of the engines (``fifo`` or
+            ``priority``).
         cluster: the cost models (the engines' model).
         seqs: every request's progress, shared with the world.
         totals: the world's counters.
@@ -43,8 +45,9 @@ class EngineFleet:
         self,
         graph: Hypergraph,
         emit: Callable[[ev.Event], None],
-        cfg: DynaRLConfig,
+        rollout: RolloutConfig,
         *,
+        request_order: str,
         cluster: ClusterModel,
         seqs: dict[ItemId, SeqProgress],
         totals: WorldTotals,
@@ -56,12 +59,12 @@ class EngineFleet:
         self.seqs = seqs
         self.totals = totals
         self.finished = finished
-        priority = cfg.sim.request_order == "priority"
+        priority = request_order == "priority"
         self.router = RequestRouter(
             ToolCallPriorityOrder() if priority else FifoOrder(),
             aging_factor=4.0 if priority else None,
         )
-        self.cap = cfg.rollout.max_running_requests
+        self.cap = rollout.max_running_requests
         self.engines: dict[InstanceId, EngineSlot] = {}
         self._room: dict[InstanceId, None] = {}  # active engines with a free slot
         self._eheap: list[tuple[float, InstanceId]] = []

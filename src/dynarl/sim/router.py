@@ -16,8 +16,8 @@ or by any engine that may take it -- so nothing starves.
 import heapq
 from collections import deque
 
-from dynarl.control.request_order import RequestOrder
 from dynarl.core.ids import InstanceId, ItemId
+from dynarl.data.request_order import RequestOrder
 
 _Entry = tuple[tuple[float, ...], int, ItemId]
 

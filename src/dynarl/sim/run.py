@@ -16,16 +16,16 @@ import anyio
 import msgspec
 import numpy as np
 
-from dynarl.api.config import DynaRLConfig
-from dynarl.api.pipeline import build_hypergraph
 from dynarl.control import events as ev
 from dynarl.control.controller import Controller
 from dynarl.control.modes import make_hold, make_policy
+from dynarl.control.pipeline import build_hypergraph
 from dynarl.control.predictor import Predictor
 from dynarl.core.clock import LoopClock
 from dynarl.obs.timeline import TimelineRecorder
 from dynarl.sim.bound import work_conserving_bound
 from dynarl.sim.cluster import ClusterModel, sim_profile
+from dynarl.sim.config import SimulatedRun
 from dynarl.sim.metrics import IterationRecord
 from dynarl.sim.world import SimWorld
 
@@ -71,28 +71,29 @@ class ModeResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 async def simulate(
-    cfg: DynaRLConfig,
+    run: SimulatedRun,
     *,
     check: bool = False,
     name: str | None = None,
     on_event: Callable[[ev.Event], None] | None = None,
     cluster: ClusterModel | None = None,
 ) -> tuple[ModeResult, TimelineRecorder]:
-    """Simulate ``cfg`` (its ``scheduler.mode``) on the running loop.
+    """Simulate ``run`` (its job's ``scheduler.mode``) on the running loop.
 
     Args:
-        cfg: the configuration; ``cfg.sim`` picks hardware, model and workload.
+        run: the job and the modelled cluster (``run.sim``: hardware, model, workload).
         check: verify the hypergraph's invariants after every event (slow; tests).
         name: the run's name in the timeline (default: the mode).
         on_event: also called with every applied event.
-        cluster: the cost models and workload (default: built from ``cfg``).
+        cluster: the cost models and workload (default: built from ``run``).
 
     Returns:
         the measured result and the allocation timeline.
     """
+    cfg = run.job
     clock = LoopClock()
-    graph, baseline = build_hypergraph(cfg, now_s=clock.now())
-    cluster = cluster or ClusterModel.from_config(cfg)
+    graph, baseline = build_hypergraph(cfg.pipeline_layout(), now_s=clock.now())
+    cluster = cluster or ClusterModel.from_config(run)
     # A "profiling run" on other prompts than the measured ones.
     sample = cluster.workload.generate(np.random.default_rng(cfg.run.seed + 1_000_003))
     profile = sim_profile(cluster, sample, cfg.cluster.num_devices)
@@ -113,7 +114,7 @@ async def simulate(
     def handle(event: ev.Event) -> None:
         controller.handle(event)  # bound below: the controller needs the world first
 
-    world = SimWorld(graph, handle, clock, cfg, cluster=cluster)
+    world = SimWorld(graph, handle, clock, run, cluster=cluster)
     controller = Controller(
         graph,
         policy,
@@ -131,21 +132,22 @@ async def simulate(
         await world.run()
     wall_s = time.perf_counter() - wall0
     recorder.close(clock.now())
-    result = _summarise(cfg, world, recorder, controller, wall_s)
+    result = _summarise(run, world, recorder, controller, wall_s)
     return result, recorder
 
 
 def _summarise(
-    cfg: DynaRLConfig,
+    run: SimulatedRun,
     world: SimWorld,
     recorder: TimelineRecorder,
     controller: Controller,
     wall_s: float,
 ) -> ModeResult:
-    skip = min(cfg.sim.warmup_iterations, len(world.iterations) - 1)
+    cfg = run.job
+    skip = min(run.sim.warmup_iterations, len(world.iterations) - 1)
     measured = world.iterations[skip:]
     total_s = sum(r.duration_s for r in measured)
-    agentic = cfg.sim.workload == "agentic"
+    agentic = run.sim.workload == "agentic"
     work = sum(r.requests if agentic else r.generated_tokens for r in measured)
     n = cfg.cluster.num_devices
     bounds = [

@@ -29,7 +29,6 @@ from collections.abc import Callable
 import anyio
 import numpy as np
 
-from dynarl.api.config import DynaRLConfig
 from dynarl.control import events as ev
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.topology import INFERENCE, PROMPTS, TO_ACTOR, TO_INFERENCE
@@ -37,6 +36,7 @@ from dynarl.core.clock import Clock
 from dynarl.core.ids import InstanceId, ItemId
 from dynarl.sim.actor import SimActor
 from dynarl.sim.cluster import ClusterModel
+from dynarl.sim.config import SimulatedRun
 from dynarl.sim.errors import SimError
 from dynarl.sim.executor import SimExecutor
 from dynarl.sim.fleet import EngineFleet
@@ -55,8 +55,8 @@ class SimWorld:
         graph: the controller's hypergraph, read (never changed) to see instances.
         emit: where events go (``Controller.handle``).
         clock: the controller's clock (virtual in the simulator).
-        cfg: the configuration (its ``sim`` section and component sections).
-        cluster: the cost models and workload (built from ``cfg`` by default).
+        run: the simulated run (its job and the modelled cluster).
+        cluster: the cost models and workload (built from ``run`` by default).
         max_iteration_s: an iteration running longer than this (virtual seconds) is
             an error (a scheduling deadlock), reported with the pipeline's state.
     """
@@ -66,7 +66,7 @@ class SimWorld:
         graph: Hypergraph,
         emit: Callable[[ev.Event], None],
         clock: Clock,
-        cfg: DynaRLConfig,
+        run: SimulatedRun,
         *,
         cluster: ClusterModel | None = None,
         max_iteration_s: float = 36000.0,
@@ -74,8 +74,9 @@ class SimWorld:
         self.graph = graph
         self.emit = emit
         self.clock = clock
-        self.cfg = cfg
-        self.cluster = cluster or ClusterModel.from_config(cfg)
+        self.run_config = run
+        cfg = self.cfg = run.job
+        self.cluster = cluster or ClusterModel.from_config(run)
         self.max_iteration_s = max_iteration_s
         self.rng = np.random.default_rng(cfg.run.seed)
         self.seqs: dict[ItemId, SeqProgress] = {}
@@ -97,7 +98,8 @@ class SimWorld:
         self.fleet = EngineFleet(
             graph,
             emit,
-            cfg,
+            cfg.rollout,
+            request_order=run.sim.request_order,
             cluster=self.cluster,
             seqs=self.seqs,
             totals=self.totals,
@@ -106,7 +108,12 @@ class SimWorld:
         self.router = self.fleet.router
         self.engines = self.fleet.engines
         self.actor = SimActor(
-            graph, emit, cfg, cluster=self.cluster, tokens=self._tokens, totals=self.totals
+            graph,
+            emit,
+            cfg.algorithm,
+            cluster=self.cluster,
+            tokens=self._tokens,
+            totals=self.totals,
         )
         self.iterations: list[IterationRecord] = []
         self.workloads: list[tuple[Request, ...]] = []
@@ -206,7 +213,7 @@ class SimWorld:
         self.actor.start(now)
         report_all = now + _EPS >= self._next_stats_s
         if report_all:
-            self._next_stats_s = now + self.cfg.sim.stats_period_s
+            self._next_stats_s = now + self.run_config.sim.stats_period_s
         self.fleet.report(now, all_engines=report_all)
 
     def _sync_instances(self, now: float) -> None:

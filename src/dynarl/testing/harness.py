@@ -6,11 +6,11 @@ import anyio
 import msgspec
 
 from dynarl.api.config import DynaRLConfig
-from dynarl.api.pipeline import build_hypergraph
 from dynarl.control import events as ev
 from dynarl.control.controller import Controller, ControllerStats
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.modes import make_hold, make_policy
+from dynarl.control.pipeline import build_hypergraph
 from dynarl.control.plan import Migration
 from dynarl.control.predictor import Predictor, Profile, ProfileRow
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
@@ -73,7 +73,7 @@ async def run_with_fake_world(
     on a :class:`~dynarl.core.virtual_time.VirtualTimeLoop` to take no real time.
     """
     clock = LoopClock()
-    graph, baseline = build_hypergraph(cfg, now_s=clock.now())
+    graph, baseline = build_hypergraph(cfg.pipeline_layout(), now_s=clock.now())
     predictor = Predictor({c: n.spec.scaling for c, n in graph.components.items()}, profile=profile)
     policy = make_policy(cfg.scheduler, predictor, baseline)
     allocation: list[tuple[float, dict[str, int]]] = []

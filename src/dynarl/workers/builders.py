@@ -17,7 +17,7 @@ def build_rollout(role: p.RolloutRole, name: str, num_threads: int) -> "RolloutH
     """Build a rollout engine whose waiting queue is the data plane's request queue."""
     import torch
 
-    from dynarl.control.request_order import FifoOrder, ToolCallPriorityOrder
+    from dynarl.data.request_order import FifoOrder, ToolCallPriorityOrder
     from dynarl.data.request_queue import RequestQueue
     from dynarl.workers.rollout_host import RolloutHost
     from dynarl.workers.torch.engine import RolloutEngine

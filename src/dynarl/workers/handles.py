@@ -31,13 +31,13 @@ from dynarl.data.errors import RoutingError
 from dynarl.data.router import Router
 from dynarl.workers import protocol as p
 from dynarl.workers.errors import LaunchError, WorkerCallError
+from dynarl.workers.inference import LogprobRequest, LogprobResult
 from dynarl.workers.lifecycle import LifecycleState
-from dynarl.workers.torch.inference_request import LogprobRequest, LogprobResult
-from dynarl.workers.torch.request import Completion, GenerateRequest
+from dynarl.workers.rollout import Completion, GenerateRequest
 
 if TYPE_CHECKING:
-    from dynarl.workers.torch.trainer_commands import StepMetrics
-    from dynarl.workers.torch.trainer_pool import Minibatch, ResizeResult, TrainerPool
+    from dynarl.workers.torch.trainer_pool import TrainerPool
+    from dynarl.workers.trainer import Minibatch, ResizeResult, StepMetrics
 
 logger = logging.getLogger(__name__)
 

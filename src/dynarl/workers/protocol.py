@@ -14,16 +14,16 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
-from dynarl.api.config import InferenceConfig, ModelConfig, RolloutConfig
 from dynarl.core.ids import ComponentId, InstanceId
 from dynarl.data.request_queue import DEFAULT_AGING, AgingBound
-from dynarl.workers.lifecycle import LifecycleState
-from dynarl.workers.torch.inference_request import (
+from dynarl.workers.config import InferenceConfig, ModelConfig, RolloutConfig
+from dynarl.workers.inference import (
     InferenceProgress,
     LogprobRequest,
     LogprobResult,
 )
-from dynarl.workers.torch.request import Completion, EngineLoad, GenerateRequest
+from dynarl.workers.lifecycle import LifecycleState
+from dynarl.workers.rollout import Completion, EngineLoad, GenerateRequest
 
 FREE: Final = ComponentId("free")
 """The component a slot belongs to while it has no role (nothing is routed to it)."""

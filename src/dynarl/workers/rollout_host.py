@@ -6,7 +6,7 @@ aborting requests, a weight update, releasing memory — happens under one lock,
 a time; a step runs in a thread (``anyio.to_thread``) while the loop goes on answering
 pings and calls. Each request has a *sink* that receives its completion or its
 abort: a streamed :class:`~dynarl.workers.protocol.Generate` call, or an item of the
-data router (completed with the :class:`~dynarl.workers.torch.request.Completion` as
+data router (completed with the :class:`~dynarl.workers.rollout.Completion` as
 its payload, or handed back ``aborted`` with the partial request as its payload, which
 another engine resumes). Importing this module does not import torch.
 """
@@ -23,8 +23,8 @@ from dynarl.data import wire
 from dynarl.data.errors import PeerLostError
 from dynarl.data.worker_link import WorkerLink
 from dynarl.workers.protocol import Failed, Generated
+from dynarl.workers.rollout import Completion, GenerateRequest
 from dynarl.workers.torch.errors import EngineError
-from dynarl.workers.torch.request import Completion, GenerateRequest
 
 if TYPE_CHECKING:
     from dynarl.workers.torch.engine import RolloutEngine

@@ -21,20 +21,20 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from dynarl.api.config import ModelConfig, RolloutConfig
-from dynarl.control.request_order import FifoOrder, RequestOrder
-from dynarl.workers.torch import weight_sync, weights
-from dynarl.workers.torch.batch_cache import BatchCache
-from dynarl.workers.torch.errors import EngineError
-from dynarl.workers.torch.memory import ParameterMemory
-from dynarl.workers.torch.model import build_model, load_tokenizer
-from dynarl.workers.torch.request import (
+from dynarl.data.request_order import FifoOrder, RequestOrder
+from dynarl.workers.config import ModelConfig, RolloutConfig
+from dynarl.workers.rollout import (
     Completion,
     EngineLoad,
     GenerateRequest,
     StepOutput,
     TokenDelta,
 )
+from dynarl.workers.torch import weight_sync, weights
+from dynarl.workers.torch.batch_cache import BatchCache
+from dynarl.workers.torch.errors import EngineError
+from dynarl.workers.torch.memory import ParameterMemory
+from dynarl.workers.torch.model import build_model, load_tokenizer
 from dynarl.workers.torch.sampler import sample, uniform
 from dynarl.workers.torch.scheduler import Scheduler
 from dynarl.workers.torch.sequence import Sequence

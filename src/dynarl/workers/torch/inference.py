@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from dynarl.api.config import InferenceConfig, ModelConfig
-from dynarl.workers.torch import weight_sync, weights
-from dynarl.workers.torch.errors import EngineError
-from dynarl.workers.torch.inference_request import (
+from dynarl.workers.config import InferenceConfig, ModelConfig
+from dynarl.workers.inference import (
     InferenceProgress,
     LogprobRequest,
     LogprobResult,
 )
+from dynarl.workers.torch import weight_sync, weights
+from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.logprobs import sequence_logprobs
 from dynarl.workers.torch.memory import ParameterMemory
 from dynarl.workers.torch.model import build_model, load_tokenizer

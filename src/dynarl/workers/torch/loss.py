@@ -8,33 +8,10 @@ tokens) and the count it should be averaged by, never a local mean.
 """
 
 from collections.abc import Mapping
-from typing import NamedTuple, Protocol
 
 import torch
 
-
-class LossOutput(NamedTuple):
-    """What a loss returns for one micro-batch.
-
-    Attributes:
-        loss_sum: scalar tensor, summed (not averaged) over the micro-batch; gradients
-            flow from it.
-        normaliser: scalar tensor (or number) this micro-batch adds to the global count
-            the summed loss is divided by.
-    """
-
-    loss_sum: torch.Tensor
-    normaliser: torch.Tensor | float
-
-
-class LossFn(Protocol):
-    """A training loss; must be picklable (a module-level function or a struct-like
-    object) because it is sent to the worker processes once at start."""
-
-    def __call__(self, logits: torch.Tensor, micro_batch: Mapping[str, torch.Tensor]) -> LossOutput:
-        """Loss sum and normaliser of ``micro_batch`` given the model's ``logits``
-        (``[batch, seq, vocab]``)."""
-        ...
+from dynarl.workers.trainer import LossOutput
 
 
 def weighted_nll(logits: torch.Tensor, micro_batch: Mapping[str, torch.Tensor]) -> LossOutput:

@@ -31,7 +31,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from dynarl.api.config import ModelConfig
+from dynarl.workers.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ import enum
 
 import msgspec
 
-from dynarl.workers.torch.request import Completion, FinishReason, GenerateRequest
+from dynarl.workers.rollout import Completion, FinishReason, GenerateRequest
 
 
 class SequenceStatus(enum.Enum):
@@ -19,7 +19,7 @@ class Sequence:
     """A request being served: prompt, output so far, and scheduling facts.
 
     It also satisfies the ``RequestInfo`` protocol of
-    :mod:`dynarl.control.request_order` (``tool_calls``, ``prefix_tokens``,
+    :mod:`dynarl.data.request_order` (``tool_calls``, ``prefix_tokens``,
     ``enqueued_s``), so a ``RequestOrder`` can rank it in the waiting queue.
 
     Attributes:

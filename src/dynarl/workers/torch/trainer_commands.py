@@ -10,6 +10,8 @@ from typing import Annotated
 
 import msgspec
 
+from dynarl.workers.trainer import StepMetrics
+
 
 class Array(msgspec.Struct, frozen=True, kw_only=True):
     """A dense array on the wire: numpy/torch dtype name, shape and C-order bytes."""
@@ -26,22 +28,6 @@ class ReshardFault(msgspec.Struct, frozen=True, kw_only=True):
 
     worker: int
     after_buckets: Annotated[int, msgspec.Meta(ge=1)] = 1
-
-
-class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
-    """What one optimizer step reports (identical on every rank).
-
-    Attributes:
-        loss: global loss, summed over ranks and divided by the global normaliser.
-        normaliser: global normaliser (e.g. loss tokens in the minibatch).
-        grad_norm: global gradient norm before clipping.
-        num_steps: optimizer steps this trainer has taken, this one included.
-    """
-
-    loss: float
-    normaliser: float
-    grad_norm: float
-    num_steps: int
 
 
 class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True):

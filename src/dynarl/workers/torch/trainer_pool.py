@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -45,37 +45,16 @@ from dynarl.workers.torch.trainer_commands import (
     Shutdown,
     StartTraining,
     StepDone,
-    StepMetrics,
     SyncWeights,
     TrainStep,
 )
 from dynarl.workers.torch.trainer_config import TrainerConfig
 from dynarl.workers.torch.trainer_errors import ReshardError, TrainerError, WeightSyncError
+from dynarl.workers.trainer import Minibatch, ResizeResult, StepMetrics
 
 logger = logging.getLogger(__name__)
 
-Minibatch = Mapping[str, npt.NDArray[Any]]
-"""Named arrays with the samples on dimension 0 (``input_ids``, ``attention_mask``,
-and whatever the loss reads, e.g. ``loss_weights``)."""
-
 _SHUTDOWN_GRACE_S = 10.0
-
-
-class ResizeResult(msgspec.Struct, frozen=True, kw_only=True):
-    """A committed resize.
-
-    Attributes:
-        epoch: the resize's number in this pool.
-        old_members, new_members: workers (world ranks) in data-parallel rank order.
-        elapsed_s: wall time of prepare + commit, seen from the pool.
-        bytes_moved: bytes the source broadcast to the joiners.
-    """
-
-    epoch: int
-    old_members: tuple[int, ...]
-    new_members: tuple[int, ...]
-    elapsed_s: float
-    bytes_moved: int
 
 
 class TrainerPool:

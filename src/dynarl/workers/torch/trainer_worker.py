@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from dynarl.workers.torch import reshard
 from dynarl.workers.torch.buckets import Group
-from dynarl.workers.torch.loss import LossFn
 from dynarl.workers.torch.train_batch import to_tensors
 from dynarl.workers.torch.trainer import ElasticTrainer, ModelFactory
 from dynarl.workers.torch.trainer_commands import (
@@ -49,6 +48,7 @@ from dynarl.workers.torch.weight_sync import (
     leave_weight_sync_group,
     send_weights,
 )
+from dynarl.workers.trainer import LossFn
 
 logger = logging.getLogger(__name__)
 

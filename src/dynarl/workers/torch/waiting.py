@@ -14,7 +14,7 @@ from typing import Generic, Protocol, TypeVar
 
 import anyio
 
-from dynarl.control.request_order import RequestInfo, RequestOrder
+from dynarl.data.request_order import RequestInfo, RequestOrder
 
 T = TypeVar("T", bound=RequestInfo)
 

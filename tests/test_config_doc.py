@@ -2,15 +2,15 @@
 
 from pathlib import Path
 
-from dynarl.api.config_doc import render
+from dynarl.config_doc import render
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 def test_reference_matches_the_config_tree() -> None:
     assert DOC.read_text() == render(), (
         "docs/configuration.md is stale: run "
-        "`python -m dynarl.api.config_doc > docs/configuration.md`"
+        "`python -m dynarl.config_doc > docs/configuration.md`"
     )
 
 

@@ -1,4 +1,4 @@
-"""A reference RL loop in one process: rollout, reward, advantages, GRPO steps, weight
+"""The torch reference RL loop in one process: rollout, reward, advantages, GRPO steps, weight
 reload, one stage after the other.
 
 It is not the distributed runtime (no scheduling, no devices move): it is the plain
@@ -19,27 +19,61 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import msgspec
 import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from dynarl.api.config import DynaRLConfig
+from dynarl.envs.config import DataConfig
 from dynarl.envs.prompts import Prompt, PromptSampler, prompt_sampler
 from dynarl.envs.synthetic import SyntheticTask
 from dynarl.envs.verifier import MatchVerifier, Verifier, score_all
 from dynarl.rl.batch import Trajectory, from_completion, split_minibatches, with_advantages
+from dynarl.rl.config import AlgorithmConfig
 from dynarl.rl.grpo import GrpoLoss
 from dynarl.rl.requests import group_requests, prompt_ids, response_text
+from dynarl.workers.config import ActorConfig, ModelConfig, RolloutConfig
+from dynarl.workers.rollout import Completion, GenerateRequest
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.logprobs import sequence_logprobs
 from dynarl.workers.torch.model import build_model, load_tokenizer
-from dynarl.workers.torch.request import Completion, GenerateRequest
 from dynarl.workers.torch.trainer import ElasticTrainer
 from dynarl.workers.torch.trainer_config import TrainerConfig
 
 logger = logging.getLogger(__name__)
+
+
+class _Run(Protocol):
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def num_iterations(self) -> int: ...
+
+
+class LoopConfig(Protocol):
+    """The sections the loop reads (a :class:`~dynarl.api.config.DynaRLConfig` has
+    them all)."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+
+    @property
+    def rollout(self) -> RolloutConfig: ...
+
+    @property
+    def actor(self) -> ActorConfig: ...
+
+    @property
+    def algorithm(self) -> AlgorithmConfig: ...
+
+    @property
+    def data(self) -> DataConfig: ...
+
+    @property
+    def run(self) -> _Run: ...
 
 
 class IterationMetrics(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,7 +117,7 @@ class InprocessLoop:
 
     def __init__(
         self,
-        config: DynaRLConfig,
+        config: LoopConfig,
         *,
         sampler: PromptSampler | None = None,
         verifier: Verifier | None = None,
@@ -174,7 +208,14 @@ class InprocessLoop:
         return response_text(self.tokenizer, completion)
 
     def _requests(self, prompts: Sequence[Prompt]) -> list[GenerateRequest]:
-        return group_requests(self.config, [self.encode(p) for p in prompts], self.iteration)
+        config = self.config
+        return group_requests(
+            config.algorithm,
+            config.rollout,
+            [self.encode(p) for p in prompts],
+            seed=config.run.seed,
+            iteration=self.iteration,
+        )
 
     def _reference_logprobs(
         self, completions: Sequence[Completion]
@@ -211,7 +252,7 @@ class InprocessLoop:
 
 
 def run_inprocess(
-    config: DynaRLConfig,
+    config: LoopConfig,
     *,
     num_iterations: int | None = None,
     sampler: PromptSampler | None = None,
@@ -230,7 +271,7 @@ def run_inprocess(
     return history
 
 
-def _trainer_config(config: DynaRLConfig) -> TrainerConfig:
+def _trainer_config(config: LoopConfig) -> TrainerConfig:
     actor = config.actor
     return TrainerConfig(
         micro_batch_size=actor.micro_batch_size,

@@ -1,0 +1,56 @@
+"""The RL algorithm's section of the configuration: batch shape, minibatches and the
+GRPO loss's settings."""
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from dynarl.core.config import PositiveFloat, PositiveInt, Section
+from dynarl.core.errors import ConfigError
+
+
+class AlgorithmConfig(Section, frozen=True, kw_only=True):
+    """The RL algorithm: GRPO (group-normalised advantages, the PPO clipped loss).
+
+    Attributes:
+        num_prompts: prompts per iteration.
+        group_size: responses sampled per prompt (G).
+        n_minibatches: optimizer steps per iteration.
+        clip_eps: PPO clip range of the importance ratio.
+        kl_coef: weight of the KL penalty to the reference policy (0 disables it).
+        loss_agg: ``token-mean`` or ``seq-mean`` loss aggregation.
+        minibatch_order: ``seeded``: the iteration's samples are split into minibatches
+            by a seeded permutation once every response is in (the same split in every
+            scheduling mode, so modes learn exactly the same); ``completion``: whole
+            groups form minibatches in the order they finish, and the actor takes its
+            first optimizer steps while the rollout tail still runs (PPO on the same
+            behaviour policy, in another data order; needs ``num_prompts`` divisible
+            by ``n_minibatches``).
+    """
+
+    num_prompts: PositiveInt = 16
+    group_size: PositiveInt = 4
+    n_minibatches: PositiveInt = 2
+    clip_eps: PositiveFloat = 0.2
+    kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
+    minibatch_order: Literal["seeded", "completion"] = "seeded"
+
+    def __post_init__(self) -> None:
+        if self.minibatch_order == "completion" and self.num_prompts % self.n_minibatches:
+            raise ConfigError(
+                f"algorithm.minibatch_order=completion forms minibatches of whole groups, "
+                f"so num_prompts ({self.num_prompts}) must be a multiple of n_minibatches "
+                f"({self.n_minibatches}); change one of them or use minibatch_order=seeded",
+                field="algorithm.minibatch_order",
+            )
+
+    @property
+    def samples_per_iteration(self) -> int:
+        """Sequences generated per iteration."""
+        return self.num_prompts * self.group_size
+
+    @property
+    def samples_per_minibatch(self) -> int:
+        """Sequences per optimizer step."""
+        return self.samples_per_iteration // self.n_minibatches

@@ -1,0 +1,122 @@
+"""The worker roles' sections of the configuration: the policy model, rollout
+engines, log-prob inference and the trainer (actor).
+
+Each section names its backend (``backend``), an implementation chosen from
+:mod:`dynarl.workers.backends` when a run starts; what a backend cannot do with a
+section's values (a tensor-parallel size the torch engine does not shard, say) is
+refused there, with the fix, never silently ignored.
+"""
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from dynarl.core.config import NonNegativeInt, PositiveFloat, PositiveInt, Section
+from dynarl.core.errors import ConfigError
+
+
+class ModelConfig(Section, frozen=True, kw_only=True):
+    """The policy model: a local checkpoint, or a random-init architecture.
+
+    Attributes:
+        path: a local directory ``transformers`` can load (weights and tokenizer);
+            when unset, a model is built from the fields below with random weights.
+        arch: architecture family for random init.
+        hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size: shape for
+            random init.
+        max_seq_len: longest prompt + response the model handles.
+        dtype: parameter dtype.
+    """
+
+    path: str | None = None
+    arch: Literal["qwen2", "llama"] = "qwen2"
+    hidden_size: PositiveInt = 64
+    num_layers: PositiveInt = 2
+    num_heads: PositiveInt = 4
+    num_kv_heads: PositiveInt = 2
+    intermediate_size: PositiveInt = 128
+    max_seq_len: PositiveInt = 256
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"model.hidden_size={self.hidden_size} must be a multiple of "
+                f"model.num_heads={self.num_heads}",
+                field="model.hidden_size",
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model.num_heads={self.num_heads} must be a multiple of "
+                f"model.num_kv_heads={self.num_kv_heads}",
+                field="model.num_kv_heads",
+            )
+
+
+class RolloutConfig(Section, frozen=True, kw_only=True):
+    """Rollout engines.
+
+    Attributes:
+        backend: ``torch`` (reference engine) or ``sglang``.
+        tp: devices per engine (tensor parallel).
+        initial_devices: devices rollout starts each run with.
+        max_running_requests: requests an engine decodes at once.
+        kv_capacity_tokens: KV-cache tokens an engine holds.
+        temperature, top_p, max_new_tokens: sampling parameters.
+    """
+
+    backend: Literal["torch", "sglang"] = "torch"
+    tp: PositiveInt = 1
+    initial_devices: NonNegativeInt = 2
+    max_running_requests: PositiveInt = 64
+    kv_capacity_tokens: PositiveInt = 16384
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    max_new_tokens: PositiveInt = 128
+
+
+class InferenceConfig(Section, frozen=True, kw_only=True):
+    """Log-probability inference (old policy, optionally a frozen reference).
+
+    Attributes:
+        backend: ``torch`` or ``megatron``.
+        tp: devices per inference replica.
+        initial_devices: devices inference starts with.
+        micro_batch_size: sequences per forward pass.
+        compute_ref_logprobs: also compute reference-model log-probs (for a KL term).
+    """
+
+    backend: Literal["torch", "megatron"] = "torch"
+    tp: PositiveInt = 1
+    initial_devices: NonNegativeInt = 1
+    micro_batch_size: PositiveInt = 16
+    compute_ref_logprobs: bool = False
+
+
+class ActorConfig(Section, frozen=True, kw_only=True):
+    """The trainer.
+
+    Attributes:
+        backend: ``torch`` (DDP over gloo/NCCL) or ``megatron``.
+        tp, pp: tensor and pipeline parallel size of one data-parallel replica.
+        initial_devices: devices the actor starts with (a multiple of ``tp * pp``).
+        micro_batch_size: sequences per forward/backward.
+        lr, weight_decay, grad_clip: optimizer settings (AdamW).
+        allow_uneven_micro_batches: let ranks take uneven micro-batch counts, so any
+            data-parallel size is valid (otherwise it must divide the minibatch).
+    """
+
+    backend: Literal["torch", "megatron"] = "torch"
+    tp: PositiveInt = 1
+    pp: PositiveInt = 1
+    initial_devices: NonNegativeInt = 1
+    micro_batch_size: PositiveInt = 32
+    lr: PositiveFloat = 3e-3
+    weight_decay: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    grad_clip: PositiveFloat = 1.0
+    allow_uneven_micro_batches: bool = False
+
+    @property
+    def devices_per_replica(self) -> int:
+        """Devices one data-parallel replica takes."""
+        return self.tp * self.pp
