@@ -32,9 +32,10 @@ from dynarl.rl.grpo import GrpoLoss
 from dynarl.sim.cpu_profile import CPU_1T, CpuProfile
 from dynarl.workers.inference import LogprobRequest
 from dynarl.workers.rollout import GenerateRequest, SamplingParams
+from dynarl.workers.tokenizer import build_tokenizer
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.inference import InferenceWorker
-from dynarl.workers.torch.model import build_model, build_tokenizer
+from dynarl.workers.torch.model import build_model
 from dynarl.workers.torch.trainer import ElasticTrainer
 from dynarl.workers.torch.trainer_config import TrainerConfig
 

@@ -40,8 +40,8 @@ def worker_pids(rl: DynaRL) -> list[int]:
     assert rl._iteration is not None
     world = rl._iteration.world
     assert world.trainer is not None
-    slots = [s.pid for s in world.launcher.slots]
-    trainers = [p.pid for p in world.trainer.pool._processes if p.pid is not None]
+    slots = [h.pid for h in world.launcher.handles if h.pid is not None]
+    trainers = world.trainer.pids
     return slots + trainers
 
 

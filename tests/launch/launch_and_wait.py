@@ -22,7 +22,7 @@ async def main(endpoint: str, num_slots: int) -> None:
     async with (
         Router(transport, consumers=consumers) as router,
         LocalLauncher(
-            router, LaunchConfig(num_slots=num_slots, slot=SlotConfig(preload=False))
+            router, LaunchConfig(num_slots=num_slots, slot=SlotConfig())
         ) as launcher,
     ):
         print(json.dumps([slot.pid for slot in launcher.slots]), flush=True)

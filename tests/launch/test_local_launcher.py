@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = Path(__file__).with_name("launch_and_wait.py")
 CONSUMERS = {EdgeId("prompts"): [ComponentId("rollout")]}
-LIGHT = LaunchConfig(num_slots=2, slot=SlotConfig(preload=False), stop_timeout_s=5.0)
+LIGHT = LaunchConfig(num_slots=2, slot=SlotConfig(), stop_timeout_s=5.0)
 
 
 @pytest.fixture
@@ -108,7 +108,7 @@ async def test_a_slot_that_dies_at_start_is_reported(short_tmp: Path) -> None:
     transport = ZmqTransport.bind(f"ipc://{short_tmp}/r.sock")
     try:
         async with Router(transport, consumers=CONSUMERS) as router:
-            bad = LaunchConfig(num_slots=1, slot=SlotConfig(preload=False, hello_timeout_s=0.5))
+            bad = LaunchConfig(num_slots=1, slot=SlotConfig(hello_timeout_s=0.5))
             with pytest.raises(LaunchError, match="exited before it connected"):
                 async with LocalLauncher(router, bad, endpoint=f"ipc://{short_tmp}/nobody"):
                     pass

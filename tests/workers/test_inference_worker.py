@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from dynarl.api.config import InferenceConfig, ModelConfig
+from dynarl.workers.errors import BadRequestError
 from dynarl.workers.rollout import GenerateRequest, SamplingParams
+from dynarl.workers.tokenizer import build_tokenizer
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.inference import InferenceWorker, LogprobRequest, LogprobResult
-from dynarl.workers.torch.model import build_model, build_tokenizer
+from dynarl.workers.torch.model import build_model
 
 TOKENIZER = build_tokenizer()
 MODEL = ModelConfig(max_seq_len=64)
@@ -114,6 +116,6 @@ def test_reference_stays_frozen_while_the_policy_moves() -> None:
 
 def test_samples_without_a_response_are_refused() -> None:
     worker = InferenceWorker(build_model(MODEL, seed=0), micro_batch_size=2)
-    with pytest.raises(EngineError, match="response_start"):
+    with pytest.raises(BadRequestError, match="response_start"):
         worker.submit([LogprobRequest(item_id="x", token_ids=(4, 5), response_start=0)])
     assert worker.progress().num_pending == 0

@@ -12,11 +12,13 @@ from dynarl.api.config import ModelConfig, RolloutConfig
 from dynarl.core.clock import ManualClock
 from dynarl.data.request_order import ToolCallPriorityOrder
 from dynarl.data.request_queue import RequestQueue
+from dynarl.workers.errors import BadRequestError
 from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams, TokenDelta
+from dynarl.workers.tokenizer import build_tokenizer
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.logprobs import sequence_logprobs
-from dynarl.workers.torch.model import build_model, build_tokenizer
+from dynarl.workers.torch.model import build_model
 from dynarl.workers.torch.sequence import Sequence
 from dynarl.workers.torch.trainer_errors import WeightSyncError
 
@@ -227,11 +229,11 @@ def test_bad_requests_are_refused_with_the_fix(model: PreTrainedModel) -> None:
     engine = _engine(model, max_seq_len=32)
     request = _requests()[0]
     engine.add_request(request)
-    with pytest.raises(EngineError, match="already in this engine"):
+    with pytest.raises(BadRequestError, match="already in this engine"):
         engine.add_request(request)
-    with pytest.raises(EngineError, match="empty prompt"):
+    with pytest.raises(BadRequestError, match="empty prompt"):
         engine.add_request(msgspec.structs.replace(request, request_id="e", prompt_ids=()))
-    with pytest.raises(EngineError, match="shorten the prompt"):
+    with pytest.raises(BadRequestError, match="shorten the prompt"):
         engine.add_request(msgspec.structs.replace(request, request_id="l", prompt_ids=(5,) * 32))
     with pytest.raises(EngineError, match="raise the capacity"):
         _engine(model, kv_capacity_tokens=16, max_seq_len=32)

@@ -12,9 +12,10 @@ import torch
 
 from dynarl.api.config import ModelConfig
 from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams
+from dynarl.workers.tokenizer import build_tokenizer
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.logprobs import sequence_logprobs
-from dynarl.workers.torch.model import build_model, build_tokenizer
+from dynarl.workers.torch.model import build_model
 from dynarl.workers.torch.weight_sync import join_weight_sync_group, leave_weight_sync_group
 
 MODEL = ModelConfig(max_seq_len=64)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from dynarl.api.config import ModelConfig
-from dynarl.workers.torch.model import build_model, build_tokenizer, load_tokenizer, save_pretrained
+from dynarl.workers.tokenizer import build_tokenizer, load_tokenizer
+from dynarl.workers.torch.model import build_model, save_pretrained
 
 TEXT = "Q: 12+30=?\nA: 42. (done)"
 

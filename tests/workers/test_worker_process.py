@@ -25,14 +25,17 @@ from dynarl.core.ids import ComponentId, EdgeId, GroupId, InstanceId, ItemId  # 
 from dynarl.data import Item, Router, RouterConfig  # noqa: E402
 from dynarl.data.zmq_transport import ZmqTransport  # noqa: E402
 from dynarl.launch.local import LaunchConfig, LocalLauncher  # noqa: E402
+from dynarl.workers import sync_group  # noqa: E402
 from dynarl.workers.errors import WorkerCallError  # noqa: E402
-from dynarl.workers.handles import RolloutHandle, TrainerHandle  # noqa: E402
+from dynarl.workers.handles import RolloutHandle  # noqa: E402
 from dynarl.workers.inference import LogprobRequest  # noqa: E402
 from dynarl.workers.protocol import InferenceRole, RolloutRole  # noqa: E402
 from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams  # noqa: E402
+from dynarl.workers.tokenizer import build_tokenizer  # noqa: E402
 from dynarl.workers.torch.engine import RolloutEngine  # noqa: E402
 from dynarl.workers.torch.loss import weighted_nll  # noqa: E402
-from dynarl.workers.torch.model import build_model, build_tokenizer  # noqa: E402
+from dynarl.workers.torch.model import build_model  # noqa: E402
+from dynarl.workers.torch.torch_trainer import TorchTrainer  # noqa: E402
 from dynarl.workers.torch.trainer_config import TrainerConfig  # noqa: E402
 from dynarl.workers.torch.trainer_pool import TrainerPool  # noqa: E402
 
@@ -242,10 +245,9 @@ async def test_completions_carry_the_version_the_trainer_synced(
     config = TrainerConfig(lr=5e-2, seed=0, timeout_s=60.0)
     factory = functools.partial(build_model, MODEL, seed=0)
     pool = TrainerPool(config, num_workers=1, model_factory=factory, loss_fn=weighted_nll)
-    await anyio.to_thread.run_sync(pool.start)
+    trainer = TorchTrainer(pool)
     try:
-        trainer = TrainerHandle(pool)
-        await trainer.start_training([0])
+        await trainer.start((0,))
         rng = np.random.default_rng(0)
         batch = {
             "input_ids": rng.integers(4, 90, size=(4, 16)),
@@ -253,11 +255,11 @@ async def test_completions_carry_the_version_the_trainer_synced(
             "loss_weights": np.ones((4, 16), dtype=np.float32),
         }
         await trainer.train_step(batch)
-        await trainer.connect_weight_sync([rollout])
-        assert await trainer.sync_weights(1, [rollout]) > 0
-        await anyio.to_thread.run_sync(pool.save_checkpoint, tmp_path / "v1.pt")
+        await sync_group.connect(trainer, [rollout])
+        assert await sync_group.broadcast(trainer, 1, [rollout]) > 0
+        await trainer.save_checkpoint(str(tmp_path / "v1.pt"))
     finally:
-        await anyio.to_thread.run_sync(pool.close)
+        await trainer.aclose()
 
     assert (await rollout.stats()).weight_version == 1
     reqs = requests(12)

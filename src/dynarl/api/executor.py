@@ -8,7 +8,7 @@
   the engines run before the router sees it. No process starts.
 - **reshard** (into or out of the actor): at an optimizer-step boundary, the trainer's
   ranks move peer to peer onto the new devices, create-before-destroy
-  (:meth:`~dynarl.workers.torch.trainer_pool.TrainerPool.resize`); a trainer left with
+  (:meth:`~dynarl.workers.trainer.Trainer.resize`); a trainer left with
   no device is parked and resumes from its keeper. Slots on the devices involved
   release or assume their roles around it, so one process holds a device at a time.
 - **reboot** is not carried out on real workers: it raises, the controller records

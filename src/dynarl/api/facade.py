@@ -139,7 +139,9 @@ class DynaRL:
             await stack.aclose()
 
     async def _open(self, stack: contextlib.AsyncExitStack) -> None:
-        # Checked first: a directory with nothing to resume fails before anything loads.
+        # Checked first: a backend that cannot run here, or a directory with nothing to
+        # resume, fails before anything loads.
+        check_backends(self.cfg)
         resumed = None if self.resume_from is None else self._files.resume_point(self.cfg)
         # Heavy modules (torch, transformers, zmq) load here, not on `import dynarl`.
         from dynarl.api.executor import WorldExecutor
@@ -154,7 +156,7 @@ class DynaRL:
         from dynarl.envs.prompts import prompt_sampler
         from dynarl.envs.synthetic import SyntheticTask
         from dynarl.envs.verifier import AsyncVerifier, MatchVerifier
-        from dynarl.workers.torch.model import load_tokenizer
+        from dynarl.workers.tokenizer import load_tokenizer
 
         cfg = self.cfg
         files = self._files
@@ -324,8 +326,9 @@ class DynaRL:
             return path  # nothing happened since (checkpoint_every at the last iteration)
         path.parent.mkdir(parents=True, exist_ok=True)
         # Held between optimizer steps: no resize of the trainer moves its state meanwhile.
-        async with self._iteration.world.trainer.between_steps() as pool:
-            await anyio.to_thread.run_sync(pool.save_checkpoint, path)
+        trainer = self._iteration.world.trainer
+        async with trainer.between_steps():
+            await trainer.save_checkpoint(str(path))
         lines = self._timeline_lines()
         write_state(
             self.run_dir,
@@ -402,10 +405,23 @@ class DynaRL:
             logger.exception("could not write the timeline to %s", self.run_dir)
 
 
+def check_backends(cfg: DynaRLConfig) -> None:
+    """Raise :class:`~dynarl.ConfigError` unless every backend and the launcher the
+    config names can run here with its values (see :mod:`dynarl.workers.backends`)."""
+    from dynarl.launch import launcher
+    from dynarl.workers import backends
+
+    backends.check("rollout", cfg.rollout)
+    backends.check("inference", cfg.inference)
+    backends.check("actor", cfg.actor)
+    launcher.check(cfg.cluster)
+
+
 async def _restore(world: "RealWorld", checkpoint: Checkpoint) -> None:
     """Load ``checkpoint`` into the started ``world``'s trainer and give the engines
     its weights under its weight version."""
     assert world.trainer is not None, "start the world first"
-    async with world.trainer.between_steps() as pool:
-        await anyio.to_thread.run_sync(pool.load_checkpoint, checkpoint.trainer_path)
+    trainer = world.trainer
+    async with trainer.between_steps():
+        await trainer.load_checkpoint(str(checkpoint.trainer_path))
     await world.sync_weights(checkpoint.state.weight_version)

@@ -2,20 +2,22 @@
 reach them.
 
 Device slots (one process each, from the :class:`~dynarl.launch.local.LocalLauncher`)
-serve rollout and inference instances; trainer workers (one process each, in a
-:class:`~dynarl.workers.torch.trainer_pool.TrainerPool`) are the actor's data-parallel
-ranks. A device that only ever runs the actor gets no slot, and one that never runs
-the actor gets no trainer worker: under ``static-disaggregated`` each device has one
-process; otherwise every device has both, and one of them holds the device at a time
-(the other's memory is released, or the trainer is parked).
+serve rollout and inference instances with the backends their sections name; trainer
+workers (the :class:`~dynarl.workers.trainer.Trainer` ``actor.backend`` names, one
+worker per device) are the actor's data-parallel ranks. A device that only ever runs
+the actor gets no slot, and one that never runs the actor gets no trainer worker: under
+``static-disaggregated`` each device has one process; otherwise every device has both,
+and one of them holds the device at a time (the other's memory is released, or the
+trainer is parked).
 
 The world also owns the weight-sync group: the trainer's rank 0 and every slot that
-serves a role now. A slot that takes a role mid-run gets the weights the engines run
-(the last synced version) before anything is routed to it, and the group is rebuilt
-(every member leaving the old one together) whenever its members or its sender change.
+serves a role now, as that role (a slot that switches roles leaves and rejoins). A slot
+that takes a role mid-run gets the weights the engines run (the last synced version)
+before anything is routed to it, and the group is rebuilt (every member leaving the old
+one together) whenever its members or its sender change.
 
-Torch is imported only by the trainer pool's and slots' processes, and by
-:meth:`RealWorld.start` (for the model factory, lazily).
+Backends are imported by :meth:`RealWorld.start` (through the backend table) and in
+the workers' processes.
 """
 
 import contextlib
@@ -32,10 +34,12 @@ from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
 from dynarl.core.ids import ComponentId, DeviceId, InstanceId
 from dynarl.data.router import Router
-from dynarl.launch.local import LaunchConfig, LocalLauncher
-from dynarl.workers.handles import InferenceHandle, RolloutHandle, SlotHandle, TrainerHandle
+from dynarl.launch.launcher import Launcher, build_launcher
+from dynarl.workers import backends, sync_group
+from dynarl.workers.handles import InferenceHandle, RolloutHandle, SlotHandle
 from dynarl.workers.protocol import InferenceRole, RoleKind, RolloutRole
 from dynarl.workers.slot import SlotConfig
+from dynarl.workers.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -67,18 +71,20 @@ class RealWorld:
             d for d in all_devices if elastic or d in actor_devices
         ]
         """Devices with a trainer worker, in worker order."""
-        self.launcher = LocalLauncher(
+        self.launcher: Launcher = build_launcher(
+            cfg.cluster,
             router,
-            LaunchConfig(
-                num_slots=len(self.slot_devices),
-                slot=SlotConfig(num_threads=cfg.cluster.threads_per_device),
+            num_slots=len(self.slot_devices),
+            slot=SlotConfig(
+                num_threads=cfg.cluster.threads_per_device,
+                preload_modules=backends.preload_modules(cfg.rollout, cfg.inference),
             ),
         )
         self.rollout: dict[InstanceId, RolloutHandle] = {}
         """Rollout engines by instance."""
         self.inference: dict[InstanceId, InferenceHandle] = {}
         """Inference workers by instance."""
-        self.trainer: TrainerHandle | None = None
+        self.trainer: Trainer | None = None
         """The actor (after :meth:`start`)."""
         self.weight_version = 0
         """The weight version the engines run (the last one synced)."""
@@ -86,9 +92,10 @@ class RealWorld:
         """Whether the trainer's weights moved past :attr:`weight_version` (it is
         training): a slot taking a role now waits for the iteration's closing sync."""
         self._serving: dict[InstanceId, SlotHandle] = {}
-        self._sync_members: list[SlotHandle] = []
+        self._sync_members: list[tuple[SlotHandle, RoleKind | None]] = []  # as which role
         # (slot, role) pairs known to hold weight_version.
         self._current: set[tuple[str, str | None]] = set()
+        self._connected = False  # whether a weight-sync group exists
         self._sync_lock = anyio.Lock()
         self._scoring: Counter[InstanceId] = Counter()
 
@@ -106,7 +113,7 @@ class RealWorld:
 
     def slot(self, device: DeviceId) -> SlotHandle:
         """The slot process of ``device``."""
-        return self.launcher.slots[self.slot_devices.index(device)].handle
+        return self.launcher.handles[self.slot_devices.index(device)]
 
     def trainer_members(self, devices: Sequence[DeviceId]) -> list[int]:
         """The trainer workers of ``devices``."""
@@ -116,46 +123,35 @@ class RealWorld:
     def serving_slots(self) -> list[SlotHandle]:
         """Slots that serve a role now, in slot order (the weight-sync group's engines)."""
         serving = set(map(id, self._serving.values()))
-        return [s.handle for s in self.launcher.slots if id(s.handle) in serving]
+        return [h for h in self.launcher.handles if id(h) in serving]
 
     # ------------------------------------------------------------------ start, stop
 
     async def start(self) -> None:
-        """Start the slots and the trainer pool, give every initial instance its role,
+        """Start the slots and the trainer, give every initial instance its role,
         start training and build the weight-sync group (version 0 is synced).
 
         On failure, what started is left for :meth:`aclose`.
         """
         from dynarl.rl.grpo import GrpoLoss
-        from dynarl.workers.torch.model import build_model
-        from dynarl.workers.torch.trainer_config import TrainerConfig
-        from dynarl.workers.torch.trainer_pool import TrainerPool
 
         cfg = self.cfg
-        trainer_cfg = TrainerConfig(
-            micro_batch_size=cfg.actor.micro_batch_size,
-            lr=cfg.actor.lr,
-            weight_decay=cfg.actor.weight_decay,
-            grad_clip=cfg.actor.grad_clip,
+        trainer = backends.trainer_backend(cfg.actor).build_trainer(
+            model=cfg.model,
+            actor=cfg.actor,
+            loss=GrpoLoss.from_config(cfg.algorithm),
             seed=cfg.run.seed,
+            num_workers=len(self.trainer_devices),
             num_threads=cfg.cluster.threads_per_device,
         )
-        pool = TrainerPool(
-            trainer_cfg,
-            num_workers=len(self.trainer_devices),
-            model_factory=functools.partial(build_model, cfg.model, seed=cfg.run.seed),
-            loss_fn=GrpoLoss.from_config(cfg.algorithm),
-        )
-        self.trainer = TrainerHandle(pool)
+        self.trainer = trainer
+        actor = sorted(self.graph.components[ACTOR].active_instances(), key=lambda n: n.id)
+        members = tuple(self.trainer_members([d for n in actor for d in n.devices]))
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.launcher.start)
-            tg.start_soon(anyio.to_thread.run_sync, pool.start)
-        actor = sorted(self.graph.components[ACTOR].active_instances(), key=lambda n: n.id)
-        await self.trainer.start_training(
-            self.trainer_members([d for n in actor for d in n.devices])
-        )
+            tg.start_soon(trainer.start, members)
         # Every role starts from the seed's weights, as the trainer does: version 0.
-        self._current = {(s.handle.name, k) for s in self.launcher.slots for k in _ROLES}
+        self._current = {(h.name, k) for h in self.launcher.handles for k in _ROLES}
         async with anyio.create_task_group() as tg:
             for component in (ROLLOUT, INFERENCE):
                 nodes = self.graph.components[component].active_instances()
@@ -165,17 +161,17 @@ class RealWorld:
         await self.sync_weights(0)
         logger.info(
             "world started: %d slots, %d trainer workers",
-            len(self.launcher.slots),
+            len(self.launcher.handles),
             len(self.trainer_devices),
         )
 
     async def aclose(self) -> None:
-        """Stop the trainer pool, then the slots; idempotent, and finishes even when
+        """Stop the trainer, then the slots; idempotent, and finishes even when
         the caller is cancelled (no process outlives it)."""
         with anyio.CancelScope(shield=True):
             if self.trainer is not None:
-                pool, self.trainer = self.trainer.pool, None
-                await anyio.to_thread.run_sync(pool.close)
+                trainer, self.trainer = self.trainer, None
+                await trainer.aclose()
             await self.launcher.aclose()
 
     # ------------------------------------------------------------------ slot roles
@@ -275,15 +271,15 @@ class RealWorld:
         """Take the trainer's ranks off ``leaving`` and onto ``joining``
         (create-before-destroy; raises with the old ranks in place on failure). With no
         device left the trainer is parked. Call inside :meth:`actor_boundary`."""
-        assert self.trainer is not None, "start the world first"
-        pool = self.trainer.pool
+        trainer = self.trainer
+        assert trainer is not None, "start the world first"
         gone = set(self.trainer_members(leaving))
-        staying = [m for m in pool.members if m not in gone]
+        staying = [m for m in trainer.members if m not in gone]
         members = staying + [m for m in self.trainer_members(joining) if m not in staying]
         if members:
-            await anyio.to_thread.run_sync(pool.resize, members)
-        elif not pool.parked:
-            await anyio.to_thread.run_sync(pool.park)
+            await trainer.resize(tuple(members))
+        elif not trainer.parked:
+            await trainer.park()
 
     # ------------------------------------------------------------------ weights
 
@@ -294,7 +290,7 @@ class RealWorld:
         async with self._sync_lock:
             members = self.serving_slots
             await self._regroup(members)
-            sent = await self.trainer.sync_weights(version, members)
+            sent = await sync_group.broadcast(self.trainer, version, members)
             self.weight_version = version
             self.trainer_ahead = False
             self._current = {(s.name, s.role) for s in members}
@@ -312,19 +308,27 @@ class RealWorld:
         names = {s.name for s in need}
         members = [s for s in self.serving_slots if s.name not in names] + need
         await self._regroup(members)
-        await self.trainer.sync_weights(self.weight_version, members)
+        await sync_group.broadcast(self.trainer, self.weight_version, members)
         self._current |= {(s.name, s.role) for s in need}
         logger.info(
             "brought %s to weight version %d", ", ".join(sorted(names)), self.weight_version
         )
 
     async def _regroup(self, members: list[SlotHandle]) -> None:
-        """Rebuild the weight-sync group with ``members`` if they or the sender
-        changed (the old group's members leave it together first)."""
-        assert self.trainer is not None, "start the world first"
-        pool = self.trainer.pool
-        same = [s.name for s in members] == [s.name for s in self._sync_members]
-        if same and pool.sync_sender is not None and pool.sync_sender == pool.holder:
+        """Rebuild the weight-sync group with ``members`` (as the roles they serve now)
+        if they or the sender changed (the old group's members leave it together
+        first)."""
+        trainer = self.trainer
+        assert trainer is not None, "start the world first"
+        wanted = [(s, s.role) for s in members]
+        same = [(s.name, r) for s, r in wanted] == [(s.name, r) for s, r in self._sync_members]
+        if same and trainer.weight_sync_ready:
             return
-        await self.trainer.connect_weight_sync(members, leaving=self._sync_members)
-        self._sync_members = list(members)
+        await sync_group.connect(
+            trainer,
+            members,
+            leaving=[s for s, _ in self._sync_members],
+            connected=self._connected,
+        )
+        self._connected = True
+        self._sync_members = wanted

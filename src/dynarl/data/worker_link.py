@@ -70,6 +70,8 @@ class WorkerLink:
         self._has_calls = anyio.Event()
         self._held: dict[ItemId, wire.Item] = {}
         self._aborting: set[ItemId] = set()
+        self._new_aborts: list[ItemId] = []
+        self._has_aborts = anyio.Event()
         self._outbox: list[wire.ItemResult] = []
         self._has_items = anyio.Event()
         self._has_results = anyio.Event()
@@ -147,6 +149,22 @@ class WorkerLink:
         """Answer call ``corr``; ``more`` if further answers follow."""
         await self._transport.send(CONTROLLER, self._codec.encode(wire.Reply(corr, body, more)))
 
+    async def receive_aborts(self) -> list[ItemId]:
+        """Wait until the controller asks for items this worker is working on back;
+        return their ids, each once (hand each back soon with status ``aborted`` and
+        its partial output). Items not picked up yet went back already.
+
+        Raises :class:`PeerLostError` once the controller is gone, has retired this
+        worker or declared it failed.
+        """
+        while not self._new_aborts:
+            if self._lost is not None:
+                raise self._lost
+            self._has_aborts = anyio.Event()
+            await self._has_aborts.wait()
+        wanted, self._new_aborts = self._new_aborts, []
+        return [item for item in wanted if item in self._aborting]
+
     def abort_requested(self, item: ItemId) -> bool:
         """Whether the controller asked for ``item`` back (hand it back soon with
         status ``aborted`` and its partial output)."""
@@ -221,6 +239,9 @@ class WorkerLink:
             )
             wanted.discard(item.id)
         self._aborting |= wanted
+        if wanted:
+            self._new_aborts.extend(sorted(wanted))
+            self._has_aborts.set()
 
     def _on_call(self, msg: wire.Call) -> None:
         self._calls.append(msg)
@@ -239,6 +260,7 @@ class WorkerLink:
             self._lost = PeerLostError(reason)
             self._has_items.set()
             self._has_calls.set()
+            self._has_aborts.set()
 
 
 @asynccontextmanager

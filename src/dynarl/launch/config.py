@@ -12,7 +12,8 @@ class ClusterConfig(Section, frozen=True, kw_only=True):
     Attributes:
         num_devices: accelerators in the job (on CPU: device slots, one process each).
         threads_per_device: torch threads per CPU device slot.
-        launcher: ``local`` (worker subprocesses here) or ``ray`` (Ray actors).
+        launcher: ``local`` (worker subprocesses here) or ``ray`` (Ray actors; not
+            built yet: refused).
     """
 
     num_devices: PositiveInt = 4

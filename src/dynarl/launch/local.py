@@ -85,6 +85,11 @@ class LocalLauncher:
         self.slots: list[Slot] = []
         """The started slots, in order."""
 
+    @property
+    def handles(self) -> list[SlotHandle]:
+        """The started slots' handles, in order."""
+        return [slot.handle for slot in self.slots]
+
     async def __aenter__(self) -> Self:
         try:
             await self.start()

@@ -57,7 +57,8 @@ class RolloutConfig(Section, frozen=True, kw_only=True):
     """Rollout engines.
 
     Attributes:
-        backend: ``torch`` (reference engine) or ``sglang``.
+        backend: ``torch`` (the reference engine; one device per engine) or ``sglang``
+            (not built yet: refused with what to use instead).
         tp: devices per engine (tensor parallel).
         initial_devices: devices rollout starts each run with.
         max_running_requests: requests an engine decodes at once.
@@ -79,7 +80,8 @@ class InferenceConfig(Section, frozen=True, kw_only=True):
     """Log-probability inference (old policy, optionally a frozen reference).
 
     Attributes:
-        backend: ``torch`` or ``megatron``.
+        backend: ``torch`` (one device per replica) or ``megatron`` (not built yet:
+            refused).
         tp: devices per inference replica.
         initial_devices: devices inference starts with.
         micro_batch_size: sequences per forward pass.
@@ -97,7 +99,8 @@ class ActorConfig(Section, frozen=True, kw_only=True):
     """The trainer.
 
     Attributes:
-        backend: ``torch`` (DDP over gloo/NCCL) or ``megatron``.
+        backend: ``torch`` (data parallel over gloo/NCCL; ``tp`` and ``pp`` must be 1)
+            or ``megatron`` (not built yet: refused).
         tp, pp: tensor and pipeline parallel size of one data-parallel replica.
         initial_devices: devices the actor starts with (a multiple of ``tp * pp``).
         micro_batch_size: sequences per forward/backward.

@@ -30,3 +30,9 @@ class WorkerCallError(WorkerError):
 class LaunchError(WorkerError):
     """Worker processes could not be started, or one exited before saying hello; the
     message gives its exit code and what to check."""
+
+
+class BadRequestError(WorkerError):
+    """A backend refused a request as malformed for it (a duplicate id, an empty or
+    too-long prompt, partial output without its log-probs); nothing of the call was
+    queued. The message names the request and what is wrong."""

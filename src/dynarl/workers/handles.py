@@ -10,17 +10,14 @@ goes away mid-call raises :class:`~dynarl.data.errors.PeerLostError`.
   roles, which gives a role handle.
 - :class:`RolloutHandle`: a rollout engine (generate, stream, abort, weight updates).
 - :class:`InferenceHandle`: an inference worker (score samples).
-- :class:`TrainerHandle`: the elastic trainer's process pool, awaitable, and weight
-  sync from it to engines.
 
 No torch is imported here.
 """
 
 import contextlib
 import logging
-import socket
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TypeVar, overload
 
 import anyio
 import msgspec
@@ -34,10 +31,7 @@ from dynarl.workers.errors import LaunchError, WorkerCallError
 from dynarl.workers.inference import LogprobRequest, LogprobResult
 from dynarl.workers.lifecycle import LifecycleState
 from dynarl.workers.rollout import Completion, GenerateRequest
-
-if TYPE_CHECKING:
-    from dynarl.workers.torch.trainer_pool import TrainerPool
-    from dynarl.workers.trainer import Minibatch, ResizeResult, StepMetrics
+from dynarl.workers.weights import WeightSyncGroup
 
 logger = logging.getLogger(__name__)
 
@@ -101,18 +95,20 @@ class WorkerHandle:
         """Take new work again after :meth:`drain` (state ``active``)."""
         return (await self._call(p.Reactivate(), p.Ack)).state
 
-    async def join_weight_sync(
-        self, *, host: str, port: int, rank: int, world_size: int, timeout_s: float = 120.0
-    ) -> None:
-        """Join the trainer's weight-sync group as ``rank`` (see
-        :meth:`TrainerHandle.connect_weight_sync`, which calls this)."""
+    async def join_weight_sync(self, group: WeightSyncGroup) -> None:
+        """Join the trainer's weight-sync group as its role (see
+        :func:`dynarl.workers.sync_group.connect`, which calls this)."""
         request = p.JoinWeightSync(
-            host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s
+            host=group.host,
+            port=group.port,
+            rank=group.rank,
+            world_size=group.world_size,
+            timeout_s=group.timeout_s,
         )
         await self._call(request, p.Ack)
 
     async def leave_weight_sync(self) -> None:
-        """Leave the weight-sync group (see :meth:`TrainerHandle.connect_weight_sync`,
+        """Leave the weight-sync group (see :func:`dynarl.workers.sync_group.connect`,
         which calls this on every member at once)."""
         await self._call(p.LeaveWeightSync(), p.Ack)
 
@@ -293,111 +289,3 @@ class SlotHandle(WorkerHandle):
         raise LaunchError(
             f"slot {self.name} did not connect as {self.instance} within {timeout_s} s"
         )
-
-
-class TrainerHandle:
-    """The elastic trainer's process pool behind awaitable calls (run in a thread, one
-    at a time), and weight sync from its rank 0 to engines.
-
-    Args:
-        pool: a started :class:`~dynarl.workers.torch.trainer_pool.TrainerPool`.
-    """
-
-    def __init__(self, pool: "TrainerPool") -> None:
-        self.pool = pool
-        self._lock = anyio.Lock()
-
-    async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        async with self._lock:
-            return await anyio.to_thread.run_sync(fn, *args)
-
-    async def start_training(self, members: Sequence[int]) -> None:
-        """See :meth:`TrainerPool.start_training`."""
-        await self._run(self.pool.start_training, members)
-
-    async def train_step(self, minibatch: "Minibatch") -> "StepMetrics":
-        """See :meth:`TrainerPool.train_step`."""
-        metrics: StepMetrics = await self._run(self.pool.train_step, minibatch)
-        return metrics
-
-    async def resize(self, members: Sequence[int]) -> "ResizeResult":
-        """See :meth:`TrainerPool.resize`."""
-        result: ResizeResult = await self._run(self.pool.resize, members)
-        return result
-
-    async def park(self) -> "ResizeResult":
-        """See :meth:`TrainerPool.park`."""
-        result: ResizeResult = await self._run(self.pool.park)
-        return result
-
-    @contextlib.asynccontextmanager
-    async def between_steps(self) -> AsyncIterator["TrainerPool"]:
-        """Hold the trainer between two optimizer steps (no step, resize or sync runs
-        meanwhile); yields the pool for blocking calls made in a worker thread."""
-        async with self._lock:
-            yield self.pool
-
-    async def connect_weight_sync(
-        self,
-        engines: Sequence[WorkerHandle],
-        *,
-        leaving: Sequence[WorkerHandle] = (),
-        host: str = "127.0.0.1",
-        timeout_s: float = 120.0,
-    ) -> None:
-        """Build the weight-sync group: the trainer's rank 0 (group rank 0, hosting the
-        store on a free port of ``host``) and ``engines`` (ranks 1.., in order).
-
-        ``leaving`` are the engines of the current group, if there is one: they and the
-        current sender leave it together first (a collective, so no member tears the
-        group down under a peer).
-        """
-        port = _free_port(host)
-        world_size = len(engines) + 1
-
-        async def join(engine: WorkerHandle, rank: int) -> None:
-            await engine.join_weight_sync(
-                host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s
-            )
-
-        async with self._lock:
-            if self.pool.sync_sender is not None:
-                async with anyio.create_task_group() as tg:
-                    for engine in leaving:
-                        tg.start_soon(engine.leave_weight_sync)
-                    await anyio.to_thread.run_sync(self.pool.leave_weight_sync)
-            async with anyio.create_task_group() as tg:
-                for rank, engine in enumerate(engines, start=1):
-                    tg.start_soon(join, engine, rank)
-                await anyio.to_thread.run_sync(
-                    lambda: self.pool.connect_weight_sync(
-                        host, port, world_size, timeout_s=timeout_s
-                    )
-                )
-
-    async def sync_weights(self, version: int, engines: Sequence[WorkerHandle]) -> int:
-        """Broadcast the trainer's weights tagged ``version`` to ``engines`` (every
-        member of the weight-sync group); returns the bytes sent."""
-        versions: list[int] = []
-
-        async def receive(engine: WorkerHandle) -> None:
-            versions.append(await engine.update_weights())
-
-        async with self._lock, anyio.create_task_group() as tg:
-            for engine in engines:
-                tg.start_soon(receive, engine)
-            sent: int = await anyio.to_thread.run_sync(self.pool.sync_weights, version)
-        if versions != [version] * len(engines):
-            raise WorkerCallError(
-                f"engines received weight versions {versions}, not {version}: another sync "
-                f"ran on the same group; sync one version at a time",
-                error="WeightSyncError",
-            )
-        return sent
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port

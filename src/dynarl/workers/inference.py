@@ -1,12 +1,18 @@
-"""What goes into an inference worker and what comes out: samples to score, their
-log-probs, and progress figures.
+"""The inference role: what goes into an inference worker and what comes out (samples
+to score, their log-probs, progress figures) and the :class:`InferenceEngine` protocol
+every inference backend implements.
 
 Definitions only, and no torch: frozen ``msgspec.Struct``s that cross process
 boundaries as msgpack unchanged (the controller's typed handles send them without
 importing torch).
 """
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import msgspec
+
+from dynarl.workers.weights import WeightReceiver
 
 
 class LogprobRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,3 +51,26 @@ class InferenceProgress(msgspec.Struct, frozen=True, kw_only=True):
 
     num_done: int
     num_pending: int
+
+
+class InferenceEngine(WeightReceiver, Protocol):
+    """An inference worker, as the process that hosts it drives it: the contract every
+    inference backend implements. It scores finished samples under the current policy
+    (and a frozen reference, when configured), in order."""
+
+    async def score(self, requests: Sequence[LogprobRequest]) -> list[LogprobResult]:
+        """Log-probs of each sample's response tokens, in order. A malformed sample
+        raises :class:`~dynarl.workers.errors.BadRequestError` and none is scored."""
+        ...
+
+    def progress(self) -> InferenceProgress:
+        """Samples scored so far and samples waiting."""
+        ...
+
+    async def release_memory(self) -> None:
+        """Free the device memory, keeping a host copy of the weights."""
+        ...
+
+    async def resume_memory(self) -> None:
+        """Allocate the released memory again."""
+        ...

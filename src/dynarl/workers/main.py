@@ -83,7 +83,7 @@ async def _run(endpoint: str, name: str, config: SlotConfig) -> None:
 
     server = SlotServer(name, config)
     async with anyio.create_task_group() as tg:
-        if config.preload:
+        if config.preload_modules:
             tg.start_soon(server.preload)
         identity = server.identity
         while True:

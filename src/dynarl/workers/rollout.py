@@ -1,5 +1,6 @@
-"""What goes into a rollout engine and what comes out: requests, sampling parameters,
-streamed tokens, completions and load figures.
+"""The rollout role: what goes into a rollout engine and what comes out (requests,
+sampling parameters, streamed tokens, completions, load figures) and the
+:class:`RolloutEngine` protocol every rollout backend implements.
 
 Definitions only, and no torch: these are frozen ``msgspec.Struct``s so they cross
 process boundaries as msgpack unchanged, and the SGLang backend speaks the same types
@@ -11,9 +12,12 @@ partial output (``output_ids``, ``output_logprobs``, the ``seed`` it was sampled
 submitted to any engine, it re-prefills prompt + partial output and continues.
 """
 
-from typing import Annotated, Literal
+from collections.abc import Sequence
+from typing import Annotated, Literal, Protocol
 
 import msgspec
+
+from dynarl.workers.weights import WeightReceiver
 
 FinishReason = Literal["stop", "length"]
 """Why a request finished: it sampled a stop token (``stop``), or it reached its
@@ -127,3 +131,79 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
     num_queued: int
     gen_tokens_per_s: float
     kv_tokens: int = 0
+
+
+# ------------------------------------------------------------------ the role
+
+
+class RequestSink(Protocol):
+    """Where one request's outcome goes (a streamed call, a routed item)."""
+
+    def done(self, completion: Completion) -> None:
+        """The request finished."""
+        ...
+
+    def aborted(self, request: GenerateRequest) -> None:
+        """The request was taken out with its partial output."""
+        ...
+
+    async def flush(self) -> None:
+        """Send what :meth:`done` and :meth:`aborted` buffered."""
+        ...
+
+    async def fail(self, error: Exception) -> None:
+        """The engine failed for good; the request's outcome is lost here (the sink
+        hands the request back as it came, where it can)."""
+        ...
+
+
+class RolloutEngine(WeightReceiver, Protocol):
+    """A rollout engine, as the process that hosts it drives it: the contract every
+    rollout backend implements (the torch reference engine, the SGLang adapter).
+
+    Requests are submitted with a sink that hears of each one's outcome: its
+    :class:`Completion` (tokens, per-token log-probs, finish reason, weight version),
+    or, if it is aborted, the request itself holding its partial output, which any
+    engine resumes without losing or repeating a token. :meth:`run` serves until
+    cancelled.
+    """
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in the engine (waiting or running)."""
+        ...
+
+    @property
+    def error(self) -> Exception | None:
+        """Why the engine stopped serving for good (``None`` while it serves)."""
+        ...
+
+    async def run(self) -> None:
+        """Generate until cancelled, handing each outcome to its request's sink. If
+        the engine fails, every sink fails, :attr:`error` is set and this returns."""
+        ...
+
+    async def submit(self, requests: Sequence[GenerateRequest], sink: RequestSink) -> None:
+        """Queue ``requests`` (fresh, or resumed with partial output); their outcomes
+        go to ``sink``. All or none are queued: a duplicate id or a bad request raises
+        :class:`~dynarl.workers.errors.BadRequestError` and queues none."""
+        ...
+
+    async def abort(self, request_ids: Sequence[str] | None) -> list[GenerateRequest]:
+        """Take requests out (all when ``None``; unknown ids are ignored); each sink
+        hears of its own, and the requests are returned with their partial output."""
+        ...
+
+    def load(self) -> EngineLoad:
+        """KV tokens held, requests running and waiting, recent throughput."""
+        ...
+
+    async def release_memory(self, *, host_backup: bool) -> None:
+        """Free the device memory (weights and KV cache); requests stay queued and no
+        step runs until :meth:`resume_memory`. Without ``host_backup`` the weights must
+        be received again after resuming."""
+        ...
+
+    async def resume_memory(self) -> None:
+        """Allocate the released memory again and go on serving."""
+        ...

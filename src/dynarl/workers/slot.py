@@ -1,24 +1,26 @@
 """A device slot's server: one worker process's roles, lifecycle and typed calls.
 
 A slot is started once and serves whatever role the controller gives it: a rollout
-engine or an inference worker. Switching roles releases the memory of the role it
-held (keeping a host copy, so switching back resumes it) and builds or resumes the
-other; the process stays. Calls (:mod:`dynarl.workers.protocol`) are dispatched by a
-table keyed on the request type; each runs as its own task, so a long ``Generate``
-stream does not hold up an ``AbortRequests``. Heavy work (building a model, a weight
-transfer, a forward pass) runs in a worker thread; the event loop keeps answering
-pings.
+engine or an inference worker, each built by the backend its section names
+(:mod:`dynarl.workers.backends`) and driven through its role protocol
+(:class:`~dynarl.workers.rollout.RolloutEngine`,
+:class:`~dynarl.workers.inference.InferenceEngine`). Switching roles releases the
+memory of the role it held (keeping a host copy, so switching back resumes it) and
+builds or resumes the other; the process stays. Calls (:mod:`dynarl.workers.protocol`)
+are dispatched by a table keyed on the request type; each runs as its own task, so a
+long ``Generate`` stream does not hold up an ``AbortRequests``. The data router's items
+reach the role that serves them: rollout requests, or samples to score.
 
-Torch is imported only when a role is built, so a slot starts fast and
-``dynarl.workers.slot`` imports without it.
+No backend is imported until a role is built, so a slot starts fast.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -26,25 +28,26 @@ import msgspec
 
 from dynarl.control import events as ev
 from dynarl.core.errors import DynaRLError
-from dynarl.core.ids import ComponentId, InstanceId
+from dynarl.core.ids import ComponentId, InstanceId, ItemId
 from dynarl.data import wire
 from dynarl.data._tasks import task_group
-from dynarl.data.errors import DataPlaneError
+from dynarl.data.errors import DataPlaneError, PeerLostError
 from dynarl.data.worker_link import WorkerLink
+from dynarl.workers import backends
 from dynarl.workers import protocol as p
-from dynarl.workers.builders import build_inference, build_rollout
-from dynarl.workers.errors import LifecycleError
+from dynarl.workers.errors import BadRequestError, LifecycleError
+from dynarl.workers.inference import InferenceEngine, LogprobRequest
 from dynarl.workers.lifecycle import Lifecycle
-from dynarl.workers.rollout_host import CallSink
-
-if TYPE_CHECKING:
-    from dynarl.workers.rollout_host import RolloutHost
-    from dynarl.workers.torch.inference import InferenceWorker
+from dynarl.workers.rollout import GenerateRequest, RolloutEngine
+from dynarl.workers.sinks import CallSink, ItemSink
+from dynarl.workers.weights import WeightReceiver, WeightSyncGroup
 
 logger = logging.getLogger(__name__)
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(p.AnySlotRequest)
+_GENERATE = msgspec.msgpack.Decoder(GenerateRequest)
+_SCORE = msgspec.msgpack.Decoder(LogprobRequest)
 
 Identity = tuple[InstanceId, ComponentId]
 """What a slot says at hello: the instance it runs and its component."""
@@ -59,15 +62,16 @@ class SlotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         stats_interval_s: how often an active rollout slot reports its engine's load
             to the controller (an ``EngineStats`` event).
         hello_timeout_s: how long it waits for the controller to answer hello.
-        preload: import torch and transformers in the background right after start,
-            so that the first role is built without that cost.
+        preload_modules: modules to import in the background right after start (the
+            backends' own, e.g. torch and transformers), so that the first role is
+            built without that cost.
     """
 
     num_threads: int = 1
     capacity: int = 256
     stats_interval_s: float = 1.0
     hello_timeout_s: float = 30.0
-    preload: bool = True
+    preload_modules: tuple[str, ...] = ()
 
 
 class SlotServer:
@@ -86,12 +90,12 @@ class SlotServer:
         self.next_identity: Identity | None = None
         """Set by ``AssumeRole``: the identity to reconnect as once retired."""
         self._role: p.Role | None = None
-        self._rollout: tuple[p.RolloutRole, RolloutHost] | None = None
-        self._inference: tuple[p.InferenceRole, InferenceWorker, anyio.Lock] | None = None
-        self._sync_group: Any = None
-        self._tg: anyio.abc.TaskGroup | None = None
+        self._rollout: tuple[p.RolloutRole, RolloutEngine] | None = None
+        self._inference: tuple[p.InferenceRole, InferenceEngine] | None = None
+        self._sync_holder: WeightReceiver | None = None
+        self._streamed: set[str] = set()  # requests of Generate calls, not items
         self._preloaded = anyio.Event()
-        if not config.preload:
+        if not config.preload_modules:
             self._preloaded.set()
         self._handlers: dict[type[Any], Callable[[Any], Awaitable[p.SlotReply]]] = {
             p.AssumeRole: self._assume_role,
@@ -110,25 +114,27 @@ class SlotServer:
     # ------------------------------------------------------------------ serving
 
     async def serve(self, link: WorkerLink) -> None:
-        """Answer calls (and serve items, step the engine, report load) on ``link``
+        """Answer calls (and serve items, run the engine, report load) on ``link``
         until it is lost; raises the link's ``PeerLostError`` then."""
         if self.lifecycle.state == "starting":
             self.lifecycle.to("ready")
         async with task_group() as tg:
-            self._tg = tg
             try:
                 if self._rollout is not None:
-                    host = self._rollout[1]
-                    tg.start_soon(self._run_engine, host, link)
-                    tg.start_soon(host.serve_items, link)
-                    tg.start_soon(self._report_stats, host, link)
+                    tg.start_soon(self._run_engine, self._rollout[1])
+                if isinstance(self._role, p.RolloutRole) and self._rollout is not None:
+                    engine = self._rollout[1]
+                    tg.start_soon(self._serve_requests, engine, link)
+                    tg.start_soon(self._serve_aborts, engine, link)
+                    tg.start_soon(self._report_stats, engine, link)
+                elif isinstance(self._role, p.InferenceRole) and self._inference is not None:
+                    tg.start_soon(self._serve_samples, self._inference[1], link)
                 while True:
                     call = await link.receive_call()
                     tg.start_soon(self._answer, link, call)
             finally:
-                self._tg = None
                 tg.cancel_scope.cancel()
-                if self._rollout is not None:
+                if self._rollout is not None and self._rollout[1].num_requests:
                     # Nobody listens for the requests still in the engine any more.
                     with anyio.CancelScope(shield=True), anyio.move_on_after(5.0):
                         await self._rollout[1].abort(None)
@@ -142,13 +148,11 @@ class SlotServer:
         return identity
 
     async def preload(self) -> None:
-        """Import torch and transformers in a thread (roles are built after it)."""
+        """Import the backends' modules in a thread (roles are built after it)."""
 
         def load() -> None:
-            import torch
-            import transformers  # noqa: F401
-
-            torch.set_num_threads(self.config.num_threads)
+            for module in self.config.preload_modules:
+                importlib.import_module(module)
 
         try:
             await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
@@ -191,56 +195,59 @@ class SlotServer:
             self.next_identity = (req.instance, role.component)
             return p.Ack(state=life.state)
         if self._role is not None and life.state != "released":
-            await self._release_current(host_backup=True)
+            await self._release_current()
             life.to("released")
+        threads = self.config.num_threads
         if isinstance(role, p.RolloutRole):
             if self._rollout is not None and self._rollout[0] == role:
-                await self._resume_current(self._rollout[1])
+                await self._rollout[1].resume_memory()
             else:
-                threads = self.config.num_threads
-                host = await anyio.to_thread.run_sync(build_rollout, role, self.name, threads)
-                self._rollout = (role, host)
+                backend = backends.rollout_backend(role.rollout)
+                engine = await anyio.to_thread.run_sync(
+                    lambda: backend.build_rollout(role, name=self.name, num_threads=threads)
+                )
+                self._rollout = (role, engine)
         elif self._inference is not None and self._inference[0] == role:
-            self._inference[1].resume_memory_occupation()
+            await self._inference[1].resume_memory()
         else:
-            worker = await anyio.to_thread.run_sync(build_inference, role, self.config.num_threads)
-            self._inference = (role, worker, anyio.Lock())
+            inference = backends.inference_backend(role.inference)
+            worker = await anyio.to_thread.run_sync(
+                lambda: inference.build_inference(role, name=self.name, num_threads=threads)
+            )
+            self._inference = (role, worker)
         self._role = role
         life.to("active")
         self.next_identity = (req.instance, role.component)
         logger.info("%s assumed the %s role as %s", self.name, _kind(role), req.instance)
         return p.Ack(state=life.state)
 
-    async def _release_current(self, *, host_backup: bool) -> None:
-        if isinstance(self._role, p.RolloutRole):
-            assert self._rollout is not None
-            host = self._rollout[1]
-            async with host.lock:
-                host.paused = True
-                host.engine.release_memory_occupation(host_backup=host_backup)
-        elif self._inference is not None:
-            async with self._inference[2]:
-                self._inference[1].release_memory_occupation()
+    def _active(self) -> RolloutEngine | InferenceEngine | None:
+        if isinstance(self._role, p.RolloutRole) and self._rollout is not None:
+            return self._rollout[1]
+        if isinstance(self._role, p.InferenceRole) and self._inference is not None:
+            return self._inference[1]
+        return None
 
-    async def _resume_current(self, host: RolloutHost | None = None) -> None:
-        if isinstance(self._role, p.RolloutRole) or host is not None:
-            host = host or self._rollout_host()
-            async with host.lock:
-                host.engine.resume_memory_occupation()
-                host.paused = False
-            host.wake()
+    async def _release_current(self, *, host_backup: bool = True) -> None:
+        if isinstance(self._role, p.RolloutRole) and self._rollout is not None:
+            await self._rollout[1].release_memory(host_backup=host_backup)
         elif self._inference is not None:
-            async with self._inference[2]:
-                self._inference[1].resume_memory_occupation()
+            await self._inference[1].release_memory()
+
+    async def _resume_current(self) -> None:
+        if isinstance(self._role, p.RolloutRole) and self._rollout is not None:
+            await self._rollout[1].resume_memory()
+        elif self._inference is not None:
+            await self._inference[1].resume_memory()
 
     def _num_requests(self) -> int:
-        if isinstance(self._role, p.RolloutRole):
-            return self._rollout_host().num_requests
+        if isinstance(self._role, p.RolloutRole) and self._rollout is not None:
+            return self._rollout[1].num_requests
         if self._inference is not None:
             return self._inference[1].progress().num_pending
         return 0
 
-    def _rollout_host(self) -> RolloutHost:
+    def _rollout_engine(self) -> RolloutEngine:
         if not isinstance(self._role, p.RolloutRole) or self._rollout is None:
             raise LifecycleError(
                 f"{self.name} is not a rollout engine (role: {_kind(self._role)}); "
@@ -248,11 +255,19 @@ class SlotServer:
             )
         return self._rollout[1]
 
+    def _inference_engine(self) -> InferenceEngine:
+        if not isinstance(self._role, p.InferenceRole) or self._inference is None:
+            raise LifecycleError(
+                f"{self.name} is not an inference worker (role: {_kind(self._role)}); "
+                f"give it the inference role first"
+            )
+        return self._inference[1]
+
     # ------------------------------------------------------------------ rollout
 
     async def _generate(self, link: WorkerLink, corr: int, req: p.Generate) -> None:
         self.lifecycle.require("active", action="generate")
-        host = self._rollout_host()
+        engine = self._rollout_engine()
 
         async def send(body: bytes, more: bool) -> None:
             try:
@@ -260,28 +275,67 @@ class SlotServer:
             except (anyio.ClosedResourceError, DataPlaneError):
                 logger.warning("%s: the link closed before a generate reply went out", self.name)
 
-        sink = CallSink(send, [r.request_id for r in req.requests])
+        ids = [r.request_id for r in req.requests]
+        sink = CallSink(send, ids, settled=self._streamed.discard)
         if req.requests:
-            await host.add(req.requests, sink)
+            await engine.submit(req.requests, sink)
+            self._streamed.update(ids)
         else:
             await sink.flush()
 
     async def _abort(self, req: p.AbortRequests) -> p.SlotReply:
         ids = None if req.request_ids is None else list(req.request_ids)
-        taken = await self._rollout_host().abort(ids)
-        return p.Aborted(requests=tuple(taken))
+        streamed = set(self._streamed)
+        taken = await self._rollout_engine().abort(ids)
+        # Items go back to the router through their sinks; the call returns the rest.
+        return p.Aborted(requests=tuple(r for r in taken if r.request_id in streamed))
 
-    async def _run_engine(self, host: RolloutHost, link: WorkerLink) -> None:
-        await host.run(link)
-        if host.error is not None and self.lifecycle.can("failed"):
+    async def _run_engine(self, engine: RolloutEngine) -> None:
+        await engine.run()
+        if engine.error is not None and self.lifecycle.can("failed"):
             self.lifecycle.to("failed")
 
-    async def _report_stats(self, host: RolloutHost, link: WorkerLink) -> None:
+    async def _serve_requests(self, engine: RolloutEngine, link: WorkerLink) -> None:
+        """Feed the router's items (payload: a msgpack ``GenerateRequest``) to the
+        engine until the link is lost."""
+        while True:
+            try:
+                items = await link.receive()
+            except PeerLostError:
+                return
+            for item in items:
+                try:
+                    request = _GENERATE.decode(item.payload)
+                except msgspec.DecodeError as e:
+                    logger.error("%s: item %s is not a GenerateRequest: %s", self.name, item.id, e)
+                    link.complete(wire.ItemResult(item=item.id, payload=b""))
+                    continue
+                request = msgspec.structs.replace(request, request_id=item.id)
+                sink = ItemSink(link, item, len(request.output_ids))
+                try:
+                    await engine.submit([request], sink)
+                except BadRequestError as e:
+                    logger.error("%s: item %s refused: %s", self.name, item.id, e)
+                    link.complete(wire.ItemResult(item=item.id, payload=b""))
+                    continue
+                if link.abort_requested(item.id):  # asked back while it was on its way
+                    await engine.abort([item.id])
+
+    async def _serve_aborts(self, engine: RolloutEngine, link: WorkerLink) -> None:
+        """Hand back, with their partial output, the items the controller asks for."""
+        while True:
+            try:
+                wanted = await link.receive_aborts()
+            except PeerLostError:
+                return
+            await engine.abort(wanted)
+
+    async def _report_stats(self, engine: RolloutEngine, link: WorkerLink) -> None:
         instance = self.identity[0]
         while True:
             await anyio.sleep(self.config.stats_interval_s)
             if self.lifecycle.state in ("active", "draining"):
-                load = host.engine.stats()
+                load = engine.load()
                 await link.report(
                     ev.EngineStats(
                         time_s=0.0,
@@ -298,16 +352,44 @@ class SlotServer:
 
     async def _score(self, req: p.Score) -> p.SlotReply:
         self.lifecycle.require("active", action="score samples")
-        if not isinstance(self._role, p.InferenceRole) or self._inference is None:
-            raise LifecycleError(
-                f"{self.name} is not an inference worker (role: {_kind(self._role)}); "
-                f"give it the inference role first"
-            )
-        _, worker, lock = self._inference
-        async with lock:
-            worker.submit(req.requests)
-            results = await anyio.to_thread.run_sync(worker.run)
+        results = await self._inference_engine().score(req.requests)
         return p.Scored(results=tuple(results))
+
+    async def _serve_samples(self, engine: InferenceEngine, link: WorkerLink) -> None:
+        """Score the router's items (payload: a msgpack ``LogprobRequest``) in the
+        batches they arrive in, completing each with its ``LogprobResult``. A batch in
+        progress finishes before an abort takes effect (its items complete)."""
+        while True:
+            try:
+                items = await link.receive()
+            except PeerLostError:
+                return
+            batch: list[tuple[wire.Item, LogprobRequest]] = []
+            for item in items:
+                try:
+                    sample = _SCORE.decode(item.payload)
+                except msgspec.DecodeError as e:
+                    logger.error("%s: item %s is not a LogprobRequest: %s", self.name, item.id, e)
+                    link.complete(wire.ItemResult(item=item.id, payload=b""))
+                    continue
+                batch.append((item, msgspec.structs.replace(sample, item_id=item.id)))
+            if not batch:
+                continue
+            try:
+                results = await engine.score([sample for _, sample in batch])
+            except BadRequestError as e:
+                logger.error("%s: a batch of %d samples refused: %s", self.name, len(batch), e)
+                for item, _ in batch:
+                    link.complete(wire.ItemResult(item=item.id, payload=b""))
+                continue
+            for (item, sample), result in zip(batch, results, strict=True):
+                link.complete(
+                    wire.ItemResult(
+                        item=ItemId(item.id),
+                        payload=_ENCODER.encode(result),
+                        num_tokens=len(sample.token_ids),
+                    )
+                )
 
     # ------------------------------------------------------------------ memory, state
 
@@ -336,46 +418,35 @@ class SlotServer:
     # ------------------------------------------------------------------ weights
 
     async def _join_weight_sync(self, req: p.JoinWeightSync) -> p.SlotReply:
-        import torch
-
-        from dynarl.workers.torch.weight_sync import join_weight_sync_group
-
-        def join() -> Any:
-            return join_weight_sync_group(
-                host=req.host,
-                port=req.port,
-                rank=req.rank,
-                world_size=req.world_size,
-                device=torch.device("cpu"),
-                timeout_s=req.timeout_s,
-            )
-
-        self._sync_group = await anyio.to_thread.run_sync(join)
+        engine = self._active()
+        if engine is None:
+            raise LifecycleError(f"{self.name} has no role to receive weights; assume one first")
+        group = WeightSyncGroup(
+            host=req.host,
+            port=req.port,
+            rank=req.rank,
+            world_size=req.world_size,
+            timeout_s=req.timeout_s,
+        )
+        await engine.join_weight_sync(group)
+        self._sync_holder = engine
         return p.Ack(state=self.lifecycle.state)
 
     async def _leave_weight_sync(self, req: p.LeaveWeightSync) -> p.SlotReply:
-        from dynarl.workers.torch.weight_sync import leave_weight_sync_group
-
-        if self._sync_group is not None:
-            group, self._sync_group = self._sync_group, None
-            await anyio.to_thread.run_sync(leave_weight_sync_group, group)
+        holder, self._sync_holder = self._sync_holder, None
+        if holder is not None:
+            await holder.leave_weight_sync()
         return p.Ack(state=self.lifecycle.state)
 
     async def _update_weights(self, req: p.UpdateWeights) -> p.SlotReply:
         self.lifecycle.require("active", "draining", action="update weights")
-        if self._sync_group is None:
-            raise LifecycleError(f"{self.name} is in no weight-sync group; join one first")
-        group = self._sync_group
-        if isinstance(self._role, p.InferenceRole) and self._inference is not None:
-            _, worker, lock = self._inference
-            async with lock:
-                version = await anyio.to_thread.run_sync(worker.update_weights, group)
-            return p.WeightsUpdated(version=version)
-        host = self._rollout_host()
-        async with host.lock:
-            version = await anyio.to_thread.run_sync(host.engine.update_weights, group)
-        host.wake()
-        return p.WeightsUpdated(version=version)
+        engine = self._active()
+        if engine is None or engine is not self._sync_holder:
+            raise LifecycleError(
+                f"{self.name} is in no weight-sync group as its {_kind(self._role)} role; "
+                "join one first"
+            )
+        return p.WeightsUpdated(version=await engine.receive_weights())
 
     async def _stats(self, req: p.GetStats) -> p.SlotReply:
         stats = p.SlotStats(
@@ -385,9 +456,9 @@ class SlotServer:
             pid=os.getpid(),
         )
         if isinstance(self._role, p.RolloutRole) and self._rollout is not None:
-            engine = self._rollout[1].engine
+            engine = self._rollout[1]
             return msgspec.structs.replace(
-                stats, weight_version=engine.weight_version, load=engine.stats()
+                stats, weight_version=engine.weight_version, load=engine.load()
             )
         if isinstance(self._role, p.InferenceRole) and self._inference is not None:
             worker = self._inference[1]

@@ -1,13 +1,17 @@
-"""The trainer role: what an optimizer step takes and reports, what a resize did, and
-the loss a trainer runs. Definitions only; no torch is imported (tensor types are for
-type checkers).
+"""The trainer role: what an optimizer step takes and reports, what a resize did, the
+loss a trainer runs, and the :class:`Trainer` protocol every trainer backend
+implements. Definitions only; no torch is imported (tensor types are for type
+checkers).
 """
 
 from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import msgspec
 import numpy.typing as npt
+
+from dynarl.workers.weights import WeightSyncGroup
 
 if TYPE_CHECKING:
     import torch
@@ -73,4 +77,91 @@ class LossFn(Protocol):
     ) -> LossOutput:
         """Loss sum and normaliser of ``micro_batch`` given the model's ``logits``
         (``[batch, seq, vocab]``)."""
+        ...
+
+
+class Trainer(Protocol):
+    """The actor, as the run drives it: an elastic group of trainer ranks over a fixed
+    set of pre-started workers (worker ``i`` stands on the ``i``-th device the actor
+    may use). The contract every trainer backend implements.
+
+    Calls run one at a time. Between two optimizer steps the trainer is at a migration
+    boundary: :meth:`between_steps` holds it there (no step or sync runs meanwhile)
+    while the caller resizes it, parks it or saves it.
+    """
+
+    @property
+    def num_workers(self) -> int:
+        """The workers it was started with."""
+        ...
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Workers that are trainer ranks now, in data-parallel rank order (none while
+        parked)."""
+        ...
+
+    @property
+    def parked(self) -> bool:
+        """Whether it holds no devices (its state kept by one worker)."""
+        ...
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of its workers on this machine (none of those elsewhere)."""
+        ...
+
+    async def start(self, members: tuple[int, ...]) -> None:
+        """Start every worker, then make ``members`` the ranks, with fresh weights."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop every worker; idempotent, and finishes even when cancelled."""
+        ...
+
+    def between_steps(self) -> AbstractAsyncContextManager[None]:
+        """Hold the trainer between two optimizer steps; inside, this task may call
+        :meth:`resize`, :meth:`park`, :meth:`save_checkpoint` and
+        :meth:`load_checkpoint` (others wait)."""
+        ...
+
+    async def train_step(self, minibatch: Minibatch) -> StepMetrics:
+        """One optimizer step on the global ``minibatch``, split over the ranks."""
+        ...
+
+    async def resize(self, members: tuple[int, ...]) -> ResizeResult:
+        """Make ``members`` the ranks (create-before-destroy; from a parked trainer,
+        its keeper is the source). On failure the old ranks keep training and
+        :class:`~dynarl.workers.torch.trainer_errors.ReshardError` is raised."""
+        ...
+
+    async def park(self) -> ResizeResult:
+        """Give up every device, keeping the state with one worker."""
+        ...
+
+    async def save_checkpoint(self, path: str) -> None:
+        """Write the model and optimizer state to ``path`` (atomically)."""
+        ...
+
+    async def load_checkpoint(self, path: str) -> None:
+        """Make every rank continue from the state :meth:`save_checkpoint` wrote."""
+        ...
+
+    @property
+    def weight_sync_ready(self) -> bool:
+        """Whether the sender of the weight-sync group is still the trainer's rank 0."""
+        ...
+
+    async def join_weight_sync(self, group: WeightSyncGroup) -> None:
+        """Make rank 0 the sender (group rank 0, hosting the store) of ``group``;
+        the engines join at the same time."""
+        ...
+
+    async def send_weights(self, version: int) -> int:
+        """Broadcast the weights tagged ``version`` to the group; returns bytes sent."""
+        ...
+
+    async def leave_weight_sync(self) -> None:
+        """The sender leaves the group (collective with its engines); a no-op without
+        one."""
         ...

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 
 from dynarl.data.request_order import FifoOrder, RequestOrder
 from dynarl.workers.config import ModelConfig, RolloutConfig
+from dynarl.workers.errors import BadRequestError
 from dynarl.workers.rollout import (
     Completion,
     EngineLoad,
@@ -30,11 +31,12 @@ from dynarl.workers.rollout import (
     StepOutput,
     TokenDelta,
 )
+from dynarl.workers.tokenizer import load_tokenizer
 from dynarl.workers.torch import weight_sync, weights
 from dynarl.workers.torch.batch_cache import BatchCache
 from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.memory import ParameterMemory
-from dynarl.workers.torch.model import build_model, load_tokenizer
+from dynarl.workers.torch.model import build_model
 from dynarl.workers.torch.sampler import sample, uniform
 from dynarl.workers.torch.scheduler import Scheduler
 from dynarl.workers.torch.sequence import Sequence
@@ -167,24 +169,24 @@ class RolloutEngine:
         """Queue ``request`` (fresh, or resumed with partial output).
 
         Raises:
-            EngineError: the id is already held here, the prompt is empty, the context
+            BadRequestError: the id is already held here, the prompt is empty, the context
                 leaves no room under ``max_seq_len``, or its output is already complete.
         """
         rid = request.request_id
         context_tokens = len(request.prompt_ids) + len(request.output_ids)
         if self._scheduler.holds(rid):
-            raise EngineError(f"request {rid!r} is already in this engine; use a new id")
+            raise BadRequestError(f"request {rid!r} is already in this engine; use a new id")
         if not request.prompt_ids:
-            raise EngineError(f"request {rid!r} has an empty prompt; give at least one token")
+            raise BadRequestError(f"request {rid!r} has an empty prompt; give at least one token")
         if len(request.output_logprobs) != len(request.output_ids):
-            raise EngineError(f"request {rid!r} needs one output log-prob per output token")
+            raise BadRequestError(f"request {rid!r} needs one output log-prob per output token")
         if context_tokens >= self._max_seq_len:
-            raise EngineError(
+            raise BadRequestError(
                 f"request {rid!r} has {context_tokens} tokens, leaving no room under "
                 f"max_seq_len={self._max_seq_len}; shorten the prompt"
             )
         if len(request.output_ids) >= request.sampling.max_new_tokens:
-            raise EngineError(f"request {rid!r} already has max_new_tokens output tokens")
+            raise BadRequestError(f"request {rid!r} already has max_new_tokens output tokens")
         seed = request.sampling.seed
         seq = Sequence(
             request,

@@ -16,16 +16,18 @@ import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from dynarl.workers.config import InferenceConfig, ModelConfig
+from dynarl.workers.errors import BadRequestError
 from dynarl.workers.inference import (
     InferenceProgress,
     LogprobRequest,
     LogprobResult,
 )
+from dynarl.workers.tokenizer import load_tokenizer
 from dynarl.workers.torch import weight_sync, weights
 from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.logprobs import sequence_logprobs
 from dynarl.workers.torch.memory import ParameterMemory
-from dynarl.workers.torch.model import build_model, load_tokenizer
+from dynarl.workers.torch.model import build_model
 
 logger = logging.getLogger(__name__)
 
@@ -113,12 +115,12 @@ class InferenceWorker:
         """Queue samples to score, in order.
 
         Raises:
-            EngineError: a sample's ``response_start`` is not within its tokens.
+            BadRequestError: a sample's ``response_start`` is not within its tokens.
         """
         requests = list(requests)
         for request in requests:
             if not 1 <= request.response_start <= len(request.token_ids):
-                raise EngineError(
+                raise BadRequestError(
                     f"sample {request.item_id!r} has {len(request.token_ids)} tokens and "
                     f"response_start={request.response_start}; it must be in 1..len(token_ids)"
                 )

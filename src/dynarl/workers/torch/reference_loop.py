@@ -36,9 +36,10 @@ from dynarl.rl.grpo import GrpoLoss
 from dynarl.rl.requests import group_requests, prompt_ids, response_text
 from dynarl.workers.config import ActorConfig, ModelConfig, RolloutConfig
 from dynarl.workers.rollout import Completion, GenerateRequest
+from dynarl.workers.tokenizer import load_tokenizer
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.logprobs import sequence_logprobs
-from dynarl.workers.torch.model import build_model, load_tokenizer
+from dynarl.workers.torch.model import build_model
 from dynarl.workers.torch.trainer import ElasticTrainer
 from dynarl.workers.torch.trainer_config import TrainerConfig
 

@@ -108,6 +108,11 @@ class TrainerPool:
         return self._members[0] if self._members else None
 
     @property
+    def pids(self) -> list[int]:
+        """Process ids of the started workers."""
+        return [p.pid for p in self._processes if p.pid is not None]
+
+    @property
     def parked(self) -> bool:
         """Whether the trainer holds no devices (see :meth:`park`)."""
         return self._parked

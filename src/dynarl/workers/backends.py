@@ -1,0 +1,220 @@
+"""The backend table: which implementation each role's ``backend`` names, imported
+only when a run needs it.
+
+``rollout.backend``, ``inference.backend`` and ``actor.backend`` each name a row of
+:data:`BACKENDS`. :func:`check` refuses, with a :class:`~dynarl.ConfigError` naming the
+field and the fix, a name whose packages are missing here (and the extra that installs
+them), a backend not built yet, and section values the backend cannot honour (a
+tensor-parallel size the torch engine does not shard): a name is never replaced by
+another backend. :func:`load` imports the implementation (the only place outside a
+backend's package that does).
+"""
+
+import importlib
+import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from dynarl.core.errors import ConfigError
+from dynarl.workers.config import ActorConfig, InferenceConfig, ModelConfig, RolloutConfig
+from dynarl.workers.inference import InferenceEngine
+from dynarl.workers.protocol import InferenceRole, RolloutRole
+from dynarl.workers.rollout import RolloutEngine
+from dynarl.workers.trainer import LossFn, Trainer
+
+Role = Literal["rollout", "inference", "actor"]
+"""The roles a backend implements."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One row of the table.
+
+    Attributes:
+        requires: top-level modules that must be importable for it to run here.
+        extra: the ``dynarl`` extra that installs them.
+        built: whether this version of dynarl ships it.
+        max_tp, max_pp: the largest tensor- and pipeline-parallel sizes it shards.
+        note: what to use instead, or where it stands, for the error message.
+    """
+
+    requires: tuple[str, ...]
+    extra: str
+    built: bool
+    max_tp: int | None = None
+    max_pp: int | None = 1
+    note: str = ""
+
+
+BACKENDS: Mapping[Role, Mapping[str, Backend]] = {
+    "rollout": {
+        "torch": Backend(requires=("torch", "transformers"), extra="torch", built=True, max_tp=1),
+        "sglang": Backend(
+            requires=("sglang",),
+            extra="sglang",
+            built=False,
+            note="the SGLang adapter is not built yet in this version; use "
+            "rollout.backend=torch",
+        ),
+    },
+    "inference": {
+        "torch": Backend(requires=("torch", "transformers"), extra="torch", built=True, max_tp=1),
+        "megatron": Backend(
+            requires=("megatron.core",),
+            extra="megatron",
+            built=False,
+            note="the Megatron-core backend is not built yet in this version; use "
+            "inference.backend=torch",
+        ),
+    },
+    "actor": {
+        "torch": Backend(requires=("torch", "transformers"), extra="torch", built=True, max_tp=1),
+        "megatron": Backend(
+            requires=("megatron.core",),
+            extra="megatron",
+            built=False,
+            note="the Megatron-core backend is not built yet in this version; use "
+            "actor.backend=torch",
+        ),
+    },
+}
+"""Every backend, by role and name."""
+
+
+
+class RolloutBackend(Protocol):
+    """What a rollout backend provides: its engine, built in a slot's worker thread."""
+
+    def build_rollout(self, role: RolloutRole, *, name: str, num_threads: int) -> RolloutEngine:
+        """A rollout engine serving ``role`` (not yet running)."""
+        ...
+
+
+class InferenceBackend(Protocol):
+    """What an inference backend provides: its worker, built in a slot's thread."""
+
+    def build_inference(
+        self, role: InferenceRole, *, name: str, num_threads: int
+    ) -> InferenceEngine:
+        """An inference worker serving ``role``."""
+        ...
+
+
+class TrainerBackend(Protocol):
+    """What a trainer backend provides: the elastic trainer (not yet started)."""
+
+    def build_trainer(
+        self,
+        *,
+        model: ModelConfig,
+        actor: ActorConfig,
+        loss: LossFn,
+        seed: int,
+        num_workers: int,
+        num_threads: int,
+    ) -> Trainer:
+        """A trainer over ``num_workers`` workers, training ``model`` with ``loss``."""
+        ...
+
+
+def _torch() -> object:
+    return importlib.import_module("dynarl.workers.torch.backend").BACKEND
+
+
+_LOADERS: Mapping[str, Callable[[], object]] = {"torch": _torch}
+"""How each built backend is imported (only when a run needs it)."""
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def check_name(field: str, name: str, rows: Mapping[str, Backend]) -> Backend:
+    """The row of ``rows`` that ``name`` (the value of config ``field``) names, once its
+    packages are installed here and it is built.
+
+    Raises:
+        ConfigError: the name is unknown, its packages are missing (the message names
+            the extra), or it is not built yet.
+    """
+    backend = rows.get(name)
+    if backend is None:
+        raise ConfigError(
+            f"{field}={name!r} names no backend; known: {', '.join(sorted(rows))}", field=field
+        )
+    missing = [m for m in backend.requires if not _installed(m)]
+    if missing:
+        also = f"; {backend.note}" if not backend.built else ""
+        raise ConfigError(
+            f"{field}={name!r} needs {', '.join(missing)}, which is not installed here: "
+            f"pip install 'dynarl[{backend.extra}]'{also}",
+            field=field,
+        )
+    if not backend.built:
+        raise ConfigError(f"{field}={name!r}: {backend.note}", field=field)
+    return backend
+
+
+def check(role: Role, section: RolloutConfig | InferenceConfig | ActorConfig) -> Backend:
+    """The row ``section.backend`` names for ``role``, once it is known to run here
+    with ``section``'s values.
+
+    Raises:
+        ConfigError: the name is unknown, its packages are missing (the message names
+            the extra), the backend is not built yet, or it cannot honour a value.
+    """
+    field = f"{role}.backend"
+    name = section.backend
+    backend = check_name(field, name, BACKENDS[role])
+    tp, pp = section.tp, getattr(section, "pp", 1)
+    if backend.max_tp is not None and tp > backend.max_tp:
+        raise ConfigError(
+            f"{role}.tp={tp}: the {name} backend does not shard a {role} instance over "
+            f"devices (it runs each on {backend.max_tp}); set {role}.tp=1"
+            + (" or actor.backend=megatron" if role == "actor" else ""),
+            field=f"{role}.tp",
+        )
+    if backend.max_pp is not None and pp > backend.max_pp:
+        raise ConfigError(
+            f"{role}.pp={pp}: the {name} backend has no pipeline parallelism; set {role}.pp=1",
+            field=f"{role}.pp",
+        )
+    return backend
+
+
+def rollout_backend(section: RolloutConfig) -> RolloutBackend:
+    """The rollout backend ``section.backend`` names (checked, then imported)."""
+    check("rollout", section)
+    backend: RolloutBackend = _LOADERS[section.backend]()  # type: ignore[assignment]
+    return backend
+
+
+def inference_backend(section: InferenceConfig) -> InferenceBackend:
+    """The inference backend ``section.backend`` names (checked, then imported)."""
+    check("inference", section)
+    backend: InferenceBackend = _LOADERS[section.backend]()  # type: ignore[assignment]
+    return backend
+
+
+def trainer_backend(section: ActorConfig) -> TrainerBackend:
+    """The trainer backend ``section.backend`` names (checked, then imported)."""
+    check("actor", section)
+    backend: TrainerBackend = _LOADERS[section.backend]()  # type: ignore[assignment]
+    return backend
+
+
+def preload_modules(*sections: RolloutConfig | InferenceConfig | ActorConfig) -> tuple[str, ...]:
+    """The modules the backends of ``sections`` import, to load ahead of their first use."""
+    roles: dict[type, Role] = {
+        RolloutConfig: "rollout",
+        InferenceConfig: "inference",
+        ActorConfig: "actor",
+    }
+    names: dict[str, None] = {}
+    for section in sections:
+        names.update(dict.fromkeys(BACKENDS[roles[type(section)]][section.backend].requires))
+    return tuple(names)

@@ -1,0 +1,115 @@
+"""Where a rollout request's outcome goes, in a slot process: back to a streamed
+``Generate`` call (:class:`CallSink`), or to the data router as the item it came as
+(:class:`ItemSink`: completed with the :class:`~dynarl.workers.rollout.Completion` as its
+payload, or handed back ``aborted`` with the partial request as its payload, which
+another engine resumes). Both implement :class:`~dynarl.workers.rollout.RequestSink`.
+"""
+
+from collections.abc import Awaitable, Callable, Iterable
+
+import msgspec
+
+from dynarl.data import wire
+from dynarl.data.worker_link import WorkerLink
+from dynarl.workers.protocol import Failed, Generated
+from dynarl.workers.rollout import Completion, GenerateRequest
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class CallSink:
+    """The requests of one streamed ``Generate`` call: completions go back as
+    ``Generated`` replies, one per engine step that finished any; the last reply
+    (``more=False``) goes when none of its requests is left in the engine.
+    ``settled`` hears of each request that left the engine (finished or aborted)."""
+
+    def __init__(
+        self,
+        send: Callable[[bytes, bool], Awaitable[None]],
+        ids: Iterable[str],
+        *,
+        settled: Callable[[str], None] = lambda request_id: None,
+    ) -> None:
+        self._send = send
+        self._settled = settled
+        self._pending = set(ids)
+        self._buffer: list[Completion] = []
+        self._dirty = True  # a call with no requests still gets its final reply
+        self.closed = False
+
+    def done(self, completion: Completion) -> None:
+        """Buffer ``completion`` for the next reply."""
+        self._pending.discard(completion.request_id)
+        self._settled(completion.request_id)
+        self._buffer.append(completion)
+        self._dirty = True
+
+    def aborted(self, request: GenerateRequest) -> None:
+        """Forget ``request``: the abort call returns it."""
+        self._pending.discard(request.request_id)
+        self._settled(request.request_id)
+        self._dirty = True
+
+    async def flush(self) -> None:
+        """Send the buffered completions (and the final reply once nothing is left)."""
+        if self.closed or not self._dirty:
+            return
+        self._dirty = False
+        batch, self._buffer = tuple(self._buffer), []
+        more = bool(self._pending)
+        self.closed = not more
+        if batch or not more:
+            await self._send(_ENCODER.encode(Generated(completions=batch)), more)
+
+    async def fail(self, error: Exception) -> None:
+        """End the call with a ``Failed`` reply."""
+        for request_id in self._pending:
+            self._settled(request_id)
+        if not self.closed:
+            self.closed = True
+            failed = Failed(error=type(error).__name__, message=str(error))
+            await self._send(_ENCODER.encode(failed), False)
+
+
+class ItemSink:
+    """One item of the data router, served by the engine."""
+
+    def __init__(self, link: WorkerLink, item: wire.Item, num_tokens_before: int) -> None:
+        self._link = link
+        self._item = item
+        self._before = num_tokens_before
+
+    def done(self, completion: Completion) -> None:
+        """Complete the item with the completion as its payload."""
+        self._link.complete(
+            wire.ItemResult(
+                item=self._item.id,
+                payload=_ENCODER.encode(completion),
+                num_tokens=len(completion.output_ids) - self._before,
+            )
+        )
+
+    def aborted(self, request: GenerateRequest) -> None:
+        """Hand the item back with the partial request as its payload."""
+        self._link.complete(
+            wire.ItemResult(
+                item=self._item.id,
+                status="aborted",
+                payload=_ENCODER.encode(request),
+                num_tokens=len(request.output_ids) - self._before,
+            )
+        )
+
+    async def flush(self) -> None:
+        """Nothing to do: the link batches results itself."""
+
+    async def fail(self, error: Exception) -> None:
+        """Hand the item back as it came, for another engine to serve."""
+        self._link.complete(
+            wire.ItemResult(
+                item=self._item.id,
+                status="aborted",
+                payload=self._item.payload,
+                prefix_tokens=self._item.prefix_tokens,
+            )
+        )

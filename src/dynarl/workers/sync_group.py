@@ -1,0 +1,93 @@
+"""The weight-sync group's membership, from the controller's side: the trainer's
+sender and the engines that serve a role, built and torn down together, and one
+broadcast to every member. Backend-neutral: the trainer is any
+:class:`~dynarl.workers.trainer.Trainer`, the engines are typed worker handles."""
+
+import socket
+from collections.abc import Sequence
+from typing import Protocol
+
+import anyio
+
+from dynarl.workers.errors import WorkerCallError
+from dynarl.workers.trainer import Trainer
+from dynarl.workers.weights import WeightSyncGroup
+
+
+class Member(Protocol):
+    """An engine's side of the group, as a handle reaches it."""
+
+    async def join_weight_sync(self, group: WeightSyncGroup) -> None:
+        """Join ``group``."""
+        ...
+
+    async def leave_weight_sync(self) -> None:
+        """Leave the group (collective)."""
+        ...
+
+    async def update_weights(self) -> int:
+        """Receive the broadcast now; returns its version."""
+        ...
+
+
+async def connect(
+    trainer: Trainer,
+    engines: Sequence[Member],
+    *,
+    leaving: Sequence[Member] = (),
+    connected: bool = False,
+    host: str = "127.0.0.1",
+    timeout_s: float = 120.0,
+) -> None:
+    """Build the weight-sync group: the trainer's sender (group rank 0, hosting the
+    store on a free port of ``host``) and ``engines`` (ranks 1.., in order).
+
+    With ``connected``, a group exists: ``leaving`` (its engines) and its sender leave
+    it together first (a collective, so no member tears it down under a peer).
+    """
+    if connected:
+        async with anyio.create_task_group() as tg:
+            for engine in leaving:
+                tg.start_soon(engine.leave_weight_sync)
+            await trainer.leave_weight_sync()
+    port = _free_port(host)
+    world_size = len(engines) + 1
+    async with anyio.create_task_group() as tg:
+        for rank, engine in enumerate(engines, start=1):
+            group = WeightSyncGroup(
+                host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s
+            )
+            tg.start_soon(engine.join_weight_sync, group)
+        await trainer.join_weight_sync(
+            WeightSyncGroup(
+                host=host, port=port, rank=0, world_size=world_size, timeout_s=timeout_s
+            )
+        )
+
+
+async def broadcast(trainer: Trainer, version: int, engines: Sequence[Member]) -> int:
+    """Send the trainer's weights tagged ``version`` to ``engines`` (every member of
+    the group); returns the bytes sent."""
+    versions: list[int] = []
+
+    async def receive(engine: Member) -> None:
+        versions.append(await engine.update_weights())
+
+    async with anyio.create_task_group() as tg:
+        for engine in engines:
+            tg.start_soon(receive, engine)
+        sent = await trainer.send_weights(version)
+    if versions != [version] * len(engines):
+        raise WorkerCallError(
+            f"engines received weight versions {versions}, not {version}: another sync "
+            f"ran on the same group; sync one version at a time",
+            error="WeightSyncError",
+        )
+    return sent
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port

@@ -1,0 +1,88 @@
+"""The torch reference backend's entry in the backend table: it builds a slot's
+rollout engine and inference worker, and the elastic trainer. Called in a worker
+thread (building loads torch and a model)."""
+
+import functools
+import time
+
+import anyio
+import torch
+
+from dynarl.data.request_order import FifoOrder, ToolCallPriorityOrder
+from dynarl.data.request_queue import RequestQueue
+from dynarl.workers.config import ActorConfig, ModelConfig
+from dynarl.workers.protocol import InferenceRole, RolloutRole
+from dynarl.workers.torch.engine import RolloutEngine
+from dynarl.workers.torch.inference import InferenceWorker
+from dynarl.workers.torch.inference_server import TorchInference
+from dynarl.workers.torch.model import build_model
+from dynarl.workers.torch.rollout_server import TorchRollout
+from dynarl.workers.torch.sequence import Sequence
+from dynarl.workers.torch.torch_trainer import TorchTrainer
+from dynarl.workers.torch.trainer_config import TrainerConfig
+from dynarl.workers.torch.trainer_pool import TrainerPool
+from dynarl.workers.trainer import LossFn
+
+
+class TorchBackend:
+    """Builds the torch reference implementations of every role."""
+
+    def build_rollout(self, role: RolloutRole, *, name: str, num_threads: int) -> TorchRollout:
+        """A rollout engine whose waiting queue is the data plane's request queue."""
+        torch.set_num_threads(num_threads)
+        order = ToolCallPriorityOrder() if role.order == "priority" else FifoOrder()
+        queue = RequestQueue[Sequence](
+            order, max_size=role.max_queued_requests, clock=_MonotonicClock(), aging=role.aging
+        )
+        engine = RolloutEngine.from_config(role.model, role.rollout, seed=role.seed, queue=queue)
+        return TorchRollout(engine, name=name)
+
+    def build_inference(
+        self, role: InferenceRole, *, name: str, num_threads: int
+    ) -> TorchInference:
+        """An inference worker for ``role``."""
+        torch.set_num_threads(num_threads)
+        worker = InferenceWorker.from_config(role.model, role.inference, seed=role.seed)
+        return TorchInference(worker, name=name)
+
+    def build_trainer(
+        self,
+        *,
+        model: ModelConfig,
+        actor: ActorConfig,
+        loss: LossFn,
+        seed: int,
+        num_workers: int,
+        num_threads: int,
+    ) -> TorchTrainer:
+        """An elastic data-parallel trainer over ``num_workers`` processes (not started)."""
+        config = TrainerConfig(
+            micro_batch_size=actor.micro_batch_size,
+            lr=actor.lr,
+            weight_decay=actor.weight_decay,
+            grad_clip=actor.grad_clip,
+            seed=seed,
+            num_threads=num_threads,
+        )
+        pool = TrainerPool(
+            config,
+            num_workers=num_workers,
+            model_factory=functools.partial(build_model, model, seed=seed),
+            loss_fn=loss,
+        )
+        return TorchTrainer(pool)
+
+
+class _MonotonicClock:
+    """Wall-clock time for the engine's queue (the engine's own clock): the queue is
+    read from the stepping thread, where the event loop's clock is not available."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await anyio.sleep(seconds)
+
+
+BACKEND = TorchBackend()
+"""The torch backend (the backend table loads it by this name)."""

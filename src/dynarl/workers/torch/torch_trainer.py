@@ -1,0 +1,121 @@
+"""The torch elastic trainer behind the :class:`~dynarl.workers.trainer.Trainer`
+protocol: a :class:`~dynarl.workers.torch.trainer_pool.TrainerPool` whose blocking
+calls run in a worker thread, one at a time.
+
+:meth:`TorchTrainer.between_steps` holds the pool between two calls for the task that
+entered it; that task's own calls inside go straight through, every other task's wait.
+"""
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import anyio
+import anyio.lowlevel
+
+from dynarl.workers.torch.trainer_pool import TrainerPool
+from dynarl.workers.trainer import Minibatch, ResizeResult, StepMetrics
+from dynarl.workers.weights import WeightSyncGroup
+
+T = TypeVar("T")
+
+
+class TorchTrainer:
+    """An elastic data-parallel trainer over pre-started worker processes.
+
+    Args:
+        pool: the (not yet started) pool of worker processes.
+    """
+
+    def __init__(self, pool: TrainerPool) -> None:
+        self.pool = pool
+        self._lock = anyio.Lock()
+        self._holder: anyio.TaskInfo | None = None
+
+    @property
+    def num_workers(self) -> int:
+        """Worker processes in the pool."""
+        return self.pool.num_workers
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Workers that are ranks now (none while parked)."""
+        return self.pool.members
+
+    @property
+    def parked(self) -> bool:
+        """Whether the trainer holds no devices."""
+        return self.pool.parked
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the workers."""
+        return self.pool.pids
+
+    async def start(self, members: tuple[int, ...]) -> None:
+        """Start the worker processes and make ``members`` the ranks."""
+        await self._run(self.pool.start)
+        await self._run(self.pool.start_training, members)
+
+    async def aclose(self) -> None:
+        """Shut the workers down, also when cancelled."""
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.pool.close)
+
+    @contextlib.asynccontextmanager
+    async def between_steps(self) -> AsyncIterator[None]:
+        """Hold the trainer between two calls (see the module docstring)."""
+        async with self._lock:
+            self._holder = anyio.get_current_task()
+            try:
+                yield
+            finally:
+                self._holder = None
+
+    async def train_step(self, minibatch: Minibatch) -> StepMetrics:
+        """One optimizer step on ``minibatch``."""
+        return await self._run(self.pool.train_step, minibatch)
+
+    async def resize(self, members: tuple[int, ...]) -> ResizeResult:
+        """Make ``members`` the ranks (create-before-destroy)."""
+        return await self._run(self.pool.resize, members)
+
+    async def park(self) -> ResizeResult:
+        """Give up every device."""
+        return await self._run(self.pool.park)
+
+    async def save_checkpoint(self, path: str) -> None:
+        """Write rank 0's model and optimizer state to ``path``."""
+        await self._run(self.pool.save_checkpoint, path)
+
+    async def load_checkpoint(self, path: str) -> None:
+        """Continue every rank from ``path``."""
+        await self._run(self.pool.load_checkpoint, path)
+
+    @property
+    def weight_sync_ready(self) -> bool:
+        """Whether rank 0 is the sender of the weight-sync group."""
+        pool = self.pool
+        return pool.sync_sender is not None and pool.sync_sender == pool.holder
+
+    async def join_weight_sync(self, group: WeightSyncGroup) -> None:
+        """Rank 0 joins ``group`` as its sender."""
+        await self._run(
+            lambda: self.pool.connect_weight_sync(
+                group.host, group.port, group.world_size, timeout_s=group.timeout_s
+            )
+        )
+
+    async def send_weights(self, version: int) -> int:
+        """Broadcast the weights tagged ``version``; returns bytes sent."""
+        return await self._run(self.pool.sync_weights, version)
+
+    async def leave_weight_sync(self) -> None:
+        """The sender leaves the weight-sync group."""
+        await self._run(self.pool.leave_weight_sync)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._holder is not None and self._holder == anyio.get_current_task():
+            return await anyio.to_thread.run_sync(fn, *args)
+        async with self._lock:
+            return await anyio.to_thread.run_sync(fn, *args)

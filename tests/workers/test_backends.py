@@ -1,0 +1,88 @@
+"""The backend table honours the config: a backend that cannot run here is refused
+with the field and the fix, never replaced by another."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dynarl import ConfigError
+from dynarl.api.config import DynaRLConfig
+from dynarl.api.config_io import apply_overrides
+from dynarl.api.facade import check_backends
+from dynarl.workers import backends
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "says"),
+    [
+        (
+            "rollout.backend=sglang",
+            "rollout.backend",
+            ["pip install 'dynarl[sglang]'", "not built"],
+        ),
+        ("inference.backend=megatron", "inference.backend", ["dynarl[megatron]"]),
+        ("actor.backend=megatron", "actor.backend", ["dynarl[megatron]"]),
+        ("cluster.launcher=ray", "cluster.launcher", ["ray"]),
+        ("rollout.tp=2", "rollout.tp", ["does not shard", "rollout.tp=1"]),
+        ("actor.tp=2", "actor.tp", ["actor.backend=megatron"]),
+        ("actor.pp=2", "actor.pp", ["pipeline parallelism"]),
+    ],
+)
+def test_a_backend_that_cannot_run_here_is_refused_naming_the_field_and_the_fix(
+    override: str, field: str, says: list[str]
+) -> None:
+    cfg = apply_overrides(
+        DynaRLConfig(),
+        [
+            override,
+            "rollout.initial_devices=2",
+            "actor.initial_devices=2",
+            "inference.initial_devices=0",
+        ],
+    )
+    with pytest.raises(ConfigError) as info:
+        check_backends(cfg)
+    assert info.value.field == field
+    for text in says:
+        assert text in str(info.value)
+
+
+def test_the_default_backends_run_here() -> None:
+    check_backends(DynaRLConfig())
+    assert backends.preload_modules(DynaRLConfig().rollout) == ("torch", "transformers")
+
+
+def test_a_missing_package_is_named_before_the_backend_is_imported(monkeypatch) -> None:
+    """A built backend whose package is absent names its extra (torch's here)."""
+    monkeypatch.setattr(backends, "_installed", lambda module: module != "transformers")
+    with pytest.raises(ConfigError, match=r"needs transformers.*dynarl\[torch\]"):
+        backends.rollout_backend(DynaRLConfig().rollout)
+
+
+def test_dynarl_run_with_an_unavailable_backend_fails_fast_with_the_extra(tmp_path: Path) -> None:
+    started = time.perf_counter()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dynarl.cli",
+            "run",
+            "--set",
+            "rollout.backend=sglang",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    elapsed = time.perf_counter() - started
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "rollout.backend='sglang'" in out.stderr
+    assert "pip install 'dynarl[sglang]'" in out.stderr
+    assert elapsed < 30  # a hang guard only (measured: 0.2 s)
+    assert not (tmp_path / "run").exists(), "nothing is written for a refused run"
