@@ -20,11 +20,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from dynarl.workers.errors import ReshardError, TrainerError  # noqa: E402
 from dynarl.workers.torch.loss import weighted_nll  # noqa: E402
 from dynarl.workers.torch.trainer import ElasticTrainer  # noqa: E402
 from dynarl.workers.torch.trainer_commands import ReshardFault  # noqa: E402
 from dynarl.workers.torch.trainer_config import TrainerConfig  # noqa: E402
-from dynarl.workers.torch.trainer_errors import ReshardError, TrainerError  # noqa: E402
 from dynarl.workers.torch.trainer_pool import TrainerPool  # noqa: E402
 from dynarl.workers.torch.weight_sync import join_weight_sync_group, receive_weights  # noqa: E402
 

@@ -12,7 +12,7 @@ from dynarl.api.config import ModelConfig, RolloutConfig
 from dynarl.core.clock import ManualClock
 from dynarl.data.request_order import ToolCallPriorityOrder
 from dynarl.data.request_queue import RequestQueue
-from dynarl.workers.errors import BadRequestError
+from dynarl.workers.errors import BadRequestError, WeightSyncError
 from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams, TokenDelta
 from dynarl.workers.tokenizer import build_tokenizer
 from dynarl.workers.torch.engine import RolloutEngine
@@ -20,7 +20,6 @@ from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.logprobs import sequence_logprobs
 from dynarl.workers.torch.model import build_model
 from dynarl.workers.torch.sequence import Sequence
-from dynarl.workers.torch.trainer_errors import WeightSyncError
 
 TOKENIZER = build_tokenizer()
 PROMPTS = ["hi", "What is 7*6?", "a", "The quick brown fox jumps", "x=1;y=2", "Tell me"]

@@ -36,3 +36,25 @@ class BadRequestError(WorkerError):
     """A backend refused a request as malformed for it (a duplicate id, an empty or
     too-long prompt, partial output without its log-probs); nothing of the call was
     queued. The message names the request and what is wrong."""
+
+
+class TrainerError(WorkerError):
+    """A trainer worker failed a command, died, or did not answer in time.
+
+    Attributes:
+        worker: index of the worker that failed, or ``-1`` when none in particular.
+    """
+
+    def __init__(self, message: str, *, worker: int = -1) -> None:
+        super().__init__(message)
+        self.worker = worker
+
+
+class ReshardError(TrainerError):
+    """A resize of the trainer failed; the old group is untouched and keeps training.
+    Retry the resize, or pick other workers to join."""
+
+
+class WeightSyncError(TrainerError):
+    """Weights could not be sent to (or received from) the engines: the two sides
+    disagree about the tensors, or the sending rank is no longer a trainer."""

@@ -132,7 +132,7 @@ class Trainer(Protocol):
     async def resize(self, members: tuple[int, ...]) -> ResizeResult:
         """Make ``members`` the ranks (create-before-destroy; from a parked trainer,
         its keeper is the source). On failure the old ranks keep training and
-        :class:`~dynarl.workers.torch.trainer_errors.ReshardError` is raised."""
+        :class:`~dynarl.workers.errors.ReshardError` is raised."""
         ...
 
     async def park(self) -> ResizeResult:

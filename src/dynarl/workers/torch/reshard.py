@@ -26,6 +26,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from dynarl.workers.errors import ReshardError
 from dynarl.workers.torch.buckets import (
     BucketHook,
     Staging,
@@ -35,7 +36,7 @@ from dynarl.workers.torch.buckets import (
 )
 from dynarl.workers.torch.trainer import ElasticTrainer
 from dynarl.workers.torch.trainer_commands import PrepareResize
-from dynarl.workers.torch.trainer_errors import InjectedFaultError, ReshardError
+from dynarl.workers.torch.trainer_errors import InjectedFaultError
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from dynarl.workers.errors import TrainerError
 from dynarl.workers.torch.trainer_commands import Array
-from dynarl.workers.torch.trainer_errors import TrainerError
 
 TensorBatch = dict[str, torch.Tensor]
 """A minibatch or micro-batch: named tensors with the samples on dimension 0."""

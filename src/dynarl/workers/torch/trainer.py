@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from dynarl.workers.errors import TrainerError
 from dynarl.workers.torch.buckets import Staging, all_reduce_tensors, broadcast_tensors
 from dynarl.workers.torch.train_batch import micro_batches, shard
 from dynarl.workers.torch.trainer_config import TrainerConfig
-from dynarl.workers.torch.trainer_errors import TrainerError
 from dynarl.workers.trainer import LossFn, StepMetrics
 
 logger = logging.getLogger(__name__)

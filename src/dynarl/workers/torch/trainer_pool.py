@@ -28,6 +28,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from dynarl.workers.errors import ReshardError, TrainerError, WeightSyncError
 from dynarl.workers.torch.trainer_commands import (
     AbortResize,
     Array,
@@ -49,7 +50,6 @@ from dynarl.workers.torch.trainer_commands import (
     TrainStep,
 )
 from dynarl.workers.torch.trainer_config import TrainerConfig
-from dynarl.workers.torch.trainer_errors import ReshardError, TrainerError, WeightSyncError
 from dynarl.workers.trainer import Minibatch, ResizeResult, StepMetrics
 
 logger = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from dynarl.workers.errors import TrainerError, WeightSyncError
 from dynarl.workers.torch import reshard
 from dynarl.workers.torch.buckets import Group
 from dynarl.workers.torch.train_batch import to_tensors
@@ -42,7 +43,6 @@ from dynarl.workers.torch.trainer_commands import (
     TrainStep,
 )
 from dynarl.workers.torch.trainer_config import TrainerConfig
-from dynarl.workers.torch.trainer_errors import TrainerError, WeightSyncError
 from dynarl.workers.torch.weight_sync import (
     join_weight_sync_group,
     leave_weight_sync_group,

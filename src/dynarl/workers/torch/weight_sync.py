@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from dynarl.workers.errors import WeightSyncError
 from dynarl.workers.torch.buckets import Group, Staging, broadcast, broadcast_tensors
-from dynarl.workers.torch.trainer_errors import WeightSyncError
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from dynarl.workers.torch.trainer_errors import WeightSyncError
+from dynarl.workers.errors import WeightSyncError
 
 
 @torch.no_grad()

@@ -1,0 +1,108 @@
+"""What the role contract suites run against: one fixture per role, parametrised over
+the backends that implement it. A backend joins a suite by adding its parameter here
+(the SGLang adapter against its fake server, Megatron on CPU); the suites are the
+definition of a backend.
+"""
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import anyio
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dynarl.api.config import InferenceConfig, ModelConfig, RolloutConfig  # noqa: E402
+from dynarl.workers import backends  # noqa: E402
+from dynarl.workers.inference import InferenceEngine  # noqa: E402
+from dynarl.workers.protocol import InferenceRole, RolloutRole  # noqa: E402
+from dynarl.workers.rollout import Completion, GenerateRequest, RolloutEngine  # noqa: E402
+
+MODEL = ModelConfig(max_seq_len=128)
+"""The tiny random-init policy every backend serves (seed 0)."""
+
+ROLLOUT_BACKENDS = ["torch"]
+INFERENCE_BACKENDS = ["torch"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Run like a CPU device slot (one torch thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class RecordingSink:
+    """A request sink that keeps what it heard and signals each arrival."""
+
+    def __init__(self) -> None:
+        self.completions: dict[str, Completion] = {}
+        self.taken: dict[str, GenerateRequest] = {}
+        self.failures: list[Exception] = []
+        self._changed = anyio.Event()
+
+    def done(self, completion: Completion) -> None:
+        assert completion.request_id not in self.completions, "completed twice"
+        self.completions[completion.request_id] = completion
+        self._changed.set()
+
+    def aborted(self, request: GenerateRequest) -> None:
+        self.taken[request.request_id] = request
+        self._changed.set()
+
+    async def flush(self) -> None:
+        await anyio.lowlevel.checkpoint()
+
+    async def fail(self, error: Exception) -> None:
+        self.failures.append(error)
+        self._changed.set()
+
+    async def wait_for(self, condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+        """Wait until ``condition()`` holds (checked at every arrival)."""
+        with anyio.fail_after(timeout_s):
+            while not condition():
+                self._changed = anyio.Event()
+                await self._changed.wait()
+
+
+RolloutFactory = Callable[[], contextlib.AbstractAsyncContextManager[RolloutEngine]]
+InferenceFactory = Callable[..., InferenceEngine]
+
+
+@pytest.fixture(params=ROLLOUT_BACKENDS)
+def rollout_factory(request: pytest.FixtureRequest) -> RolloutFactory:
+    """Opens a running rollout engine of the backend (``async with factory() as e``)."""
+    section = RolloutConfig(backend=request.param, max_running_requests=16)
+    role = RolloutRole(model=MODEL, rollout=section)
+    backend = backends.rollout_backend(section)
+
+    @contextlib.asynccontextmanager
+    async def open_engine() -> AsyncIterator[RolloutEngine]:
+        engine = await anyio.to_thread.run_sync(
+            lambda: backend.build_rollout(role, name="contract", num_threads=1)
+        )
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.run)
+            try:
+                yield engine
+            finally:
+                tg.cancel_scope.cancel()
+
+    return open_engine
+
+
+@pytest.fixture(params=INFERENCE_BACKENDS)
+def inference_factory(request: pytest.FixtureRequest) -> InferenceFactory:
+    """Builds an inference worker of the backend (``factory(compute_ref_logprobs=...)``)."""
+
+    def build(*, compute_ref_logprobs: bool = False) -> InferenceEngine:
+        section = InferenceConfig(
+            backend=request.param, micro_batch_size=4, compute_ref_logprobs=compute_ref_logprobs
+        )
+        role = InferenceRole(model=MODEL, inference=section)
+        backend = backends.inference_backend(section)
+        return backend.build_inference(role, name="contract", num_threads=1)
+
+    return build

@@ -1,0 +1,155 @@
+"""The trainer role's contract (:class:`~dynarl.workers.trainer.Trainer`), for every
+trainer backend: a resize (grow, shrink, park and resume) does not change the maths;
+a saved state continues as the trainer that wrote it; the weights it sends arrive
+with their version; bad input and impossible resizes are typed errors that leave it
+training.
+
+One trainer of two workers serves the module (starting processes costs seconds)."""
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+import pytest_asyncio
+
+pytest.importorskip("torch")
+
+from dynarl.api.config import ActorConfig, AlgorithmConfig
+from dynarl.rl.grpo import GrpoLoss
+from dynarl.workers import backends, sync_group
+from dynarl.workers.errors import TrainerError
+from dynarl.workers.trainer import Minibatch, Trainer
+from dynarl.workers.weights import WeightSyncGroup
+
+from .conftest import MODEL, RolloutFactory
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+TRAINER_BACKENDS = ["torch"]
+
+
+def minibatch(step: int, num_samples: int = 8, length: int = 24) -> Minibatch:
+    rng = np.random.default_rng(step)
+    mask = np.zeros((num_samples, length), dtype=np.float32)
+    mask[:, 8:] = 1.0
+    return {
+        "input_ids": rng.integers(4, 90, size=(num_samples, length)),
+        "attention_mask": np.ones((num_samples, length), dtype=np.int64),
+        "loss_mask": mask,
+        "old_logprobs": np.full((num_samples, length), -4.0, dtype=np.float32),
+        "advantages": rng.standard_normal(num_samples).astype(np.float32),
+    }
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=TRAINER_BACKENDS)
+async def trainer(request: pytest.FixtureRequest) -> AsyncIterator[Trainer]:
+    actor = ActorConfig(backend=request.param, micro_batch_size=4, lr=1e-2)
+    built = backends.trainer_backend(actor).build_trainer(
+        model=MODEL,
+        actor=actor,
+        loss=GrpoLoss.from_config(AlgorithmConfig()),
+        seed=0,
+        num_workers=2,
+        num_threads=1,
+    )
+    try:
+        await built.start((0,))
+        yield built
+    finally:
+        await built.aclose()
+
+
+async def steps(trainer: Trainer, first: int, plan: list[tuple[int, ...] | None]) -> list[float]:
+    """One step per entry of ``plan``, resizing to it first (``None``: park, then the
+    next entry resumes)."""
+    losses: list[float] = []
+    for members in plan:
+        async with trainer.between_steps():
+            if members is None:
+                await trainer.park()
+                assert trainer.parked and trainer.members == ()
+                continue
+            if members != trainer.members:
+                await trainer.resize(members)
+        losses.append((await trainer.train_step(minibatch(first + len(losses)))).loss)
+    return losses
+
+
+async def test_resizing_and_parking_do_not_change_the_maths(
+    trainer: Trainer, tmp_path: Path
+) -> None:
+    start = str(tmp_path / "start.pt")
+    async with trainer.between_steps():
+        await trainer.resize((0,))
+        await trainer.save_checkpoint(start)
+    moved = await steps(trainer, 0, [(0,), (0, 1), (1,), None, (1, 0), (0,)])
+    async with trainer.between_steps():
+        await trainer.resize((0,))
+        await trainer.load_checkpoint(start)
+    fixed = await steps(trainer, 0, [(0,), (0,), (0,), (0,), (0,)])
+    np.testing.assert_allclose(moved, fixed, rtol=1e-5)
+    assert len(set(np.round(fixed, 6))) > 1, "every step gave the same loss: it proves nothing"
+
+
+async def test_a_saved_state_continues_as_the_trainer_that_wrote_it(
+    trainer: Trainer, tmp_path: Path
+) -> None:
+    path = str(tmp_path / "mid.pt")
+    async with trainer.between_steps():
+        await trainer.save_checkpoint(path)
+    ahead = await steps(trainer, 20, [trainer.members or (0,)] * 2)
+    async with trainer.between_steps():
+        await trainer.load_checkpoint(path)
+    again = await steps(trainer, 20, [trainer.members] * 2)
+    np.testing.assert_allclose(again, ahead, rtol=1e-6)
+
+
+async def test_bad_input_and_impossible_resizes_are_typed_errors_that_leave_it_training(
+    trainer: Trainer,
+) -> None:
+    members = trainer.members
+    bad = dict(minibatch(0))
+    del bad["loss_mask"]
+    with pytest.raises(TrainerError, match="loss_mask"):
+        await trainer.train_step(bad)
+    for impossible in [(0, 0), (5,), ()]:
+        with pytest.raises(TrainerError):
+            async with trainer.between_steps():
+                await trainer.resize(impossible)
+        assert trainer.members == members
+    assert np.isfinite((await trainer.train_step(minibatch(3))).loss)
+
+
+class _Receiver:
+    """A rollout engine as a member of the weight-sync group (what a slot's handle
+    does for a worker process)."""
+
+    def __init__(self, engine: object) -> None:
+        self.engine = engine
+
+    async def join_weight_sync(self, group: WeightSyncGroup) -> None:
+        await self.engine.join_weight_sync(group)  # type: ignore[attr-defined]
+
+    async def leave_weight_sync(self) -> None:
+        await self.engine.leave_weight_sync()  # type: ignore[attr-defined]
+
+    async def update_weights(self) -> int:
+        version: int = await self.engine.receive_weights()  # type: ignore[attr-defined]
+        return version
+
+
+async def test_sent_weights_arrive_with_their_version(
+    trainer: Trainer, rollout_factory: RolloutFactory
+) -> None:
+    async with rollout_factory() as engine:
+        member = _Receiver(engine)
+        with anyio.fail_after(120):
+            await sync_group.connect(trainer, [member])
+            assert trainer.weight_sync_ready
+            assert await sync_group.broadcast(trainer, 5, [member]) > 0
+            async with anyio.create_task_group() as tg:  # leaving is collective
+                tg.start_soon(member.leave_weight_sync)
+                await trainer.leave_weight_sync()
+        assert engine.weight_version == 5
