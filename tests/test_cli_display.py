@@ -6,9 +6,9 @@ import io
 import msgspec
 import pytest
 
-from dynarl.api.iteration import Progress
 from dynarl.cli_display import RunDisplay
 from dynarl.obs.metrics import IterationStats
+from dynarl.rl.pipeline import Progress
 
 rich_console = pytest.importorskip("rich.console")
 

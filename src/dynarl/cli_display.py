@@ -12,8 +12,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 if TYPE_CHECKING:
-    from dynarl.api.iteration import Progress
     from dynarl.obs.metrics import IterationStats
+    from dynarl.rl.pipeline import Progress
 
 _UNITS = {"rollout": "responses", "train": "optimizer steps", "sync": "weight sync"}
 

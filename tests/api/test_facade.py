@@ -37,8 +37,8 @@ def config(tmp_path: Path, *overrides: str) -> DynaRLConfig:
 
 
 def worker_pids(rl: DynaRL) -> list[int]:
-    assert rl._iteration is not None
-    world = rl._iteration.world
+    world = rl._world
+    assert world is not None
     assert world.trainer is not None
     slots = [h.pid for h in world.launcher.handles if h.pid is not None]
     trainers = world.trainer.pids

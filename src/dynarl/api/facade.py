@@ -5,12 +5,15 @@
     async with DynaRL(cfg) as rl:
         await rl.run()                   # or: async for stats in rl.iterations(): ...
 
-Entering it binds the data router, launches the workers (device slots and trainer
-processes), builds the hypergraph and starts the controller in the root task group;
-leaving it stops them in reverse order, also on error or cancellation, and no worker
-process outlives it. It runs on whatever loop is running (a notebook's included): no
-``asyncio.run``, signal handlers, ``atexit`` or globals. Torch is imported lazily, when
-a run starts.
+Entering it checks that the backends the config names can run here, binds the data
+router, launches the workers (device slots and trainer processes), builds the
+hypergraph and starts the controller and the pipeline driver
+(:class:`~dynarl.rl.pipeline.Pipeline`); leaving it stops them in reverse order, also
+on error or cancellation, and no worker process outlives it. The run's own tasks live
+in a host task the run owns (:mod:`dynarl.api.host`), so a run opened in one notebook
+cell can be used and closed in later ones. It runs on whatever asyncio loop is running:
+no ``asyncio.run``, signal handlers, ``atexit`` or globals. Backends are imported
+lazily, when a run starts.
 """
 
 import contextlib
@@ -29,10 +32,11 @@ import msgspec
 from dynarl.api.checkpoint import Checkpoint, RunState, trainer_path, write_state
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import dump_config
+from dynarl.api.host import RunFailedError, RunHost
 from dynarl.api.run_dir import RunDirectory
 from dynarl.control import events as ev
 from dynarl.control.pipeline import build_hypergraph
-from dynarl.control.topology import PROMPTS, ROLLOUT
+from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT, TO_ACTOR, TO_INFERENCE
 from dynarl.core.clock import LoopClock
 from dynarl.core.errors import ConfigError, DynaRLError
 from dynarl.obs.metrics import DeviceMeter, FlatValue, IterationStats, MetricsWriter, flat_record
@@ -41,9 +45,10 @@ from dynarl.obs.timeline import TimelineLine, TimelineRecorder
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from dynarl.api.iteration import GrpoIteration, Progress
     from dynarl.api.world import RealWorld
     from dynarl.control.controller import Controller
+    from dynarl.envs.prompts import PromptSampler
+    from dynarl.rl.pipeline import Pipeline, Progress
 
 logger = logging.getLogger(__name__)
 
@@ -89,11 +94,12 @@ class DynaRL:
         """Stats of every finished iteration, in order."""
         self.controller: Controller | None = None
         """The control loop (while the run is open)."""
-        self._stack: contextlib.AsyncExitStack | None = None
-        self._iteration: GrpoIteration | None = None
+        self._host: RunHost | None = None
+        self._pipeline: Pipeline | None = None
+        self._world: RealWorld | None = None
+        self._sampler: PromptSampler | None = None
         self._meter: DeviceMeter | None = None
         self._metrics: MetricsWriter | None = None
-        self._forward = False
 
     @classmethod
     def resume(
@@ -113,14 +119,13 @@ class DynaRL:
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> Self:
-        if self._stack is not None:
+        if self._host is not None:
             raise DynaRLError("this DynaRL run is already open; use a new DynaRL object")
-        self._stack = contextlib.AsyncExitStack()
+        self._host = RunHost()
         try:
-            await self._open(self._stack)
+            await self._host.start(self._open)
         except BaseException:
-            stack, self._stack = self._stack, None
-            await stack.aclose()
+            self._host = None
             raise
         return self
 
@@ -130,13 +135,14 @@ class DynaRL:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        stack, self._stack = self._stack, None
-        self._forward = False
-        if stack is not None:
-            # Not shielded as a whole: a shield entered here would sit inside the task
-            # groups being left. The steps that must finish (stopping processes) shield
-            # themselves.
-            await stack.aclose()
+        host, self._host = self._host, None
+        if host is None:
+            return
+        try:
+            await host.stop()
+        except RunFailedError:
+            if exc is None:
+                raise  # else the caller's own error (the run's failure, often) goes on
 
     async def _open(self, stack: contextlib.AsyncExitStack) -> None:
         # Checked first: a backend that cannot run here, or a directory with nothing to
@@ -145,7 +151,6 @@ class DynaRL:
         resumed = None if self.resume_from is None else self._files.resume_point(self.cfg)
         # Heavy modules (torch, transformers, zmq) load here, not on `import dynarl`.
         from dynarl.api.executor import WorldExecutor
-        from dynarl.api.iteration import GrpoIteration
         from dynarl.api.world import RealWorld
         from dynarl.control.controller import Controller
         from dynarl.control.modes import make_hold, make_policy
@@ -156,6 +161,9 @@ class DynaRL:
         from dynarl.envs.prompts import prompt_sampler
         from dynarl.envs.synthetic import SyntheticTask
         from dynarl.envs.verifier import AsyncVerifier, MatchVerifier
+        from dynarl.rl.gate import StepGate
+        from dynarl.rl.pipeline import Pipeline
+        from dynarl.rl.reporter import EventReporter
         from dynarl.workers.tokenizer import load_tokenizer
 
         cfg = self.cfg
@@ -178,14 +186,28 @@ class DynaRL:
         graph, baseline = build_hypergraph(cfg.pipeline_layout(), now_s=clock.now())
         predictor = Predictor({c: n.spec.scaling for c, n in graph.components.items()})
         self._meter = DeviceMeter(graph, now_s=clock.now())
+        # Old log-probs come from inference instances, else (a fixed split without
+        # inference devices) from the engines' own.
+        uses_inference = bool(graph.components[INFERENCE].instances) or (
+            cfg.scheduler.mode != "static-disaggregated"
+        )
+        successors = {PROMPTS: TO_INFERENCE, TO_INFERENCE: TO_ACTOR}
+        reporter = EventReporter(
+            successors=successors if uses_inference else {PROMPTS: TO_ACTOR},
+            known=lambda instance: instance in graph.instances,
+            grows=frozenset({PROMPTS}),
+        )
         # Generous liveness: on a small CPU machine the slots share cores with training.
         router_cfg = RouterConfig(heartbeat_interval_s=0.5, liveness_timeout_s=60.0)
         router = await stack.enter_async_context(
             Router(
-                transport, consumers={PROMPTS: [ROLLOUT]}, config=router_cfg, on_event=self._bridge
+                transport,
+                consumers={PROMPTS: [ROLLOUT], TO_INFERENCE: [INFERENCE]},
+                config=router_cfg,
+                on_event=reporter,
             )
         )
-        world = RealWorld(cfg, graph, router)
+        world = self._world = RealWorld(cfg, graph, router)
         stack.push_async_callback(world.aclose)
         await world.start()
         if resumed is not None:
@@ -199,6 +221,7 @@ class DynaRL:
         )
         self._closed_s = None
 
+        gate = StepGate(graph, ACTOR)
         controller = Controller(
             graph,
             make_policy(cfg.scheduler, predictor, baseline),
@@ -206,7 +229,7 @@ class DynaRL:
             clock=clock,
             predictor=predictor,
             tick_s=cfg.scheduler.tick_s,
-            listeners=[executor.on_event, self._meter, self._recorder],
+            listeners=[executor.on_event, self._meter, self._recorder, gate],
             hold=make_hold(cfg.scheduler, predictor),
         )
         self.controller = controller
@@ -216,21 +239,29 @@ class DynaRL:
         send, receive = anyio.create_memory_object_stream[ev.Event](0)
         stack.callback(send.close)
         await tg.start(controller.run, receive)
-        self._forward = True
+        reporter.connect(controller.handle)
+        stack.callback(reporter.disconnect)  # nobody applies events after
 
         seed = cfg.run.seed
         sampler = prompt_sampler(cfg.data, seed=seed, generator=SyntheticTask(seed=seed).prompt)
         if resumed is not None:
             sampler.load_state_dict(resumed.checkpoint.state.sampler)
-        self._iteration = GrpoIteration(
-            cfg,
-            world,
-            graph,
-            emit=controller.handle,
+        self._sampler = sampler
+        assert world.trainer is not None
+        self._pipeline = Pipeline(
+            algorithm=cfg.algorithm,
+            rollout=cfg.rollout,
+            seed=seed,
+            router=router,
+            trainer=world.trainer,
+            weights=world,
+            gate=gate,
+            reporter=reporter,
             sampler=sampler,
             verifier=AsyncVerifier(MatchVerifier()),
             tokenizer=load_tokenizer(cfg.model),
-            on_progress=self.on_progress,
+            uses_inference=uses_inference,
+            on_progress=lambda p: self.on_progress(p) if self.on_progress else None,
         )
         logger.info(
             "run %s: %s, run directory %s",
@@ -239,36 +270,12 @@ class DynaRL:
             self.run_dir,
         )
 
-    def _bridge(self, event: ev.Event) -> None:
-        """The router's events to the controller, with the downstream ``ItemsEnqueued``
-        of a finished rollout item reported before its ``ItemCompleted``."""
-        if not self._forward or self.controller is None or self._iteration is None:
-            return  # before the controller runs, or while shutting down
-        if isinstance(event, ev.EngineStats) and (
-            event.instance not in self.controller.graph.instances
-        ):
-            # A slot reports load as the instance it is becoming before the migration
-            # that creates it is done (or as the one it left): not news to the graph.
-            return
-        if isinstance(event, ev.ItemCompleted) and event.edge == PROMPTS:
-            group = self._iteration.groups.get(event.item)
-            if group is not None:
-                # The sample's size: its prompt (as the request was enqueued) plus the
-                # tokens the engine generated for it.
-                request = self.controller.graph.edges[PROMPTS].items.get(event.item)
-                tokens = (request.tokens if request is not None else 0) + event.num_tokens
-                sample = ev.ItemRef(event.item, group, tokens)
-                self.controller.handle(
-                    ev.ItemsEnqueued(edge=self._iteration.downstream(), items=(sample,))
-                )
-        self.controller.handle(event)
-
     # ------------------------------------------------------------------ running
 
     async def iterations(self, num_iterations: int | None = None) -> AsyncIterator[IterationStats]:
         """Run iterations one at a time, yielding each one's stats as it finishes
         (default: ``cfg.run.num_iterations`` in all, counting those already run)."""
-        if self._iteration is None or self._stack is None:
+        if self._host is None or self._pipeline is None:
             raise DynaRLError("the run is not open; use `async with DynaRL(cfg) as rl:`")
         total = self.cfg.run.num_iterations if num_iterations is None else num_iterations
         while len(self.history) < total:
@@ -278,7 +285,8 @@ class DynaRL:
     async def step(self) -> IterationStats:
         """Run one iteration and return its stats (also written to ``metrics.jsonl``)."""
         if (
-            self._iteration is None
+            self._host is None
+            or self._pipeline is None
             or self._meter is None
             or self._metrics is None
             or self.controller is None
@@ -286,7 +294,8 @@ class DynaRL:
             raise DynaRLError("the run is not open; use `async with DynaRL(cfg) as rl:`")
         index = len(self.history)
         self._meter.take(self.controller.clock.now())  # count this iteration only
-        stats = await self._iteration.run(index)
+        with self._host.call():
+            stats = await self._pipeline.run(index)
         device_s, migrations = self._meter.take(self.controller.clock.now())
         stats = msgspec.structs.replace(
             stats,
@@ -315,8 +324,10 @@ class DynaRL:
         (``iter_NNNN.json``), and the timeline so far (``timeline.jsonl``,
         ``timeline.png``). Returns the trainer state's path."""
         if (
-            self._iteration is None
-            or self._iteration.world.trainer is None
+            self._host is None
+            or self._world is None
+            or self._world.trainer is None
+            or self._sampler is None
             or self._recorder is None
         ):
             raise DynaRLError("the run is not open; use `async with DynaRL(cfg) as rl:`")
@@ -326,9 +337,10 @@ class DynaRL:
             return path  # nothing happened since (checkpoint_every at the last iteration)
         path.parent.mkdir(parents=True, exist_ok=True)
         # Held between optimizer steps: no resize of the trainer moves its state meanwhile.
-        trainer = self._iteration.world.trainer
-        async with trainer.between_steps():
-            await trainer.save_checkpoint(str(path))
+        trainer = self._world.trainer
+        with self._host.call():
+            async with trainer.between_steps():
+                await trainer.save_checkpoint(str(path))
         lines = self._timeline_lines()
         write_state(
             self.run_dir,
@@ -336,7 +348,7 @@ class DynaRL:
                 num_iterations=done,
                 weight_version=self.history[-1].weight_version if self.history else 0,
                 seed=self.cfg.run.seed,
-                sampler=self._iteration.sampler.state_dict(),
+                sampler=self._sampler.state_dict(),
                 timeline_s=self._timeline_s(),
             ),
         )

@@ -24,8 +24,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import anyio
 
@@ -43,7 +42,6 @@ from dynarl.workers.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.02
 _ROLES: tuple[RoleKind, ...] = ("rollout", "inference")
 
 
@@ -97,7 +95,6 @@ class RealWorld:
         self._current: set[tuple[str, str | None]] = set()
         self._connected = False  # whether a weight-sync group exists
         self._sync_lock = anyio.Lock()
-        self._scoring: Counter[InstanceId] = Counter()
 
     @property
     def rollout_role(self) -> RolloutRole:
@@ -221,11 +218,9 @@ class RealWorld:
     async def release(self, instance: InstanceId) -> SlotHandle | None:
         """Stop ``instance`` (a rollout engine or an inference worker) and free its
         slot's memory for another component: its queued and in-flight requests go
-        back to the router with their partial output, and a running score call
-        finishes first. The slot keeps a host copy of the role, to resume it later
+        back to the router with their partial output (a batch of samples being scored
+        finishes first). The slot keeps a host copy of the role, to resume it later
         (:meth:`restore`). Returns the slot."""
-        while self._scoring[instance]:  # noqa: ASYNC110 (a counter, not an event)
-            await anyio.sleep(_POLL_S)
         await self.router.drain(instance)
         self.rollout.pop(instance, None)
         self.inference.pop(instance, None)
@@ -244,15 +239,6 @@ class RealWorld:
             self.inference[instance] = InferenceHandle(self.router, instance)
         self._serving[instance] = slot
         self.router.reactivate(instance)
-
-    @contextlib.contextmanager
-    def scoring(self, instance: InstanceId) -> Iterator[None]:
-        """Mark a score call on ``instance`` as running (it is released only after)."""
-        self._scoring[instance] += 1
-        try:
-            yield
-        finally:
-            self._scoring[instance] -= 1
 
     # ------------------------------------------------------------------ the actor
 
@@ -282,6 +268,11 @@ class RealWorld:
             await trainer.park()
 
     # ------------------------------------------------------------------ weights
+
+    def trainer_moves_ahead(self) -> None:
+        """The trainer is about to step: its weights move past the engines', so a slot
+        taking a role from now on waits for the iteration's closing sync."""
+        self.trainer_ahead = True
 
     async def sync_weights(self, version: int) -> int:
         """Broadcast the actor's weights as ``version`` to every serving slot (the

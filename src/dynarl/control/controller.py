@@ -97,7 +97,8 @@ class Controller:
             the policy is asked again.
         listeners: called with every applied event (timeline, metrics), in order.
         hold: decides which trainers should not start their next step yet (asked after
-            every decision; their hypernodes' ``hold_steps`` says so to the workers).
+            every decision; a ``StepsHeld`` event, and their hypernodes' ``hold_steps``,
+            say so to the workers).
     """
 
     def __init__(
@@ -198,9 +199,11 @@ class Controller:
     def _update_holds(self, held: frozenset[ComponentId]) -> None:
         for cid, node in self.graph.components.items():
             if node.hold_steps != (cid in held):
-                node.hold_steps = cid in held
-                verb = "hold" if node.hold_steps else "release"
-                logger.info("%s %s at its next step boundary", verb, cid)
+                # An event, so that listeners (a trainer waiting to step) hear of it.
+                self._apply(ev.StepsHeld(component=cid, held=cid in held, time_s=self.clock.now()))
+                logger.info(
+                    "%s %s at its next step boundary", "hold" if cid in held else "release", cid
+                )
 
     def statistics(self) -> ControllerStats:
         """A snapshot of the controller's counters."""

@@ -136,6 +136,15 @@ class TrainStepDone(Event, frozen=True, kw_only=True):
     duration_s: float
 
 
+class StepsHeld(Event, frozen=True, kw_only=True):
+    """The controller holds (``held``) or releases trainer ``component`` at its next
+    optimizer-step boundary: while held, it starts no step (devices are on their way
+    to it, and the step ends sooner if it waits for them)."""
+
+    component: ComponentId
+    held: bool
+
+
 class MigrationStarted(Event, frozen=True, kw_only=True):
     """The controller committed ``migration``: its source instances start draining and
     its devices are in transit until ``MigrationDone`` or ``MigrationFailed``."""
@@ -176,6 +185,7 @@ AnyEvent = (
     | EngineStats
     | WorkerIdle
     | TrainStepDone
+    | StepsHeld
     | MigrationStarted
     | MigrationDone
     | MigrationFailed

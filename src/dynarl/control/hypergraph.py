@@ -100,6 +100,7 @@ class Hypergraph:
             ev.EngineStats: self._on_engine_stats,
             ev.WorkerIdle: self._on_worker_idle,
             ev.TrainStepDone: self._on_train_step_done,
+            ev.StepsHeld: self._on_steps_held,
             # Device placement: see dynarl.control.device_placement.
             ev.MigrationStarted: partial(device_placement.on_migration_started, self),
             ev.MigrationDone: partial(device_placement.on_migration_done, self),
@@ -371,6 +372,12 @@ class Hypergraph:
 
     def _on_worker_idle(self, e: ev.WorkerIdle) -> None:
         self._instance(e.instance).busy = False
+
+    def _on_steps_held(self, e: ev.StepsHeld) -> None:
+        try:
+            self.components[e.component].hold_steps = e.held
+        except KeyError:
+            raise EventError(f"unknown component {e.component!r}") from None
 
     def _on_train_step_done(self, e: ev.TrainStepDone) -> None:
         try:

@@ -1,0 +1,393 @@
+"""The pipeline driver: one GRPO iteration of a real run as small stage tasks joined by
+memory object streams.
+
+::
+
+    prompts ─▶ router ─▶ rollout engines ─▶ results ─┬─▶ reward ─────────────┐
+                                                      └─▶ router ─▶ inference ┴─▶ samples
+    samples ─▶ groups ─▶ actor steps (when the trainer may step) ─▶ weight sync
+
+Every item goes through the data router: rollout requests to the rollout engines, and
+finished responses to the inference instances for their behaviour (and reference)
+log-probs; the router decides where each goes. A response is rewarded by the verifier
+while it is scored; once every sample of a group is rewarded and scored the group is
+ready, and the actor takes its ``n_minibatches`` optimizer steps: after the whole
+iteration in a seeded split (``algorithm.minibatch_order=seeded``, the maths of the
+torch reference loop), or on whole groups in the order they finish, during the rollout
+tail (``completion``). A step starts once the :class:`~dynarl.rl.gate.StepGate` opens.
+Then the engines get the new weights.
+
+The driver reports the iteration's boundaries and the actor's steps through the
+:class:`~dynarl.rl.reporter.EventReporter`, which also carries the router's events.
+"""
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import anyio
+import msgspec
+import numpy as np
+from anyio.abc import ObjectReceiveStream, ObjectSendStream
+
+from dynarl.control import events as ev
+from dynarl.control.topology import ACTOR, PROMPTS, TO_ACTOR, TO_INFERENCE
+from dynarl.core.ids import EdgeId, GroupId, ItemId
+from dynarl.data.placement import RoutedResult
+from dynarl.data.router import Router
+from dynarl.data.wire import Item
+from dynarl.envs.prompts import PromptSampler
+from dynarl.envs.verifier import AsyncVerifier
+from dynarl.obs.metrics import IterationStats
+from dynarl.rl.batch import (
+    Trajectory,
+    minibatch_indices,
+    to_arrays,
+)
+from dynarl.rl.config import AlgorithmConfig
+from dynarl.rl.gate import StepGate
+from dynarl.rl.reporter import EventReporter
+from dynarl.rl.requests import group_requests, prompt_ids, response_text
+from dynarl.rl.samples import Rewarded, Samples, Scored
+from dynarl.workers.config import RolloutConfig
+from dynarl.workers.inference import LogprobRequest, LogprobResult
+from dynarl.workers.rollout import Completion
+from dynarl.workers.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+_ENCODER = msgspec.msgpack.Encoder()
+_COMPLETION = msgspec.msgpack.Decoder(Completion)
+_LOGPROBS = msgspec.msgpack.Decoder(LogprobResult)
+
+
+class Progress(msgspec.Struct, frozen=True, kw_only=True):
+    """Where the running iteration is (for a progress display).
+
+    Attributes:
+        iteration: 0-based index.
+        stage: ``rollout``, ``train`` or ``sync``.
+        done, total: responses finished out of those requested (rollout), or
+            optimizer steps taken out of ``n_minibatches`` (train).
+    """
+
+    iteration: int
+    stage: str
+    done: int
+    total: int
+
+
+class Weights(Protocol):
+    """Where the engines' weights come from: the run's weight-sync group."""
+
+    def trainer_moves_ahead(self) -> None:
+        """The trainer is about to step: its weights move past the engines'."""
+        ...
+
+    async def sync_weights(self, version: int) -> int:
+        """Give every serving engine the trainer's weights as ``version``."""
+        ...
+
+
+class Pipeline:
+    """Runs a real run's iterations through the data router and the trainer.
+
+    Args:
+        algorithm: batch shape, minibatches and their order.
+        rollout: sampling parameters of the requests.
+        seed: the run's seed (prompt order, request seeds, minibatch splits).
+        router: the data router (bound and running; its ``on_event`` is ``reporter``).
+        trainer: the actor.
+        weights: the weight-sync group.
+        gate: says when the actor may step.
+        reporter: where the driver's events go.
+        sampler: where prompts come from.
+        verifier: the reward rule, run off the event loop.
+        tokenizer: encodes prompts and decodes responses (the model's).
+        uses_inference: old log-probs come from inference instances (else from the
+            engines' own, which equal them).
+        on_progress: sees the iteration's progress as it happens.
+    """
+
+    def __init__(
+        self,
+        *,
+        algorithm: AlgorithmConfig,
+        rollout: RolloutConfig,
+        seed: int,
+        router: Router,
+        trainer: Trainer,
+        weights: Weights,
+        gate: StepGate,
+        reporter: EventReporter,
+        sampler: PromptSampler,
+        verifier: AsyncVerifier,
+        tokenizer: Any,
+        uses_inference: bool,
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> None:
+        self.algorithm = algorithm
+        self.rollout = rollout
+        self.seed = seed
+        self.router = router
+        self.trainer = trainer
+        self.weights = weights
+        self.gate = gate
+        self.reporter = reporter
+        self.sampler = sampler
+        self.verifier = verifier
+        self.tokenizer: Any = tokenizer  # transformers' (kept untyped: no torch here)
+        self.uses_inference = uses_inference
+        self.on_progress = on_progress or (lambda p: None)
+
+    @property
+    def after_rollout(self) -> EdgeId:
+        """The edge a finished response goes on next."""
+        return TO_INFERENCE if self.uses_inference else TO_ACTOR
+
+    async def run(self, iteration: int) -> IterationStats:
+        """Run iteration ``iteration`` and return what it measured."""
+        return await _Iteration(self, iteration).run()
+
+
+class _Iteration:
+    """One iteration's state and its stage tasks."""
+
+    def __init__(self, pipeline: Pipeline, iteration: int) -> None:
+        self.p = pipeline
+        self.iteration = iteration
+        self.started = time.perf_counter()
+        algo = pipeline.algorithm
+        self.prompts = pipeline.sampler.take(algo.num_prompts)
+        ids = [prompt_ids(pipeline.tokenizer, prompt) for prompt in self.prompts]
+        self.requests = group_requests(
+            algo, pipeline.rollout, ids, seed=pipeline.seed, iteration=iteration
+        )
+        self.samples = Samples(self.requests, algo.group_size, needs_scores=pipeline.uses_inference)
+        self.group_of = {
+            rid: GroupId(f"{iteration}/{group}") for rid, group in self.samples.group_of.items()
+        }
+        self.stage_s: dict[str, float] = {}
+        self.train_s = 0.0
+        self.losses: list[float] = []
+        self.norms: list[float] = []
+
+    async def run(self) -> IterationStats:
+        p, n = self.p, len(self.requests)
+        p.reporter.forget()
+        p.reporter(ev.IterationStarted(iteration=self.iteration))
+        items = [
+            Item(
+                id=ItemId(r.request_id),
+                group=self.group_of[r.request_id],
+                edge=PROMPTS,
+                payload=_ENCODER.encode(r),
+                tokens=len(r.prompt_ids),
+            )
+            for r in self.requests
+        ]
+        responses_send, responses = anyio.create_memory_object_stream[list[Completion]](n)
+        to_score_send, to_score = anyio.create_memory_object_stream[list[Completion]](n)
+        facts_send, facts = anyio.create_memory_object_stream[Rewarded | Scored](2 * n)
+        ready_send, ready = anyio.create_memory_object_stream[int](p.algorithm.num_prompts)
+        if not p.uses_inference:
+            to_score_send.close()
+            to_score.close()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._route_results, responses_send, to_score_send, facts_send.clone())
+            tg.start_soon(self._reward, responses, facts_send.clone())
+            if p.uses_inference:
+                tg.start_soon(self._to_inference, to_score)
+            facts_send.close()
+            tg.start_soon(self._collect, facts, ready_send)
+            tg.start_soon(self._train, ready)
+            await p.router.submit(items)
+        self.stage_s["score"] = self.samples.busy_s
+        self.stage_s["train"] = self.train_s
+
+        t0 = time.perf_counter()
+        p.on_progress(Progress(iteration=self.iteration, stage="sync", done=0, total=1))
+        await p.weights.sync_weights(self.iteration + 1)
+        self.stage_s["sync"] = time.perf_counter() - t0
+        p.reporter(ev.IterationDone(iteration=self.iteration))
+        return self._stats(time.perf_counter() - self.started)
+
+    def _stats(self, elapsed: float) -> IterationStats:
+        samples = self.samples
+        rewards = np.array([samples.rewards[r.request_id] for r in self.requests])
+        gen_tokens = sum(len(c.output_ids) for c in samples.completions.values())
+        return IterationStats(
+            iteration=self.iteration,
+            mean_reward=float(rewards.mean()),
+            solved_fraction=float(np.mean(rewards >= 1.0)),
+            num_samples=len(self.requests),
+            gen_tokens=gen_tokens,
+            mean_response_tokens=gen_tokens / len(self.requests),
+            tokens_per_s=gen_tokens / elapsed,
+            loss=float(np.mean(self.losses)),
+            grad_norm=float(np.mean(self.norms)),
+            weight_version=self.iteration + 1,
+            stage_s=self.stage_s,
+            elapsed_s=elapsed,
+        )
+
+    # ------------------------------------------------------------------ stages
+
+    async def _route_results(
+        self,
+        responses: ObjectSendStream[list[Completion]],
+        to_score: ObjectSendStream[list[Completion]],
+        facts: ObjectSendStream[Rewarded | Scored],
+    ) -> None:
+        """The router's results, by edge: responses to the reward and inference
+        stages, log-probs to the collector; until the iteration's last is in."""
+        p, n = self.p, len(self.requests)
+        expected = {PROMPTS: n, TO_INFERENCE: n if p.uses_inference else 0}
+        received = dict.fromkeys(expected, 0)
+        async with responses, to_score, facts:
+            while received != expected:
+                chunk, scored = _split(await p.router.receive_batch())
+                received[PROMPTS] += len(chunk)
+                received[TO_INFERENCE] += len(scored)
+                if chunk:
+                    for completion in chunk:
+                        self.samples.completed(completion)
+                    await responses.send(chunk)
+                    if p.uses_inference:
+                        await to_score.send(chunk)
+                    p.on_progress(
+                        Progress(
+                            iteration=self.iteration,
+                            stage="rollout",
+                            done=received[PROMPTS],
+                            total=n,
+                        )
+                    )
+                    if received[PROMPTS] == n:
+                        self.stage_s["rollout"] = time.perf_counter() - self.started
+                if scored:
+                    await facts.send(Scored(tuple(scored)))
+
+    async def _reward(
+        self,
+        responses: ObjectReceiveStream[list[Completion]],
+        facts: ObjectSendStream[Rewarded | Scored],
+    ) -> None:
+        """The verifier's reward of each response, off the event loop."""
+        p = self.p
+
+        async def one(chunk: list[Completion]) -> None:
+            pairs = [
+                (self.prompts[self.samples.group_of[c.request_id]], response_text(p.tokenizer, c))
+                for c in chunk
+            ]
+            values = await p.verifier.score_many(pairs)
+            rewards = {c.request_id: v for c, v in zip(chunk, values, strict=True)}
+            await facts.send(Rewarded(rewards))
+
+        async with facts, responses, anyio.create_task_group() as tg:
+            async for chunk in responses:
+                tg.start_soon(one, chunk)
+
+    async def _to_inference(self, to_score: ObjectReceiveStream[list[Completion]]) -> None:
+        """Finished responses to the inference instances, through the router."""
+        async with to_score:
+            async for chunk in to_score:
+                await self.p.router.submit([self._sample_item(c) for c in chunk])
+
+    def _sample_item(self, c: Completion) -> Item:
+        request = LogprobRequest(
+            item_id=c.request_id,
+            token_ids=c.prompt_ids + c.output_ids,
+            response_start=len(c.prompt_ids),
+        )
+        return Item(
+            id=ItemId(c.request_id),
+            group=self.group_of[c.request_id],
+            edge=TO_INFERENCE,
+            payload=_ENCODER.encode(request),
+            tokens=len(c.prompt_ids) + len(c.output_ids),
+        )
+
+    async def _collect(
+        self, facts: ObjectReceiveStream[Rewarded | Scored], ready: ObjectSendStream[int]
+    ) -> None:
+        """Rewards and log-probs into samples; complete groups to the actor."""
+        async with facts, ready:
+            async for fact in facts:
+                for group in self.samples.add(fact):
+                    await ready.send(group)
+
+    async def _train(self, ready: ObjectReceiveStream[int]) -> None:
+        """The actor's optimizer steps: on whole groups as they finish
+        (``completion``), or over the whole iteration in a seeded split."""
+        algo, samples = self.p.algorithm, self.samples
+        finished: list[int] = []
+        per_step = algo.num_prompts // algo.n_minibatches
+        async with ready:
+            async for group in ready:
+                finished.append(group)
+                if algo.minibatch_order == "completion" and len(finished) % per_step == 0:
+                    await self._step(
+                        len(finished) // per_step - 1, *samples.trajectories(finished[-per_step:])
+                    )
+        if algo.minibatch_order == "completion":
+            return
+        trajectories, ids = samples.trajectories(range(algo.num_prompts))
+        seed = [self.p.seed, self.iteration]
+        for step, part in enumerate(
+            minibatch_indices(len(trajectories), algo.n_minibatches, seed=seed)
+        ):
+            chosen = [int(i) for i in part]
+            await self._step(step, [trajectories[i] for i in chosen], [ids[i] for i in chosen])
+
+    async def _step(
+        self, step: int, minibatch: Sequence[Trajectory], ids: Sequence[ItemId]
+    ) -> None:
+        """Optimizer step ``step`` on ``minibatch`` once the gate opens; each sample is
+        reported on the replica whose data-parallel shard holds it."""
+        p = self.p
+        num_steps = p.algorithm.n_minibatches
+        pad = getattr(p.tokenizer, "pad_token_id", None) or 0
+        p.on_progress(Progress(iteration=self.iteration, stage="train", done=step, total=num_steps))
+        replicas = await p.gate.wait()
+        p.weights.trainer_moves_ahead()
+        shards = np.array_split(np.arange(len(ids)), len(replicas))
+        owner = {
+            ids[int(k)]: node.id
+            for node, shard in zip(replicas, shards, strict=True)
+            for k in shard
+        }
+        for item, instance in owner.items():
+            p.reporter(ev.ItemRouted(edge=TO_ACTOR, item=item, instance=instance))
+        t0 = time.perf_counter()
+        metrics = await p.trainer.train_step(to_arrays(minibatch, pad_token_id=pad))
+        duration = time.perf_counter() - t0
+        self.train_s += duration
+        self.losses.append(metrics.loss)
+        self.norms.append(metrics.grad_norm)
+        for item, instance in owner.items():
+            p.reporter(ev.ItemCompleted(edge=TO_ACTOR, item=item, instance=instance))
+        p.reporter(
+            ev.TrainStepDone(
+                component=ACTOR,
+                step=step,
+                num_steps=num_steps,
+                num_samples=len(ids),
+                duration_s=duration,
+            )
+        )
+
+
+def _split(done: Sequence[RoutedResult]) -> tuple[list[Completion], list[LogprobResult]]:
+    """The router's results by edge, decoded: responses and log-probs."""
+    responses, scored = [], []
+    for d in done:
+        if d.item.edge == PROMPTS:
+            responses.append(_COMPLETION.decode(d.result.payload))
+        elif d.item.edge == TO_INFERENCE:
+            scored.append(_LOGPROBS.decode(d.result.payload))
+        else:
+            logger.error("result of item %s on unexpected edge %s", d.item.id, d.item.edge)
+    return responses, scored

@@ -1,0 +1,94 @@
+"""The event reporter: the one place a real run's events pass on their way to the
+controller, and the owner of the rule of which comes first.
+
+The data router reports its routing (``ItemsEnqueued`` on submit, ``ItemRouted``,
+``ItemsRequeued``, ``ItemCompleted``, ``WorkerFailed``, engines' ``EngineStats``); the
+pipeline driver reports the iteration's boundaries and the actor's steps. The rule:
+when an item completes on an edge whose consumer feeds another stage, its
+``ItemsEnqueued`` on that next edge is reported *before* its ``ItemCompleted``, so
+between two events the pipeline's work never seems to vanish (the hypergraph's
+scheduler would see an idle stage). When the driver later submits the item on the
+next edge, the router's own ``ItemsEnqueued`` for it is not reported again.
+"""
+
+from collections.abc import Callable, Mapping
+
+from dynarl.control import events as ev
+from dynarl.core.ids import EdgeId, InstanceId, ItemId
+
+Emit = Callable[[ev.Event], None]
+
+
+class EventReporter:
+    """Forwards events, in the order the hypergraph accepts, to where :meth:`connect`
+    points it (the controller's ``handle``); events before that, or after
+    :meth:`disconnect`, are dropped (nobody would apply them).
+
+    Args:
+        successors: the edge a completed item goes on next (absent: it leaves the
+            pipeline), e.g. ``prompts -> to_inference -> to_actor``.
+        known: whether an instance is in the controller's model; a slot reports load
+            as the instance it is becoming before the migration that creates it is
+            done (or as the one it left), which is not news to the model.
+        grows: edges whose completed items grow by the tokens the instance produced
+            (rollout: a sample is its prompt plus its response).
+    """
+
+    def __init__(
+        self,
+        *,
+        successors: Mapping[EdgeId, EdgeId],
+        known: Callable[[InstanceId], bool],
+        grows: frozenset[EdgeId] = frozenset(),
+    ) -> None:
+        self._emit: Emit | None = None
+        self._successors = dict(successors)
+        self._known = known
+        self._grows = grows
+        self._refs: dict[tuple[EdgeId, ItemId], ev.ItemRef] = {}
+        self._announced: set[tuple[EdgeId, ItemId]] = set()
+
+    def connect(self, emit: Emit) -> None:
+        """Report events to ``emit`` from now on."""
+        self._emit = emit
+
+    def disconnect(self) -> None:
+        """Drop events from now on (the run is closing)."""
+        self._emit = None
+
+    def __call__(self, event: ev.Event) -> None:
+        """Report ``event`` (the router's callback, and the driver's own events)."""
+        emit = self._emit
+        if emit is None:
+            return
+        if isinstance(event, ev.EngineStats) and not self._known(event.instance):
+            return
+        if isinstance(event, ev.ItemsEnqueued):
+            fresh = []
+            for ref in event.items:
+                key = (event.edge, ref.id)
+                self._refs[key] = ref
+                if key in self._announced:
+                    self._announced.discard(key)
+                else:
+                    fresh.append(ref)
+            if not fresh:
+                return
+            if len(fresh) != len(event.items):
+                event = ev.ItemsEnqueued(edge=event.edge, items=tuple(fresh), time_s=event.time_s)
+        elif isinstance(event, ev.ItemCompleted):
+            key = (event.edge, event.item)
+            done = self._refs.pop(key) if key in self._refs else None
+            after = self._successors.get(event.edge)
+            if after is not None and done is not None:
+                grown = event.num_tokens if event.edge in self._grows else 0
+                sample = ev.ItemRef(done.id, done.group, done.tokens + grown)
+                self._refs[(after, done.id)] = sample
+                self._announced.add((after, done.id))
+                emit(ev.ItemsEnqueued(edge=after, items=(sample,), time_s=event.time_s))
+        emit(event)
+
+    def forget(self) -> None:
+        """Drop what is known of items (a new iteration starts: none is in flight)."""
+        self._refs.clear()
+        self._announced.clear()
