@@ -52,6 +52,7 @@ def test_overrides_parse_values_by_type() -> None:
         ("algorithm.n_minibatches=3", "algorithm.n_minibatches", ["64 samples"]),
         ("model.hidden_size=65", "model.hidden_size", ["multiple of model.num_heads"]),
         ("data.source=file", "data.path", ["needs data.path"]),
+        ("algorithm.kl_coef=0.1", "algorithm.kl_coef", ["inference.compute_ref_logprobs=true"]),
     ],
 )
 def test_bad_values_name_the_field_the_value_and_what_is_allowed(

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import anyio
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -109,3 +110,27 @@ async def test_runs_inside_a_running_loop_and_a_cancelled_iteration_stops_cleanl
     assert len(seen) == 1 and seen[0].mean_reward >= 0.0
     assert not [p for p in pids if alive(p)]
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.timeout(120)
+async def test_a_kl_penalty_trains_on_the_reference_logprobs_inference_computes(
+    tmp_path: Path,
+) -> None:
+    """The reference log-probs travel from the inference instances to the loss: with
+    a KL term the loss reads them, so a run that dropped them could not take a step."""
+    cfg = config(
+        tmp_path,
+        "run.checkpoint_every=0",
+        "cluster.num_devices=3",
+        "rollout.initial_devices=1",
+        "inference.initial_devices=1",
+        "scheduler.mode=static-disaggregated",
+        "algorithm.num_prompts=8",
+        "algorithm.kl_coef=0.5",
+        "inference.compute_ref_logprobs=true",
+        "run.num_iterations=2",
+    )
+    async with DynaRL(cfg) as rl:
+        history = await rl.run()
+    assert [s.iteration for s in history] == [0, 1]
+    assert all(np.isfinite(s.loss) and s.grad_norm > 0 for s in history)

@@ -111,6 +111,24 @@ class DynaRLConfig(Section, frozen=True, kw_only=True):
                 f"actor.initial_devices or set actor.allow_uneven_micro_batches=true",
                 field="actor.initial_devices",
             )
+        if algo.kl_coef > 0 and not self.inference.compute_ref_logprobs:
+            raise ConfigError(
+                f"algorithm.kl_coef={algo.kl_coef} penalises the distance to the reference "
+                "policy, whose log-probs the inference stage computes: set "
+                "inference.compute_ref_logprobs=true (or algorithm.kl_coef=0)",
+                field="algorithm.kl_coef",
+            )
+        if (
+            algo.kl_coef > 0
+            and self.scheduler.mode == "static-disaggregated"
+            and self.inference.initial_devices == 0
+        ):
+            raise ConfigError(
+                "algorithm.kl_coef > 0 needs reference log-probs from inference devices, "
+                "and scheduler.mode=static-disaggregated keeps inference.initial_devices=0 "
+                "for the whole run; give inference devices or set algorithm.kl_coef=0",
+                field="inference.initial_devices",
+            )
         if (
             self.scheduler.mode == "static-disaggregated"
             and min(self.rollout.initial_devices, self.actor.initial_devices) == 0

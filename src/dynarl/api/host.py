@@ -125,9 +125,9 @@ class RunHost:
         task = self._task
         try:
             await task
-        except asyncio.CancelledError:
-            if not task.cancelled():
-                raise
+        except BaseException:
+            if self.failure is None:
+                raise  # opening failed, or this caller was cancelled
         finally:
             self._task = None
         if self.failure is not None:

@@ -1,0 +1,66 @@
+"""The event reporter owns the order of a real run's events: a completed item is
+enqueued on its next edge before it completes, and never twice."""
+
+from dynarl.control import events as ev
+from dynarl.control.topology import PROMPTS, TO_ACTOR, TO_INFERENCE
+from dynarl.core.ids import GroupId, InstanceId, ItemId
+from dynarl.rl.reporter import EventReporter
+
+ITEM = ItemId("0-0-0")
+GROUP = GroupId("0/0")
+ENGINE = InstanceId("rollout-0")
+
+
+def reporter(known: set[str] | None = None) -> tuple[EventReporter, list[ev.Event]]:
+    seen: list[ev.Event] = []
+    r = EventReporter(
+        successors={PROMPTS: TO_INFERENCE, TO_INFERENCE: TO_ACTOR},
+        known=lambda i: known is None or i in known,
+        grows=frozenset({PROMPTS}),
+    )
+    r.connect(seen.append)
+    return r, seen
+
+
+def test_the_next_edge_hears_of_a_completed_item_before_its_completion() -> None:
+    r, seen = reporter()
+    r(ev.ItemsEnqueued(edge=PROMPTS, items=(ev.ItemRef(ITEM, GROUP, 7),)))
+    r(ev.ItemRouted(edge=PROMPTS, item=ITEM, instance=ENGINE))
+    r(ev.ItemCompleted(edge=PROMPTS, item=ITEM, instance=ENGINE, num_tokens=5))
+    enqueued, completed = seen[-2:]
+    assert isinstance(enqueued, ev.ItemsEnqueued) and enqueued.edge == TO_INFERENCE
+    # A sample is its prompt plus its response.
+    assert enqueued.items == (ev.ItemRef(ITEM, GROUP, 12),)
+    assert isinstance(completed, ev.ItemCompleted) and completed.edge == PROMPTS
+
+
+def test_the_routers_own_enqueue_of_an_announced_item_is_not_reported_twice() -> None:
+    r, seen = reporter()
+    r(ev.ItemsEnqueued(edge=PROMPTS, items=(ev.ItemRef(ITEM, GROUP, 7),)))
+    r(ev.ItemCompleted(edge=PROMPTS, item=ITEM, instance=ENGINE, num_tokens=5))
+    before = len(seen)
+    other = ev.ItemRef(ItemId("0-0-1"), GROUP, 9)
+    # The driver submits the sample (and one that was not announced) to inference.
+    r(ev.ItemsEnqueued(edge=TO_INFERENCE, items=(ev.ItemRef(ITEM, GROUP, 12), other)))
+    assert seen[before:] == [ev.ItemsEnqueued(edge=TO_INFERENCE, items=(other,))]
+    # Its completion there announces it on the actor's edge, at the same size.
+    r(ev.ItemCompleted(edge=TO_INFERENCE, item=ITEM, instance=InstanceId("inference-0")))
+    assert seen[-2] == ev.ItemsEnqueued(edge=TO_ACTOR, items=(ev.ItemRef(ITEM, GROUP, 12),))
+
+
+def test_an_item_leaving_the_pipeline_announces_nothing() -> None:
+    r, seen = reporter()
+    r(ev.ItemsEnqueued(edge=TO_ACTOR, items=(ev.ItemRef(ITEM, GROUP, 12),)))
+    r(ev.ItemCompleted(edge=TO_ACTOR, item=ITEM, instance=InstanceId("actor-0")))
+    assert [type(e) for e in seen] == [ev.ItemsEnqueued, ev.ItemCompleted]
+
+
+def test_load_of_an_unknown_instance_and_events_while_disconnected_are_dropped() -> None:
+    r, seen = reporter(known={"rollout-0"})
+    stats = ev.EngineStats(instance=ENGINE, kv_usage=0.5, num_running=2, num_queued=0)
+    r(stats)
+    r(ev.EngineStats(instance=InstanceId("rollout-9"), kv_usage=0.5, num_running=2, num_queued=0))
+    assert seen == [stats]
+    r.disconnect()
+    r(stats)
+    assert seen == [stats]
