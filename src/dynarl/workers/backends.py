@@ -173,7 +173,7 @@ def check(role: Role, section: RolloutConfig | InferenceConfig | ActorConfig) ->
     tp, pp = section.tp, getattr(section, "pp", 1)
     if backend.max_tp is not None and tp > backend.max_tp:
         raise ConfigError(
-            f"{role}.tp={tp}: the {name} backend does not shard a {role} instance over "
+            f"{role}.tp={tp}: the {name} backend does not shard one {role} instance over "
             f"devices (it runs each on {backend.max_tp}); set {role}.tp=1"
             + (" or actor.backend=megatron" if role == "actor" else ""),
             field=f"{role}.tp",
