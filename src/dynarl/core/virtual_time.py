@@ -9,7 +9,9 @@ autojump is the model). Real I/O still works: it is polled without blocking befo
 time jumps, and a loop with no timers blocks on I/O as usual.
 
 Run code on it with ``asyncio.Runner(loop_factory=VirtualTimeLoop)`` (an application
-or test decides that; the library never starts loops itself).
+or test decides that; the library starts no loop for real work, and its one blocking
+entry point, :func:`dynarl.sim.run.run_simulation`, starts a virtual-time loop only in
+a thread that runs none).
 """
 
 import asyncio

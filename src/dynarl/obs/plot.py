@@ -1,14 +1,19 @@
 """The allocation timeline picture: device x time, coloured by component, one panel
-per run (scheduling mode). matplotlib is imported only when a picture is drawn."""
+per run (scheduling mode), as a figure that shows itself in a notebook.
 
+Importing this module imports matplotlib (the ``cli`` extra), but never pyplot: it
+selects no backend and keeps no global figure state. dynarl imports it lazily, so
+``import dynarl`` does not load matplotlib.
+"""
+
+import io
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
 from dynarl.obs.timeline import FREE, MIGRATING, Interval, Mark, TimelineLine
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
 
 COLOURS = {
     "rollout": "#4c72b0",
@@ -20,28 +25,46 @@ COLOURS = {
 }
 """Colour of each component (others get grey)."""
 
+DPI = 110
+"""Resolution of the PNG pictures, files and notebook output alike."""
+
+
+class TimelineFigure(Figure):
+    """A matplotlib ``Figure`` that IPython shows as a PNG.
+
+    A figure built without pyplot has no backend to show it, so ``display(fig)`` in
+    Jupyter would print only ``<Figure ...>`` unless ``%matplotlib inline`` is on; this
+    one renders itself (where the inline backend is on, IPython uses its own renderer
+    and ignores this). Everything else, ``savefig`` included, is a plain ``Figure``.
+    """
+
+    def _repr_png_(self) -> bytes:
+        """The figure as PNG bytes, for IPython's rich display."""
+        buffer = io.BytesIO()
+        self.savefig(buffer, format="png", dpi=DPI)
+        return buffer.getvalue()
+
 
 def plot_timeline(lines: Sequence[TimelineLine], path: str | Path, *, title: str = "") -> None:
     """Draw ``lines`` (from :func:`~dynarl.obs.timeline.read_timeline`) to ``path``
     (PNG): one panel per run, devices on the y axis, iteration ends as dashed lines."""
-    timeline_figure(lines, title=title).savefig(path, dpi=110)
+    timeline_figure(lines, title=title).savefig(path, dpi=DPI)
 
 
-def timeline_figure(lines: Sequence[TimelineLine], *, title: str = "") -> "Figure":
-    """The picture of :func:`plot_timeline` as a matplotlib ``Figure``.
+def timeline_figure(lines: Sequence[TimelineLine], *, title: str = "") -> Figure:
+    """The picture of :func:`plot_timeline` as a matplotlib ``Figure`` (a
+    :class:`TimelineFigure`).
 
     Built without pyplot, so it touches no global figure state or backend: save it
-    with ``fig.savefig(...)``, or show it in a notebook with ``display(fig)``.
+    with ``fig.savefig(...)``, or show it in a notebook with ``display(fig)``, which
+    renders it as a PNG without ``%matplotlib inline``.
     """
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
     runs = list(dict.fromkeys(line.run for line in lines))
     if not runs:
         runs = [""]
     num_devices = 1 + max((iv.device for iv in lines if isinstance(iv, Interval)), default=0)
     end = max((iv.end_s for iv in lines if isinstance(iv, Interval)), default=1.0)
-    fig = Figure(figsize=(12, 1.2 + 0.04 * num_devices * len(runs) + 1.0 * len(runs)))
+    fig = TimelineFigure(figsize=(12, 1.2 + 0.04 * num_devices * len(runs) + 1.0 * len(runs)))
     axes = fig.subplots(len(runs), 1, squeeze=False, sharex=True)
     seen: dict[str, None] = {}
     for ax, run in zip(axes[:, 0], runs, strict=True):

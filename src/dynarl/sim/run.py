@@ -3,12 +3,15 @@
 :func:`simulate` wires one run: the hypergraph and policy a real run would build from
 the configuration, a predictor seeded by the profile the simulator's models deliver,
 :class:`~dynarl.sim.world.SimWorld` as event source (and its executor), and a timeline
-recorder as listener. It runs on the current event loop; run it on a
-:class:`~dynarl.core.virtual_time.VirtualTimeLoop` and an hour of cluster time takes
-seconds. The result holds throughput, iteration times, busy and idle device-seconds
-per component, and the distance to the work-conserving bound.
+recorder as listener. It runs on the current event loop, which must be a
+:class:`~dynarl.core.virtual_time.VirtualTimeLoop` (an hour of cluster time then takes
+seconds; on a real-clock loop it would take the hour, so it refuses).
+:func:`run_simulation` runs it on a loop of its own, from synchronous code or, through
+a worker thread, from a notebook. The result holds throughput, iteration times, busy
+and idle device-seconds per component, and the distance to the work-conserving bound.
 """
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -22,10 +25,12 @@ from dynarl.control.modes import make_hold, make_policy
 from dynarl.control.pipeline import build_hypergraph
 from dynarl.control.predictor import Predictor
 from dynarl.core.clock import LoopClock
+from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.obs.timeline import TimelineRecorder
 from dynarl.sim.bound import work_conserving_bound
 from dynarl.sim.cluster import ClusterModel, sim_profile
 from dynarl.sim.config import SimulatedRun
+from dynarl.sim.errors import SimError
 from dynarl.sim.metrics import IterationRecord
 from dynarl.sim.world import SimWorld
 
@@ -78,7 +83,8 @@ async def simulate(
     on_event: Callable[[ev.Event], None] | None = None,
     cluster: ClusterModel | None = None,
 ) -> tuple[ModeResult, TimelineRecorder]:
-    """Simulate ``run`` (its job's ``scheduler.mode``) on the running loop.
+    """Simulate ``run`` (its job's ``scheduler.mode``) on the running loop, a
+    :class:`~dynarl.core.virtual_time.VirtualTimeLoop`.
 
     Args:
         run: the job and the modelled cluster (``run.sim``: hardware, model, workload).
@@ -89,7 +95,11 @@ async def simulate(
 
     Returns:
         the measured result and the allocation timeline.
+
+    Raises:
+        SimError: the running loop keeps real time (it is not a ``VirtualTimeLoop``).
     """
+    _require_virtual_time()
     cfg = run.job
     clock = LoopClock()
     graph, baseline = build_hypergraph(cfg.pipeline_layout(), now_s=clock.now())
@@ -134,6 +144,56 @@ async def simulate(
     recorder.close(clock.now())
     result = _summarise(run, world, recorder, controller, wall_s)
     return result, recorder
+
+
+def run_simulation(
+    run: SimulatedRun,
+    *,
+    check: bool = False,
+    name: str | None = None,
+    on_event: Callable[[ev.Event], None] | None = None,
+    cluster: ClusterModel | None = None,
+) -> tuple[ModeResult, TimelineRecorder]:
+    """Simulate ``run`` on a :class:`~dynarl.core.virtual_time.VirtualTimeLoop` of its
+    own and return what :func:`simulate` returns (the arguments are its arguments).
+
+    It blocks until the simulation ends, so call it from a thread that runs no event
+    loop; in a notebook cell, run it in a worker thread:
+    ``await anyio.to_thread.run_sync(run_simulation, run)`` (pass keyword arguments
+    through ``functools.partial``).
+
+    Raises:
+        SimError: called from a thread that runs an event loop.
+    """
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise SimError(
+            f"run_simulation() blocks, and this thread runs an event loop ({type(loop).__name__}),"
+            " as a notebook cell does: run it in a worker thread with"
+            " `await anyio.to_thread.run_sync(run_simulation, run)`"
+        )
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        return runner.run(simulate(run, check=check, name=name, on_event=on_event, cluster=cluster))
+
+
+def _require_virtual_time() -> None:
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:  # another async library (trio) runs this task
+        loop = None
+    if not isinstance(loop, VirtualTimeLoop):
+        running = type(loop).__name__ if loop is not None else "not an asyncio loop"
+        raise SimError(
+            f"simulate() needs a VirtualTimeLoop, and the running loop ({running})"
+            " keeps real time: the simulated cluster would run as slowly as a real one."
+            " Use run_simulation(run) from synchronous code,"
+            " `await anyio.to_thread.run_sync(run_simulation, run)` in a notebook or"
+            " another running loop, or run simulate(run) in"
+            " `asyncio.Runner(loop_factory=VirtualTimeLoop)`"
+        )
 
 
 def _summarise(
