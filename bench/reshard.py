@@ -25,10 +25,13 @@ import tempfile
 import time
 from multiprocessing.connection import Connection
 
+import anyio
 import numpy as np
 
+from dynarl.testing.workers import LocalWorkers
 from dynarl.workers.torch.loss import weighted_nll
 from dynarl.workers.torch.trainer_config import TrainerConfig
+from dynarl.workers.torch.trainer_main import trainer_main
 from dynarl.workers.torch.trainer_pool import TrainerPool
 
 # hidden size, layers, vocabulary, MLP width of a Qwen2 with about that many parameters
@@ -72,17 +75,32 @@ def measure_reshard(size: str, repeats: int) -> dict[str, float]:
         "input_ids": rng.integers(0, 1000, size=(1, 16)),
         "loss_weights": np.ones((1, 16), dtype=np.float32),
     }
-    grows, shrinks = [], []
-    with TrainerPool(
-        config, num_workers=2, model_factory=qwen2_factory(size), loss_fn=weighted_nll
-    ) as pool:
-        pool.start_training([0])
-        pool.train_step(minibatch)
-        for _ in range(repeats):
-            grow = pool.resize([0, 1])
-            grows.append(grow.elapsed_s)
-            num_bytes = grow.bytes_moved
-            shrinks.append(pool.resize([0]).elapsed_s)
+    grows: list[float] = []
+    shrinks: list[float] = []
+
+    async def run() -> int:
+        async with LocalWorkers(trainer_main, ["trainer-0", "trainer-1"]) as workers:
+            pool = TrainerPool(
+                config,
+                workers=workers.channels,
+                model_factory=qwen2_factory(size),
+                loss_fn=weighted_nll,
+            )
+            await pool.start()
+            try:
+                await pool.start_training([0])
+                await pool.train_step(minibatch)
+                num_bytes = 0
+                for _ in range(repeats):
+                    grow = await pool.resize([0, 1])
+                    grows.append(grow.elapsed_s)
+                    num_bytes = grow.bytes_moved
+                    shrinks.append((await pool.resize([0])).elapsed_s)
+                return num_bytes
+            finally:
+                await pool.close()
+
+    num_bytes = anyio.run(run)
     return {
         "params": count_params(size),
         "bytes": num_bytes,

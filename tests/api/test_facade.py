@@ -42,7 +42,7 @@ def worker_pids(rl: DynaRL) -> list[int]:
     assert world is not None
     assert world.trainer is not None
     slots = [h.pid for h in world.launcher.handles if h.pid is not None]
-    trainers = world.trainer.pids
+    trainers = [h.pid for h in world.trainer_workers if h.pid is not None]
     return slots + trainers
 
 

@@ -4,7 +4,8 @@ a saved state continues as the trainer that wrote it; the weights it sends arriv
 with their version; bad input and impossible resizes are typed errors that leave it
 training.
 
-One trainer of two workers serves the module (starting processes costs seconds)."""
+One trainer of two workers serves the module (starting processes costs seconds); its
+workers are reached over the data plane, as a run reaches them."""
 
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +19,7 @@ pytest.importorskip("torch")
 
 from dynarl.api.config import ActorConfig, AlgorithmConfig
 from dynarl.rl.grpo import GrpoLoss
+from dynarl.testing.workers import LocalWorkers
 from dynarl.workers import backends, sync_group
 from dynarl.workers.errors import TrainerError
 from dynarl.workers.trainer import Minibatch, Trainer
@@ -46,19 +48,21 @@ def minibatch(step: int, num_samples: int = 8, length: int = 24) -> Minibatch:
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=TRAINER_BACKENDS)
 async def trainer(request: pytest.FixtureRequest) -> AsyncIterator[Trainer]:
     actor = ActorConfig(backend=request.param, micro_batch_size=4, lr=1e-2)
-    built = backends.trainer_backend(actor).build_trainer(
-        model=MODEL,
-        actor=actor,
-        loss=GrpoLoss.from_config(AlgorithmConfig()),
-        seed=0,
-        num_workers=2,
-        num_threads=1,
-    )
-    try:
-        await built.start((0,))
-        yield built
-    finally:
-        await built.aclose()
+    backend = backends.trainer_backend(actor)
+    async with LocalWorkers(backend.trainer_worker_entry, ["trainer-0", "trainer-1"]) as workers:
+        built = backend.build_trainer(
+            model=MODEL,
+            actor=actor,
+            loss=GrpoLoss.from_config(AlgorithmConfig()),
+            seed=0,
+            workers=workers.channels,
+            num_threads=1,
+        )
+        try:
+            await built.start((0,))
+            yield built
+        finally:
+            await built.aclose()
 
 
 async def steps(trainer: Trainer, first: int, plan: list[tuple[int, ...] | None]) -> list[float]:

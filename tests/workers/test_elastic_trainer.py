@@ -1,34 +1,39 @@
 """The elastic trainer with real worker processes and real gloo process groups.
 
 Starting a worker costs seconds (importing torch and transformers), so the tests share
-one pool of four pre-started workers, as the library intends, and each test restarts
+one pool of four pre-started workers (reached over the data plane, as a run reaches
+them), as the library intends, and each test restarts
 training on it: resizing does not change the maths, a failed resize leaves the old
 group training, and weights reach a stand-in rollout engine with their version.
 """
 
 import functools
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import numpy.typing as npt
 import pytest
+import pytest_asyncio
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from dynarl.testing.workers import LocalWorkers  # noqa: E402
 from dynarl.workers.errors import ReshardError, TrainerError  # noqa: E402
 from dynarl.workers.torch.loss import weighted_nll  # noqa: E402
 from dynarl.workers.torch.trainer import ElasticTrainer  # noqa: E402
 from dynarl.workers.torch.trainer_commands import ReshardFault  # noqa: E402
 from dynarl.workers.torch.trainer_config import TrainerConfig  # noqa: E402
+from dynarl.workers.torch.trainer_main import trainer_main  # noqa: E402
 from dynarl.workers.torch.trainer_pool import TrainerPool  # noqa: E402
 from dynarl.workers.torch.weight_sync import join_weight_sync_group, receive_weights  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 Minibatch = dict[str, npt.NDArray[Any]]
 
@@ -111,12 +116,18 @@ def global_relative_error(actual: dict[str, Any], expected: dict[str, Any]) -> f
 NOISE_ONLY = ".self_attn.k_proj.bias"
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[TrainerPool]:
-    with TrainerPool(
-        CONFIG, num_workers=4, model_factory=TINY_QWEN2, loss_fn=weighted_nll
-    ) as started:
-        yield started
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pool() -> AsyncIterator[TrainerPool]:
+    names = [f"trainer-{i}" for i in range(4)]
+    async with LocalWorkers(trainer_main, names) as workers:
+        started = TrainerPool(
+            CONFIG, workers=workers.channels, model_factory=TINY_QWEN2, loss_fn=weighted_nll
+        )
+        await started.start()
+        try:
+            yield started
+        finally:
+            await started.close()
 
 
 def load_model(path: Path) -> dict[str, Any]:
@@ -125,18 +136,18 @@ def load_model(path: Path) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)  # includes starting the shared pool
-def test_resizing_1_2_4_1_matches_a_fixed_size_run(pool: TrainerPool, tmp_path: Path) -> None:
+async def test_resizing_1_2_4_1_matches_a_fixed_size_run(pool: TrainerPool, tmp_path: Path) -> None:
     batches = [b for b, _ in zip(minibatches(0), range(8), strict=False)]
     # The last size-1 group is worker 2: the original rank 0 leaves on the way.
     schedule = [(0,), (0,), (0, 1), (0, 1), (0, 1, 2, 3), (0, 1, 2, 3), (2,), (2,)]
-    pool.start_training([0])
+    await pool.start_training([0])
     losses = []
     for members, batch in zip(schedule, batches, strict=True):
         if members != pool.members:
-            result = pool.resize(members)
+            result = await pool.resize(members)
             assert result.new_members == members == pool.members
-        losses.append(pool.train_step(batch).loss)
-    pool.save_checkpoint(tmp_path / "resized.pt")
+        losses.append((await pool.train_step(batch)).loss)
+    await pool.save_checkpoint(tmp_path / "resized.pt")
 
     expected = reference_run(batches)
     actual = load_model(tmp_path / "resized.pt")
@@ -155,27 +166,27 @@ def test_resizing_1_2_4_1_matches_a_fixed_size_run(pool: TrainerPool, tmp_path: 
 
 
 @pytest.mark.timeout(90)
-def test_a_parked_trainer_resumes_onto_any_workers_and_keeps_its_maths(
+async def test_a_parked_trainer_resumes_onto_any_workers_and_keeps_its_maths(
     pool: TrainerPool, tmp_path: Path
 ) -> None:
     """A colocated schedule parks the trainer while other stages hold every device; it
     resumes from its keeper, also onto workers of lower rank than the keeper (the
     transfer group's rank 0 is then a joiner, not the source)."""
     batches = [b for b, _ in zip(minibatches(2), range(4), strict=False)]
-    pool.start_training([2])
-    losses = [pool.train_step(batches[0]).loss]
-    parked = pool.park()
+    await pool.start_training([2])
+    losses = [(await pool.train_step(batches[0])).loss]
+    parked = await pool.park()
     assert pool.parked and pool.members == () and parked.new_members == ()
     with pytest.raises(TrainerError, match="parked"):
-        pool.train_step(batches[1])
-    pool.resize([2, 0, 1])  # source 2, joiners 0 and 1 below it
+        await pool.train_step(batches[1])
+    await pool.resize([2, 0, 1])  # source 2, joiners 0 and 1 below it
     assert not pool.parked and pool.members == (2, 0, 1)
-    losses.append(pool.train_step(batches[1]).loss)
-    pool.resize([3])  # the keeper itself leaves
-    pool.park()
-    pool.resize([0, 3])
-    losses += [pool.train_step(b).loss for b in batches[2:]]
-    pool.save_checkpoint(tmp_path / "parked.pt")
+    losses.append((await pool.train_step(batches[1])).loss)
+    await pool.resize([3])  # the keeper itself leaves
+    await pool.park()
+    await pool.resize([0, 3])
+    losses += [(await pool.train_step(b)).loss for b in batches[2:]]
+    await pool.save_checkpoint(tmp_path / "parked.pt")
 
     expected = reference_run(batches)
     actual = load_model(tmp_path / "parked.pt")
@@ -184,20 +195,22 @@ def test_a_parked_trainer_resumes_onto_any_workers_and_keeps_its_maths(
 
 
 @pytest.mark.timeout(60)
-def test_a_failed_resize_leaves_the_old_group_training(pool: TrainerPool, tmp_path: Path) -> None:
+async def test_a_failed_resize_leaves_the_old_group_training(
+    pool: TrainerPool, tmp_path: Path
+) -> None:
     batches = [b for b, _ in zip(minibatches(1), range(3), strict=False)]
-    pool.start_training([0])
-    pool.train_step(batches[0])
+    await pool.start_training([0])
+    await pool.train_step(batches[0])
 
     # The joiner fails after the first buckets; the source times out sending the rest.
     with pytest.raises(ReshardError, match="rolled back"):
-        pool.resize([0, 1, 3], fault=ReshardFault(worker=3, after_buckets=2))
+        await pool.resize([0, 1, 3], fault=ReshardFault(worker=3, after_buckets=2))
     assert pool.members == (0,)
 
-    pool.train_step(batches[1])  # the old group keeps training
-    pool.resize([0, 1, 3])  # and the worker that failed can still join
-    pool.train_step(batches[2])
-    pool.save_checkpoint(tmp_path / "after.pt")
+    await pool.train_step(batches[1])  # the old group keeps training
+    await pool.resize([0, 1, 3])  # and the worker that failed can still join
+    await pool.train_step(batches[2])
+    await pool.save_checkpoint(tmp_path / "after.pt")
 
     expected = reference_run(batches)
     actual = load_model(tmp_path / "after.pt")
@@ -227,7 +240,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(60)
-def test_weight_sync_delivers_weights_and_version_to_an_engine(
+async def test_weight_sync_delivers_weights_and_version_to_an_engine(
     pool: TrainerPool, tmp_path: Path
 ) -> None:
     import multiprocessing
@@ -240,13 +253,14 @@ def test_weight_sync_delivers_weights_and_version_to_an_engine(
     try:
         engine.start()
         theirs.close()
-        pool.start_training([1, 2])
-        pool.connect_weight_sync("127.0.0.1", port, world_size=2)
+        await pool.start_training([1, 2])
+        await pool.connect_weight_sync("127.0.0.1", port, world_size=2)
         for version in (1, 2):
-            pool.train_step(next(batches))
-            assert pool.sync_weights(version) > 0
-            pool.save_checkpoint(tmp_path / f"v{version}.pt")
-            assert ours.poll(30), "the engine stand-in received nothing"
+            await pool.train_step(next(batches))
+            assert await pool.sync_weights(version) > 0
+            await pool.save_checkpoint(tmp_path / f"v{version}.pt")
+            received_any = await anyio.to_thread.run_sync(ours.poll, 30)
+            assert received_any, "the engine stand-in received nothing"
             received_version, received = ours.recv()
             assert received_version == version
             trained = load_model(tmp_path / f"v{version}.pt")
@@ -262,21 +276,21 @@ def test_weight_sync_delivers_weights_and_version_to_an_engine(
 
 
 @pytest.mark.timeout(60)
-def test_a_loaded_checkpoint_continues_like_the_trainer_that_wrote_it(
+async def test_a_loaded_checkpoint_continues_like_the_trainer_that_wrote_it(
     pool: TrainerPool, tmp_path: Path
 ) -> None:
     """Model and AdamW state survive save -> load onto other (and more) members: the
     steps after it match a run that never stopped."""
     batches = [b for b, _ in zip(minibatches(3), range(4), strict=False)]
-    pool.start_training([0])
-    first = [pool.train_step(b).loss for b in batches[:2]]
-    pool.save_checkpoint(tmp_path / "mid.pt")
-    assert not list(tmp_path.glob("*.tmp"))  # written under a temporary name, renamed
+    await pool.start_training([0])
+    first = [(await pool.train_step(b)).loss for b in batches[:2]]
+    await pool.save_checkpoint(tmp_path / "mid.pt")
+    assert not list(tmp_path.glob("*.tmp"))  # noqa: ASYNC240 (written as a temporary, renamed)
 
-    pool.start_training([1, 2])  # fresh weights from the seed: forgotten until loaded
-    pool.load_checkpoint(tmp_path / "mid.pt")
-    rest = [pool.train_step(b).loss for b in batches[2:]]
-    pool.save_checkpoint(tmp_path / "end.pt")
+    await pool.start_training([1, 2])  # fresh weights from the seed: forgotten until loaded
+    await pool.load_checkpoint(tmp_path / "mid.pt")
+    rest = [(await pool.train_step(b)).loss for b in batches[2:]]
+    await pool.save_checkpoint(tmp_path / "end.pt")
 
     expected = reference_run(batches)
     np.testing.assert_allclose(first + rest, expected["losses"], rtol=1e-5)
@@ -286,8 +300,10 @@ def test_a_loaded_checkpoint_continues_like_the_trainer_that_wrote_it(
 
 
 @pytest.mark.timeout(30)
-def test_loading_a_missing_checkpoint_says_which_file(pool: TrainerPool, tmp_path: Path) -> None:
-    pool.start_training([0])
+async def test_loading_a_missing_checkpoint_says_which_file(
+    pool: TrainerPool, tmp_path: Path
+) -> None:
+    await pool.start_training([0])
     with pytest.raises(TrainerError, match=r"cannot read the checkpoint .*missing\.pt"):
-        pool.load_checkpoint(tmp_path / "missing.pt")
-    pool.train_step(next(minibatches(4)))  # the worker keeps serving
+        await pool.load_checkpoint(tmp_path / "missing.pt")
+    await pool.train_step(next(minibatches(4)))  # the worker keeps serving

@@ -27,7 +27,7 @@ from dynarl.data.zmq_transport import ZmqTransport  # noqa: E402
 from dynarl.launch.local import LaunchConfig, LocalLauncher  # noqa: E402
 from dynarl.workers import sync_group  # noqa: E402
 from dynarl.workers.errors import WorkerCallError  # noqa: E402
-from dynarl.workers.handles import RolloutHandle  # noqa: E402
+from dynarl.workers.handles import CallChannel, RolloutHandle  # noqa: E402
 from dynarl.workers.inference import LogprobRequest  # noqa: E402
 from dynarl.workers.protocol import InferenceRole, RolloutRole  # noqa: E402
 from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams  # noqa: E402
@@ -37,6 +37,7 @@ from dynarl.workers.torch.loss import weighted_nll  # noqa: E402
 from dynarl.workers.torch.model import build_model  # noqa: E402
 from dynarl.workers.torch.torch_trainer import TorchTrainer  # noqa: E402
 from dynarl.workers.torch.trainer_config import TrainerConfig  # noqa: E402
+from dynarl.workers.torch.trainer_main import trainer_main  # noqa: E402
 from dynarl.workers.torch.trainer_pool import TrainerPool  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -244,7 +245,9 @@ async def test_completions_carry_the_version_the_trainer_synced(
     rollout = await rollout_on(cluster, 0, "rollout-0")
     config = TrainerConfig(lr=5e-2, seed=0, timeout_s=60.0)
     factory = functools.partial(build_model, MODEL, seed=0)
-    pool = TrainerPool(config, num_workers=1, model_factory=factory, loss_fn=weighted_nll)
+    workers = await cluster.launcher.start_workers(trainer_main, ["trainer-0"], num_threads=1)
+    channels = [CallChannel(cluster.router, h.name) for h in workers]
+    pool = TrainerPool(config, workers=channels, model_factory=factory, loss_fn=weighted_nll)
     trainer = TorchTrainer(pool)
     try:
         await trainer.start((0,))

@@ -35,7 +35,7 @@ from dynarl.core.ids import ComponentId, DeviceId, InstanceId
 from dynarl.data.router import Router
 from dynarl.launch.launcher import Launcher, build_launcher
 from dynarl.workers import backends, sync_group
-from dynarl.workers.handles import InferenceHandle, RolloutHandle, SlotHandle
+from dynarl.workers.handles import CallChannel, InferenceHandle, RolloutHandle, SlotHandle
 from dynarl.workers.protocol import InferenceRole, RoleKind, RolloutRole
 from dynarl.workers.slot import SlotConfig
 from dynarl.workers.trainer import Trainer
@@ -84,6 +84,8 @@ class RealWorld:
         """Inference workers by instance."""
         self.trainer: Trainer | None = None
         """The actor (after :meth:`start`)."""
+        self.trainer_workers: list[SlotHandle] = []
+        """The trainer's worker processes (after :meth:`start`), in worker order."""
         self.weight_version = 0
         """The weight version the engines run (the last one synced)."""
         self.trainer_ahead = False
@@ -133,20 +135,29 @@ class RealWorld:
         from dynarl.rl.grpo import GrpoLoss
 
         cfg = self.cfg
-        trainer = backends.trainer_backend(cfg.actor).build_trainer(
+        threads = cfg.cluster.threads_per_device
+        backend = backends.trainer_backend(cfg.actor)
+        names = [f"trainer-{i}" for i in range(len(self.trainer_devices))]
+
+        async def start_trainer_workers() -> None:
+            self.trainer_workers = await self.launcher.start_workers(
+                backend.trainer_worker_entry, names, num_threads=threads
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.launcher.start)
+            tg.start_soon(start_trainer_workers)
+        trainer = backend.build_trainer(
             model=cfg.model,
             actor=cfg.actor,
             loss=GrpoLoss.from_config(cfg.algorithm),
             seed=cfg.run.seed,
-            num_workers=len(self.trainer_devices),
-            num_threads=cfg.cluster.threads_per_device,
+            workers=[CallChannel(self.router, name) for name in names],
+            num_threads=threads,
         )
         self.trainer = trainer
         actor = sorted(self.graph.components[ACTOR].active_instances(), key=lambda n: n.id)
-        members = tuple(self.trainer_members([d for n in actor for d in n.devices]))
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self.launcher.start)
-            tg.start_soon(trainer.start, members)
+        await trainer.start(tuple(self.trainer_members([d for n in actor for d in n.devices])))
         # Every role starts from the seed's weights, as the trainer does: version 0.
         self._current = {(h.name, k) for h in self.launcher.handles for k in _ROLES}
         async with anyio.create_task_group() as tg:

@@ -12,14 +12,14 @@ from typing import Protocol
 
 from dynarl.data.router import Router
 from dynarl.launch.config import ClusterConfig
-from dynarl.workers.backends import Backend, check_name
+from dynarl.workers.backends import Backend, WorkerEntry, check_name
 from dynarl.workers.handles import SlotHandle
 from dynarl.workers.slot import SlotConfig
 
 
 class Launcher(Protocol):
-    """Starts and stops a run's device slots; a slot's death reaches the controller
-    through the data router."""
+    """Starts and stops a run's device slots and other workers (trainer workers); a
+    worker's death reaches the controller through the data router."""
 
     @property
     def handles(self) -> Sequence[SlotHandle]:
@@ -30,9 +30,17 @@ class Launcher(Protocol):
         """Start every slot and wait until each has said hello to the router."""
         ...
 
+    async def start_workers(
+        self, entry: WorkerEntry, names: Sequence[str], *, num_threads: int
+    ) -> list[SlotHandle]:
+        """Start one worker process of another role (a trainer worker) per name, each
+        running ``entry``, and wait until each has said hello; returns their handles
+        (process id, liveness)."""
+        ...
+
     async def aclose(self) -> None:
-        """Stop every slot (gracefully, then by force); idempotent, and finishes even
-        when cancelled."""
+        """Stop every slot and worker (gracefully, then by force); idempotent, and
+        finishes even when cancelled."""
         ...
 
 

@@ -16,6 +16,7 @@ crash, ``SIGKILL``), each slot notices that its parent is gone and exits
 import contextlib
 import logging
 import multiprocessing
+from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from types import TracebackType
 from typing import Self
@@ -25,6 +26,7 @@ import msgspec
 
 from dynarl.data.errors import DataPlaneError
 from dynarl.data.router import Router
+from dynarl.workers.backends import WorkerEntry
 from dynarl.workers.errors import LaunchError
 from dynarl.workers.handles import SlotHandle
 from dynarl.workers.main import slot_main
@@ -84,6 +86,8 @@ class LocalLauncher:
         self.endpoint = endpoint or router.address
         self.slots: list[Slot] = []
         """The started slots, in order."""
+        self.workers: list[Slot] = []
+        """The started workers of other roles (trainer workers), in order."""
 
     @property
     def handles(self) -> list[SlotHandle]:
@@ -133,10 +137,38 @@ class LocalLauncher:
             for slot in self.slots:
                 await slot.handle.wait_connected(cfg.start_timeout_s)
 
+    async def start_workers(
+        self, entry: WorkerEntry, names: Sequence[str], *, num_threads: int
+    ) -> list[SlotHandle]:
+        """Spawn one process per name running ``entry(endpoint, name, num_threads)``
+        and wait until each has said hello (as ``name``).
+
+        Raises :class:`LaunchError` if one exits or is not connected in time.
+        """
+        context = multiprocessing.get_context("spawn")
+        started = []
+        for name in names:
+            process = context.Process(
+                target=entry,
+                args=(self.endpoint, name, num_threads),
+                name=f"dynarl-{name}",
+                daemon=True,
+            )
+            process.start()
+            handle = SlotHandle(self.router, name, pid=process.pid, alive=process.is_alive)
+            started.append(Slot(name, process, handle))
+        self.workers += started
+        timeout_s = self.config.start_timeout_s
+        with anyio.fail_after(timeout_s):
+            for worker in started:
+                await worker.handle.wait_connected(timeout_s)
+        return [worker.handle for worker in started]
+
     async def aclose(self) -> None:
-        """Stop every slot: retire it, then terminate, then kill what is left.
-        Idempotent; never raises for a slot that is already gone."""
-        slots, self.slots = self.slots, []
+        """Stop every slot and worker: retire it, then terminate, then kill what is
+        left. Idempotent; never raises for a process that is already gone."""
+        slots, self.slots = [*self.slots, *self.workers], []
+        self.workers = []
         timeout_s = self.config.stop_timeout_s
         for slot in slots:
             if slot.process.is_alive():

@@ -12,12 +12,13 @@ backend's package that does).
 
 import importlib
 import importlib.util
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from dynarl.core.errors import ConfigError
 from dynarl.workers.config import ActorConfig, InferenceConfig, ModelConfig, RolloutConfig
+from dynarl.workers.handles import CallChannel
 from dynarl.workers.inference import InferenceEngine
 from dynarl.workers.protocol import InferenceRole, RolloutRole
 from dynarl.workers.rollout import RolloutEngine
@@ -25,6 +26,11 @@ from dynarl.workers.trainer import LossFn, Trainer
 
 Role = Literal["rollout", "inference", "actor"]
 """The roles a backend implements."""
+
+WorkerEntry = Callable[[str, str, int], None]
+"""A worker process's main: ``entry(endpoint, name, num_threads)``, where ``endpoint``
+is the data router's address (a module-level function, so a new process can import
+it); the process says hello to the router as ``name``."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,13 @@ class InferenceBackend(Protocol):
 
 
 class TrainerBackend(Protocol):
-    """What a trainer backend provides: the elastic trainer (not yet started)."""
+    """What a trainer backend provides: the main of its worker processes (a launcher
+    starts them; each connects to the data router), and the elastic trainer over them."""
+
+    @property
+    def trainer_worker_entry(self) -> WorkerEntry:
+        """``entry(endpoint, name, num_threads)``: a trainer worker process's main."""
+        ...
 
     def build_trainer(
         self,
@@ -111,10 +123,10 @@ class TrainerBackend(Protocol):
         actor: ActorConfig,
         loss: LossFn,
         seed: int,
-        num_workers: int,
+        workers: Sequence[CallChannel],
         num_threads: int,
     ) -> Trainer:
-        """A trainer over ``num_workers`` workers, training ``model`` with ``loss``."""
+        """A trainer over the started ``workers``, training ``model`` with ``loss``."""
         ...
 
 

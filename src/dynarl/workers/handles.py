@@ -10,6 +10,7 @@ goes away mid-call raises :class:`~dynarl.data.errors.PeerLostError`.
   roles, which gives a role handle.
 - :class:`RolloutHandle`: a rollout engine (generate, stream, abort, weight updates).
 - :class:`InferenceHandle`: an inference worker (score samples).
+- :class:`CallChannel`: a worker reached by calls only (a trainer worker).
 
 No torch is imported here.
 """
@@ -289,3 +290,21 @@ class SlotHandle(WorkerHandle):
         raise LaunchError(
             f"slot {self.name} did not connect as {self.instance} within {timeout_s} s"
         )
+
+
+class CallChannel:
+    """A worker reached by typed calls only (it serves no items): a trainer worker.
+
+    Args:
+        router: the data router the worker is connected to.
+        name: the worker's name, its instance id at the router.
+    """
+
+    def __init__(self, router: Router, name: str) -> None:
+        self._router = router
+        self.name = name
+
+    async def call(self, body: bytes) -> bytes:
+        """Send ``body`` as a call and return the reply's body; raises
+        :class:`~dynarl.data.errors.DataPlaneError` if the worker is gone."""
+        return await self._router.call(InstanceId(self.name), body)

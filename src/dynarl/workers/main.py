@@ -52,6 +52,11 @@ def slot_main(endpoint: str, name: str, config: SlotConfig) -> None:
     except BaseException:
         logger.exception("slot %s failed", name)
         code = 1
+    exit_process(code)
+
+
+def exit_process(code: int) -> None:
+    """Leave the process now with ``code``, after flushing logs and output."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

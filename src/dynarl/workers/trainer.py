@@ -106,11 +106,6 @@ class Trainer(Protocol):
         """Whether it holds no devices (its state kept by one worker)."""
         ...
 
-    @property
-    def pids(self) -> list[int]:
-        """Process ids of its workers on this machine (none of those elsewhere)."""
-        ...
-
     async def start(self, members: tuple[int, ...]) -> None:
         """Start every worker, then make ``members`` the ranks, with fresh weights."""
         ...

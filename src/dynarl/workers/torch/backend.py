@@ -4,12 +4,14 @@ thread (building loads torch and a model)."""
 
 import functools
 import time
+from collections.abc import Sequence
 
 import anyio
 import torch
 
 from dynarl.data.request_order import FifoOrder, ToolCallPriorityOrder
 from dynarl.data.request_queue import RequestQueue
+from dynarl.workers.backends import WorkerEntry
 from dynarl.workers.config import ActorConfig, ModelConfig
 from dynarl.workers.protocol import InferenceRole, RolloutRole
 from dynarl.workers.torch.engine import RolloutEngine
@@ -17,21 +19,25 @@ from dynarl.workers.torch.inference import InferenceWorker
 from dynarl.workers.torch.inference_server import TorchInference
 from dynarl.workers.torch.model import build_model
 from dynarl.workers.torch.rollout_server import TorchRollout
-from dynarl.workers.torch.sequence import Sequence
+from dynarl.workers.torch.sequence import Sequence as EngineSequence
 from dynarl.workers.torch.torch_trainer import TorchTrainer
 from dynarl.workers.torch.trainer_config import TrainerConfig
-from dynarl.workers.torch.trainer_pool import TrainerPool
+from dynarl.workers.torch.trainer_main import trainer_main
+from dynarl.workers.torch.trainer_pool import TrainerPool, WorkerChannel
 from dynarl.workers.trainer import LossFn
 
 
 class TorchBackend:
     """Builds the torch reference implementations of every role."""
 
+    trainer_worker_entry: WorkerEntry = staticmethod(trainer_main)
+    """The trainer workers' process main (the launcher starts them with it)."""
+
     def build_rollout(self, role: RolloutRole, *, name: str, num_threads: int) -> TorchRollout:
         """A rollout engine whose waiting queue is the data plane's request queue."""
         torch.set_num_threads(num_threads)
         order = ToolCallPriorityOrder() if role.order == "priority" else FifoOrder()
-        queue = RequestQueue[Sequence](
+        queue = RequestQueue[EngineSequence](
             order, max_size=role.max_queued_requests, clock=_MonotonicClock(), aging=role.aging
         )
         engine = RolloutEngine.from_config(role.model, role.rollout, seed=role.seed, queue=queue)
@@ -52,10 +58,11 @@ class TorchBackend:
         actor: ActorConfig,
         loss: LossFn,
         seed: int,
-        num_workers: int,
+        workers: Sequence[WorkerChannel],
         num_threads: int,
     ) -> TorchTrainer:
-        """An elastic data-parallel trainer over ``num_workers`` processes (not started)."""
+        """An elastic data-parallel trainer over ``workers`` (started by the launcher
+        with :func:`trainer_main`; not joined yet)."""
         config = TrainerConfig(
             micro_batch_size=actor.micro_batch_size,
             lr=actor.lr,
@@ -66,7 +73,7 @@ class TorchBackend:
         )
         pool = TrainerPool(
             config,
-            num_workers=num_workers,
+            workers=workers,
             model_factory=functools.partial(build_model, model, seed=seed),
             loss_fn=loss,
         )

@@ -1,13 +1,13 @@
 """The torch elastic trainer behind the :class:`~dynarl.workers.trainer.Trainer`
-protocol: a :class:`~dynarl.workers.torch.trainer_pool.TrainerPool` whose blocking
-calls run in a worker thread, one at a time.
+protocol: a :class:`~dynarl.workers.torch.trainer_pool.TrainerPool` (whose workers
+the launcher started), its calls run one at a time.
 
 :meth:`TorchTrainer.between_steps` holds the pool between two calls for the task that
 entered it; that task's own calls inside go straight through, every other task's wait.
 """
 
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
@@ -47,20 +47,15 @@ class TorchTrainer:
         """Whether the trainer holds no devices."""
         return self.pool.parked
 
-    @property
-    def pids(self) -> list[int]:
-        """Process ids of the workers."""
-        return self.pool.pids
-
     async def start(self, members: tuple[int, ...]) -> None:
-        """Start the worker processes and make ``members`` the ranks."""
+        """Join the workers into one group and make ``members`` the ranks."""
         await self._run(self.pool.start)
         await self._run(self.pool.start_training, members)
 
     async def aclose(self) -> None:
         """Shut the workers down, also when cancelled."""
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self.pool.close)
+            await self.pool.close()
 
     @contextlib.asynccontextmanager
     async def between_steps(self) -> AsyncIterator[None]:
@@ -114,8 +109,8 @@ class TorchTrainer:
         """The sender leaves the weight-sync group."""
         await self._run(self.pool.leave_weight_sync)
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         if self._holder is not None and self._holder == anyio.get_current_task():
-            return await anyio.to_thread.run_sync(fn, *args)
+            return await fn(*args)
         async with self._lock:
-            return await anyio.to_thread.run_sync(fn, *args)
+            return await fn(*args)

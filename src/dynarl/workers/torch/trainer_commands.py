@@ -1,15 +1,16 @@
 """Messages between a :class:`~dynarl.workers.torch.trainer_pool.TrainerPool` and its
 worker processes: commands in, replies out. Definitions only, no logic.
 
-They are tagged ``msgspec.Struct``s encoded as msgpack, so the same messages can later
-travel over the data plane behind a typed handle. Model state never rides them: weights
-and optimizer state move over torch.distributed.
+They are tagged ``msgspec.Struct``s encoded as msgpack that ride the data plane as the
+body of a typed call (the workers are the router's peers, as device slots are). Model
+state never rides them: weights and optimizer state move over torch.distributed.
 """
 
 from typing import Annotated
 
 import msgspec
 
+from dynarl.workers.torch.trainer_config import TrainerConfig
 from dynarl.workers.trainer import StepMetrics
 
 
@@ -32,6 +33,22 @@ class ReshardFault(msgspec.Struct, frozen=True, kw_only=True):
 
 class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Base of the commands a worker accepts."""
+
+
+class Join(_Command, frozen=True, kw_only=True):
+    """Every worker, first: join the trainer's world process group as rank ``worker``
+    of ``num_workers``, rendezvousing at ``host:port`` (rank 0 hosts the store there),
+    and keep ``config`` and the model factory and loss it trains with.
+
+    ``code`` is the pickled ``(model_factory, loss_fn)`` pair: callables cross to the
+    workers as torch.multiprocessing and Ray ship them, from the controller only."""
+
+    worker: int
+    num_workers: int
+    host: str
+    port: int
+    config: TrainerConfig
+    code: bytes
 
 
 class StartTraining(_Command, frozen=True, kw_only=True):
@@ -110,7 +127,8 @@ class Shutdown(_Command, frozen=True, kw_only=True):
 
 
 Command = (
-    StartTraining
+    Join
+    | StartTraining
     | TrainStep
     | PrepareResize
     | CommitResize

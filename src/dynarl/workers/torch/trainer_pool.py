@@ -1,33 +1,32 @@
 """The driver side of the elastic trainer: a pool of pre-started worker processes,
 some of which are the trainer's data-parallel ranks at any moment.
 
-The pool starts every worker once (spawn), joins them to one world process group, and
-then only sends commands: train steps to the members, resizes to everyone. A resize
-prepares the new group and the joiners' state while the old group stays intact, and
-switches only when every worker reported ready; otherwise it aborts and raises
-:class:`~dynarl.workers.torch.trainer_errors.ReshardError` with the old group in place.
+The workers are started by a launcher and are peers of the controller's data router,
+as device slots are; the pool reaches each through a :class:`WorkerChannel` (a typed
+call over the data plane) and never touches a process. It joins them to one world
+process group (a TCP rendezvous, so they may be anywhere), then only sends commands:
+train steps to the members, resizes to everyone. A resize prepares the new group and
+the joiners' state while the old group stays intact, and switches only when every
+worker reported ready; otherwise it aborts and raises
+:class:`~dynarl.workers.errors.ReshardError` with the old group in place.
 
 This module does not import torch; the workers do.
 """
 
 import logging
-import multiprocessing
-import os
-import shutil
-import sys
-import tempfile
+import pickle
+import socket
 import time
-from collections.abc import Sequence
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
+import anyio
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from dynarl.data.errors import DataPlaneError
 from dynarl.workers.errors import ReshardError, TrainerError, WeightSyncError
 from dynarl.workers.torch.trainer_commands import (
     AbortResize,
@@ -37,6 +36,7 @@ from dynarl.workers.torch.trainer_commands import (
     ConnectWeightSync,
     Done,
     Failed,
+    Join,
     LeaveWeightSync,
     LoadCheckpoint,
     PrepareResize,
@@ -57,44 +57,66 @@ logger = logging.getLogger(__name__)
 _SHUTDOWN_GRACE_S = 10.0
 
 
+class WorkerChannel(Protocol):
+    """One trainer worker, as the pool reaches it."""
+
+    @property
+    def name(self) -> str:
+        """The worker's name (its instance id at the data router)."""
+        ...
+
+    async def call(self, body: bytes) -> bytes:
+        """Send a command's bytes and return the reply's; raises
+        :class:`~dynarl.data.errors.DataPlaneError` if the worker is gone."""
+        ...
+
+
 class TrainerPool:
-    """An elastic data-parallel trainer over ``num_workers`` pre-started processes.
+    """An elastic data-parallel trainer over pre-started worker processes, reached
+    through ``workers`` (worker ``i`` is ``workers[i]``)::
 
-    Use as a context manager (or call :meth:`start` and :meth:`close`)::
-
-        with TrainerPool(config, num_workers=4, model_factory=f, loss_fn=weighted_nll) as pool:
-            pool.start_training([0])
-            pool.train_step(minibatch)
-            pool.resize([0, 1, 2, 3])
+        pool = TrainerPool(config, workers=channels, model_factory=f, loss_fn=weighted_nll)
+        await pool.start()
+        await pool.start_training([0])
+        await pool.train_step(minibatch)
+        await pool.resize([0, 1, 2, 3])
+        await pool.close()
 
     ``model_factory`` and ``loss_fn`` must be picklable (module-level functions,
-    ``functools.partial`` of classes and configs). Calls block; one at a time.
+    ``functools.partial`` of classes and configs): they go to the workers once, at
+    start. ``host`` is where worker 0 hosts the world group's rendezvous (its machine).
+    Calls run one at a time (the caller serialises them).
     """
 
     def __init__(
         self,
         config: TrainerConfig,
         *,
-        num_workers: int,
+        workers: Sequence[WorkerChannel],
         model_factory: Any,
         loss_fn: Any,
+        host: str = "127.0.0.1",
     ) -> None:
-        if num_workers < 1:
-            raise TrainerError(f"num_workers is {num_workers}; a pool needs at least 1 worker")
+        if not workers:
+            raise TrainerError("a pool needs at least 1 worker")
         self.config = config
-        self.num_workers = num_workers
+        self.workers = list(workers)
+        self.host = host
         self._model_factory = model_factory
         self._loss_fn = loss_fn
         self._members: tuple[int, ...] = ()
         self._parked = False
         self._epoch = 0
-        self._processes: list[BaseProcess] = []
-        self._conns: list[Connection] = []
-        self._store_dir: Path | None = None
+        self._started = False
         self._sync_worker: int | None = None
         self._broken = False
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Reply)
+
+    @property
+    def num_workers(self) -> int:
+        """Workers in the pool."""
+        return len(self.workers)
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -108,74 +130,62 @@ class TrainerPool:
         return self._members[0] if self._members else None
 
     @property
-    def pids(self) -> list[int]:
-        """Process ids of the started workers."""
-        return [p.pid for p in self._processes if p.pid is not None]
-
-    @property
     def parked(self) -> bool:
         """Whether the trainer holds no devices (see :meth:`park`)."""
         return self._parked
 
-    def start(self) -> None:
-        """Start the worker processes and wait until all joined the world group."""
-        if self._processes:
+    async def start(self) -> None:
+        """Join every worker to the world group (worker 0 hosts it at ``host``)."""
+        if self._started:
             raise TrainerError("the pool is already started")
-        context = multiprocessing.get_context("spawn")
-        self._store_dir = Path(tempfile.mkdtemp(prefix="dynarl-trainer-"))
-        store_path = str(self._store_dir / "store")
-        for worker in range(self.num_workers):
-            ours, theirs = context.Pipe(duplex=True)
-            process = context.Process(
-                target=_worker_entry,
-                kwargs={
-                    "worker": worker,
-                    "num_workers": self.num_workers,
-                    "store_path": store_path,
-                    "config": self.config,
-                    "model_factory": self._model_factory,
-                    "loss_fn": self._loss_fn,
-                    "conn": theirs,
-                },
-                name=f"dynarl-trainer-{worker}",
-                daemon=True,
-            )
-            process.start()
-            theirs.close()
-            self._processes.append(process)
-            self._conns.append(ours)
-        self._check(self._gather(range(self.num_workers)))
-        logger.info("started %d trainer workers", self.num_workers)
+        with socket.socket() as probe:
+            probe.bind((self.host, 0))
+            port = probe.getsockname()[1]
+        code = pickle.dumps((self._model_factory, self._loss_fn))
+        self._started = True
+        replies = await self._call_each(
+            range(self.num_workers),
+            lambda w: Join(
+                worker=w,
+                num_workers=self.num_workers,
+                host=self.host,
+                port=port,
+                config=self.config,
+                code=code,
+            ),
+        )
+        self._check(replies)
+        logger.info("joined %d trainer workers", self.num_workers)
 
-    def start_training(self, members: Sequence[int]) -> None:
+    async def start_training(self, members: Sequence[int]) -> None:
         """Make ``members`` the trainer's ranks, with fresh weights from the seed (a
         trainer already running is dropped: this is also a restart)."""
         members = self._valid_members(members)
-        self._check(self._call(range(self.num_workers), StartTraining(members=members)))
+        self._check(await self._call(range(self.num_workers), StartTraining(members=members)))
         self._members = members
         self._parked = False
 
-    def train_step(self, minibatch: Minibatch) -> StepMetrics:
+    async def train_step(self, minibatch: Minibatch) -> StepMetrics:
         """One optimizer step on the global ``minibatch``, split over the members."""
         if self._parked:
             raise TrainerError("the trainer is parked (it holds no devices); resize it first")
         arrays = {name: _to_array(a) for name, a in minibatch.items()}
-        replies = self._check(self._call(self._members, TrainStep(minibatch=arrays)))
+        replies = self._check(await self._call(self._members, TrainStep(minibatch=arrays)))
         assert isinstance(replies[0], StepDone)
         return replies[0].metrics
 
-    def train_iteration(self, batch: Minibatch, n_minibatches: int) -> list[StepMetrics]:
+    async def train_iteration(self, batch: Minibatch, n_minibatches: int) -> list[StepMetrics]:
         """``n_minibatches`` optimizer steps over ``batch`` cut into contiguous
         minibatches in order (resize between steps with :meth:`train_step`)."""
         num = len(next(iter(batch.values())))
         splits = np.array_split(np.arange(num), n_minibatches)
         return [
-            self.train_step({k: v[s[0] : s[-1] + 1] for k, v in batch.items()})
+            await self.train_step({k: v[s[0] : s[-1] + 1] for k, v in batch.items()})
             for s in splits
             if len(s)
         ]
 
-    def resize(
+    async def resize(
         self,
         members: Sequence[int],
         *,
@@ -208,16 +218,16 @@ class TrainerPool:
         prepare = PrepareResize(
             epoch=self._epoch, old_members=old, new_members=new, source=source, fault=fault
         )
-        replies = self._call(range(self.num_workers), prepare)
+        replies = await self._call(range(self.num_workers), prepare)
         failures = [r for r in replies if isinstance(r, Failed)]
         if failures:
-            self._check(self._call(range(self.num_workers), AbortResize(epoch=self._epoch)))
+            self._check(await self._call(range(self.num_workers), AbortResize(epoch=self._epoch)))
             raise ReshardError(
                 f"resize {old} -> {new} failed and was rolled back; the old group keeps "
                 f"training. {_describe(failures)}",
                 worker=failures[0].worker,
             )
-        self._check(self._call(range(self.num_workers), CommitResize(epoch=self._epoch)))
+        self._check(await self._call(range(self.num_workers), CommitResize(epoch=self._epoch)))
         self._members = new
         was_parked, self._parked = self._parked, False
         moved = sum(r.bytes_moved for r in replies if isinstance(r, Done) and r.worker == source)
@@ -231,7 +241,7 @@ class TrainerPool:
         logger.info("resized %s -> %s in %.3f s", old, new, result.elapsed_s)
         return result
 
-    def park(self) -> ResizeResult:
+    async def park(self) -> ResizeResult:
         """Give up every device: the trainer's state stays with one worker (rank 0,
         which shrinks to a data-parallel group of one first) and no train step runs
         until :meth:`resize` gives it ranks again, with that worker as the source.
@@ -243,7 +253,7 @@ class TrainerPool:
         keeper = self.holder
         if keeper is None:
             raise TrainerError("the trainer has no members yet; call start_training first")
-        result = self.resize([keeper]) if self._members != (keeper,) else None
+        result = await self.resize([keeper]) if self._members != (keeper,) else None
         self._parked = True
         logger.info("parked the trainer on worker %d", keeper)
         return ResizeResult(
@@ -254,18 +264,18 @@ class TrainerPool:
             bytes_moved=0 if result is None else result.bytes_moved,
         )
 
-    def save_checkpoint(self, path: str | Path) -> None:
+    async def save_checkpoint(self, path: str | Path) -> None:
         """Write rank 0's model and optimizer state to ``path`` (``torch.save``)."""
-        self._check(self._call(self._members[:1], SaveCheckpoint(path=str(path))))
+        self._check(await self._call(self._members[:1], SaveCheckpoint(path=str(path))))
 
-    def load_checkpoint(self, path: str | Path) -> None:
+    async def load_checkpoint(self, path: str | Path) -> None:
         """Make every member continue from the state :meth:`save_checkpoint` wrote to
         ``path`` (after :meth:`start_training`)."""
         if not self._members:
             raise TrainerError("the trainer has no members yet; call start_training first")
-        self._check(self._call(self._members, LoadCheckpoint(path=str(path))))
+        self._check(await self._call(self._members, LoadCheckpoint(path=str(path))))
 
-    def connect_weight_sync(
+    async def connect_weight_sync(
         self, host: str, port: int, world_size: int, *, timeout_s: float | None = None
     ) -> None:
         """Make the trainer's rank 0 the sender (rank 0, store host at ``host:port``) of
@@ -279,23 +289,23 @@ class TrainerPool:
             world_size=world_size,
             timeout_s=timeout_s if timeout_s is not None else self.config.timeout_s,
         )
-        self._check(self._call([worker], command))
+        self._check(await self._call([worker], command))
         self._sync_worker = worker
 
-    def leave_weight_sync(self) -> None:
+    async def leave_weight_sync(self) -> None:
         """The sender leaves the weight-sync group (collective: every engine of the
         group leaves at the same time); a no-op without a group."""
         if self._sync_worker is None:
             return
         worker, self._sync_worker = self._sync_worker, None
-        self._check(self._call([worker], LeaveWeightSync()))
+        self._check(await self._call([worker], LeaveWeightSync()))
 
     @property
     def sync_sender(self) -> int | None:
         """The worker that sends in the weight-sync group (``None`` without a group)."""
         return self._sync_worker
 
-    def sync_weights(self, version: int) -> int:
+    async def sync_weights(self, version: int) -> int:
         """Broadcast the weights tagged ``version`` to the engines; returns bytes sent."""
         if self._sync_worker is None:
             raise WeightSyncError("no weight-sync group; call connect_weight_sync first")
@@ -304,83 +314,60 @@ class TrainerPool:
                 f"worker {self._sync_worker}, the sender of the weight-sync group, left the "
                 "trainer; call connect_weight_sync again with the new rank 0"
             )
-        reply = self._check(self._call([self._sync_worker], SyncWeights(version=version)))[0]
+        reply = self._check(await self._call([self._sync_worker], SyncWeights(version=version)))[0]
         assert isinstance(reply, Done)
         return reply.bytes_moved
 
-    def close(self) -> None:
-        """Shut the workers down (asking first, then terminating); idempotent."""
-        alive = [w for w, p in enumerate(self._processes) if p.is_alive()]
-        if alive and not self._broken:
-            try:
-                self._call(alive, Shutdown(), timeout_s=_SHUTDOWN_GRACE_S)
-            except (TrainerError, OSError) as error:
-                logger.warning("trainer workers did not shut down cleanly: %s", error)
-        for process in self._processes:
-            process.join(timeout=_SHUTDOWN_GRACE_S)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=_SHUTDOWN_GRACE_S)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        for conn in self._conns:
-            conn.close()
-        self._processes, self._conns, self._members = [], [], ()
-        if self._store_dir is not None:
-            shutil.rmtree(self._store_dir, ignore_errors=True)
-            self._store_dir = None
+    async def close(self) -> None:
+        """Ask every worker to shut down (each tears down its process groups and
+        exits); idempotent. The launcher stops what is left of the processes."""
+        if not self._started:
+            return
+        self._started = False
+        if not self._broken:
+            with anyio.move_on_after(_SHUTDOWN_GRACE_S):
+                try:
+                    await self._call(range(self.num_workers), Shutdown())
+                except TrainerError as error:
+                    logger.warning("trainer workers did not shut down cleanly: %s", error)
+        self._members = ()
 
-    def __enter__(self) -> "TrainerPool":
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
+    async def _call(self, workers: Sequence[int] | range, command: Command) -> list[Reply]:
+        """Send ``command`` to ``workers`` at once and gather one reply from each."""
+        return await self._call_each(workers, lambda _: command)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def _call(
-        self, workers: Sequence[int] | range, command: Command, *, timeout_s: float | None = None
+    async def _call_each(
+        self, workers: Sequence[int] | range, command: Callable[[int], Command]
     ) -> list[Reply]:
-        """Send ``command`` to ``workers`` and gather one reply from each."""
+        """Send ``command(w)`` to each worker ``w`` at once and gather the replies.
+
+        Raises :class:`TrainerError` (and marks the pool broken: a collective may be
+        half done) if a worker is gone or does not answer within the timeout."""
         if self._broken:
             raise TrainerError("the pool lost track of a worker; close it and start a new one")
-        data = self._encoder.encode(command)
-        for worker in workers:
-            self._conns[worker].send_bytes(data)
-        return self._gather(workers, timeout_s=timeout_s)
-
-    def _gather(
-        self, workers: Sequence[int] | range, *, timeout_s: float | None = None
-    ) -> list[Reply]:
-        deadline = time.monotonic() + (timeout_s or self.config.timeout_s)
         replies: dict[int, Reply] = {}
-        waiting = set(workers)
-        while waiting:
-            conns = {self._conns[w]: w for w in waiting}
-            sentinels = {self._processes[w].sentinel: w for w in waiting}
-            ready = wait([*conns, *sentinels], timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                self._broken = True
-                raise TrainerError(f"trainer workers {sorted(waiting)} did not answer in time")
-            for item in ready:
-                if item in conns:
-                    worker = conns[item]
-                    replies[worker] = self._decoder.decode(self._conns[worker].recv_bytes())
-                    waiting.discard(worker)
-            for item in ready:
-                if item in sentinels and sentinels[item] in waiting:
-                    self._broken = True
-                    worker = sentinels[item]
-                    raise TrainerError(f"trainer worker {worker} died", worker=worker)
+        lost: list[TrainerError] = []
+
+        async def one(w: int) -> None:
+            try:
+                body = await self.workers[w].call(self._encoder.encode(command(w)))
+            except DataPlaneError as error:
+                lost.append(TrainerError(f"trainer worker {w} died: {error}", worker=w))
+                tg.cancel_scope.cancel()
+                return
+            replies[w] = self._decoder.decode(body)
+
+        with anyio.move_on_after(self.config.timeout_s) as deadline:
+            async with anyio.create_task_group() as tg:
+                for w in workers:
+                    tg.start_soon(one, w)
+        if lost:
+            self._broken = True
+            raise lost[0]
+        if deadline.cancelled_caught:
+            self._broken = True
+            waiting = sorted(set(workers) - replies.keys())
+            raise TrainerError(f"trainer workers {waiting} did not answer in time")
         return [replies[w] for w in workers]
 
     def _check(self, replies: list[Reply]) -> list[Reply]:
@@ -405,19 +392,3 @@ def _to_array(array: npt.NDArray[Any]) -> Array:
 
 def _describe(failures: list[Failed]) -> str:
     return "; ".join(f"worker {f.worker}: {f.error}: {f.message}" for f in failures)
-
-
-def _worker_entry(**kwargs: Any) -> None:
-    """Spawn target; imports torch only in the child.
-
-    After a clean shutdown the process leaves with ``os._exit``: tearing down an
-    interpreter that imported torch and transformers takes seconds and frees nothing
-    the OS would not. A worker that raised exits the normal way, with its traceback.
-    """
-    from dynarl.workers.torch.trainer_worker import worker_main
-
-    worker_main(**kwargs)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

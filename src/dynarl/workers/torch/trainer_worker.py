@@ -1,24 +1,31 @@
-"""The trainer worker process: a pre-started device slot that can become a trainer rank.
+"""The trainer worker process: a pre-started process on a device that can become a
+trainer rank.
 
-It joins the world process group once (gloo on CPU, NCCL on GPU), then serves commands
-from its pool over a pipe until told to shut down or the pipe closes: one msgpack
-command in, one reply out, dispatched by a table keyed on the command type. A command
-that raises is answered with :class:`~dynarl.workers.torch.trainer_commands.Failed`
-and the worker keeps serving.
+It is a peer of the controller's data router, as a device slot is: it says hello, then
+serves its pool's commands as typed calls (one msgpack command in, one reply out,
+dispatched by a table keyed on the command type), each run in a thread so the link
+keeps answering pings. Its first command, ``Join``, makes it a rank of the world
+process group (gloo on CPU, NCCL on GPU) with a TCP rendezvous, so a launcher may place
+it on any node. A command that raises is answered with
+:class:`~dynarl.workers.torch.trainer_commands.Failed` and the worker keeps serving.
 """
 
 import datetime
 import logging
 import os
+import pickle
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
+import anyio
 import msgspec
 import torch
 import torch.distributed as dist
 
+from dynarl.core.ids import ComponentId, InstanceId
+from dynarl.data.errors import PeerLostError
+from dynarl.data.worker_link import open_worker_link
 from dynarl.workers.errors import TrainerError, WeightSyncError
 from dynarl.workers.torch import reshard
 from dynarl.workers.torch.buckets import Group
@@ -31,6 +38,7 @@ from dynarl.workers.torch.trainer_commands import (
     ConnectWeightSync,
     Done,
     Failed,
+    Join,
     LeaveWeightSync,
     LoadCheckpoint,
     PrepareResize,
@@ -53,41 +61,82 @@ from dynarl.workers.trainer import LossFn
 logger = logging.getLogger(__name__)
 
 
-def worker_main(
-    *,
-    worker: int,
-    num_workers: int,
-    store_path: str,
-    config: TrainerConfig,
-    model_factory: ModelFactory,
-    loss_fn: LossFn,
-    conn: Connection,
-) -> None:
-    """Process entry: join the world as rank ``worker``, answer ``Done`` when ready,
-    then serve commands on ``conn``. Process groups are torn down however it exits."""
-    torch.set_num_threads(config.num_threads)
+TRAINER = ComponentId("trainer")
+"""The component trainer workers say hello as (nothing is routed to it: the trainer is
+reached by typed calls only)."""
+
+
+async def serve(endpoint: str, name: str) -> None:
+    """Serve the pool's commands as ``name`` until retired or cut off."""
+    from dynarl.data.zmq_transport import ZmqTransport
+
+    transport = ZmqTransport.connect(endpoint)
+    server: TrainerWorker | None = None
+    try:
+        # Capacity 1: no edge routes items to the trainer component (calls only).
+        async with open_worker_link(
+            transport, instance=InstanceId(name), component=TRAINER, capacity=1
+        ) as link:
+            while True:
+                try:
+                    call = await link.receive_call()
+                except PeerLostError as e:
+                    logger.info("trainer worker %s: %s", name, e)
+                    return
+                command: Command | None = None
+                try:
+                    command = _DECODER.decode(call.body)
+                    if isinstance(command, Join):
+                        server = await anyio.to_thread.run_sync(_join, command)
+                        reply: Reply = Done(worker=command.worker, elapsed_s=0.0)
+                    elif server is None:
+                        raise TrainerError(f"{name} got {type(command).__name__} before Join")
+                    else:
+                        reply = await anyio.to_thread.run_sync(server.handle, command)
+                except Exception as error:
+                    logger.exception("%s: %s failed", name, type(command).__name__)
+                    worker = -1 if server is None else server.worker
+                    reply = Failed(worker=worker, error=type(error).__name__, message=str(error))
+                if isinstance(command, Shutdown) and server is not None:
+                    # Leave the groups now; the process goes when the launcher
+                    # retires it (so the router does not see it vanish).
+                    done: TrainerWorker = server
+                    server = None
+                    await anyio.to_thread.run_sync(_leave, done)
+                await link.reply(call.corr, _ENCODER.encode(reply))
+    finally:
+        if server is not None:
+            _leave(server)
+        await transport.aclose()
+
+
+def _leave(server: "TrainerWorker") -> None:
+    server.close()
+    dist.destroy_process_group()
+
+
+def _join(command: Join) -> "TrainerWorker":
+    """Join the world group (blocks until every worker joined) and build the worker."""
+    config = command.config
     device = torch.device("cpu")
     if config.device == "cuda":
-        device = torch.device("cuda", worker % torch.cuda.device_count())
+        device = torch.device("cuda", command.worker % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    started = time.perf_counter()
+    model_factory, loss_fn = pickle.loads(command.code)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"file://{store_path}",
-        rank=worker,
-        world_size=num_workers,
+        init_method=f"tcp://{command.host}:{command.port}",
+        rank=command.worker,
+        world_size=command.num_workers,
         timeout=datetime.timedelta(seconds=config.timeout_s),
     )
-    server = TrainerWorker(
-        worker, config=config, model_factory=model_factory, loss_fn=loss_fn, device=device
+    return TrainerWorker(
+        command.worker,
+        config=config,
+        model_factory=model_factory,
+        loss_fn=loss_fn,
+        device=device,
     )
-    try:
-        conn.send_bytes(_ENCODER.encode(Done(worker=worker, elapsed_s=_since(started))))
-        server.serve(conn)
-    finally:
-        server.close()
-        dist.destroy_process_group()
-        conn.close()
 
 
 class TrainerWorker:
@@ -125,26 +174,13 @@ class TrainerWorker:
             Shutdown: lambda _: self._done(time.perf_counter()),
         }
 
-    def serve(self, conn: Connection) -> None:
-        """Answer commands until ``Shutdown`` or until the pool closes the pipe."""
-        while True:
-            try:
-                command = _DECODER.decode(conn.recv_bytes())
-            except (EOFError, OSError):
-                logger.warning("worker %d: the pool went away; exiting", self.worker)
-                return
-            try:
-                reply = self._handlers[type(command)](command)
-            except Exception as error:
-                logger.exception("worker %d: %s failed", self.worker, type(command).__name__)
-                reply = Failed(worker=self.worker, error=type(error).__name__, message=str(error))
-            try:
-                conn.send_bytes(_ENCODER.encode(reply))
-            except OSError:
-                logger.warning("worker %d: the pool went away; exiting", self.worker)
-                return
-            if isinstance(command, Shutdown):
-                return
+    def handle(self, command: Command) -> Reply:
+        """Carry out one command (blocking); a failure is answered with ``Failed``."""
+        try:
+            return self._handlers[type(command)](command)
+        except Exception as error:
+            logger.exception("worker %d: %s failed", self.worker, type(command).__name__)
+            return Failed(worker=self.worker, error=type(error).__name__, message=str(error))
 
     def close(self) -> None:
         """Drop a prepared resize and the trainer (process groups go with the world)."""
