@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from dynarl.api.config import ActorConfig, AlgorithmConfig, DynaRLConfig, RolloutConfig, RunConfig
+from dynarl.api.config import (
+    ActorConfig,
+    AlgorithmConfig,
+    DynaRLConfig,
+    InferenceConfig,
+    RolloutConfig,
+    RunConfig,
+)
 from dynarl.envs.prompts import Prompt, PromptSampler
 from dynarl.workers.rollout import GenerateRequest, SamplingParams
 from dynarl.workers.torch.logprobs import sequence_logprobs
@@ -62,6 +69,7 @@ def test_kl_seq_mean_and_a_custom_source_and_verifier_run() -> None:
             num_prompts=2, group_size=4, n_minibatches=4, kl_coef=0.1, loss_agg="seq-mean"
         ),
         rollout=RolloutConfig(max_new_tokens=16),
+        inference=InferenceConfig(compute_ref_logprobs=True),
         actor=ActorConfig(micro_batch_size=2),
     )
     prompts = [Prompt(prompt_id=str(i), text=f"say {i}") for i in range(3)]
