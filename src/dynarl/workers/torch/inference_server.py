@@ -1,6 +1,7 @@
 """The torch inference worker behind the :class:`~dynarl.workers.inference.InferenceEngine`
 protocol: one score call at a time, each run in a worker thread."""
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,18 +57,9 @@ class TorchInference:
     async def join_weight_sync(self, group: WeightSyncGroup) -> None:
         """Join the trainer's weight-sync group."""
         device = next(iter(self.worker.policy.parameters())).device
-
-        def join() -> Any:
-            return weight_sync.join_weight_sync_group(
-                host=group.host,
-                port=group.port,
-                rank=group.rank,
-                world_size=group.world_size,
-                device=device,
-                timeout_s=group.timeout_s,
-            )
-
-        self._group = await anyio.to_thread.run_sync(join)
+        self._group = await anyio.to_thread.run_sync(
+            functools.partial(weight_sync.join, group, device=device)
+        )
 
     async def receive_weights(self) -> int:
         """Receive the policy weights the trainer broadcasts now."""

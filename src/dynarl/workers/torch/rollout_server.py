@@ -7,6 +7,7 @@ time; a step runs in a thread (``anyio.to_thread``) while the loop goes on answe
 calls. Each request's outcome goes to the sink it was submitted with.
 """
 
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -115,18 +116,9 @@ class TorchRollout:
     async def join_weight_sync(self, group: WeightSyncGroup) -> None:
         """Join the trainer's weight-sync group (blocks a thread until all joined)."""
         device = _device(self.engine.model.parameters())
-
-        def join() -> Any:
-            return weight_sync.join_weight_sync_group(
-                host=group.host,
-                port=group.port,
-                rank=group.rank,
-                world_size=group.world_size,
-                device=device,
-                timeout_s=group.timeout_s,
-            )
-
-        self._group = await anyio.to_thread.run_sync(join)
+        self._group = await anyio.to_thread.run_sync(
+            functools.partial(weight_sync.join, group, device=device)
+        )
 
     async def receive_weights(self) -> int:
         """Receive a broadcast into the engine's weights; running requests continue

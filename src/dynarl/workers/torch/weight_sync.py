@@ -18,6 +18,7 @@ from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from dynarl.workers.errors import WeightSyncError
 from dynarl.workers.torch.buckets import Group, Staging, broadcast, broadcast_tensors
+from dynarl.workers.weights import WeightSyncGroup
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,18 @@ def join_weight_sync_group(
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     logger.info("joined weight-sync group %s:%d as rank %d/%d", host, port, rank, world_size)
     return group
+
+
+def join(group: WeightSyncGroup, *, device: torch.device) -> Group:
+    """Join ``group`` as the rank it names (see :func:`join_weight_sync_group`)."""
+    return join_weight_sync_group(
+        host=group.host,
+        port=group.port,
+        rank=group.rank,
+        world_size=group.world_size,
+        device=device,
+        timeout_s=group.timeout_s,
+    )
 
 
 def leave_weight_sync_group(group: Group) -> None:
