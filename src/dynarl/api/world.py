@@ -35,7 +35,7 @@ from dynarl.core.ids import ComponentId, DeviceId, InstanceId
 from dynarl.data.router import Router
 from dynarl.launch.launcher import Launcher, build_launcher
 from dynarl.workers import backends, sync_group
-from dynarl.workers.handles import CallChannel, InferenceHandle, RolloutHandle, SlotHandle
+from dynarl.workers.handles import CallChannel, SlotHandle
 from dynarl.workers.protocol import InferenceRole, RoleKind, RolloutRole
 from dynarl.workers.slot import SlotConfig
 from dynarl.workers.trainer import Trainer
@@ -78,10 +78,6 @@ class RealWorld:
                 preload_modules=backends.preload_modules(cfg.rollout, cfg.inference),
             ),
         )
-        self.rollout: dict[InstanceId, RolloutHandle] = {}
-        """Rollout engines by instance."""
-        self.inference: dict[InstanceId, InferenceHandle] = {}
-        """Inference workers by instance."""
         self.trainer: Trainer | None = None
         """The actor (after :meth:`start`)."""
         self.trainer_workers: list[SlotHandle] = []
@@ -215,11 +211,7 @@ class RealWorld:
                     self.router.hold(instance)
 
             async def connect(slot: SlotHandle, instance: InstanceId) -> None:
-                handle = await slot.connect_role()
-                if isinstance(handle, RolloutHandle):
-                    self.rollout[instance] = handle
-                else:
-                    self.inference[instance] = handle
+                await slot.connect_role()
                 self._serving[instance] = slot
 
             async with anyio.create_task_group() as tg:
@@ -233,8 +225,6 @@ class RealWorld:
         finishes first). The slot keeps a host copy of the role, to resume it later
         (:meth:`restore`). Returns the slot."""
         await self.router.drain(instance)
-        self.rollout.pop(instance, None)
-        self.inference.pop(instance, None)
         slot = self._serving.pop(instance, None)
         if slot is not None:
             await slot.release_memory(host_backup=True)
@@ -244,10 +234,6 @@ class RealWorld:
         """Undo :meth:`release` (the move it was part of failed): the slot resumes the
         role's memory and the router routes to ``instance`` again."""
         await slot.resume_memory()
-        if slot.role == "rollout":
-            self.rollout[instance] = RolloutHandle(self.router, instance)
-        else:
-            self.inference[instance] = InferenceHandle(self.router, instance)
         self._serving[instance] = slot
         self.router.reactivate(instance)
 
