@@ -11,10 +11,11 @@ and one of them holds the device at a time (the other's memory is released, or t
 trainer is parked).
 
 The world also owns the weight-sync group: the trainer's rank 0 and every slot that
-serves a role now, as that role (a slot that switches roles leaves and rejoins). A slot
-that takes a role mid-run gets the weights the engines run (the last synced version)
-before anything is routed to it, and the group is rebuilt (every member leaving the old
-one together) whenever its members or its sender change.
+serves a role now (a slot that switches roles keeps its place when its backend can hand
+it to the new role, and rejoins otherwise). A slot that takes a role mid-run gets the
+weights the engines run (the last synced version) before anything is routed to it, and
+the group is rebuilt (every member leaving the old one together) whenever its members
+or its sender change.
 
 Backends are imported by :meth:`RealWorld.start` (through the backend table) and in
 the workers' processes.
@@ -88,7 +89,7 @@ class RealWorld:
         """Whether the trainer's weights moved past :attr:`weight_version` (it is
         training): a slot taking a role now waits for the iteration's closing sync."""
         self._serving: dict[InstanceId, SlotHandle] = {}
-        self._sync_members: list[tuple[SlotHandle, RoleKind | None]] = []  # as which role
+        self._sync_members: list[SlotHandle] = []
         # (slot, role) pairs known to hold weight_version.
         self._current: set[tuple[str, str | None]] = set()
         self._connected = False  # whether a weight-sync group exists
@@ -303,20 +304,20 @@ class RealWorld:
         )
 
     async def _regroup(self, members: list[SlotHandle]) -> None:
-        """Rebuild the weight-sync group with ``members`` (as the roles they serve now)
-        if they or the sender changed (the old group's members leave it together
-        first)."""
+        """Rebuild the weight-sync group with ``members`` if they or the sender
+        changed, or a member's new role did not carry its place over (the old group's
+        members leave it together first)."""
         trainer = self.trainer
         assert trainer is not None, "start the world first"
-        wanted = [(s, s.role) for s in members]
-        same = [(s.name, r) for s, r in wanted] == [(s.name, r) for s, r in self._sync_members]
-        if same and trainer.weight_sync_ready:
+        same = [s.name for s in members] == [s.name for s in self._sync_members]
+        if same and trainer.weight_sync_ready and all(s.in_weight_sync for s in members):
             return
         await sync_group.connect(
-            trainer,
-            members,
-            leaving=[s for s, _ in self._sync_members],
-            connected=self._connected,
+            trainer, members, leaving=self._sync_members, connected=self._connected
         )
+        for slot in self._sync_members:
+            slot.in_weight_sync = False
+        for slot in members:
+            slot.in_weight_sync = True
         self._connected = True
-        self._sync_members = wanted
+        self._sync_members = list(members)

@@ -71,7 +71,7 @@ class WorkerHandle:
     async def _call(self, request: p.SlotRequest, expected: type[R]) -> R:
         body = await self._router.call(self.instance, _ENCODER.encode(request))
         reply = _decode(body, expected)
-        if isinstance(reply, p.Ack | p.SlotStats):
+        if isinstance(reply, p.Ack | p.RoleAssumed | p.SlotStats):
             self.state = reply.state
         return reply
 
@@ -215,6 +215,9 @@ class SlotHandle(WorkerHandle):
         self.pid = pid
         self.role: p.RoleKind | None = None
         """The role it holds."""
+        self.in_weight_sync = False
+        """Whether its role holds the slot's place in the weight-sync group (a role it
+        takes may not carry over the previous role's)."""
         self._next: InstanceId | None = None
         self._alive = alive or (lambda: True)
 
@@ -250,12 +253,13 @@ class SlotHandle(WorkerHandle):
         old = self.instance
         await self._router.drain(old)
         try:
-            await self._call(p.AssumeRole(role=role, instance=instance), p.Ack)
+            reply = await self._call(p.AssumeRole(role=role, instance=instance), p.RoleAssumed)
         except BaseException:
             with contextlib.suppress(RoutingError):
                 self._router.reactivate(old)
             raise
         self.role = "rollout" if isinstance(role, p.RolloutRole) else "inference"
+        self.in_weight_sync = reply.in_weight_sync
         self._next = instance
 
     async def connect_role(self, *, timeout_s: float = 120.0) -> RolloutHandle | InferenceHandle:

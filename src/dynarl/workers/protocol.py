@@ -185,6 +185,15 @@ class Ack(SlotReply, frozen=True, kw_only=True):
     state: LifecycleState
 
 
+class RoleAssumed(SlotReply, frozen=True, kw_only=True):
+    """The role is built (or resumed); the slot is now in ``state``. With
+    ``in_weight_sync`` the slot was in the weight-sync group and its new role took
+    over that membership (the group need not be rebuilt for it)."""
+
+    state: LifecycleState
+    in_weight_sync: bool = False
+
+
 class Generated(SlotReply, frozen=True, kw_only=True):
     """Requests of a :class:`Generate` call that finished since the last reply."""
 
@@ -238,5 +247,7 @@ class Failed(SlotReply, frozen=True, kw_only=True):
     message: str
 
 
-AnySlotReply = Ack | Generated | Aborted | Scored | WeightsUpdated | SlotStats | Failed
+AnySlotReply = (
+    Ack | RoleAssumed | Generated | Aborted | Scored | WeightsUpdated | SlotStats | Failed
+)
 """Every reply a slot sends."""

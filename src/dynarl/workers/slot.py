@@ -193,7 +193,8 @@ class SlotServer:
         await self._preloaded.wait()
         if role == self._role and life.state == "active":
             self.next_identity = (req.instance, role.component)
-            return p.Ack(state=life.state)
+            held = self._sync_holder is not None and self._sync_holder is self._active()
+            return p.RoleAssumed(state=life.state, in_weight_sync=held)
         if self._role is not None and life.state != "released":
             await self._release_current()
             life.to("released")
@@ -219,7 +220,18 @@ class SlotServer:
         life.to("active")
         self.next_identity = (req.instance, role.component)
         logger.info("%s assumed the %s role as %s", self.name, _kind(role), req.instance)
-        return p.Ack(state=life.state)
+        return p.RoleAssumed(state=life.state, in_weight_sync=self._carry_weight_sync())
+
+    def _carry_weight_sync(self) -> bool:
+        """Hand the slot's place in the weight-sync group to the role it now serves,
+        if the backend can (two torch roles share their process's group)."""
+        engine, holder = self._active(), self._sync_holder
+        if engine is None or holder is None:
+            return False
+        if holder is engine or engine.adopt_weight_sync(holder):
+            self._sync_holder = engine
+            return True
+        return False
 
     def _active(self) -> RolloutEngine | InferenceEngine | None:
         if isinstance(self._role, p.RolloutRole) and self._rollout is not None:

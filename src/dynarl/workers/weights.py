@@ -51,3 +51,9 @@ class WeightReceiver(Protocol):
         """Leave the group (collective: every member leaves at once); a no-op when in
         none."""
         ...
+
+    def adopt_weight_sync(self, other: "WeightReceiver") -> bool:
+        """Take over ``other``'s membership of the group, if the two share a process
+        and a transport (two roles of one backend in one slot); returns whether it
+        did (``other`` is then in none). A role switch then needs no new group."""
+        ...

@@ -18,7 +18,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from dynarl.data.request_order import FifoOrder, RequestOrder
@@ -34,6 +33,7 @@ from dynarl.workers.rollout import (
 from dynarl.workers.tokenizer import load_tokenizer
 from dynarl.workers.torch import weight_sync, weights
 from dynarl.workers.torch.batch_cache import BatchCache
+from dynarl.workers.torch.buckets import Group
 from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.memory import ParameterMemory
 from dynarl.workers.torch.model import build_model
@@ -268,7 +268,7 @@ class RolloutEngine:
         complete = len(named_tensors) == sum(1 for _ in self._model.parameters())
         self._after_weight_update(version, complete=complete)
 
-    def update_weights(self, group: dist.ProcessGroup) -> int:
+    def update_weights(self, group: Group) -> int:
         """Receive the weights the trainer broadcasts over ``group`` (its rank 0 calls
         :func:`~dynarl.workers.torch.weight_sync.send_weights`) and take the version
         that travels with them, which is returned. Running requests re-prefill, as for

@@ -12,7 +12,6 @@ import logging
 from collections.abc import Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from dynarl.workers.config import InferenceConfig, ModelConfig
@@ -24,6 +23,7 @@ from dynarl.workers.inference import (
 )
 from dynarl.workers.tokenizer import load_tokenizer
 from dynarl.workers.torch import weight_sync, weights
+from dynarl.workers.torch.buckets import Group
 from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.logprobs import sequence_logprobs
 from dynarl.workers.torch.memory import ParameterMemory
@@ -169,7 +169,7 @@ class InferenceWorker:
         weights.load_weights(self._policy, named_tensors)
         self._version = version
 
-    def update_weights(self, group: dist.ProcessGroup) -> int:
+    def update_weights(self, group: Group) -> int:
         """Receive the policy weights the trainer broadcasts over ``group`` (see
         :func:`~dynarl.workers.torch.weight_sync.send_weights`); returns their version."""
         self._version = weight_sync.receive_weights(self._policy, group=group)

@@ -1,9 +1,7 @@
 """The torch inference worker behind the :class:`~dynarl.workers.inference.InferenceEngine`
 protocol: one score call at a time, each run in a worker thread."""
 
-import functools
 from collections.abc import Sequence
-from typing import Any
 
 import anyio
 
@@ -11,7 +9,7 @@ from dynarl.workers.inference import InferenceProgress, LogprobRequest, LogprobR
 from dynarl.workers.torch import weight_sync
 from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.inference import InferenceWorker
-from dynarl.workers.weights import WeightSyncGroup
+from dynarl.workers.weights import WeightReceiver, WeightSyncGroup
 
 
 class TorchInference:
@@ -27,7 +25,8 @@ class TorchInference:
         self.worker = worker
         self.name = name
         self._lock = anyio.Lock()
-        self._group: Any = None
+        self.sync = weight_sync.Membership()
+        """Its place in the weight-sync group."""
 
     @property
     def weight_version(self) -> int:
@@ -56,20 +55,19 @@ class TorchInference:
 
     async def join_weight_sync(self, group: WeightSyncGroup) -> None:
         """Join the trainer's weight-sync group."""
-        device = next(iter(self.worker.policy.parameters())).device
-        self._group = await anyio.to_thread.run_sync(
-            functools.partial(weight_sync.join, group, device=device)
-        )
+        await self.sync.join(group, device=next(iter(self.worker.policy.parameters())).device)
 
     async def receive_weights(self) -> int:
         """Receive the policy weights the trainer broadcasts now."""
-        if self._group is None:
+        if self.sync.group is None:
             raise EngineError(f"{self.name} is in no weight-sync group; join one first")
         async with self._lock:
-            return await anyio.to_thread.run_sync(self.worker.update_weights, self._group)
+            return await anyio.to_thread.run_sync(self.worker.update_weights, self.sync.group)
+
+    def adopt_weight_sync(self, other: WeightReceiver) -> bool:
+        """Take ``other``'s membership if it is a torch engine of this process."""
+        return self.sync.adopt(getattr(other, "sync", None))
 
     async def leave_weight_sync(self) -> None:
         """Leave the weight-sync group (collective)."""
-        if self._group is not None:
-            group, self._group = self._group, None
-            await anyio.to_thread.run_sync(weight_sync.leave_weight_sync_group, group)
+        await self.sync.leave()

@@ -7,10 +7,8 @@ time; a step runs in a thread (``anyio.to_thread``) while the loop goes on answe
 calls. Each request's outcome goes to the sink it was submitted with.
 """
 
-import functools
 import logging
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import anyio
 import torch
@@ -25,7 +23,7 @@ from dynarl.workers.rollout import (
 from dynarl.workers.torch import weight_sync
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.errors import EngineError
-from dynarl.workers.weights import WeightSyncGroup
+from dynarl.workers.weights import WeightReceiver, WeightSyncGroup
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +44,8 @@ class TorchRollout:
         self._error: Exception | None = None
         self._sinks: dict[str, RequestSink] = {}
         self._work = anyio.Event()
-        self._group: Any = None
+        self.sync = weight_sync.Membership()
+        """Its place in the weight-sync group."""
 
     @property
     def weight_version(self) -> int:
@@ -114,27 +113,26 @@ class TorchRollout:
         self._wake()
 
     async def join_weight_sync(self, group: WeightSyncGroup) -> None:
-        """Join the trainer's weight-sync group (blocks a thread until all joined)."""
-        device = _device(self.engine.model.parameters())
-        self._group = await anyio.to_thread.run_sync(
-            functools.partial(weight_sync.join, group, device=device)
-        )
+        """Join the trainer's weight-sync group."""
+        await self.sync.join(group, device=_device(self.engine.model.parameters()))
 
     async def receive_weights(self) -> int:
         """Receive a broadcast into the engine's weights; running requests continue
         under the new weights (re-prefilled)."""
-        if self._group is None:
+        if self.sync.group is None:
             raise EngineError(f"{self.name} is in no weight-sync group; join one first")
         async with self._lock:
-            version = await anyio.to_thread.run_sync(self.engine.update_weights, self._group)
+            version = await anyio.to_thread.run_sync(self.engine.update_weights, self.sync.group)
         self._wake()
         return version
 
+    def adopt_weight_sync(self, other: WeightReceiver) -> bool:
+        """Take ``other``'s membership if it is a torch engine of this process."""
+        return self.sync.adopt(getattr(other, "sync", None))
+
     async def leave_weight_sync(self) -> None:
         """Leave the weight-sync group (collective)."""
-        if self._group is not None:
-            group, self._group = self._group, None
-            await anyio.to_thread.run_sync(weight_sync.leave_weight_sync_group, group)
+        await self.sync.leave()
 
     async def run(self) -> None:
         """Step while there is work and the memory is held. If a step raises, every

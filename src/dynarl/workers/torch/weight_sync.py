@@ -9,9 +9,11 @@ learn the version that travels with the weights.
 """
 
 import datetime
+import functools
 import logging
 import zlib
 
+import anyio
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
@@ -61,6 +63,34 @@ def join(group: WeightSyncGroup, *, device: torch.device) -> Group:
         device=device,
         timeout_s=group.timeout_s,
     )
+
+
+class Membership:
+    """An engine's membership of the weight-sync group (in a worker process), which
+    another torch engine of the same process may take over (a slot switching roles
+    keeps its place in the group)."""
+
+    def __init__(self) -> None:
+        self.group: Group | None = None
+
+    async def join(self, group: WeightSyncGroup, *, device: torch.device) -> None:
+        """Join ``group`` (blocks a thread until every member joined)."""
+        self.group = await anyio.to_thread.run_sync(
+            functools.partial(join, group, device=device)
+        )
+
+    async def leave(self) -> None:
+        """Leave the group (collective); a no-op when in none."""
+        if self.group is not None:
+            group, self.group = self.group, None
+            await anyio.to_thread.run_sync(leave_weight_sync_group, group)
+
+    def adopt(self, other: object) -> bool:
+        """Take ``other``'s group if it is a membership of this process in one."""
+        if not isinstance(other, Membership) or other.group is None:
+            return False
+        self.group, other.group = other.group, None
+        return True
 
 
 def leave_weight_sync_group(group: Group) -> None:
