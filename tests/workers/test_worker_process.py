@@ -273,3 +273,38 @@ async def test_completions_carry_the_version_the_trainer_synced(
     assert_same(got, trained)
     before = await anyio.to_thread.run_sync(in_process, reqs)
     assert any(got_c.output_logprobs != before[got_c.request_id].output_logprobs for got_c in got)
+
+
+@pytest.mark.timeout(120)
+async def test_a_slot_switching_roles_keeps_its_place_in_the_weight_sync_group(
+    cluster: Cluster,
+) -> None:
+    """Both of a slot's torch roles share its process's group: after a role switch the
+    next broadcast reaches the new role without the group being rebuilt."""
+    slot = cluster.launcher.slots[1].handle
+    await rollout_on(cluster, 1, "rollout-9")
+    config = TrainerConfig(seed=0, timeout_s=60.0)
+    factory = functools.partial(build_model, MODEL, seed=0)
+    workers = await cluster.launcher.start_workers(trainer_main, ["trainer-9"], num_threads=1)
+    pool = TrainerPool(
+        config,
+        workers=[CallChannel(cluster.router, h.name) for h in workers],
+        model_factory=factory,
+        loss_fn=weighted_nll,
+    )
+    trainer = TorchTrainer(pool)
+    try:
+        await trainer.start((0,))
+        await sync_group.connect(trainer, [slot])
+        assert await sync_group.broadcast(trainer, 3, [slot]) > 0
+        inference = await slot.assume_role(
+            InferenceRole(model=MODEL), instance=InstanceId("inference-9")
+        )
+        assert slot.in_weight_sync, "the new role did not take the slot's place"
+        assert await sync_group.broadcast(trainer, 4, [slot]) > 0  # no new group
+        assert (await inference.stats()).weight_version == 4
+        async with anyio.create_task_group() as tg:  # leave together (a collective)
+            tg.start_soon(slot.leave_weight_sync)
+            await trainer.leave_weight_sync()
+    finally:
+        await trainer.aclose()
