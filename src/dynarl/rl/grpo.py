@@ -1,7 +1,7 @@
 """The GRPO policy loss: a clipped importance-weighted policy gradient on response
 tokens, with an optional KL penalty to a reference policy.
 
-It implements the trainer's :class:`~dynarl.workers.torch.loss.LossFn`: it returns a
+It implements the trainer's :class:`~dynarl.workers.trainer.LossFn`: it returns a
 loss *sum* and the count to divide it by, and the trainer divides the sum over every
 micro-batch and rank by the *global* count. Both aggregations therefore mean the same
 thing whatever the data-parallel size and micro-batch split:

@@ -48,7 +48,7 @@ from dynarl.workers.config import ModelConfig
 
 _BUILTIN_VOCAB = 4 + len(string.printable)
 """Vocabulary of the built-in character-level tokenizer (4 special tokens, then the
-printable ASCII characters); see :func:`dynarl.workers.torch.model.build_tokenizer`."""
+printable ASCII characters); see :func:`dynarl.workers.tokenizer.build_tokenizer`."""
 
 
 class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
