@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from dynarl import ConfigError
+from dynarl.api.assembly import check_backends
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
-from dynarl.api.facade import check_backends
 from dynarl.workers import backends
 
 

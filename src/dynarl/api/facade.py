@@ -19,8 +19,6 @@ lazily, when a run starts.
 import contextlib
 import functools
 import logging
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from types import TracebackType
@@ -29,15 +27,11 @@ from typing import TYPE_CHECKING, Self
 import anyio
 import msgspec
 
-from dynarl.api.checkpoint import Checkpoint, RunState, trainer_path, write_state
+from dynarl.api.checkpoint import RunState, trainer_path, write_state
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import dump_config
 from dynarl.api.host import RunFailedError, RunHost
 from dynarl.api.run_dir import RunDirectory
-from dynarl.control import events as ev
-from dynarl.control.pipeline import build_hypergraph
-from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT, TO_ACTOR, TO_INFERENCE
-from dynarl.core.clock import LoopClock
 from dynarl.core.errors import ConfigError, DynaRLError
 from dynarl.obs.metrics import DeviceMeter, FlatValue, IterationStats, MetricsWriter, flat_record
 from dynarl.obs.timeline import TimelineLine, TimelineRecorder
@@ -147,24 +141,11 @@ class DynaRL:
     async def _open(self, stack: contextlib.AsyncExitStack) -> None:
         # Checked first: a backend that cannot run here, or a directory with nothing to
         # resume, fails before anything loads.
+        from dynarl.api.assembly import check_backends
+
         check_backends(self.cfg)
         resumed = None if self.resume_from is None else self._files.resume_point(self.cfg)
-        # Heavy modules (torch, transformers, zmq) load here, not on `import dynarl`.
-        from dynarl.api.executor import WorldExecutor
-        from dynarl.api.world import RealWorld
-        from dynarl.control.controller import Controller
-        from dynarl.control.modes import make_hold, make_policy
-        from dynarl.control.predictor import Predictor
-        from dynarl.data import RouterConfig
-        from dynarl.data.router import Router
-        from dynarl.data.zmq_transport import ZmqTransport
-        from dynarl.envs.prompts import prompt_sampler
-        from dynarl.envs.synthetic import SyntheticTask
-        from dynarl.envs.verifier import AsyncVerifier, MatchVerifier
-        from dynarl.rl.gate import StepGate
-        from dynarl.rl.pipeline import Pipeline
-        from dynarl.rl.reporter import EventReporter
-        from dynarl.workers.tokenizer import load_tokenizer
+        from dynarl.api.assembly import assemble
 
         cfg = self.cfg
         files = self._files
@@ -176,93 +157,16 @@ class DynaRL:
         self._metrics = stack.enter_context(
             MetricsWriter(files.metrics_path, append=resumed is not None)
         )
-
-        ipc_dir = Path(tempfile.mkdtemp(prefix="dynarl-"))
-        stack.callback(shutil.rmtree, ipc_dir, ignore_errors=True)
-        transport = ZmqTransport.bind(f"ipc://{ipc_dir}/router.sock")
-        stack.push_async_callback(transport.aclose)
-
-        clock = LoopClock()
-        graph, baseline = build_hypergraph(cfg.pipeline_layout(), now_s=clock.now())
-        predictor = Predictor({c: n.spec.scaling for c, n in graph.components.items()})
-        self._meter = DeviceMeter(graph, now_s=clock.now())
-        # Old log-probs come from inference instances, else (a fixed split without
-        # inference devices) from the engines' own.
-        uses_inference = bool(graph.components[INFERENCE].instances) or (
-            cfg.scheduler.mode != "static-disaggregated"
-        )
-        successors = {PROMPTS: TO_INFERENCE, TO_INFERENCE: TO_ACTOR}
-        reporter = EventReporter(
-            successors=successors if uses_inference else {PROMPTS: TO_ACTOR},
-            known=lambda instance: instance in graph.instances,
-            grows=frozenset({PROMPTS}),
-        )
-        # Generous liveness: on a small CPU machine the slots share cores with training.
-        router_cfg = RouterConfig(heartbeat_interval_s=0.5, liveness_timeout_s=60.0)
-        router = await stack.enter_async_context(
-            Router(
-                transport,
-                consumers={PROMPTS: [ROLLOUT], TO_INFERENCE: [INFERENCE]},
-                config=router_cfg,
-                on_event=reporter,
-            )
-        )
-        world = self._world = RealWorld(cfg, graph, router)
-        stack.push_async_callback(world.aclose)
-        await world.start()
-        if resumed is not None:
-            await _restore(world, resumed.checkpoint)
-        # The timeline starts once the workers are up: start-up is not scheduling.
-        self._recorder = TimelineRecorder(
-            graph,
-            run=cfg.scheduler.mode,
-            offset_s=0.0 if resumed is None else resumed.checkpoint.state.timeline_s,
-            now_s=clock.now(),
-        )
-        self._closed_s = None
-
-        gate = StepGate(graph, ACTOR)
-        controller = Controller(
-            graph,
-            make_policy(cfg.scheduler, predictor, baseline),
-            executor := WorldExecutor(world),
-            clock=clock,
-            predictor=predictor,
-            tick_s=cfg.scheduler.tick_s,
-            listeners=[executor.on_event, self._meter, self._recorder, gate],
-            hold=make_hold(cfg.scheduler, predictor),
-        )
-        self.controller = controller
-        stack.callback(self._write_timeline_at_exit)
-        tg = await stack.enter_async_context(anyio.create_task_group())
-        stack.callback(tg.cancel_scope.cancel)  # runs first on exit: stop the controller
-        send, receive = anyio.create_memory_object_stream[ev.Event](0)
-        stack.callback(send.close)
-        await tg.start(controller.run, receive)
-        reporter.connect(controller.handle)
-        stack.callback(reporter.disconnect)  # nobody applies events after
-
-        seed = cfg.run.seed
-        sampler = prompt_sampler(cfg.data, seed=seed, generator=SyntheticTask(seed=seed).prompt)
-        if resumed is not None:
-            sampler.load_state_dict(resumed.checkpoint.state.sampler)
-        self._sampler = sampler
-        assert world.trainer is not None
-        self._pipeline = Pipeline(
-            algorithm=cfg.algorithm,
-            rollout=cfg.rollout,
-            seed=seed,
-            router=router,
-            trainer=world.trainer,
-            weights=world,
-            gate=gate,
-            reporter=reporter,
-            sampler=sampler,
-            verifier=AsyncVerifier(MatchVerifier()),
-            tokenizer=load_tokenizer(cfg.model),
-            uses_inference=uses_inference,
+        run = await assemble(
+            cfg,
+            stack,
+            resumed=None if resumed is None else resumed.checkpoint,
             on_progress=lambda p: self.on_progress(p) if self.on_progress else None,
+            before_controller=functools.partial(stack.callback, self._write_timeline_at_exit),
         )
+        self.controller, self._world, self._pipeline = run.controller, run.world, run.pipeline
+        self._meter, self._recorder, self._sampler = run.meter, run.recorder, run.sampler
+        self._closed_s = None
         logger.info(
             "run %s: %s, run directory %s",
             "open" if resumed is None else f"resumed after iteration {len(self.history) - 1}",
@@ -415,25 +319,3 @@ class DynaRL:
             self._files.write_timeline(self._timeline_lines(), title=self._title())
         except Exception:
             logger.exception("could not write the timeline to %s", self.run_dir)
-
-
-def check_backends(cfg: DynaRLConfig) -> None:
-    """Raise :class:`~dynarl.ConfigError` unless every backend and the launcher the
-    config names can run here with its values (see :mod:`dynarl.workers.backends`)."""
-    from dynarl.launch import launcher
-    from dynarl.workers import backends
-
-    backends.check("rollout", cfg.rollout)
-    backends.check("inference", cfg.inference)
-    backends.check("actor", cfg.actor)
-    launcher.check(cfg.cluster)
-
-
-async def _restore(world: "RealWorld", checkpoint: Checkpoint) -> None:
-    """Load ``checkpoint`` into the started ``world``'s trainer and give the engines
-    its weights under its weight version."""
-    assert world.trainer is not None, "start the world first"
-    trainer = world.trainer
-    async with trainer.between_steps():
-        await trainer.load_checkpoint(str(checkpoint.trainer_path))
-    await world.sync_weights(checkpoint.state.weight_version)

@@ -1,0 +1,177 @@
+"""Assembling a real run: the parts a configuration becomes, wired together and
+entered on an exit stack in the order they must close in reverse.
+
+:func:`check_backends` says first whether the backends the config names can run here;
+:func:`assemble` then binds the data router on a private socket, builds the hypergraph,
+starts the workers (:class:`~dynarl.api.world.RealWorld`), restores a checkpoint if
+there is one, starts the controller with its listeners and returns the pipeline driver
+that runs iterations over it all. Heavy modules (zmq, torch through the backends) load
+here, not on ``import dynarl``.
+"""
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import anyio
+
+from dynarl.api.checkpoint import Checkpoint
+from dynarl.api.config import DynaRLConfig
+from dynarl.api.world import RealWorld
+from dynarl.control import events as ev
+from dynarl.control.controller import Controller
+from dynarl.control.pipeline import build_hypergraph
+from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT, TO_ACTOR, TO_INFERENCE
+from dynarl.core.clock import LoopClock
+from dynarl.envs.prompts import PromptSampler
+from dynarl.obs.metrics import DeviceMeter
+from dynarl.obs.timeline import TimelineRecorder
+from dynarl.rl.pipeline import Pipeline, Progress
+
+
+class Run(NamedTuple):
+    """The assembled parts a facade keeps."""
+
+    controller: Controller
+    world: RealWorld
+    pipeline: Pipeline
+    meter: DeviceMeter
+    recorder: TimelineRecorder
+    sampler: PromptSampler
+
+
+def check_backends(cfg: DynaRLConfig) -> None:
+    """Raise :class:`~dynarl.ConfigError` unless every backend and the launcher the
+    config names can run here with its values (see :mod:`dynarl.workers.backends`)."""
+    from dynarl.launch import launcher
+    from dynarl.workers import backends
+
+    backends.check("rollout", cfg.rollout)
+    backends.check("inference", cfg.inference)
+    backends.check("actor", cfg.actor)
+    launcher.check(cfg.cluster)
+
+
+async def assemble(
+    cfg: DynaRLConfig,
+    stack: contextlib.AsyncExitStack,
+    *,
+    resumed: Checkpoint | None,
+    on_progress: Callable[[Progress], None],
+    before_controller: Callable[[], object],
+) -> Run:
+    """The parts of a run of ``cfg``, entered on ``stack`` (leaving it stops them in
+    reverse order); ``resumed`` continues from a checkpoint; ``before_controller`` is
+    called just before the controller starts (what it pushes on ``stack`` runs once the
+    controller has stopped)."""
+    from dynarl.api.executor import WorldExecutor
+    from dynarl.control.modes import make_hold, make_policy
+    from dynarl.control.predictor import Predictor
+    from dynarl.data import RouterConfig
+    from dynarl.data.router import Router
+    from dynarl.data.zmq_transport import ZmqTransport
+    from dynarl.envs.prompts import prompt_sampler
+    from dynarl.envs.synthetic import SyntheticTask
+    from dynarl.envs.verifier import AsyncVerifier, MatchVerifier
+    from dynarl.rl.gate import StepGate
+    from dynarl.rl.reporter import EventReporter
+    from dynarl.workers.tokenizer import load_tokenizer
+
+    ipc_dir = Path(tempfile.mkdtemp(prefix="dynarl-"))
+    stack.callback(shutil.rmtree, ipc_dir, ignore_errors=True)
+    transport = ZmqTransport.bind(f"ipc://{ipc_dir}/router.sock")
+    stack.push_async_callback(transport.aclose)
+
+    clock = LoopClock()
+    graph, baseline = build_hypergraph(cfg.pipeline_layout(), now_s=clock.now())
+    predictor = Predictor({c: n.spec.scaling for c, n in graph.components.items()})
+    meter = DeviceMeter(graph, now_s=clock.now())
+    # Old log-probs come from inference instances, else (a fixed split without
+    # inference devices) from the engines' own.
+    uses_inference = bool(graph.components[INFERENCE].instances) or (
+        cfg.scheduler.mode != "static-disaggregated"
+    )
+    successors = {PROMPTS: TO_INFERENCE, TO_INFERENCE: TO_ACTOR}
+    reporter = EventReporter(
+        successors=successors if uses_inference else {PROMPTS: TO_ACTOR},
+        known=lambda instance: instance in graph.instances,
+        grows=frozenset({PROMPTS}),
+    )
+    # Generous liveness: on a small CPU machine the slots share cores with training.
+    router_cfg = RouterConfig(heartbeat_interval_s=0.5, liveness_timeout_s=60.0)
+    router = await stack.enter_async_context(
+        Router(
+            transport,
+            consumers={PROMPTS: [ROLLOUT], TO_INFERENCE: [INFERENCE]},
+            config=router_cfg,
+            on_event=reporter,
+        )
+    )
+    world = RealWorld(cfg, graph, router)
+    stack.push_async_callback(world.aclose)
+    await world.start()
+    if resumed is not None:
+        await _restore(world, resumed)
+    # The timeline starts once the workers are up: start-up is not scheduling.
+    recorder = TimelineRecorder(
+        graph,
+        run=cfg.scheduler.mode,
+        offset_s=0.0 if resumed is None else resumed.state.timeline_s,
+        now_s=clock.now(),
+    )
+
+    gate = StepGate(graph, ACTOR)
+    executor = WorldExecutor(world)
+    controller = Controller(
+        graph,
+        make_policy(cfg.scheduler, predictor, baseline),
+        executor,
+        clock=clock,
+        predictor=predictor,
+        tick_s=cfg.scheduler.tick_s,
+        listeners=[executor.on_event, meter, recorder, gate],
+        hold=make_hold(cfg.scheduler, predictor),
+    )
+    before_controller()
+    tg = await stack.enter_async_context(anyio.create_task_group())
+    stack.callback(tg.cancel_scope.cancel)  # runs first on exit: stop the controller
+    send, receive = anyio.create_memory_object_stream[ev.Event](0)
+    stack.callback(send.close)
+    await tg.start(controller.run, receive)
+    reporter.connect(controller.handle)
+    stack.callback(reporter.disconnect)  # nobody applies events after
+
+    seed = cfg.run.seed
+    sampler = prompt_sampler(cfg.data, seed=seed, generator=SyntheticTask(seed=seed).prompt)
+    if resumed is not None:
+        sampler.load_state_dict(resumed.state.sampler)
+    assert world.trainer is not None, "the world starts its trainer"
+    pipeline = Pipeline(
+        algorithm=cfg.algorithm,
+        rollout=cfg.rollout,
+        seed=seed,
+        router=router,
+        trainer=world.trainer,
+        weights=world,
+        gate=gate,
+        reporter=reporter,
+        sampler=sampler,
+        verifier=AsyncVerifier(MatchVerifier()),
+        tokenizer=load_tokenizer(cfg.model),
+        uses_inference=uses_inference,
+        on_progress=on_progress,
+    )
+    return Run(controller, world, pipeline, meter, recorder, sampler)
+
+
+async def _restore(world: RealWorld, checkpoint: Checkpoint) -> None:
+    """Load ``checkpoint`` into the started ``world``'s trainer and give the engines
+    its weights under its weight version."""
+    assert world.trainer is not None, "start the world first"
+    trainer = world.trainer
+    async with trainer.between_steps():
+        await trainer.load_checkpoint(str(checkpoint.trainer_path))
+    await world.sync_weights(checkpoint.state.weight_version)
