@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 from dynarl.core.ids import ComponentId, EdgeId, InstanceId
@@ -122,3 +123,22 @@ def test_handles_and_launcher_import_without_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+async def test_a_slot_leaves_ctrl_c_to_the_controller(short_tmp: Path) -> None:
+    """A terminal's Ctrl-C reaches every process of the group; the slots ignore it (the
+    controller stops them in order), so an interrupted run never has a worker die
+    under a collective."""
+    transport = ZmqTransport.bind(f"ipc://{short_tmp}/r.sock")
+    try:
+        async with (
+            Router(transport, consumers=CONSUMERS) as router,
+            LocalLauncher(router, LIGHT) as launcher,
+        ):
+            slot = launcher.slots[0]
+            os.kill(slot.pid, signal.SIGINT)
+            await anyio.sleep(0.5)  # time to die of it, were it not ignored
+            stats = await slot.handle.stats()  # still serving
+            assert stats.pid == slot.pid and alive(slot.pid)
+    finally:
+        await transport.aclose()

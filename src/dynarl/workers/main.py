@@ -17,6 +17,7 @@ launcher's process.
 import logging
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 from multiprocessing.connection import wait
@@ -44,6 +45,7 @@ def slot_main(endpoint: str, name: str, config: SlotConfig) -> None:
     interpreter that imported torch takes seconds and frees nothing the OS would not.
     """
     watch_parent()
+    ignore_interrupts()
     # Before torch is imported: OpenMP reads it once.
     os.environ["OMP_NUM_THREADS"] = str(config.num_threads)
     code = 0
@@ -61,6 +63,14 @@ def exit_process(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def ignore_interrupts() -> None:
+    """Leave Ctrl-C to the controller: a terminal sends SIGINT to the whole process
+    group, and the controller then stops every worker in order (a worker that died
+    of it would break the collectives its peers are in). A worker still exits if the
+    controller dies (:func:`watch_parent`) or cuts it off."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def watch_parent() -> None:

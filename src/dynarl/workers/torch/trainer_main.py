@@ -6,7 +6,7 @@ import os
 
 import anyio
 
-from dynarl.workers.main import exit_process, watch_parent
+from dynarl.workers.main import exit_process, ignore_interrupts, watch_parent
 
 logger = logging.getLogger(__name__)
 
@@ -17,6 +17,7 @@ def trainer_main(endpoint: str, name: str, num_threads: int) -> None:
     shut down, retired, or cut off; exits with ``os._exit`` (see
     :func:`dynarl.workers.main.slot_main`), also when its parent dies."""
     watch_parent()
+    ignore_interrupts()
     os.environ["OMP_NUM_THREADS"] = str(num_threads)  # before torch is imported
     import torch
 
