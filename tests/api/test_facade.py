@@ -60,6 +60,8 @@ async def test_a_short_run_learns_and_writes_its_run_directory(tmp_path: Path) -
     async with DynaRL(cfg) as rl:
         history = await rl.run()
         graph = rl.controller.graph if rl.controller is not None else None
+        assert rl._world is not None
+        routed = rl._world.router.statistics()
     assert [s.iteration for s in history] == [0, 1, 2, 3]
     # The real workers report sizes: requests their prompt, samples prompt + response,
     # so the trainer's work (what the scheduler's model counts) is in tokens.
@@ -67,6 +69,9 @@ async def test_a_short_run_learns_and_writes_its_run_directory(tmp_path: Path) -
     generated = sum(s.gen_tokens for s in history)
     samples = 4 * cfg.algorithm.num_prompts * cfg.algorithm.group_size
     assert graph.components["actor"].items_completed == samples
+    # Every item went through the data router: each request, each sample to score,
+    # each sample to train on (to the trainer rank whose shard holds it).
+    assert routed.num_completed == 3 * samples
     assert graph.components["actor"].work_completed > generated + samples  # + prompts
     run_dir = tmp_path / "run"
     assert (run_dir / "config.yaml").is_file()

@@ -18,11 +18,13 @@ import pytest_asyncio
 pytest.importorskip("torch")
 
 from dynarl.api.config import ActorConfig, AlgorithmConfig
+from dynarl.control.topology import ACTOR, TO_ACTOR
+from dynarl.data.router import Router
 from dynarl.rl.grpo import GrpoLoss
-from dynarl.testing.workers import LocalWorkers
+from dynarl.testing.workers import LocalWorkers, train_through
 from dynarl.workers import backends, sync_group
 from dynarl.workers.errors import TrainerError
-from dynarl.workers.trainer import Minibatch, Trainer
+from dynarl.workers.trainer import Minibatch, StepMetrics, Trainer
 from dynarl.workers.weights import WeightSyncGroup
 
 from .conftest import MODEL, RolloutFactory
@@ -49,7 +51,9 @@ def minibatch(step: int, num_samples: int = 8, length: int = 24) -> Minibatch:
 async def trainer(request: pytest.FixtureRequest) -> AsyncIterator[Trainer]:
     actor = ActorConfig(backend=request.param, micro_batch_size=4, lr=1e-2)
     backend = backends.trainer_backend(actor)
-    async with LocalWorkers(backend.trainer_worker_entry, ["trainer-0", "trainer-1"]) as workers:
+    async with LocalWorkers(
+        backend.trainer_worker_entry, ["trainer-0", "trainer-1"], consumers={TO_ACTOR: [ACTOR]}
+    ) as workers:
         built = backend.build_trainer(
             model=MODEL,
             actor=actor,
@@ -60,9 +64,25 @@ async def trainer(request: pytest.FixtureRequest) -> AsyncIterator[Trainer]:
         )
         try:
             await built.start((0,))
+            assert workers.router is not None
+            ROUTERS[id(built)] = workers.router
             yield built
         finally:
             await built.aclose()
+
+
+ROUTERS: dict[int, Router] = {}  # each trainer fixture's data router
+
+
+async def step(trainer: Trainer, minibatch: Minibatch) -> StepMetrics:
+    """One step as a run takes it: the samples through the router to the ranks."""
+    STEPS[0] += 1
+    return await train_through(
+        ROUTERS[id(trainer)], trainer, minibatch, name=f"s{STEPS[0]}", edge=TO_ACTOR
+    )
+
+
+STEPS = [0]
 
 
 async def steps(trainer: Trainer, first: int, plan: list[tuple[int, ...] | None]) -> list[float]:
@@ -77,7 +97,7 @@ async def steps(trainer: Trainer, first: int, plan: list[tuple[int, ...] | None]
                 continue
             if members != trainer.members:
                 await trainer.resize(members)
-        losses.append((await trainer.train_step(minibatch(first + len(losses)))).loss)
+        losses.append((await step(trainer, minibatch(first + len(losses)))).loss)
     return losses
 
 
@@ -117,13 +137,13 @@ async def test_bad_input_and_impossible_resizes_are_typed_errors_that_leave_it_t
     bad = dict(minibatch(0))
     del bad["loss_mask"]
     with pytest.raises(TrainerError, match="loss_mask"):
-        await trainer.train_step(bad)
+        await step(trainer, bad)
     for impossible in [(0, 0), (5,), ()]:
         with pytest.raises(TrainerError):
             async with trainer.between_steps():
                 await trainer.resize(impossible)
         assert trainer.members == members
-    assert np.isfinite((await trainer.train_step(minibatch(3))).loss)
+    assert np.isfinite((await step(trainer, minibatch(3))).loss)
 
 
 class _Receiver:

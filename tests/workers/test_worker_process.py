@@ -257,7 +257,7 @@ async def test_completions_carry_the_version_the_trainer_synced(
             "attention_mask": np.ones((4, 16), dtype=np.int64),
             "loss_weights": np.ones((4, 16), dtype=np.float32),
         }
-        await trainer.train_step(batch)
+        await pool.train_step(batch)  # the minibatch in the call (no router items)
         await sync_group.connect(trainer, [rollout])
         assert await sync_group.broadcast(trainer, 1, [rollout]) > 0
         await trainer.save_checkpoint(str(tmp_path / "v1.pt"))

@@ -95,17 +95,20 @@ async def assemble(
         cfg.scheduler.mode != "static-disaggregated"
     )
     successors = {PROMPTS: TO_INFERENCE, TO_INFERENCE: TO_ACTOR}
+    world: RealWorld | None = None
     reporter = EventReporter(
         successors=successors if uses_inference else {PROMPTS: TO_ACTOR},
         known=lambda instance: instance in graph.instances,
         grows=frozenset({PROMPTS}),
+        # The trainer's ranks (its workers) take the actor's samples for its replicas.
+        replicas={TO_ACTOR: lambda worker: None if world is None else world.replica_of(worker)},
     )
     # Generous liveness: on a small CPU machine the slots share cores with training.
     router_cfg = RouterConfig(heartbeat_interval_s=0.5, liveness_timeout_s=60.0)
     router = await stack.enter_async_context(
         Router(
             transport,
-            consumers={PROMPTS: [ROLLOUT], TO_INFERENCE: [INFERENCE]},
+            consumers={PROMPTS: [ROLLOUT], TO_INFERENCE: [INFERENCE], TO_ACTOR: [ACTOR]},
             config=router_cfg,
             on_event=reporter,
         )

@@ -81,6 +81,7 @@ class RealWorld:
         )
         self.trainer: Trainer | None = None
         """The actor (after :meth:`start`)."""
+        self._trainer_names = [f"trainer-{i}" for i in range(len(self.trainer_devices))]
         self.trainer_workers: list[SlotHandle] = []
         """The trainer's worker processes (after :meth:`start`), in worker order."""
         self.weight_version = 0
@@ -111,6 +112,19 @@ class RealWorld:
         """The slot process of ``device``."""
         return self.launcher.handles[self.slot_devices.index(device)]
 
+    def replica_of(self, worker: InstanceId) -> InstanceId | None:
+        """The actor replica (an instance of the model) whose devices hold trainer
+        worker ``worker`` now, if any."""
+        try:
+            device = self.trainer_devices[self._trainer_names.index(worker)]
+        except ValueError:
+            return None
+        holder = self.graph.device_owner.get(device)
+        if holder is None or holder not in self.graph.instances:
+            return None  # free, or in transit
+        node = self.graph.instances[InstanceId(holder)]
+        return node.id if node.component == ACTOR else None
+
     def trainer_members(self, devices: Sequence[DeviceId]) -> list[int]:
         """The trainer workers of ``devices``."""
         return [self.trainer_devices.index(d) for d in devices]
@@ -134,7 +148,7 @@ class RealWorld:
         cfg = self.cfg
         threads = cfg.cluster.threads_per_device
         backend = backends.trainer_backend(cfg.actor)
-        names = [f"trainer-{i}" for i in range(len(self.trainer_devices))]
+        names = self._trainer_names
 
         async def start_trainer_workers() -> None:
             self.trainer_workers = await self.launcher.start_workers(

@@ -7,20 +7,23 @@ memory object streams.
                                                       └─▶ router ─▶ inference ┴─▶ samples
     samples ─▶ groups ─▶ actor steps (when the trainer may step) ─▶ weight sync
 
-Every item goes through the data router: rollout requests to the rollout engines, and
+Every item goes through the data router: rollout requests to the rollout engines,
 finished responses to the inference instances for their behaviour (and reference)
-log-probs; the router decides where each goes. A response is rewarded by the verifier
-while it is scored; once every sample of a group is rewarded and scored the group is
-ready, and the actor takes its ``n_minibatches`` optimizer steps: after the whole
-iteration in a seeded split (``algorithm.minibatch_order=seeded``, the maths of the
-torch reference loop), or on whole groups in the order they finish, during the rollout
-tail (``completion``). A step starts once the :class:`~dynarl.rl.gate.StepGate` opens.
-Then the engines get the new weights.
+log-probs, and each optimizer step's samples to the trainer's ranks (each to the rank
+whose data-parallel shard holds it, :mod:`dynarl.workers.trainer_items`). A response
+is rewarded by the verifier while it is scored; once every sample of a group is
+rewarded and scored the group is ready, and the actor takes its ``n_minibatches``
+optimizer steps: after the whole iteration in a seeded split
+(``algorithm.minibatch_order=seeded``, the maths of the torch reference loop), or on
+whole groups in the order they finish, during the rollout tail (``completion``). A step
+starts once the :class:`~dynarl.rl.gate.StepGate` opens. Then the engines get the new
+weights.
 
 The driver reports the iteration's boundaries and the actor's steps through the
 :class:`~dynarl.rl.reporter.EventReporter`, which also carries the router's events.
 """
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -54,6 +57,7 @@ from dynarl.workers.config import RolloutConfig
 from dynarl.workers.inference import LogprobRequest, LogprobResult
 from dynarl.workers.rollout import Completion
 from dynarl.workers.trainer import Trainer
+from dynarl.workers.trainer_items import shard_items
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +174,8 @@ class _Iteration:
         }
         self.stage_s: dict[str, float] = {}
         self.train_s = 0.0
+        self.training: set[ItemId] = set()  # the running step's samples not back yet
+        self.trained = anyio.Event()
         self.losses: list[float] = []
         self.norms: list[float] = []
 
@@ -241,15 +247,21 @@ class _Iteration:
         facts: ObjectSendStream[Rewarded | Scored],
     ) -> None:
         """The router's results, by edge: responses to the reward and inference
-        stages, log-probs to the collector; until the iteration's last is in."""
+        stages, log-probs to the collector (those streams close once every sample is
+        through them), trained samples to the step that waits for them; until the
+        iteration's last is in."""
         p, n = self.p, len(self.requests)
-        expected = {PROMPTS: n, TO_INFERENCE: n if p.uses_inference else 0}
+        expected = {PROMPTS: n, TO_INFERENCE: n if p.uses_inference else 0, TO_ACTOR: n}
         received = dict.fromkeys(expected, 0)
-        async with responses, to_score, facts:
+        async with contextlib.AsyncExitStack() as upstream:
+            for stream in (responses, to_score, facts):
+                await upstream.enter_async_context(stream)
             while received != expected:
-                chunk, scored = _split(await p.router.receive_batch())
+                chunk, scored, trained = _split(await p.router.receive_batch())
                 received[PROMPTS] += len(chunk)
                 received[TO_INFERENCE] += len(scored)
+                received[TO_ACTOR] += len(trained)
+                self._trained(trained)
                 if chunk:
                     for completion in chunk:
                         self.samples.completed(completion)
@@ -268,6 +280,14 @@ class _Iteration:
                         self.stage_s["rollout"] = time.perf_counter() - self.started
                 if scored:
                     await facts.send(Scored(tuple(scored)))
+                if (received[PROMPTS], received[TO_INFERENCE]) == (n, expected[TO_INFERENCE]):
+                    await upstream.aclose()  # every sample is through them
+
+    def _trained(self, ids: Sequence[ItemId]) -> None:
+        """The router delivered these samples back from the trainer's ranks."""
+        self.training.difference_update(ids)
+        if not self.training:
+            self.trained.set()
 
     async def _reward(
         self,
@@ -345,30 +365,30 @@ class _Iteration:
     async def _step(
         self, step: int, minibatch: Sequence[Trajectory], ids: Sequence[ItemId]
     ) -> None:
-        """Optimizer step ``step`` on ``minibatch`` once the gate opens; each sample is
-        reported on the replica whose data-parallel shard holds it."""
+        """Optimizer step ``step`` on ``minibatch`` once the gate opens: its samples go
+        through the data router to the trainer's ranks (each to the rank whose
+        data-parallel shard holds it), the ranks train on them, and the step is over
+        once the router has them back."""
         p = self.p
         num_steps = p.algorithm.n_minibatches
         pad = getattr(p.tokenizer, "pad_token_id", None) or 0
         p.on_progress(Progress(iteration=self.iteration, stage="train", done=step, total=num_steps))
-        replicas = await p.gate.wait()
+        await p.gate.wait()
         p.weights.trainer_moves_ahead()
-        shards = np.array_split(np.arange(len(ids)), len(replicas))
-        owner = {
-            ids[int(k)]: node.id
-            for node, shard in zip(replicas, shards, strict=True)
-            for k in shard
-        }
-        for item, instance in owner.items():
-            p.reporter(ev.ItemRouted(edge=TO_ACTOR, item=item, instance=instance))
+        arrays = to_arrays(minibatch, pad_token_id=pad)
+        groups = [self.group_of[i] for i in ids]
+        items, shards = shard_items(
+            arrays, ids, groups, p.trainer.rank_instances(), edge=TO_ACTOR
+        )
+        self.training, self.trained = set(ids), anyio.Event()
         t0 = time.perf_counter()
-        metrics = await p.trainer.train_step(to_arrays(minibatch, pad_token_id=pad))
+        await p.router.submit(items)
+        metrics = await p.trainer.train_step(shards)
+        await self.trained.wait()
         duration = time.perf_counter() - t0
         self.train_s += duration
         self.losses.append(metrics.loss)
         self.norms.append(metrics.grad_norm)
-        for item, instance in owner.items():
-            p.reporter(ev.ItemCompleted(edge=TO_ACTOR, item=item, instance=instance))
         p.reporter(
             ev.TrainStepDone(
                 component=ACTOR,
@@ -380,14 +400,18 @@ class _Iteration:
         )
 
 
-def _split(done: Sequence[RoutedResult]) -> tuple[list[Completion], list[LogprobResult]]:
-    """The router's results by edge, decoded: responses and log-probs."""
-    responses, scored = [], []
+def _split(
+    done: Sequence[RoutedResult],
+) -> tuple[list[Completion], list[LogprobResult], list[ItemId]]:
+    """The router's results by edge, decoded: responses, log-probs, trained samples."""
+    responses, scored, trained = [], [], []
     for d in done:
         if d.item.edge == PROMPTS:
             responses.append(_COMPLETION.decode(d.result.payload))
         elif d.item.edge == TO_INFERENCE:
             scored.append(_LOGPROBS.decode(d.result.payload))
+        elif d.item.edge == TO_ACTOR:
+            trained.append(d.item.id)
         else:
             logger.error("result of item %s on unexpected edge %s", d.item.id, d.item.edge)
-    return responses, scored
+    return responses, scored, trained

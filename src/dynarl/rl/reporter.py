@@ -13,6 +13,8 @@ next edge, the router's own ``ItemsEnqueued`` for it is not reported again.
 
 from collections.abc import Callable, Mapping
 
+import msgspec
+
 from dynarl.control import events as ev
 from dynarl.core.ids import EdgeId, InstanceId, ItemId
 
@@ -32,6 +34,9 @@ class EventReporter:
             done (or as the one it left), which is not news to the model.
         grows: edges whose completed items grow by the tokens the instance produced
             (rollout: a sample is its prompt plus its response).
+        replicas: edges whose consumers' workers are not the model's instances (the
+            trainer's ranks serve the actor's replicas), with the replica each worker
+            serves now; an item is reported on the replica it was routed to.
     """
 
     def __init__(
@@ -40,6 +45,7 @@ class EventReporter:
         successors: Mapping[EdgeId, EdgeId],
         known: Callable[[InstanceId], bool],
         grows: frozenset[EdgeId] = frozenset(),
+        replicas: Mapping[EdgeId, Callable[[InstanceId], InstanceId | None]] | None = None,
     ) -> None:
         self._emit: Emit | None = None
         self._successors = dict(successors)
@@ -47,6 +53,8 @@ class EventReporter:
         self._grows = grows
         self._refs: dict[tuple[EdgeId, ItemId], ev.ItemRef] = {}
         self._announced: set[tuple[EdgeId, ItemId]] = set()
+        self._replicas = dict(replicas or {})
+        self._replica_of: dict[tuple[EdgeId, ItemId], InstanceId] = {}
 
     def connect(self, emit: Emit) -> None:
         """Report events to ``emit`` from now on."""
@@ -76,8 +84,19 @@ class EventReporter:
                 return
             if len(fresh) != len(event.items):
                 event = ev.ItemsEnqueued(edge=event.edge, items=tuple(fresh), time_s=event.time_s)
+        elif isinstance(event, ev.ItemRouted) and event.edge in self._replicas:
+            replica = self._replicas[event.edge](event.instance)
+            if replica is None:
+                return  # a worker that serves no replica now: nothing the model knows
+            self._replica_of[(event.edge, event.item)] = replica
+            event = msgspec.structs.replace(event, instance=replica)
         elif isinstance(event, ev.ItemCompleted):
             key = (event.edge, event.item)
+            if event.edge in self._replicas:
+                replica = self._replica_of.pop(key, None)
+                if replica is None:
+                    return
+                event = msgspec.structs.replace(event, instance=replica)
             done = self._refs.pop(key) if key in self._refs else None
             after = self._successors.get(event.edge)
             if after is not None and done is not None:
@@ -92,3 +111,4 @@ class EventReporter:
         """Drop what is known of items (a new iteration starts: none is in flight)."""
         self._refs.clear()
         self._announced.clear()
+        self._replica_of.clear()

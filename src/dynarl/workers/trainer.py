@@ -4,13 +4,14 @@ implements. Definitions only; no torch is imported (tensor types are for type
 checkers).
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import msgspec
 import numpy.typing as npt
 
+from dynarl.core.ids import InstanceId
 from dynarl.workers.weights import WeightSyncGroup
 
 if TYPE_CHECKING:
@@ -19,6 +20,21 @@ if TYPE_CHECKING:
 Minibatch = Mapping[str, npt.NDArray[Any]]
 """Named arrays with the samples on dimension 0 (``input_ids``, ``attention_mask``,
 and whatever the loss reads, e.g. ``loss_weights``)."""
+
+
+class Array(msgspec.Struct, frozen=True, kw_only=True):
+    """A dense array on the wire: numpy/torch dtype name, shape and C-order bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+class SampleRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One sample of a minibatch: its row of every field (the payload of an item on
+    the actor's edge, which the data router delivers to the rank that trains it)."""
+
+    fields: dict[str, Array]
 
 
 class StepMetrics(msgspec.Struct, frozen=True, kw_only=True):
@@ -120,8 +136,16 @@ class Trainer(Protocol):
         :meth:`load_checkpoint` (others wait)."""
         ...
 
-    async def train_step(self, minibatch: Minibatch) -> StepMetrics:
-        """One optimizer step on the global ``minibatch``, split over the ranks."""
+    def rank_instances(self) -> list[InstanceId]:
+        """The data router's instance of each rank, in data-parallel order: a step's
+        samples are routed to them, each to the rank whose shard holds it (see
+        :mod:`dynarl.workers.trainer_items`)."""
+        ...
+
+    async def train_step(self, shards: Sequence[Sequence[str]]) -> StepMetrics:
+        """One optimizer step on the samples the data router delivered to the ranks:
+        ``shards[r]`` are rank ``r``'s item ids, in order. The ranks complete the
+        items (the router reports them done) as the step ends."""
         ...
 
     async def resize(self, members: tuple[int, ...]) -> ResizeResult:

@@ -7,14 +7,15 @@ entered it; that task's own calls inside go straight through, every other task's
 """
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
 import anyio.lowlevel
 
+from dynarl.core.ids import InstanceId
 from dynarl.workers.torch.trainer_pool import TrainerPool
-from dynarl.workers.trainer import Minibatch, ResizeResult, StepMetrics
+from dynarl.workers.trainer import ResizeResult, StepMetrics
 from dynarl.workers.weights import WeightSyncGroup
 
 T = TypeVar("T")
@@ -67,9 +68,14 @@ class TorchTrainer:
             finally:
                 self._holder = None
 
-    async def train_step(self, minibatch: Minibatch) -> StepMetrics:
-        """One optimizer step on ``minibatch``."""
-        return await self._run(self.pool.train_step, minibatch)
+    def rank_instances(self) -> list[InstanceId]:
+        """The data router's instance of each rank, in data-parallel order."""
+        return [InstanceId(name) for name in self.pool.rank_instances]
+
+    async def train_step(self, shards: Sequence[Sequence[str]]) -> StepMetrics:
+        """One optimizer step on the samples routed to the ranks (``shards[r]``: rank
+        ``r``'s item ids)."""
+        return await self._run(self.pool.train_on_items, shards)
 
     async def resize(self, members: tuple[int, ...]) -> ResizeResult:
         """Make ``members`` the ranks (create-before-destroy)."""

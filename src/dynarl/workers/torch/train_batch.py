@@ -12,7 +12,8 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from dynarl.workers.errors import TrainerError
-from dynarl.workers.torch.trainer_commands import Array
+from dynarl.workers.trainer import Array
+from dynarl.workers.trainer_items import shard_bounds
 
 TensorBatch = dict[str, torch.Tensor]
 """A minibatch or micro-batch: named tensors with the samples on dimension 0."""
@@ -53,13 +54,6 @@ def num_samples(batch: Mapping[str, torch.Tensor]) -> int:
     if len(set(sizes.values())) != 1:
         raise TrainerError(f"minibatch fields disagree on the number of samples: {sizes}")
     return next(iter(sizes.values()))
-
-
-def shard_bounds(num: int, rank: int, world_size: int) -> tuple[int, int]:
-    """``[start, stop)`` of the samples rank ``rank`` of ``world_size`` trains on."""
-    base, extra = divmod(num, world_size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
 
 
 def shard(batch: Mapping[str, torch.Tensor], rank: int, world_size: int) -> TensorBatch:

@@ -129,18 +129,23 @@ class ElasticTrainer:
         """The tensors of :meth:`named_model_tensors`."""
         return [t for _, t in self.named_model_tensors()]
 
-    def train_step(self, minibatch: Mapping[str, torch.Tensor]) -> StepMetrics:
-        """One optimizer step on this rank's shard of the global ``minibatch``.
+    def train_step(
+        self, minibatch: Mapping[str, torch.Tensor], *, local: bool = False
+    ) -> StepMetrics:
+        """One optimizer step on this rank's shard of the global ``minibatch`` (with
+        ``local``: ``minibatch`` is that shard already).
 
-        Collective: every rank of the group calls it with the same minibatch.
+        Collective: every rank of the group calls it, with the same minibatch (or each
+        with its own shard).
         """
         started = time.perf_counter()
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        local = shard(minibatch, self.rank, self.world_size)
-        for micro in micro_batches(local, self.config.micro_batch_size):
+        mine = dict(minibatch) if local else shard(minibatch, self.rank, self.world_size)
+        # A rank with no sample (a local shard can be empty) still joins the all-reduce.
+        for micro in micro_batches(mine, self.config.micro_batch_size) if mine else ():
             inputs = {k: v for k, v in micro.items() if k in MODEL_INPUTS}
             logits = self.model(**inputs, use_cache=False).logits
             loss_sum, normaliser = self.loss_fn(logits, micro)

@@ -11,15 +11,7 @@ from typing import Annotated
 import msgspec
 
 from dynarl.workers.torch.trainer_config import TrainerConfig
-from dynarl.workers.trainer import StepMetrics
-
-
-class Array(msgspec.Struct, frozen=True, kw_only=True):
-    """A dense array on the wire: numpy/torch dtype name, shape and C-order bytes."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes
+from dynarl.workers.trainer import Array, StepMetrics
 
 
 class ReshardFault(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,6 +55,14 @@ class TrainStep(_Command, frozen=True, kw_only=True):
     contiguous shard of the samples."""
 
     minibatch: dict[str, Array]
+
+
+class TrainOnItems(_Command, frozen=True, kw_only=True):
+    """A member: one optimizer step (with the others) on the samples the data router
+    delivered to it, ``item_ids`` in order (its data-parallel shard; each item's payload
+    is a :class:`~dynarl.workers.trainer.SampleRow`); it completes them afterwards."""
+
+    item_ids: tuple[str, ...]
 
 
 class PrepareResize(_Command, frozen=True, kw_only=True):
@@ -130,6 +130,7 @@ Command = (
     Join
     | StartTraining
     | TrainStep
+    | TrainOnItems
     | PrepareResize
     | CommitResize
     | AbortResize

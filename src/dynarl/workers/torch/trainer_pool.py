@@ -24,13 +24,11 @@ from typing import Any, Protocol
 import anyio
 import msgspec
 import numpy as np
-import numpy.typing as npt
 
 from dynarl.data.errors import DataPlaneError
 from dynarl.workers.errors import ReshardError, TrainerError, WeightSyncError
 from dynarl.workers.torch.trainer_commands import (
     AbortResize,
-    Array,
     Command,
     CommitResize,
     ConnectWeightSync,
@@ -47,10 +45,12 @@ from dynarl.workers.torch.trainer_commands import (
     StartTraining,
     StepDone,
     SyncWeights,
+    TrainOnItems,
     TrainStep,
 )
 from dynarl.workers.torch.trainer_config import TrainerConfig
 from dynarl.workers.trainer import Minibatch, ResizeResult, StepMetrics
+from dynarl.workers.trainer_items import to_array
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +169,29 @@ class TrainerPool:
         """One optimizer step on the global ``minibatch``, split over the members."""
         if self._parked:
             raise TrainerError("the trainer is parked (it holds no devices); resize it first")
-        arrays = {name: _to_array(a) for name, a in minibatch.items()}
+        arrays = {name: to_array(a) for name, a in minibatch.items()}
         replies = self._check(await self._call(self._members, TrainStep(minibatch=arrays)))
+        assert isinstance(replies[0], StepDone)
+        return replies[0].metrics
+
+    @property
+    def rank_instances(self) -> list[str]:
+        """The data router's instance of each rank, in data-parallel order."""
+        return [self.workers[m].name for m in self.members]
+
+    async def train_on_items(self, shards: Sequence[Sequence[str]]) -> StepMetrics:
+        """One optimizer step on the samples the data router delivered to the members:
+        ``shards[r]`` are rank ``r``'s item ids, in order (each worker completes its
+        items afterwards)."""
+        if self._parked:
+            raise TrainerError("the trainer is parked (it holds no devices); resize it first")
+        members = self._members
+        if len(shards) != len(members):
+            raise TrainerError(f"{len(shards)} shards for {len(members)} ranks")
+        rank = {m: r for r, m in enumerate(members)}
+        replies = self._check(
+            await self._call_each(members, lambda w: TrainOnItems(item_ids=tuple(shards[rank[w]])))
+        )
         assert isinstance(replies[0], StepDone)
         return replies[0].metrics
 
@@ -383,11 +404,6 @@ class TrainerPool:
         if any(not 0 <= m < self.num_workers for m in chosen):
             raise TrainerError(f"members {chosen} must be workers 0..{self.num_workers - 1}")
         return chosen
-
-
-def _to_array(array: npt.NDArray[Any]) -> Array:
-    contiguous = np.ascontiguousarray(array)
-    return Array(dtype=str(contiguous.dtype), shape=contiguous.shape, data=contiguous.tobytes())
 
 
 def _describe(failures: list[Failed]) -> str:

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from dynarl.core.ids import ComponentId, InstanceId
+from dynarl.data import wire
 from dynarl.data.errors import PeerLostError
-from dynarl.data.worker_link import open_worker_link
+from dynarl.data.worker_link import WorkerLink, open_worker_link
 from dynarl.workers.errors import TrainerError, WeightSyncError
 from dynarl.workers.torch import reshard
 from dynarl.workers.torch.buckets import Group
@@ -48,6 +49,7 @@ from dynarl.workers.torch.trainer_commands import (
     StartTraining,
     StepDone,
     SyncWeights,
+    TrainOnItems,
     TrainStep,
 )
 from dynarl.workers.torch.trainer_config import TrainerConfig
@@ -56,14 +58,17 @@ from dynarl.workers.torch.weight_sync import (
     leave_weight_sync_group,
     send_weights,
 )
-from dynarl.workers.trainer import LossFn
+from dynarl.workers.trainer import Array, LossFn
+from dynarl.workers.trainer_items import stack_rows
 
 logger = logging.getLogger(__name__)
 
 
-TRAINER = ComponentId("trainer")
-"""The component trainer workers say hello as (nothing is routed to it: the trainer is
-reached by typed calls only)."""
+ACTOR = ComponentId("actor")
+"""The component trainer workers say hello as: the data router routes the actor's
+samples to them (each to the rank whose shard holds it)."""
+
+_CAPACITY = 1 << 20  # samples a worker may hold: a step's shard arrives before the step
 
 
 async def serve(endpoint: str, name: str) -> None:
@@ -72,10 +77,10 @@ async def serve(endpoint: str, name: str) -> None:
 
     transport = ZmqTransport.connect(endpoint)
     server: TrainerWorker | None = None
+    inbox: dict[str, wire.Item] = {}  # samples routed here, until a step takes them
     try:
-        # Capacity 1: no edge routes items to the trainer component (calls only).
         async with open_worker_link(
-            transport, instance=InstanceId(name), component=TRAINER, capacity=1
+            transport, instance=InstanceId(name), component=ACTOR, capacity=_CAPACITY
         ) as link:
             while True:
                 try:
@@ -91,6 +96,8 @@ async def serve(endpoint: str, name: str) -> None:
                         reply: Reply = Done(worker=command.worker, elapsed_s=0.0)
                     elif server is None:
                         raise TrainerError(f"{name} got {type(command).__name__} before Join")
+                    elif isinstance(command, TrainOnItems):
+                        reply = await _train_on_items(server, link, inbox, command)
                     else:
                         reply = await anyio.to_thread.run_sync(server.handle, command)
                 except Exception as error:
@@ -108,6 +115,24 @@ async def serve(endpoint: str, name: str) -> None:
         if server is not None:
             _leave(server)
         await transport.aclose()
+
+
+async def _train_on_items(
+    server: "TrainerWorker", link: WorkerLink, inbox: dict[str, wire.Item], command: TrainOnItems
+) -> Reply:
+    """Wait until every sample of ``command`` has been routed here, train on them, and
+    complete them (whatever the step's outcome: the data router gets them back)."""
+    with anyio.fail_after(server.config.timeout_s):
+        while any(i not in inbox for i in command.item_ids):
+            for item in await link.receive():
+                inbox[item.id] = item
+    items = [inbox.pop(i) for i in command.item_ids]
+    try:
+        shard = stack_rows([item.payload for item in items])
+        return await anyio.to_thread.run_sync(server.train_shard, shard)
+    finally:
+        for item in items:
+            link.complete(wire.ItemResult(item=item.id))
 
 
 def _leave(server: "TrainerWorker") -> None:
@@ -215,6 +240,13 @@ class TrainerWorker:
     def _train_step(self, command: TrainStep) -> Reply:
         started = time.perf_counter()
         metrics = self._member().train_step(to_tensors(command.minibatch, self.device))
+        return StepDone(worker=self.worker, metrics=metrics, elapsed_s=_since(started))
+
+    def train_shard(self, shard: dict[str, Array]) -> Reply:
+        """One optimizer step (with the other ranks) on this rank's own ``shard``."""
+        started = time.perf_counter()
+        tensors = to_tensors(shard, self.device) if shard else {}
+        metrics = self._member().train_step(tensors, local=True)
         return StepDone(worker=self.worker, metrics=metrics, elapsed_s=_since(started))
 
     def _prepare(self, command: PrepareResize) -> Reply:
