@@ -64,3 +64,22 @@ def test_load_of_an_unknown_instance_and_events_while_disconnected_are_dropped()
     r.disconnect()
     r(stats)
     assert seen == [stats]
+
+
+def test_a_trained_sample_is_reported_on_the_replica_its_rank_serves() -> None:
+    seen: list[ev.Event] = []
+    replicas: dict[InstanceId, InstanceId] = {InstanceId("trainer-0"): InstanceId("actor-3")}
+    r = EventReporter(
+        successors={},
+        known=lambda i: True,
+        replicas={TO_ACTOR: replicas.get},
+    )
+    r.connect(seen.append)
+    r(ev.ItemRouted(edge=TO_ACTOR, item=ITEM, instance=InstanceId("trainer-0")))
+    replicas.clear()  # a resize after the step changes the map: the routing is kept
+    r(ev.ItemCompleted(edge=TO_ACTOR, item=ITEM, instance=InstanceId("trainer-0")))
+    assert [getattr(e, "instance", None) for e in seen] == ["actor-3", "actor-3"]
+    # A worker that serves no replica now: nothing the model knows of.
+    r(ev.ItemRouted(edge=TO_ACTOR, item=ItemId("x"), instance=InstanceId("trainer-1")))
+    r(ev.ItemCompleted(edge=TO_ACTOR, item=ItemId("x"), instance=InstanceId("trainer-1")))
+    assert len(seen) == 2
