@@ -7,6 +7,7 @@ training.
 One trainer of two workers serves the module (starting processes costs seconds); its
 workers are reached over the data plane, as a run reaches them."""
 
+import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -47,8 +48,22 @@ def minibatch(step: int, num_samples: int = 8, length: int = 24) -> Minibatch:
     }
 
 
+class Rig:
+    """A started trainer and the data router its ranks take their samples from."""
+
+    def __init__(self, trainer: Trainer, router: Router) -> None:
+        self.trainer = trainer
+        self.router = router
+        self._steps = itertools.count()
+
+    async def step(self, minibatch: Minibatch) -> StepMetrics:
+        """One step as a run takes it: the samples through the router to the ranks."""
+        name = f"s{next(self._steps)}"
+        return await train_through(self.router, self.trainer, minibatch, name=name, edge=TO_ACTOR)
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=TRAINER_BACKENDS)
-async def trainer(request: pytest.FixtureRequest) -> AsyncIterator[Trainer]:
+async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
     actor = ActorConfig(backend=request.param, micro_batch_size=4, lr=1e-2)
     backend = backends.trainer_backend(actor)
     async with LocalWorkers(
@@ -65,29 +80,15 @@ async def trainer(request: pytest.FixtureRequest) -> AsyncIterator[Trainer]:
         try:
             await built.start((0,))
             assert workers.router is not None
-            ROUTERS[id(built)] = workers.router
-            yield built
+            yield Rig(built, workers.router)
         finally:
             await built.aclose()
 
 
-ROUTERS: dict[int, Router] = {}  # each trainer fixture's data router
-
-
-async def step(trainer: Trainer, minibatch: Minibatch) -> StepMetrics:
-    """One step as a run takes it: the samples through the router to the ranks."""
-    STEPS[0] += 1
-    return await train_through(
-        ROUTERS[id(trainer)], trainer, minibatch, name=f"s{STEPS[0]}", edge=TO_ACTOR
-    )
-
-
-STEPS = [0]
-
-
-async def steps(trainer: Trainer, first: int, plan: list[tuple[int, ...] | None]) -> list[float]:
+async def steps(rig: Rig, first: int, plan: list[tuple[int, ...] | None]) -> list[float]:
     """One step per entry of ``plan``, resizing to it first (``None``: park, then the
     next entry resumes)."""
+    trainer = rig.trainer
     losses: list[float] = []
     for members in plan:
         async with trainer.between_steps():
@@ -97,53 +98,54 @@ async def steps(trainer: Trainer, first: int, plan: list[tuple[int, ...] | None]
                 continue
             if members != trainer.members:
                 await trainer.resize(members)
-        losses.append((await step(trainer, minibatch(first + len(losses)))).loss)
+        losses.append((await rig.step(minibatch(first + len(losses)))).loss)
     return losses
 
 
-async def test_resizing_and_parking_do_not_change_the_maths(
-    trainer: Trainer, tmp_path: Path
-) -> None:
+async def test_resizing_and_parking_do_not_change_the_maths(rig: Rig, tmp_path: Path) -> None:
+    trainer = rig.trainer
     start = str(tmp_path / "start.pt")
     async with trainer.between_steps():
         await trainer.resize((0,))
         await trainer.save_checkpoint(start)
-    moved = await steps(trainer, 0, [(0,), (0, 1), (1,), None, (1, 0), (0,)])
+    moved = await steps(rig, 0, [(0,), (0, 1), (1,), None, (1, 0), (0,)])
     async with trainer.between_steps():
         await trainer.resize((0,))
         await trainer.load_checkpoint(start)
-    fixed = await steps(trainer, 0, [(0,), (0,), (0,), (0,), (0,)])
+    fixed = await steps(rig, 0, [(0,), (0,), (0,), (0,), (0,)])
     np.testing.assert_allclose(moved, fixed, rtol=1e-5)
     assert len(set(np.round(fixed, 6))) > 1, "every step gave the same loss: it proves nothing"
 
 
 async def test_a_saved_state_continues_as_the_trainer_that_wrote_it(
-    trainer: Trainer, tmp_path: Path
+    rig: Rig, tmp_path: Path
 ) -> None:
+    trainer = rig.trainer
     path = str(tmp_path / "mid.pt")
     async with trainer.between_steps():
         await trainer.save_checkpoint(path)
-    ahead = await steps(trainer, 20, [trainer.members or (0,)] * 2)
+    ahead = await steps(rig, 20, [trainer.members or (0,)] * 2)
     async with trainer.between_steps():
         await trainer.load_checkpoint(path)
-    again = await steps(trainer, 20, [trainer.members] * 2)
+    again = await steps(rig, 20, [trainer.members] * 2)
     np.testing.assert_allclose(again, ahead, rtol=1e-6)
 
 
 async def test_bad_input_and_impossible_resizes_are_typed_errors_that_leave_it_training(
-    trainer: Trainer,
+    rig: Rig,
 ) -> None:
+    trainer = rig.trainer
     members = trainer.members
     bad = dict(minibatch(0))
     del bad["loss_mask"]
     with pytest.raises(TrainerError, match="loss_mask"):
-        await step(trainer, bad)
+        await rig.step(bad)
     for impossible in [(0, 0), (5,), ()]:
         with pytest.raises(TrainerError):
             async with trainer.between_steps():
                 await trainer.resize(impossible)
         assert trainer.members == members
-    assert np.isfinite((await step(trainer, minibatch(3))).loss)
+    assert np.isfinite((await rig.step(minibatch(3))).loss)
 
 
 class _Receiver:
@@ -165,8 +167,9 @@ class _Receiver:
 
 
 async def test_sent_weights_arrive_with_their_version(
-    trainer: Trainer, rollout_factory: RolloutFactory
+    rig: Rig, rollout_factory: RolloutFactory
 ) -> None:
+    trainer = rig.trainer
     async with rollout_factory() as engine:
         member = _Receiver(engine)
         with anyio.fail_after(120):

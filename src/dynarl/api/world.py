@@ -82,6 +82,7 @@ class RealWorld:
         self.trainer: Trainer | None = None
         """The actor (after :meth:`start`)."""
         self._trainer_names = [f"trainer-{i}" for i in range(len(self.trainer_devices))]
+        self._trainer_device = dict(zip(self._trainer_names, self.trainer_devices, strict=True))
         self.trainer_workers: list[SlotHandle] = []
         """The trainer's worker processes (after :meth:`start`), in worker order."""
         self.weight_version = 0
@@ -115,9 +116,8 @@ class RealWorld:
     def replica_of(self, worker: InstanceId) -> InstanceId | None:
         """The actor replica (an instance of the model) whose devices hold trainer
         worker ``worker`` now, if any."""
-        try:
-            device = self.trainer_devices[self._trainer_names.index(worker)]
-        except ValueError:
+        device = self._trainer_device.get(worker)
+        if device is None:
             return None
         holder = self.graph.device_owner.get(device)
         if holder is None or holder not in self.graph.instances:

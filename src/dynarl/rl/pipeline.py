@@ -36,7 +36,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from dynarl.control import events as ev
 from dynarl.control.topology import ACTOR, PROMPTS, TO_ACTOR, TO_INFERENCE
-from dynarl.core.ids import EdgeId, GroupId, ItemId
+from dynarl.core.ids import GroupId, ItemId
 from dynarl.data.placement import RoutedResult
 from dynarl.data.router import Router
 from dynarl.data.wire import Item
@@ -144,11 +144,6 @@ class Pipeline:
         self.tokenizer: Any = tokenizer  # transformers' (kept untyped: no torch here)
         self.uses_inference = uses_inference
         self.on_progress = on_progress or (lambda p: None)
-
-    @property
-    def after_rollout(self) -> EdgeId:
-        """The edge a finished response goes on next."""
-        return TO_INFERENCE if self.uses_inference else TO_ACTOR
 
     async def run(self, iteration: int) -> IterationStats:
         """Run iteration ``iteration`` and return what it measured."""

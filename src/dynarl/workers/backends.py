@@ -14,7 +14,7 @@ import importlib
 import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 from dynarl.core.errors import ConfigError
 from dynarl.workers.config import ActorConfig, InferenceConfig, ModelConfig, RolloutConfig
@@ -53,36 +53,32 @@ class Backend:
     note: str = ""
 
 
+_TORCH = Backend(requires=("torch", "transformers"), extra="torch", built=True, max_tp=1)
+
+
+def _planned(extra: str, requires: str, what: str, field: str) -> Backend:
+    return Backend(
+        requires=(requires,),
+        extra=extra,
+        built=False,
+        note=f"the {what} is not built yet in this version; use {field}=torch",
+    )
+
+
 BACKENDS: Mapping[Role, Mapping[str, Backend]] = {
     "rollout": {
-        "torch": Backend(requires=("torch", "transformers"), extra="torch", built=True, max_tp=1),
-        "sglang": Backend(
-            requires=("sglang",),
-            extra="sglang",
-            built=False,
-            note="the SGLang adapter is not built yet in this version; use "
-            "rollout.backend=torch",
-        ),
+        "torch": _TORCH,
+        "sglang": _planned("sglang", "sglang", "SGLang adapter", "rollout.backend"),
     },
     "inference": {
-        "torch": Backend(requires=("torch", "transformers"), extra="torch", built=True, max_tp=1),
-        "megatron": Backend(
-            requires=("megatron.core",),
-            extra="megatron",
-            built=False,
-            note="the Megatron-core backend is not built yet in this version; use "
-            "inference.backend=torch",
+        "torch": _TORCH,
+        "megatron": _planned(
+            "megatron", "megatron.core", "Megatron-core backend", "inference.backend"
         ),
     },
     "actor": {
-        "torch": Backend(requires=("torch", "transformers"), extra="torch", built=True, max_tp=1),
-        "megatron": Backend(
-            requires=("megatron.core",),
-            extra="megatron",
-            built=False,
-            note="the Megatron-core backend is not built yet in this version; use "
-            "actor.backend=torch",
-        ),
+        "torch": _TORCH,
+        "megatron": _planned("megatron", "megatron.core", "Megatron-core backend", "actor.backend"),
     },
 }
 """Every backend, by role and name."""
@@ -198,25 +194,24 @@ def check(role: Role, section: RolloutConfig | InferenceConfig | ActorConfig) ->
     return backend
 
 
+def _load(role: Role, section: RolloutConfig | InferenceConfig | ActorConfig) -> object:
+    check(role, section)
+    return _LOADERS[section.backend]()
+
+
 def rollout_backend(section: RolloutConfig) -> RolloutBackend:
     """The rollout backend ``section.backend`` names (checked, then imported)."""
-    check("rollout", section)
-    backend: RolloutBackend = _LOADERS[section.backend]()  # type: ignore[assignment]
-    return backend
+    return cast(RolloutBackend, _load("rollout", section))
 
 
 def inference_backend(section: InferenceConfig) -> InferenceBackend:
     """The inference backend ``section.backend`` names (checked, then imported)."""
-    check("inference", section)
-    backend: InferenceBackend = _LOADERS[section.backend]()  # type: ignore[assignment]
-    return backend
+    return cast(InferenceBackend, _load("inference", section))
 
 
 def trainer_backend(section: ActorConfig) -> TrainerBackend:
     """The trainer backend ``section.backend`` names (checked, then imported)."""
-    check("actor", section)
-    backend: TrainerBackend = _LOADERS[section.backend]()  # type: ignore[assignment]
-    return backend
+    return cast(TrainerBackend, _load("actor", section))
 
 
 def preload_modules(*sections: RolloutConfig | InferenceConfig | ActorConfig) -> tuple[str, ...]:

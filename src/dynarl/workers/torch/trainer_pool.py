@@ -23,7 +23,6 @@ from typing import Any, Protocol
 
 import anyio
 import msgspec
-import numpy as np
 
 from dynarl.data.errors import DataPlaneError
 from dynarl.workers.errors import ReshardError, TrainerError, WeightSyncError
@@ -194,17 +193,6 @@ class TrainerPool:
         )
         assert isinstance(replies[0], StepDone)
         return replies[0].metrics
-
-    async def train_iteration(self, batch: Minibatch, n_minibatches: int) -> list[StepMetrics]:
-        """``n_minibatches`` optimizer steps over ``batch`` cut into contiguous
-        minibatches in order (resize between steps with :meth:`train_step`)."""
-        num = len(next(iter(batch.values())))
-        splits = np.array_split(np.arange(num), n_minibatches)
-        return [
-            await self.train_step({k: v[s[0] : s[-1] + 1] for k, v in batch.items()})
-            for s in splits
-            if len(s)
-        ]
 
     async def resize(
         self,
