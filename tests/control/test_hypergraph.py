@@ -153,6 +153,24 @@ def test_tool_call_takes_item_out_of_its_engine_and_back_to_the_queue() -> None:
     g.check()
 
 
+def test_a_session_its_environment_ends_in_a_tool_call_completes_on_its_last_engine() -> None:
+    g = make_graph()
+    g.apply(ev.ItemsEnqueued(edge=PROMPTS, items=refs(1)))
+    g.apply(ev.ItemRouted(edge=PROMPTS, item=ItemId("i0"), instance=InstanceId("rollout-1")))
+    g.apply(ev.ToolCallStarted(edge=PROMPTS, item=ItemId("i0"), instance=InstanceId("rollout-1")))
+    with pytest.raises(EventError):  # not the engine that served it
+        g.apply(ev.ItemCompleted(edge=PROMPTS, item=ItemId("i0"), instance=InstanceId("rollout-0")))
+    g.apply(
+        ev.ItemCompleted(
+            edge=PROMPTS, item=ItemId("i0"), instance=InstanceId("rollout-1"), num_tokens=40
+        )
+    )
+    edge = g.edges[PROMPTS]
+    assert not edge.items and edge.num_in_tool == 0 and edge.num_completed == 1
+    assert g.components[ROLLOUT].tokens_completed_iter == 40
+    g.check()
+
+
 def test_engine_stats_track_time_below_u_low() -> None:
     g = make_graph(u_low=0.2)
     node = g.instances[InstanceId("rollout-0")]

@@ -248,6 +248,29 @@ async def test_sessions_stick_to_the_engine_holding_their_prefix(inproc: Net) ->
     c.graph.check()
 
 
+async def test_an_environment_ends_a_session_out_on_a_tool_call(inproc: Net) -> None:
+    async def serve(link: WorkerLink) -> None:
+        await echo(link, status=lambda it: "tool_call")
+
+    async with cluster(inproc, [], all_instances=["w0"]) as c:
+        c.add_worker("w0", serve=serve)
+        await c.router.wait_for_instances(1)
+        await c.router.submit([item(k, affinity="prefer") for k in range(4)])
+        turns = await c.collect(4)
+        for d in turns[:2]:
+            await c.router.resume(d.item.id, d.result.payload + b"+tool")
+        for d in turns[2:]:
+            c.router.finish(d.item.id)
+        with pytest.raises(RoutingError):
+            c.router.finish(turns[2].item.id)  # already over
+        for d in await c.collect(2):
+            c.router.finish(d.item.id)
+        assert c.router.statistics().num_pending == 0
+    completed = c.graph.of(ev.ItemCompleted)
+    assert len(completed) == 4 and {e.instance for e in completed} == {"w0"}
+    c.graph.check()
+
+
 async def test_a_session_moves_when_its_engine_has_no_room(inproc: Net) -> None:
     async with cluster(
         inproc,

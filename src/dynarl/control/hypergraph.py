@@ -287,17 +287,25 @@ class Hypergraph:
     def _on_item_completed(self, e: ev.ItemCompleted) -> None:
         edge = self._edge(e.edge)
         st = self._item(edge, e.item)
-        if st.owner != e.instance:
+        if st.owner == TOOL and st.last_instance == e.instance:
+            # A multi-turn session its environment ended while it was out of its
+            # engine: it completes where it last ran.
+            edge.num_in_tool -= 1
+            edge.progress_parked -= st.generated
+            component = edge.spec.consumers[0]  # its engine may have left meanwhile
+        elif st.owner != e.instance:
             raise EventError(f"{e.instance!r} completed {e.item!r} but {st.owner!r} holds it")
-        node = self.instances[e.instance]
-        if self.components[node.component].spec.kind == "rollout":
-            node.settle(st, e.num_tokens)
-        self._take(node, st, e.time_s)
+        else:
+            node = self.instances[e.instance]
+            component = node.component
+            if self.components[component].spec.kind == "rollout":
+                node.settle(st, e.num_tokens)
+            self._take(node, st, e.time_s)
         del edge.items[e.item]
         edge.num_completed += 1
         edge.tokens_completed += e.num_tokens
         edge.tokens_pending -= max(st.tokens, 1)
-        hn = self.components[node.component]
+        hn = self.components[component]
         hn.work_completed += e.num_tokens if hn.spec.kind == "rollout" else self.item_work(st)
         hn.items_completed += 1
         hn.tokens_completed += e.num_tokens

@@ -166,6 +166,25 @@ class Placement:
             msgspec.structs.replace(item, payload=payload, tool_calls=item.tool_calls + 1), now
         )
 
+    def finish(self, item_id: ItemId, now: float) -> None:
+        """A session out on a tool call is over (its environment ended it): it completes
+        on the instance that served its last turn, with every turn's tokens."""
+        item = self.in_tool.pop(item_id, None)
+        if item is None:
+            raise RoutingError(f"item {item_id!r} is not out on a tool call")
+        assert item.instance is not None, "a session in a tool call was served"
+        self.pending.discard(item_id)
+        self.num_completed += 1
+        self.emit(
+            ev.ItemCompleted(
+                time_s=now,
+                edge=item.edge,
+                item=item_id,
+                instance=item.instance,
+                num_tokens=self.generated_tokens.pop(item_id, 0),
+            )
+        )
+
     def on_result(self, w: WorkerState, r: wire.ItemResult, now: float) -> RoutedResult | None:
         """Apply one result from ``w``; the completion to hand to the caller, if any.
         Raises :class:`RoutingError` if ``w`` does not hold the item (a stale result)."""

@@ -163,6 +163,11 @@ class Router:
             await self._wait_backlog_space()
         self._placement.resume(item_id, payload, self._clock.now(), latency_s=latency_s, ok=ok)
 
+    def finish(self, item_id: ItemId) -> None:
+        """End a session that is out on a tool call: its environment says the episode
+        is over. It completes (``ItemCompleted``) on the instance of its last turn."""
+        self._placement.finish(item_id, self._clock.now())
+
     async def _wait_backlog_space(self) -> None:
         self._backlog_space = anyio.Event()
         await self._backlog_space.wait()
