@@ -22,7 +22,7 @@ and left out of training instead of being scored 0. Any other exception escaping
 traceback logged.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NotRequired, Protocol, TypedDict
 
 import msgspec
@@ -94,7 +94,7 @@ class StepResult(msgspec.Struct, frozen=True, kw_only=True):
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
 
 
-class EnvironmentFailure(DynaRLError):
+class EnvironmentFailure(DynaRLError):  # noqa: N818 (EnvironmentError is OSError's)
     """The environment's infrastructure failed (a sandbox died, a service is down): the
     episode is aborted and not scored. Raise it from :meth:`Environment.step` or
     :meth:`Environment.reset`; never for a mistake of the policy's, which goes back to
@@ -155,7 +155,7 @@ class EnvironmentSpec(msgspec.Struct, frozen=True, kw_only=True):
     name: str = "environment"
 
 
-def episode_metrics(per_turn: list[Mapping[str, float]]) -> dict[str, float]:
+def episode_metrics(per_turn: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """An episode's metrics: each key summed over its turns."""
     out: dict[str, float] = {}
     for metrics in per_turn:

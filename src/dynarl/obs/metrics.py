@@ -53,6 +53,10 @@ class IterationStats(msgspec.Struct, frozen=True, kw_only=True):
         device_s: device-seconds each component held during the iteration.
         allocation: devices per component when the iteration ended.
         migrations: the migrations that finished during the iteration.
+        episodes: multi-turn runs: per-episode means of the environment's metrics
+            (``turns``, ``tool_calls``, ``tool_errors``, ``parse_errors``, ``tool_s``,
+            ...), ``tool_call_rate`` (episodes with a tool call), and the counts
+            ``truncated`` and ``aborted`` (infrastructure failures, not scored).
     """
 
     iteration: int
@@ -70,6 +74,7 @@ class IterationStats(msgspec.Struct, frozen=True, kw_only=True):
     device_s: dict[str, float] = msgspec.field(default_factory=dict)
     allocation: dict[str, int] = msgspec.field(default_factory=dict)
     migrations: list[MigrationRecord] = msgspec.field(default_factory=list)
+    episodes: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class DeviceMeter:

@@ -12,7 +12,8 @@ field                     dtype        meaning (``[batch, seq]`` unless noted)
 ========================  ===========  =================================================
 ``input_ids``             int64        prompt + response, right-padded
 ``attention_mask``        int64        1 on real tokens
-``loss_mask``             float32      1 on response tokens
+``loss_mask``             float32      1 on response tokens the policy sampled (0 on a
+                                       multi-turn episode's observations)
 ``old_logprobs``          float32      behaviour log-prob of each response token, else 0
 ``advantages``            float32      ``[batch]``: one per sequence
 ``ref_logprobs``          float32      reference log-probs (only if every trajectory
@@ -51,6 +52,8 @@ class Trajectory(msgspec.Struct, frozen=True, kw_only=True):
         advantage: filled in by :func:`with_advantages`.
         ref_logprobs: reference-policy log-probs of the output tokens, for a KL term.
         weight_version: oldest weight version that generated any of its tokens.
+        output_mask: 1 on output tokens the policy sampled, 0 on observations (tool
+            results) between a multi-turn episode's turns; ``None``: all sampled.
     """
 
     group_id: int
@@ -61,9 +64,15 @@ class Trajectory(msgspec.Struct, frozen=True, kw_only=True):
     advantage: float = 0.0
     ref_logprobs: tuple[float, ...] | None = None
     weight_version: int = 0
+    output_mask: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.output_ids)
+        if self.output_mask is not None and len(self.output_mask) != n:
+            raise BatchError(
+                f"a trajectory of group {self.group_id} has {n} output tokens but a mask "
+                f"of {len(self.output_mask)}; give one mask value per output token"
+            )
         if len(self.old_logprobs) != n or (
             self.ref_logprobs is not None and len(self.ref_logprobs) != n
         ):
@@ -128,7 +137,7 @@ def to_arrays(trajectories: Sequence[Trajectory], *, pad_token_id: int = 0) -> A
         input_ids[row, :start] = t.prompt_ids
         input_ids[row, start:stop] = t.output_ids
         attention_mask[row, :stop] = 1
-        loss_mask[row, start:stop] = 1.0
+        loss_mask[row, start:stop] = 1.0 if t.output_mask is None else t.output_mask
         old_logprobs[row, start:stop] = t.old_logprobs
         if with_ref and t.ref_logprobs is not None:
             ref_logprobs[row, start:stop] = t.ref_logprobs

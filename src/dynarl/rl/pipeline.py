@@ -19,6 +19,11 @@ whole groups in the order they finish, during the rollout tail (``completion``).
 starts once the :class:`~dynarl.rl.gate.StepGate` opens. Then the engines get the new
 weights.
 
+With an environment (a multi-turn task), each sample is an episode played by the
+:class:`~dynarl.rl.episode_runner.EpisodeRunner`: its turns go back and forth between
+the engines and the environment (the run's tool component) as router sessions, and
+its reward is the environment's; the rest of the pipeline is the same.
+
 The driver reports the iteration's boundaries and the actor's steps through the
 :class:`~dynarl.rl.reporter.EventReporter`, which also carries the router's events.
 """
@@ -32,14 +37,16 @@ from typing import Any, Protocol
 import anyio
 import msgspec
 import numpy as np
-from anyio.abc import ObjectReceiveStream, ObjectSendStream
+from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup, TaskStatus
 
 from dynarl.control import events as ev
 from dynarl.control.topology import ACTOR, PROMPTS, TO_ACTOR, TO_INFERENCE
-from dynarl.core.ids import GroupId, ItemId
+from dynarl.core.ids import EdgeId, GroupId, ItemId
 from dynarl.data.placement import RoutedResult
 from dynarl.data.router import Router
 from dynarl.data.wire import Item
+from dynarl.envs.config import EnvConfig
+from dynarl.envs.environment import EnvironmentSpec
 from dynarl.envs.prompts import PromptSampler
 from dynarl.envs.verifier import AsyncVerifier
 from dynarl.obs.metrics import IterationStats
@@ -49,6 +56,8 @@ from dynarl.rl.batch import (
     to_arrays,
 )
 from dynarl.rl.config import AlgorithmConfig
+from dynarl.rl.episode import Episode
+from dynarl.rl.episode_runner import EpisodeRunner
 from dynarl.rl.gate import StepGate
 from dynarl.rl.reporter import EventReporter
 from dynarl.rl.requests import group_requests, prompt_ids, response_text
@@ -64,6 +73,10 @@ logger = logging.getLogger(__name__)
 _ENCODER = msgspec.msgpack.Encoder()
 _COMPLETION = msgspec.msgpack.Decoder(Completion)
 _LOGPROBS = msgspec.msgpack.Decoder(LogprobResult)
+
+_Inbound = list[RoutedResult] | Episode
+"""What the result stage hears: a batch of the router's results, or an episode the
+runner finished."""
 
 
 class Progress(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,6 +125,10 @@ class Pipeline:
         uses_inference: old log-probs come from inference instances (else from the
             engines' own, which equal them).
         on_progress: sees the iteration's progress as it happens.
+        environment: a multi-turn environment whose episodes are the samples (else
+            single-turn responses scored by ``verifier``).
+        env: the episodes' limits (with ``environment``).
+        max_seq_len: the model's longest context (with ``environment``).
     """
 
     def __init__(
@@ -130,6 +147,9 @@ class Pipeline:
         tokenizer: Any,
         uses_inference: bool,
         on_progress: Callable[[Progress], None] | None = None,
+        environment: EnvironmentSpec | None = None,
+        env: EnvConfig | None = None,
+        max_seq_len: int = 0,
     ) -> None:
         self.algorithm = algorithm
         self.rollout = rollout
@@ -144,6 +164,9 @@ class Pipeline:
         self.tokenizer: Any = tokenizer  # transformers' (kept untyped: no torch here)
         self.uses_inference = uses_inference
         self.on_progress = on_progress or (lambda p: None)
+        self.environment = environment
+        self.env = env or EnvConfig()
+        self.max_seq_len = max_seq_len
 
     async def run(self, iteration: int) -> IterationStats:
         """Run iteration ``iteration`` and return what it measured."""
@@ -159,11 +182,18 @@ class _Iteration:
         self.started = time.perf_counter()
         algo = pipeline.algorithm
         self.prompts = pipeline.sampler.take(algo.num_prompts)
-        ids = [prompt_ids(pipeline.tokenizer, prompt) for prompt in self.prompts]
+        if pipeline.environment is None:
+            ids = [prompt_ids(pipeline.tokenizer, prompt) for prompt in self.prompts]
+        else:  # an episode's first prompt is what its environment's reset says
+            ids = [() for _ in self.prompts]
         self.requests = group_requests(
             algo, pipeline.rollout, ids, seed=pipeline.seed, iteration=iteration
         )
-        self.samples = Samples(self.requests, algo.group_size, needs_scores=pipeline.uses_inference)
+        self.samples = Samples(
+            [r.request_id for r in self.requests],
+            algo.group_size,
+            needs_scores=pipeline.uses_inference,
+        )
         self.group_of = {
             rid: GroupId(f"{iteration}/{group}") for rid, group in self.samples.group_of.items()
         }
@@ -173,37 +203,58 @@ class _Iteration:
         self.trained = anyio.Event()
         self.losses: list[float] = []
         self.norms: list[float] = []
+        self.runner: EpisodeRunner | None = None
+        self.pump = anyio.CancelScope()  # the router's results into the result stage
+        self.tg: TaskGroup | None = None
 
     async def run(self) -> IterationStats:
         p, n = self.p, len(self.requests)
         p.reporter.forget()
         p.reporter(ev.IterationStarted(iteration=self.iteration))
-        items = [
-            Item(
-                id=ItemId(r.request_id),
-                group=self.group_of[r.request_id],
-                edge=PROMPTS,
-                payload=_ENCODER.encode(r),
-                tokens=len(r.prompt_ids),
-            )
-            for r in self.requests
-        ]
-        responses_send, responses = anyio.create_memory_object_stream[list[Completion]](n)
-        to_score_send, to_score = anyio.create_memory_object_stream[list[Completion]](n)
+        responses_send, responses = anyio.create_memory_object_stream[list[Episode]](n)
+        to_score_send, to_score = anyio.create_memory_object_stream[list[Episode]](n)
         facts_send, facts = anyio.create_memory_object_stream[Rewarded | Scored](2 * n)
         ready_send, ready = anyio.create_memory_object_stream[int](p.algorithm.num_prompts)
+        inbox_send, inbox = anyio.create_memory_object_stream[_Inbound](n)
         if not p.uses_inference:
             to_score_send.close()
             to_score.close()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._route_results, responses_send, to_score_send, facts_send.clone())
-            tg.start_soon(self._reward, responses, facts_send.clone())
-            if p.uses_inference:
-                tg.start_soon(self._to_inference, to_score)
-            facts_send.close()
-            tg.start_soon(self._collect, facts, ready_send)
-            tg.start_soon(self._train, ready)
-            await p.router.submit(items)
+        runner = None
+        if p.environment is not None:
+            responses_send.close()  # the environment rewards its episodes itself
+            responses.close()
+            runner = EpisodeRunner(
+                spec=p.environment,
+                limits=p.env,
+                max_seq_len=p.max_seq_len,
+                tokenizer=p.tokenizer,
+                router=p.router,
+                finished=inbox_send.clone(),
+            )
+        try:
+            async with anyio.create_task_group() as tg:
+                self.pump = await tg.start(self._pump, inbox_send)
+                self.tg, self.runner = tg, runner
+                tg.start_soon(
+                    self._route_results, inbox, responses_send, to_score_send, facts_send.clone()
+                )
+                if runner is None:
+                    tg.start_soon(self._reward, responses, facts_send.clone())
+                if p.uses_inference:
+                    tg.start_soon(self._to_inference, to_score)
+                facts_send.close()
+                tg.start_soon(self._collect, facts, ready_send)
+                tg.start_soon(self._train, ready)
+                if runner is None:
+                    await p.router.submit(self._request_items())
+                else:
+                    async with runner.finished, anyio.create_task_group() as starts:
+                        for r in self.requests:
+                            prompt = self.prompts[self.samples.group_of[r.request_id]]
+                            starts.start_soon(runner.start, r, prompt, self.group_of[r.request_id])
+        finally:
+            if runner is not None:
+                await runner.aclose()
         self.stage_s["score"] = self.samples.busy_s
         self.stage_s["train"] = self.train_s
 
@@ -214,10 +265,26 @@ class _Iteration:
         p.reporter(ev.IterationDone(iteration=self.iteration))
         return self._stats(time.perf_counter() - self.started)
 
+    def _request_items(self) -> list[Item]:
+        """The single-turn rollout requests as router items."""
+        return [
+            Item(
+                id=ItemId(r.request_id),
+                group=self.group_of[r.request_id],
+                edge=PROMPTS,
+                payload=_ENCODER.encode(r),
+                tokens=len(r.prompt_ids),
+            )
+            for r in self.requests
+        ]
+
     def _stats(self, elapsed: float) -> IterationStats:
         samples = self.samples
-        rewards = np.array([samples.rewards[r.request_id] for r in self.requests])
-        gen_tokens = sum(len(c.output_ids) for c in samples.completions.values())
+        scored = [
+            rid for rid in samples.ids if samples.completions[rid].end != "aborted"
+        ] or samples.ids
+        rewards = np.array([samples.rewards[rid] for rid in scored])
+        gen_tokens = sum(c.num_sampled for c in samples.completions.values())
         return IterationStats(
             iteration=self.iteration,
             mean_reward=float(rewards.mean()),
@@ -231,38 +298,64 @@ class _Iteration:
             weight_version=self.iteration + 1,
             stage_s=self.stage_s,
             elapsed_s=elapsed,
+            episodes=_episode_stats(list(samples.completions.values()))
+            if self.p.environment is not None
+            else {},
         )
 
     # ------------------------------------------------------------------ stages
 
+    async def _pump(
+        self,
+        inbox: ObjectSendStream[_Inbound],
+        *,
+        task_status: TaskStatus[anyio.CancelScope] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """The router's results into the result stage's inbox, until cancelled."""
+        with anyio.CancelScope() as scope:
+            task_status.started(scope)
+            async with inbox:
+                while True:
+                    await inbox.send(await self.p.router.receive_batch())
+
     async def _route_results(
         self,
-        responses: ObjectSendStream[list[Completion]],
-        to_score: ObjectSendStream[list[Completion]],
+        inbox: ObjectReceiveStream[_Inbound],
+        responses: ObjectSendStream[list[Episode]],
+        to_score: ObjectSendStream[list[Episode]],
         facts: ObjectSendStream[Rewarded | Scored],
     ) -> None:
         """The router's results, by edge: responses to the reward and inference
-        stages, log-probs to the collector (those streams close once every sample is
-        through them), trained samples to the step that waits for them; until the
-        iteration's last is in."""
-        p, n = self.p, len(self.requests)
+        stages, a multi-turn session's ended turn to its environment, log-probs to the
+        collector (those streams close once every sample is through them), trained
+        samples to the step that waits for them; until the iteration's last is in."""
+        p, n, runner = self.p, len(self.requests), self.runner
         expected = {PROMPTS: n, TO_INFERENCE: n if p.uses_inference else 0, TO_ACTOR: n}
         received = dict.fromkeys(expected, 0)
         async with contextlib.AsyncExitStack() as upstream:
+            upstream.callback(self.pump.cancel)
+            await upstream.enter_async_context(inbox)
             for stream in (responses, to_score, facts):
                 await upstream.enter_async_context(stream)
             while received != expected:
-                chunk, scored, trained = _split(await p.router.receive_batch())
+                got = await inbox.receive()
+                if isinstance(got, Episode):
+                    chunk: list[Episode] = [got]
+                    turns: list[RoutedResult] = []
+                    scored: list[LogprobResult] = []
+                    trained: list[ItemId] = []
+                else:
+                    chunk, turns, scored, trained = _split(got)
+                for turn in turns:
+                    assert runner is not None, "only episodes' turns go to environments"
+                    assert self.tg is not None
+                    self.tg.start_soon(runner.turn_ended, turn)
                 received[PROMPTS] += len(chunk)
                 received[TO_INFERENCE] += len(scored)
                 received[TO_ACTOR] += len(trained)
                 self._trained(trained)
                 if chunk:
-                    for completion in chunk:
-                        self.samples.completed(completion)
-                    await responses.send(chunk)
-                    if p.uses_inference:
-                        await to_score.send(chunk)
+                    await self._responded(chunk, responses, to_score, facts, expected)
                     p.on_progress(
                         Progress(
                             iteration=self.iteration,
@@ -278,6 +371,29 @@ class _Iteration:
                 if (received[PROMPTS], received[TO_INFERENCE]) == (n, expected[TO_INFERENCE]):
                     await upstream.aclose()  # every sample is through them
 
+    async def _responded(
+        self,
+        chunk: list[Episode],
+        responses: ObjectSendStream[list[Episode]],
+        to_score: ObjectSendStream[list[Episode]],
+        facts: ObjectSendStream[Rewarded | Scored],
+        expected: dict[EdgeId, int],
+    ) -> None:
+        """Finished samples: to the verifier (single-turn) or rewarded by their
+        environment, and to inference. An episode that never reached an engine (its
+        environment failed to start) has nothing to score."""
+        for sample in chunk:
+            self.samples.completed(sample)
+        if self.p.environment is None:
+            await responses.send(chunk)
+        else:
+            await facts.send(Rewarded({e.request_id: e.reward or 0.0 for e in chunk}))
+        if self.p.uses_inference:
+            routed = [e for e in chunk if e.num_turns]
+            expected[TO_INFERENCE] -= len(chunk) - len(routed)
+            if routed:
+                await to_score.send(routed)
+
     def _trained(self, ids: Sequence[ItemId]) -> None:
         """The router delivered these samples back from the trainer's ranks."""
         self.training.difference_update(ids)
@@ -286,13 +402,13 @@ class _Iteration:
 
     async def _reward(
         self,
-        responses: ObjectReceiveStream[list[Completion]],
+        responses: ObjectReceiveStream[list[Episode]],
         facts: ObjectSendStream[Rewarded | Scored],
     ) -> None:
         """The verifier's reward of each response, off the event loop."""
         p = self.p
 
-        async def one(chunk: list[Completion]) -> None:
+        async def one(chunk: list[Episode]) -> None:
             pairs = [
                 (self.prompts[self.samples.group_of[c.request_id]], response_text(p.tokenizer, c))
                 for c in chunk
@@ -305,13 +421,13 @@ class _Iteration:
             async for chunk in responses:
                 tg.start_soon(one, chunk)
 
-    async def _to_inference(self, to_score: ObjectReceiveStream[list[Completion]]) -> None:
+    async def _to_inference(self, to_score: ObjectReceiveStream[list[Episode]]) -> None:
         """Finished responses to the inference instances, through the router."""
         async with to_score:
             async for chunk in to_score:
                 await self.p.router.submit([self._sample_item(c) for c in chunk])
 
-    def _sample_item(self, c: Completion) -> Item:
+    def _sample_item(self, c: Episode) -> Item:
         request = LogprobRequest(
             item_id=c.request_id,
             token_ids=c.prompt_ids + c.output_ids,
@@ -372,9 +488,7 @@ class _Iteration:
         p.weights.trainer_moves_ahead()
         arrays = to_arrays(minibatch, pad_token_id=pad)
         groups = [self.group_of[i] for i in ids]
-        items, shards = shard_items(
-            arrays, ids, groups, p.trainer.rank_instances(), edge=TO_ACTOR
-        )
+        items, shards = shard_items(arrays, ids, groups, p.trainer.rank_instances(), edge=TO_ACTOR)
         self.training, self.trained = set(ids), anyio.Event()
         t0 = time.perf_counter()
         await p.router.submit(items)
@@ -397,16 +511,37 @@ class _Iteration:
 
 def _split(
     done: Sequence[RoutedResult],
-) -> tuple[list[Completion], list[LogprobResult], list[ItemId]]:
-    """The router's results by edge, decoded: responses, log-probs, trained samples."""
-    responses, scored, trained = [], [], []
+) -> tuple[list[Episode], list[RoutedResult], list[LogprobResult], list[ItemId]]:
+    """The router's results by edge, decoded: responses, multi-turn sessions whose turn
+    ended, log-probs, trained samples."""
+    responses, turns, scored, trained = [], [], [], []
     for d in done:
         if d.item.edge == PROMPTS:
-            responses.append(_COMPLETION.decode(d.result.payload))
+            if d.result.status == "tool_call":
+                turns.append(d)
+            else:
+                responses.append(Episode.of_completion(_COMPLETION.decode(d.result.payload)))
         elif d.item.edge == TO_INFERENCE:
             scored.append(_LOGPROBS.decode(d.result.payload))
         elif d.item.edge == TO_ACTOR:
             trained.append(d.item.id)
         else:
             logger.error("result of item %s on unexpected edge %s", d.item.id, d.item.edge)
-    return responses, scored, trained
+    return responses, turns, scored, trained
+
+
+def _episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
+    """An iteration's episode metrics: per-episode means of each metric over the
+    scored episodes, the tool-call rate, and the truncated and aborted counts."""
+    scored = [e for e in episodes if e.end != "aborted"]
+    out: dict[str, float] = {
+        "truncated": float(sum(e.end == "truncated" for e in episodes)),
+        "aborted": float(len(episodes) - len(scored)),
+    }
+    if not scored:
+        return out
+    keys = sorted({k for e in scored for k in e.metrics})
+    for key in keys:
+        out[key] = float(np.mean([e.metrics.get(key, 0.0) for e in scored]))
+    out["tool_call_rate"] = float(np.mean([e.metrics.get("tool_calls", 0.0) > 0 for e in scored]))
+    return out

@@ -12,6 +12,7 @@ import numpy as np
 
 from dynarl.envs.prompts import Prompt
 from dynarl.rl.config import AlgorithmConfig
+from dynarl.rl.episode import Episode
 from dynarl.workers.config import RolloutConfig
 from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams
 
@@ -24,7 +25,7 @@ def prompt_ids(tokenizer: Any, prompt: Prompt) -> tuple[int, ...]:
     return tuple(([] if bos is None else [bos]) + list(ids))
 
 
-def response_text(tokenizer: Any, completion: Completion) -> str:
+def response_text(tokenizer: Any, completion: Completion | Episode) -> str:
     """The response text the verifier sees: the output without its final EOS."""
     ids = list(completion.output_ids)
     if completion.finish_reason == "stop" and ids:

@@ -66,6 +66,9 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
         output_logprobs: log-probs of ``output_ids``, one each.
         weight_version: oldest weight version that generated any of ``output_ids``
             (``None`` while there are none).
+        multi_turn: a turn of a multi-turn episode: when it finishes, its item goes
+            back to its environment as a session (status ``tool_call``) that returns
+            for its next turn, instead of completing.
     """
 
     request_id: str
@@ -74,6 +77,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     priority: int = 0
     tool_calls: int = 0
     stream: bool = False
+    multi_turn: bool = False
     output_ids: tuple[int, ...] = ()
     output_logprobs: tuple[float, ...] = ()
     weight_version: int | None = None

@@ -1,7 +1,8 @@
 """Where a rollout request's outcome goes, in a slot process: back to a streamed
 ``Generate`` call (:class:`CallSink`), or to the data router as the item it came as
 (:class:`ItemSink`: completed with the :class:`~dynarl.workers.rollout.Completion` as its
-payload, or handed back ``aborted`` with the partial request as its payload, which
+payload — a multi-turn episode's turn goes to its environment instead — or handed back
+``aborted`` with the partial request as its payload, which
 another engine resumes). Both implement :class:`~dynarl.workers.rollout.RequestSink`.
 """
 
@@ -72,18 +73,26 @@ class CallSink:
 
 
 class ItemSink:
-    """One item of the data router, served by the engine."""
+    """One item of the data router, served by the engine.
 
-    def __init__(self, link: WorkerLink, item: wire.Item, num_tokens_before: int) -> None:
+    A turn of a multi-turn episode (``multi_turn``) is handed back as a session going
+    to its environment (status ``tool_call``), to return for its next turn; any other
+    request completes the item."""
+
+    def __init__(
+        self, link: WorkerLink, item: wire.Item, num_tokens_before: int, *, multi_turn: bool
+    ) -> None:
         self._link = link
         self._item = item
         self._before = num_tokens_before
+        self._multi_turn = multi_turn
 
     def done(self, completion: Completion) -> None:
-        """Complete the item with the completion as its payload."""
+        """Complete the item (or end its turn) with the completion as its payload."""
         self._link.complete(
             wire.ItemResult(
                 item=self._item.id,
+                status="tool_call" if self._multi_turn else "done",
                 payload=_ENCODER.encode(completion),
                 num_tokens=len(completion.output_ids) - self._before,
             )

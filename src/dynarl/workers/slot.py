@@ -323,7 +323,7 @@ class SlotServer:
                     link.complete(wire.ItemResult(item=item.id, payload=b""))
                     continue
                 request = msgspec.structs.replace(request, request_id=item.id)
-                sink = ItemSink(link, item, len(request.output_ids))
+                sink = ItemSink(link, item, len(request.output_ids), multi_turn=request.multi_turn)
                 try:
                     await engine.submit([request], sink)
                 except BadRequestError as e:

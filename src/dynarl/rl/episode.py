@@ -1,0 +1,64 @@
+"""One finished sample as the pipeline driver keeps it: a single-turn response, or a
+whole multi-turn episode with the mask of the tokens the policy sampled."""
+
+from typing import Literal
+
+import msgspec
+
+from dynarl.workers.rollout import Completion, FinishReason
+
+EpisodeEnd = Literal["done", "truncated", "aborted"]
+"""How an episode ended: its environment said done; a limit ended it (turns, tokens,
+wall time); or the environment's infrastructure failed (not scored, not trained on)."""
+
+
+class Episode(msgspec.Struct, frozen=True, kw_only=True):
+    """A finished sample.
+
+    Attributes:
+        request_id: the sample's id.
+        prompt_ids: the first prompt, as rendered.
+        output_ids: everything after it: sampled turns and, between them, observations.
+        output_logprobs: the engine's log-prob of each sampled token (0 on observations).
+        output_mask: 1 on tokens the policy sampled, 0 on observations; ``None``: all 1
+            (a single-turn response).
+        weight_version: oldest weight version that sampled any of its tokens.
+        reward: the environment's reward (the sum over its turns); ``None`` for a
+            single-turn response, which the verifier scores.
+        num_turns: assistant turns.
+        finish_reason: how its last turn finished.
+        end: how it ended.
+        metrics: the environment's metrics, summed over the turns, and the episode's own
+            (``turns``, ``env_s``).
+    """
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    output_ids: tuple[int, ...]
+    output_logprobs: tuple[float, ...]
+    output_mask: tuple[int, ...] | None = None
+    weight_version: int = 0
+    reward: float | None = None
+    num_turns: int = 1
+    finish_reason: FinishReason = "stop"
+    end: EpisodeEnd = "done"
+    metrics: dict[str, float] = msgspec.field(default_factory=dict)
+
+    @classmethod
+    def of_completion(cls, completion: Completion) -> "Episode":
+        """A single-turn response."""
+        return cls(
+            request_id=completion.request_id,
+            prompt_ids=completion.prompt_ids,
+            output_ids=completion.output_ids,
+            output_logprobs=completion.output_logprobs,
+            weight_version=completion.weight_version,
+            finish_reason=completion.finish_reason,
+        )
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens the policy sampled."""
+        if self.output_mask is None:
+            return len(self.output_ids)
+        return sum(self.output_mask)
