@@ -267,9 +267,14 @@ def test_a_parameter_without_a_type_is_refused_naming_the_tool_and_fix() -> None
 
 
 @pytest.mark.parametrize(
-    ("signature", "match"), [("*args: int", r"takes \*args"), ("**kw: int", r"takes \*\*kw")]
+    ("signature", "match"),
+    [
+        ("*args: int", r"takes \*args"),
+        ("**kw: int", r"takes \*\*kw"),
+        ("x: int, /", r"takes x \(positional-only\)"),
+    ],
 )
-def test_star_parameters_are_refused(signature: str, match: str) -> None:
+def test_parameters_not_passable_by_keyword_are_refused(signature: str, match: str) -> None:
     namespace: dict[str, object] = {}
     exec(f"def f(self, {signature}) -> str:\n    return ''", namespace)
     with pytest.raises(ToolDefinitionError, match=match):

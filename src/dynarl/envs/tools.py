@@ -1,24 +1,14 @@
 """Tools: plain typed methods of an environment that the model may call.
 
-A tool is a method decorated with :func:`tool`; its JSON schema comes from its type
-hints and docstring, so the code is the single source of what the model is told::
-
-    class Search(ToolEnvironment):
-        @tool(timeout_s=10, max_concurrency=4, hidden=("api_key",))
-        async def search(self, query: str, api_key: str, limit: int = 5) -> list[str]:
-            \"\"\"Search the web.
-
-            Args:
-                query: what to look for.
-                limit: how many results to return.
-            \"\"\"
-
-The decorator replaces the method by a :class:`ToolSpec`, which still reads as the
-method on an instance (``env.search(...)`` calls it directly) and, on the class,
-describes the tool: :attr:`ToolSpec.schema` for the chat template,
-:meth:`ToolSpec.validate` for the model's arguments (pydantic, lax mode, unknown
-arguments refused) and :meth:`ToolSpec.call`, which runs it under its limits and turns
-whatever goes wrong by the model's doing into a message for the model.
+``@tool`` (or ``@tool(timeout_s=10, hidden=("api_key",))``) above a method, sync or
+async, makes it a tool whose JSON schema comes from its type hints and docstring (the
+description, and each parameter's from the Args section), so the code is the single
+source of what the model is told. The method becomes a :class:`ToolSpec`, which still
+reads as the method on an instance and, on the class, describes the tool:
+:attr:`ToolSpec.schema` for the chat template, :meth:`ToolSpec.validate` for the
+model's arguments (pydantic, lax mode, unknown arguments refused) and
+:meth:`ToolSpec.call`, which runs it under its limits and turns whatever goes wrong by
+the model's doing into a message for the model.
 """
 
 import contextlib
@@ -37,6 +27,7 @@ import anyio.to_thread
 import docstring_parser
 import msgspec
 import pydantic
+import pydantic.json_schema
 import pydantic_core
 
 from dynarl.core.errors import DynaRLError
@@ -59,10 +50,8 @@ class ToolError(DynaRLError):
 
 
 class ToolDefinitionError(ToolError):
-    """A tool is declared or wired wrongly (an un-annotated parameter, ``*args``, a
-    hidden name that is no parameter, a type pydantic cannot validate, no value for a
-    hidden parameter, an output that cannot be written as text). A bug of the
-    environment's author: the message names the tool and the fix."""
+    """A tool is declared or wired wrongly (say an un-annotated parameter, or no value
+    for a hidden one): a bug of the environment's, the message names the tool and fix."""
 
 
 class ToolArgumentError(ToolError):
@@ -274,7 +263,8 @@ class ToolSpec(Generic[S, P, R]):
         problems = []
         unknown_or_missing = False
         for error in exc.errors(include_url=False):
-            where = _location(error["loc"])
+            first, *rest = error["loc"]  # ("tags", 1) -> tags[1]
+            where = str(first) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in rest)
             if error["type"] == "extra_forbidden":
                 problems.append(f"unexpected argument {where!r}")
                 unknown_or_missing = True
@@ -294,29 +284,22 @@ class ToolSpec(Generic[S, P, R]):
             raise ToolDefinitionError(
                 f"{where}: tool names are 1-64 letters, digits, '_' or '-'; pass name=..."
             )
-        limits = {
-            "timeout_s": self.timeout_s,
-            "max_output_chars": self.max_output_chars,
-            "max_concurrency": self.max_concurrency,
-        }
-        for option, value in limits.items():
-            if value is not None and value <= 0:
+        for option in ("timeout_s", "max_output_chars", "max_concurrency"):
+            if (value := getattr(self, option)) is not None and value <= 0:
                 raise ToolDefinitionError(f"{where}: {option}={value} must be positive or None")
         params = list(self._signature.parameters.values())
         positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         if not params or params[0].kind not in positional:
             raise ToolDefinitionError(f"{where}: a tool is a method; its first parameter is self")
         for param in params[1:]:
-            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-                raise ToolDefinitionError(
-                    f"{where} takes {'*' if param.kind is param.VAR_POSITIONAL else '**'}"
-                    f"{param.name}; list each argument the model may pass as a named, "
-                    "annotated parameter"
+            if param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+                kind = param.kind
+                star = (
+                    "*" if kind is kind.VAR_POSITIONAL else "**" if kind is kind.VAR_KEYWORD else ""
                 )
-            if param.kind is param.POSITIONAL_ONLY:
                 raise ToolDefinitionError(
-                    f"{where}: parameter {param.name!r} is positional-only; tools are called "
-                    "with keyword arguments, so drop the '/'"
+                    f"{where} takes {star}{param.name} ({kind.description}); tools are "
+                    "called by keyword: list each argument as a named, annotated parameter"
                 )
             if param.annotation is param.empty and param.name not in self.hidden:
                 raise ToolDefinitionError(
@@ -344,24 +327,29 @@ class ToolSpec(Generic[S, P, R]):
             ) from exc
         doc = docstring_parser.parse(inspect.getdoc(self.fn) or "")
         described = {param.arg_name: param.description for param in doc.params}
-        fields: dict[str, Any] = {}
-        aliases: dict[str, str] = {}
+        # Fields are named p0, p1, ... with the parameter's name as alias, so a
+        # parameter may be called `json` or `model_x` without clashing with pydantic.
         parameters = list(self._signature.parameters.values())[1:]
         visible = [param for param in parameters if param.name not in self.hidden]
-        for number, param in enumerate(visible):
-            # Fields are named p0, p1, ... and take the parameter's name as alias, so a
-            # parameter may be called `json` or `model_x` without clashing with pydantic.
-            field = f"p{number}"
-            default = ... if param.default is param.empty else param.default
-            info = pydantic.Field(default, alias=param.name, description=described.get(param.name))
-            fields[field] = (hints[param.name], info)
-            aliases[field] = param.name
+        aliases = {f"p{number}": param.name for number, param in enumerate(visible)}
+        fields: dict[str, Any] = {
+            field: (
+                hints[param.name],
+                pydantic.Field(
+                    ... if param.default is param.empty else param.default,
+                    alias=param.name,
+                    description=described.get(param.name),
+                ),
+            )
+            for field, param in zip(aliases, visible, strict=True)
+        }
         config = pydantic.ConfigDict(extra="forbid")
         try:
             model: type[pydantic.BaseModel] = pydantic.create_model(
                 f"{self.name}_arguments", __config__=config, **fields
             )
-            schema = _untitled(model.model_json_schema())
+            schema = model.model_json_schema(schema_generator=_Untitled)
+            del schema["title"]
         except (pydantic.PydanticUserError, TypeError) as exc:
             raise ToolDefinitionError(
                 f"{where}: its parameters cannot be validated ({str(exc).splitlines()[0]}); "
@@ -392,17 +380,7 @@ def tool(
 ) -> Callable[[Callable[Concatenate[S, P], R]], ToolSpec[S, P, R]]: ...
 
 
-def tool(
-    fn: Callable[Concatenate[S, P], R] | None = None,
-    /,
-    *,
-    name: str | None = None,
-    description: str | None = None,
-    timeout_s: float | None = None,
-    max_output_chars: int | None = DEFAULT_MAX_OUTPUT_CHARS,
-    max_concurrency: int | None = None,
-    hidden: str | Iterable[str] = (),
-) -> ToolSpec[S, P, R] | Callable[[Callable[Concatenate[S, P], R]], ToolSpec[S, P, R]]:
+def tool(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     """Make a method (sync or async) a tool, as ``@tool`` or ``@tool(...)``.
 
     Args:
@@ -418,18 +396,7 @@ def tool(
             their values per episode (a secret, a sandbox handle).
     """
 
-    def wrap(method: Callable[Concatenate[S, P], R]) -> ToolSpec[S, P, R]:
-        return ToolSpec(
-            method,
-            name=name,
-            description=description,
-            timeout_s=timeout_s,
-            max_output_chars=max_output_chars,
-            max_concurrency=max_concurrency,
-            hidden=hidden,
-        )
-
-    return wrap if fn is None else wrap(fn)
+    return functools.partial(ToolSpec, **options) if fn is None else ToolSpec(fn, **options)
 
 
 def tools_of(obj: object) -> Mapping[str, AnyToolSpec]:
@@ -456,29 +423,9 @@ def tools_of(obj: object) -> Mapping[str, AnyToolSpec]:
     return types.MappingProxyType(by_name)
 
 
-def _location(loc: tuple[int | str, ...]) -> str:
-    """``("items", 2, "x")`` as ``items[2].x``."""
-    text = str(loc[0]) if loc else ""
-    for part in loc[1:]:
-        text += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return text
+class _Untitled(pydantic.json_schema.GenerateJsonSchema):
+    """JSON schemas without the titles pydantic makes up from field names (noise in a
+    tool prompt)."""
 
-
-def _untitled(schema: dict[str, Any]) -> dict[str, Any]:
-    """``schema`` without pydantic's generated ``title``s (noise in a tool prompt);
-    property names called ``title`` are kept."""
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key == "title" and isinstance(value, str):
-            continue
-        if key in ("default", "const", "enum", "examples"):
-            out[key] = value  # values, not schemas
-        elif key in ("properties", "$defs") and isinstance(value, dict):
-            out[key] = {name: _untitled(sub) for name, sub in value.items()}
-        elif isinstance(value, dict):
-            out[key] = _untitled(value)
-        elif isinstance(value, list):
-            out[key] = [_untitled(item) if isinstance(item, dict) else item for item in value]
-        else:
-            out[key] = value
-    return out
+    def field_title_should_be_set(self, schema: Any) -> bool:
+        return False
