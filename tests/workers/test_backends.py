@@ -20,8 +20,8 @@ from dynarl.workers import backends
     [
         (
             "rollout.backend=sglang",
-            "rollout.backend",
-            ["pip install 'dynarl[sglang]'", "not built"],
+            "rollout.sglang.urls",
+            ["pip install 'dynarl[sglang]'", "rollout.sglang.urls"],
         ),
         ("inference.backend=megatron", "inference.backend", ["dynarl[megatron]"]),
         ("actor.backend=megatron", "actor.backend", ["dynarl[megatron]"]),

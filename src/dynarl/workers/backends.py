@@ -14,7 +14,7 @@ import importlib
 import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, cast
+from typing import Any, Literal, Protocol, cast
 
 from dynarl.core.errors import ConfigError
 from dynarl.workers.config import ActorConfig, InferenceConfig, ModelConfig, RolloutConfig
@@ -22,6 +22,7 @@ from dynarl.workers.handles import CallChannel
 from dynarl.workers.inference import InferenceEngine
 from dynarl.workers.protocol import InferenceRole, RolloutRole
 from dynarl.workers.rollout import RolloutEngine
+from dynarl.workers.sglang import config as sglang_config
 from dynarl.workers.trainer import LossFn, Trainer
 
 Role = Literal["rollout", "inference", "actor"]
@@ -43,6 +44,8 @@ class Backend:
         built: whether this version of dynarl ships it.
         max_tp, max_pp: the largest tensor- and pipeline-parallel sizes it shards.
         note: what to use instead, or where it stands, for the error message.
+        check_section: refuses section values it cannot honour here (raises
+            :class:`~dynarl.ConfigError`), beyond the parallel sizes.
     """
 
     requires: tuple[str, ...]
@@ -51,6 +54,7 @@ class Backend:
     max_tp: int | None = None
     max_pp: int | None = 1
     note: str = ""
+    check_section: Callable[[Any], None] | None = None
 
 
 _TORCH = Backend(requires=("torch", "transformers"), extra="torch", built=True, max_tp=1)
@@ -68,7 +72,15 @@ def _planned(extra: str, requires: str, what: str, field: str) -> Backend:
 BACKENDS: Mapping[Role, Mapping[str, Backend]] = {
     "rollout": {
         "torch": _TORCH,
-        "sglang": _planned("sglang", "sglang", "SGLang adapter", "rollout.backend"),
+        "sglang": Backend(
+            requires=("httpx",),
+            extra="sglang",
+            built=True,
+            max_pp=None,
+            check_section=lambda section: sglang_config.check_launch(
+                section.sglang, installed=_installed("sglang")
+            ),
+        ),
     },
     "inference": {
         "torch": _TORCH,
@@ -82,7 +94,6 @@ BACKENDS: Mapping[Role, Mapping[str, Backend]] = {
     },
 }
 """Every backend, by role and name."""
-
 
 
 class RolloutBackend(Protocol):
@@ -130,7 +141,11 @@ def _torch() -> object:
     return importlib.import_module("dynarl.workers.torch.backend").BACKEND
 
 
-_LOADERS: Mapping[str, Callable[[], object]] = {"torch": _torch}
+def _sglang() -> object:
+    return importlib.import_module("dynarl.workers.sglang.backend").BACKEND
+
+
+_LOADERS: Mapping[str, Callable[[], object]] = {"torch": _torch, "sglang": _sglang}
 """How each built backend is imported (only when a run needs it)."""
 
 
@@ -191,6 +206,8 @@ def check(role: Role, section: RolloutConfig | InferenceConfig | ActorConfig) ->
             f"{role}.pp={pp}: the {name} backend has no pipeline parallelism; set {role}.pp=1",
             field=f"{role}.pp",
         )
+    if backend.check_section is not None:
+        backend.check_section(section)
     return backend
 
 

@@ -1,0 +1,98 @@
+"""The SGLang backend's entry in the backend table: it builds a slot's rollout engine
+on an SGLang server, launched for it or one the user runs. Called in a slot's worker
+thread: launching waits for the server's ``/health``."""
+
+import re
+from typing import Any
+
+import httpx
+import msgspec
+
+from dynarl.workers.protocol import RolloutRole
+from dynarl.workers.sglang.client import SGLangClient
+from dynarl.workers.sglang.config import SGLangConfig
+from dynarl.workers.sglang.errors import ProtocolMismatchError, ServerError
+from dynarl.workers.sglang.launcher import ServerProcess, server_command
+from dynarl.workers.sglang.rollout import SGLangRollout, check_server
+
+SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+"""Environment of launched servers: report log-probs of the model's own distribution
+(temperature 1), which is what dynarl's completions carry, not the tempered one."""
+
+
+class SGLangBackend:
+    """Builds rollout engines served by SGLang."""
+
+    def build_rollout(self, role: RolloutRole, *, name: str, num_threads: int) -> SGLangRollout:
+        """An engine on server ``i`` of ``role.rollout.sglang`` (``i`` from ``name``,
+        ``slot-i``), launched first when no URLs are configured."""
+        config = role.rollout.sglang
+        index = _index(name)
+        server: ServerProcess | None = None
+        if config.launches:
+            port = config.port_base + index
+            url = f"http://{config.host}:{port}"
+            command = server_command(
+                config, model_path=role.model.path, tp=role.rollout.tp, port=port
+            )
+            server = ServerProcess(command, url=url, env=SERVER_ENV)
+            server.start(timeout_s=config.startup_timeout_s)
+        else:
+            url = config.urls[index % len(config.urls)]
+        try:
+            return connect(config, url=url, name=name, on_close=server.stop if server else None)
+        except BaseException:
+            if server is not None:
+                server.stop()
+            raise
+
+
+def connect(config: SGLangConfig, *, url: str, name: str, on_close: Any = None) -> SGLangRollout:
+    """An engine on the server at ``url``, once it is known to speak this adapter's
+    protocol (a clear :class:`ProtocolMismatchError` otherwise)."""
+    with httpx.Client(base_url=url, timeout=config.connect_timeout_s) as http:
+
+        def get(path: str, result: type[Any]) -> Any:
+            try:
+                response = http.get(path)
+            except httpx.HTTPError as e:
+                raise ServerError(f"{url}{path}: {e!r}; is the server running?", status=0) from e
+            if response.status_code != 200:
+                raise ProtocolMismatchError(
+                    f"{url}{path} answered HTTP {response.status_code}; is this an SGLang "
+                    f"0.5.x server?"
+                )
+            try:
+                return msgspec.json.decode(response.content, type=result)
+            except msgspec.DecodeError as e:
+                raise ProtocolMismatchError(
+                    f"{url}{path} answered what SGLang 0.5.x does not ({e}); run SGLang 0.5.x"
+                ) from e
+
+        info, context_len, version = check_server(get, url)
+    client = SGLangClient(
+        url,
+        request_timeout_s=config.request_timeout_s,
+        connect_timeout_s=config.connect_timeout_s,
+        max_retries=config.max_retries,
+        retry_backoff_s=config.retry_backoff_s,
+    )
+    return SGLangRollout(
+        client,
+        name=name,
+        info=info,
+        context_len=context_len,
+        weight_version=version,
+        stats_interval_s=config.stats_interval_s,
+        weight_sync_backend=config.weight_sync_backend,
+        on_close=on_close or (lambda: None),
+    )
+
+
+def _index(name: str) -> int:
+    match = re.search(r"(\d+)$", name)
+    return int(match.group(1)) if match else 0
+
+
+BACKEND = SGLangBackend()
+"""The SGLang backend (the backend table loads it by this name)."""

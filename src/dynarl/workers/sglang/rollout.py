@@ -1,0 +1,573 @@
+"""The SGLang rollout engine: the :class:`~dynarl.workers.rollout.RolloutEngine`
+protocol over one SGLang server's HTTP API.
+
+Every request is one streamed ``/generate`` (``input_ids`` = prompt + any partial
+output, ``return_logprob``, ``rid`` = the request id, ``priority``), served by its own
+task in :meth:`SGLangRollout.run`'s task group; its tokens and log-probs are taken from
+``meta_info.output_token_logprobs`` as they arrive, so whatever ends the stream (a
+finish, an abort, the server dying) the request's output so far is known exactly.
+An abort (``/abort_request`` by rid; ``/pause_generation`` for all) ends the streams
+with an abort reason, and each request comes back holding its partial output; another
+engine resumes it by prefilling prompt + partial output, with ``max_new_tokens``
+reduced by what was generated. Releasing memory retracts the running requests
+(``/pause_generation`` ``retract``) and frees weights and KV cache; resuming takes them
+back and continues.
+"""
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+import msgspec
+from anyio.streams.memory import MemoryObjectSendStream
+
+from dynarl.workers.errors import BadRequestError, WeightSyncError
+from dynarl.workers.rollout import Completion, EngineLoad, GenerateRequest, RequestSink
+from dynarl.workers.sglang import messages as m
+from dynarl.workers.sglang.client import SGLangClient
+from dynarl.workers.sglang.errors import (
+    ProtocolMismatchError,
+    ServerError,
+    ServerLostError,
+    SGLangError,
+)
+from dynarl.workers.weights import WeightReceiver, WeightSyncGroup
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VERSIONS = ("0.5.",)
+"""SGLang versions whose HTTP API this adapter speaks (prefixes of ``version``)."""
+
+GROUP_NAME = "dynarl-weight-sync"
+"""The weight-sync group's name on the server."""
+
+THROUGHPUT_WINDOW_S = 5.0
+"""How far back :meth:`SGLangRollout.load` measures generation throughput."""
+
+Outcome = Literal["done", "aborted", "lost"]
+
+
+class _Live:
+    """One request the engine holds: its sink and what the server generated so far."""
+
+    def __init__(self, request: GenerateRequest, sink: RequestSink) -> None:
+        self.request = request
+        self.sink = sink
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.version: int | None = request.weight_version
+        self.posted = False
+        self.streaming = False  # the server prefilled it (a chunk arrived)
+        self.serving = False  # its task is running
+        self.abort_requested = False
+        self.abort_resent = False
+        self.cached_tokens = 0
+        self.outcome: Outcome | None = None
+        self.settled = anyio.Event()
+
+    @property
+    def input_ids(self) -> list[int]:
+        return [*self.request.prompt_ids, *self.request.output_ids, *self.token_ids]
+
+    def partial(self) -> GenerateRequest:
+        """The request holding its output so far, to resume anywhere."""
+        if not self.token_ids:
+            return self.request
+        return msgspec.structs.replace(
+            self.request,
+            output_ids=self.request.output_ids + tuple(self.token_ids),
+            output_logprobs=self.request.output_logprobs + tuple(self.logprobs),
+            weight_version=self.version,
+        )
+
+    def settle(self, outcome: Outcome) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+            self.settled.set()
+
+
+class SGLangRollout:
+    """A rollout engine served by the SGLang server behind ``client``.
+
+    Args:
+        client: the server's client.
+        name: for log lines.
+        info: the server's ``/get_server_info`` (checked by :func:`check_server`).
+        context_len: the model's context length (``/v1/models``).
+        weight_version: the version of the weights the server holds.
+        stats_interval_s: how often :meth:`run` reads the server's ``/get_load``.
+        weight_sync_backend: the collective backend of weight-sync groups.
+        on_close: called once :meth:`run` ends (stops a launched server).
+        now_s: clock for throughput.
+    """
+
+    def __init__(
+        self,
+        client: SGLangClient,
+        *,
+        name: str,
+        info: m.ServerInfo,
+        context_len: int,
+        weight_version: int = 0,
+        stats_interval_s: float = 1.0,
+        weight_sync_backend: str = "nccl",
+        on_close: Callable[[], None] = lambda: None,
+        now_s: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.client = client
+        self.name = name
+        self.info = info
+        self.context_len = context_len
+        self._version = weight_version
+        self._stats_interval_s = stats_interval_s
+        self._sync_backend = weight_sync_backend
+        self._on_close = on_close
+        self._now_s = now_s
+        self._live: dict[str, _Live] = {}
+        self._incoming: MemoryObjectSendStream[_Live] | None = None
+        self._error: Exception | None = None
+        self._held = False  # memory released: unasked-for aborts are resubmitted on resume
+        self._parked: list[_Live] = []
+        self._in_group = False
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._server_load: tuple[float, list[m.LoadReport]] | None = None
+        self.num_server_aborts = 0
+        """Requests the server ended with an abort the engine did not ask for."""
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights the server holds."""
+        return self._version
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in the engine (waiting, streaming, or parked while released)."""
+        return len(self._live)
+
+    @property
+    def error(self) -> Exception | None:
+        """Why the engine stopped serving (the server was lost)."""
+        return self._error
+
+    @property
+    def num_retries(self) -> int:
+        """Calls to the server retried after a timeout, a broken connection or a 5xx."""
+        return self.client.num_retries
+
+    def cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens the server found in its prefix cache for a request it holds
+        (``meta_info.cached_tokens``; 0 before its first chunk or once it left)."""
+        live = self._live.get(request_id)
+        return 0 if live is None else live.cached_tokens
+
+    # ------------------------------------------------------------------ serving
+
+    async def run(self) -> None:
+        """Serve submitted requests, each on its own stream, until cancelled or the
+        server is lost (then :attr:`error` is set, every request still here is handed
+        back to its sink with its partial output, and this returns). Requests whose
+        streams an earlier run left (cancelled) continue from their output so far."""
+        incoming, queue = anyio.create_memory_object_stream[_Live](float("inf"))
+        for live in self._live.values():
+            if live.outcome is None and not live.serving:
+                incoming.send_nowait(live)
+        self._incoming = incoming
+        try:
+            async with anyio.create_task_group() as tg, queue:
+                tg.start_soon(self._poll_load)
+                async for live in queue:
+                    if live.outcome is None:
+                        tg.start_soon(self._serve, live)
+        finally:
+            self._incoming = None
+            incoming.close()
+            with anyio.CancelScope(shield=True):
+                await self.client.aclose()
+            if self._error is not None:
+                self._on_close()
+
+    def close(self) -> None:
+        """Stop a server this engine launched (a no-op for one it attached to)."""
+        self._on_close()
+
+    async def submit(self, requests: Sequence[GenerateRequest], sink: RequestSink) -> None:
+        """Queue ``requests``; all or none (a bad one raises :class:`BadRequestError`)."""
+        ids = [r.request_id for r in requests]
+        clash = set(ids) & self._live.keys()
+        if clash or len(set(ids)) != len(ids):
+            raise BadRequestError(
+                f"requests {sorted(clash) or ids} are already in this engine; use new ids"
+            )
+        for request in requests:
+            self._validate(request)
+        if self._error is not None:
+            for request in requests:
+                sink.aborted(request)
+            await sink.flush()
+            return
+        for request in requests:
+            live = _Live(request, sink)
+            self._live[request.request_id] = live
+            self._enqueue(live)
+
+    async def abort(self, request_ids: Sequence[str] | None) -> list[GenerateRequest]:
+        """End requests (all when ``None``) and return each with its partial output;
+        a request that finished meanwhile completes instead and is not returned."""
+        wanted = None if request_ids is None else set(request_ids)
+        targets = [live for rid, live in self._live.items() if wanted is None or rid in wanted]
+        for live in targets:
+            live.abort_requested = True
+            if not live.serving:  # queued here, or its task ended with the run
+                live.settle("aborted")
+        on_server = [live for live in targets if live.serving]
+        paused = False
+        if on_server:
+            if wanted is None:
+                await self.client.post("/pause_generation", m.PauseGenerationReqInput())
+                paused = True
+            else:
+                for live in on_server:
+                    await self.client.post(
+                        "/abort_request", m.AbortReq(rid=live.request.request_id)
+                    )
+        try:
+            for live in targets:
+                await live.settled.wait()
+        finally:
+            if paused:
+                await self.client.post("/continue_generation", {})
+        taken: list[GenerateRequest] = []
+        sinks: dict[int, RequestSink] = {}
+        for live in targets:
+            if live.outcome == "aborted":
+                self._live.pop(live.request.request_id, None)
+                request = live.partial()
+                live.sink.aborted(request)
+                sinks[id(live.sink)] = live.sink
+                taken.append(request)
+        for sink in sinks.values():
+            await sink.flush()
+        return taken
+
+    def load(self) -> EngineLoad:
+        """Requests running (prefilled: streaming) and queued, as this engine knows
+        them; KV tokens: its running requests' tokens, or the server's last report
+        (``/get_load``, which counts waiting requests' input too) when fresh and more."""
+        now = self._now_s()
+        while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._recent.popleft()
+        running = [live for live in self._live.values() if live.streaming]
+        kv_tokens = sum(len(live.input_ids) for live in running)
+        if (
+            self._server_load is not None
+            and now - self._server_load[0] < 2 * self._stats_interval_s
+        ):
+            kv_tokens = max(kv_tokens, sum(report.num_tokens for report in self._server_load[1]))
+        span_s = now - self._recent[0][0] if len(self._recent) > 1 else 0.0
+        tokens = sum(count for _, count in self._recent)
+        return EngineLoad(
+            kv_usage=min(1.0, kv_tokens / max(1, self.info.max_total_num_tokens)),
+            num_running=len(running),
+            num_queued=len(self._live) - len(running),
+            gen_tokens_per_s=tokens / span_s if span_s > 0 else 0.0,
+            kv_tokens=kv_tokens,
+        )
+
+    # ------------------------------------------------------------------ memory
+
+    async def release_memory(self, *, host_backup: bool) -> None:
+        """Retract the running requests and free weights and KV cache."""
+        if host_backup and not self.info.enable_weights_cpu_backup:
+            raise SGLangError(
+                f"{self.name}: releasing memory with a host backup needs the server started "
+                f"with --enable-weights-cpu-backup (and --enable-memory-saver); restart it "
+                f"so, or let dynarl launch it (rollout.sglang.urls empty)"
+            )
+        self._held = True
+        await self.client.post("/pause_generation", m.PauseGenerationReqInput(mode="retract"))
+        await self.client.post("/release_memory_occupation", m.MemoryTagsReqInput())
+
+    async def resume_memory(self) -> None:
+        """Take the memory back and continue (requests the server ended meanwhile are
+        submitted again with their partial output)."""
+        await self.client.post("/resume_memory_occupation", m.MemoryTagsReqInput())
+        await self.client.post("/continue_generation", {})
+        self._held = False
+        parked, self._parked = self._parked, []
+        for live in parked:
+            again = _Live(live.partial(), live.sink)
+            self._live[again.request.request_id] = again
+            self._enqueue(again)
+
+    # ------------------------------------------------------------------ weights
+
+    async def join_weight_sync(self, group: WeightSyncGroup) -> None:
+        """Have the server join the weight-sync group as ``group.rank`` (its tensor-
+        parallel ranks take ``group.rank`` onwards)."""
+        reply = await self.client.post_as(
+            "/init_weights_update_group",
+            m.InitWeightsUpdateGroupReqInput(
+                master_address=group.host,
+                master_port=group.port,
+                rank_offset=group.rank,
+                world_size=group.world_size,
+                group_name=GROUP_NAME,
+                backend=self._sync_backend,
+            ),
+            m.SuccessResponse,
+        )
+        if not reply.success:
+            raise WeightSyncError(f"{self.name}: the server could not join: {reply.message}")
+        self._in_group = True
+
+    async def update_weights(self, buckets: Sequence[m.WeightBucket], version: int) -> int:
+        """Receive the trainer's broadcast of ``buckets`` (one ``/update_weights_from_
+        distributed`` each, the sender broadcasting each tensor from group rank 0 at
+        the same time) and take ``version``; returns it."""
+        if not self._in_group:
+            raise WeightSyncError(f"{self.name} is in no weight-sync group; join one first")
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            reply = await self.client.post_as(
+                "/update_weights_from_distributed",
+                m.UpdateWeightsFromDistributedReqInput(
+                    names=list(bucket.names),
+                    dtypes=list(bucket.dtypes),
+                    shapes=[list(s) for s in bucket.shapes],
+                    group_name=GROUP_NAME,
+                    flush_cache=last,
+                    weight_version=str(version) if last else None,
+                ),
+                m.SuccessResponse,
+            )
+            if not reply.success:
+                raise WeightSyncError(f"{self.name}: weight update failed: {reply.message}")
+        self._version = version
+        return version
+
+    async def receive_weights(self) -> int:
+        """Not available: SGLang takes weights with their names, dtypes and shapes
+        in the HTTP call (:meth:`update_weights`), which the torch sender's in-band
+        broadcast does not give."""
+        raise WeightSyncError(
+            f"{self.name}: an SGLang server takes weights by manifest "
+            f"(update_weights(buckets, version)); the trainer's torch broadcast carries "
+            f"none yet: sync with dynarl.workers.sglang.weight_sender"
+        )
+
+    async def leave_weight_sync(self) -> None:
+        """Have the server leave the group (``/destroy_weights_update_group``)."""
+        if self._in_group:
+            self._in_group = False
+            await self.client.post(
+                "/destroy_weights_update_group",
+                m.DestroyWeightsUpdateGroupReqInput(group_name=GROUP_NAME),
+            )
+
+    def adopt_weight_sync(self, other: WeightReceiver) -> bool:
+        """Never: the group membership is the server's, not this process's."""
+        return False
+
+    # ------------------------------------------------------------------ internals
+
+    def _enqueue(self, live: _Live) -> None:
+        """Hand ``live`` to the running :meth:`run` (a later run takes it otherwise)."""
+        if self._incoming is not None:
+            self._incoming.send_nowait(live)
+
+    def _validate(self, request: GenerateRequest) -> None:
+        rid = request.request_id
+        context = len(request.prompt_ids) + len(request.output_ids)
+        if not request.prompt_ids:
+            raise BadRequestError(f"request {rid!r} has an empty prompt; give at least one token")
+        if len(request.output_logprobs) != len(request.output_ids):
+            raise BadRequestError(f"request {rid!r} needs one output log-prob per output token")
+        if context >= self.context_len - 1:
+            raise BadRequestError(
+                f"request {rid!r} has {context} tokens, leaving no room under the server's "
+                f"context length {self.context_len}; shorten the prompt"
+            )
+        if len(request.output_ids) >= request.sampling.max_new_tokens:
+            raise BadRequestError(f"request {rid!r} already has max_new_tokens output tokens")
+
+    def _generate_input(self, live: _Live) -> m.GenerateReqInput:
+        request, sampling = live.request, live.request.sampling
+        input_ids = live.input_ids
+        remaining = sampling.max_new_tokens - len(request.output_ids) - len(live.token_ids)
+        # SGLang refuses input + max_new_tokens >= context length; stop at it instead.
+        max_new = min(remaining, self.context_len - 1 - len(input_ids))
+        return m.GenerateReqInput(
+            input_ids=input_ids,
+            sampling_params=m.SamplingParamsJSON(
+                max_new_tokens=max_new,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                stop_token_ids=list(sampling.stop_token_ids) or None,
+                ignore_eos=sampling.ignore_eos,
+                sampling_seed=sampling.seed,
+            ),
+            rid=request.request_id,
+            priority=request.priority or None,
+        )
+
+    async def _serve(self, live: _Live) -> None:
+        live.serving = True
+        try:
+            await self._stream(live)
+        except ServerLostError as e:
+            self._finish(live, "lost")
+            await self._lost(e)
+        except ServerError as e:
+            # Validated here, refused there: hand it back for another engine.
+            logger.warning("%s: the server refused %s: %s", self.name, live.request.request_id, e)
+            self._finish(live, "aborted")
+        except anyio.get_cancelled_exc_class():
+            live.serving = False  # the run ends; abort() hands it back
+            raise
+        await self._flush(live)
+
+    async def _stream(self, live: _Live) -> None:
+        live.posted = True
+        async for chunk in self.client.generate(self._generate_input(live)):
+            meta = chunk.meta_info
+            if meta is None:
+                raise ProtocolMismatchError(f"/generate sent a chunk without meta_info: {chunk}")
+            self._apply(live, meta)
+            live.streaming = True
+            if live.abort_requested and not live.abort_resent:
+                # An abort sent before the server knew the rid was ignored there.
+                live.abort_resent = True
+                await self.client.post("/abort_request", m.AbortReq(rid=live.request.request_id))
+            reason = meta.finish_reason
+            if reason is None:
+                continue
+            if reason.type != "abort":
+                self._finish(live, "done", reason.type)
+            elif live.abort_requested:
+                live.settle("aborted")  # abort() hands it back
+            elif self._held:
+                self._live.pop(live.request.request_id, None)
+                self._parked.append(live)
+                live.settle("aborted")
+            else:
+                self.num_server_aborts += 1
+                logger.warning("%s: the server aborted %s: %s", self.name, meta.id, reason.message)
+                self._finish(live, "aborted")
+            return
+        raise ServerLostError(f"{self.client.url}/generate ended without a finish reason")
+
+    def _apply(self, live: _Live, meta: m.MetaInfo) -> None:
+        """Take the chunk's new tokens, whether it lists all of them or the new ones."""
+        total, entries, known = (
+            meta.completion_tokens,
+            meta.output_token_logprobs,
+            len(live.token_ids),
+        )
+        if len(entries) == total:
+            new = entries[known:]
+        elif known + len(entries) == total:
+            new = entries
+        elif known == total:
+            new = []
+        else:
+            raise ProtocolMismatchError(
+                f"/generate chunk of {meta.id} has {len(entries)} token log-probs for "
+                f"{total} tokens after {known}; start the server without options that "
+                f"change output_token_logprobs"
+            )
+        live.cached_tokens = meta.cached_tokens or live.cached_tokens
+        if new:
+            if live.version is None:
+                live.version = _version(meta.weight_version)
+            live.logprobs.extend(float(lp) for lp, _, _ in new)
+            live.token_ids.extend(int(t) for _, t, _ in new)
+            self._recent.append((self._now_s(), len(new)))
+
+    def _finish(self, live: _Live, outcome: Outcome, reason: str = "") -> None:
+        if live.outcome is not None:
+            return
+        self._live.pop(live.request.request_id, None)
+        if outcome == "done":
+            request = live.request
+            live.sink.done(
+                Completion(
+                    request_id=request.request_id,
+                    prompt_ids=request.prompt_ids,
+                    output_ids=request.output_ids + tuple(live.token_ids),
+                    output_logprobs=request.output_logprobs + tuple(live.logprobs),
+                    finish_reason="stop" if reason == "stop" else "length",
+                    weight_version=live.version if live.version is not None else self._version,
+                )
+            )
+        else:
+            live.sink.aborted(live.partial())
+        live.settle(outcome)
+
+    async def _flush(self, live: _Live) -> None:
+        if live.outcome in ("done", "lost") or (
+            live.outcome == "aborted" and not live.abort_requested
+        ):
+            await live.sink.flush()
+
+    async def _lost(self, error: ServerLostError) -> None:
+        if self._error is None:
+            logger.error("%s: lost its SGLang server: %s", self.name, error)
+            self._error = error
+            if self._incoming is not None:
+                self._incoming.close()
+            queued = [live for live in self._live.values() if not live.serving]
+            for live in queued:
+                self._finish(live, "lost")
+            for sink in {id(live.sink): live.sink for live in queued}.values():
+                await sink.flush()
+
+    async def _poll_load(self) -> None:
+        while self._error is None:
+            try:
+                reports = await self.client.get("/get_load", list[m.LoadReport])
+                self._server_load = (self._now_s(), reports)
+            except SGLangError as e:
+                logger.debug("%s: /get_load failed: %s", self.name, e)
+            await anyio.sleep(self._stats_interval_s)
+
+
+def _version(text: str | None) -> int:
+    """dynarl's integer version of SGLang's ``weight_version`` string (``"default"``
+    before any update: 0)."""
+    try:
+        return int(text) if text is not None else 0
+    except ValueError:
+        return 0
+
+
+def check_server(get: Callable[[str, type[Any]], Any], url: str) -> tuple[m.ServerInfo, int, int]:
+    """The server's info, context length and weight version, once it is known to speak
+    this adapter's protocol; ``get(path, type)`` reads one endpoint, decoded.
+
+    Raises:
+        ProtocolMismatchError: another SGLang version, or not a generation model.
+    """
+    info: m.ServerInfo = get("/get_server_info", m.ServerInfo)
+    if not info.version.startswith(SUPPORTED_VERSIONS):
+        raise ProtocolMismatchError(
+            f"the SGLang server at {url} is version {info.version}; this adapter speaks "
+            f"the HTTP API of SGLang {', '.join(v + 'x' for v in SUPPORTED_VERSIONS)}: "
+            f"run one of those there"
+        )
+    model: m.ModelInfo = get("/get_model_info", m.ModelInfo)
+    if not model.is_generation:
+        raise ProtocolMismatchError(
+            f"the SGLang server at {url} serves {model.model_path}, which is not a "
+            f"generation model; serve the policy there"
+        )
+    cards: m.ModelList = get("/v1/models", m.ModelList)
+    context = info.context_length or (cards.data[0].max_model_len if cards.data else None)
+    if context is None:
+        raise ProtocolMismatchError(f"the SGLang server at {url} reports no context length")
+    return info, context, _version(model.weight_version)
