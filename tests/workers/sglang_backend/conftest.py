@@ -1,0 +1,81 @@
+"""Fixtures of the SGLang adapter's tests: fake SGLang servers (real HTTP on loopback,
+backed by the torch engine) and adapters attached to them."""
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import anyio
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from dynarl.testing.fake_sglang import FakeSGLang  # noqa: E402
+from dynarl.workers.config import ModelConfig  # noqa: E402
+from dynarl.workers.rollout import Completion, GenerateRequest  # noqa: E402
+from dynarl.workers.sglang.backend import connect  # noqa: E402
+from dynarl.workers.sglang.config import SGLangConfig  # noqa: E402
+from dynarl.workers.sglang.rollout import SGLangRollout  # noqa: E402
+
+MODEL = ModelConfig(max_seq_len=128)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class Sink:
+    """A request sink that keeps what it heard and signals each arrival."""
+
+    def __init__(self) -> None:
+        self.completions: dict[str, Completion] = {}
+        self.taken: dict[str, GenerateRequest] = {}
+        self._changed = anyio.Event()
+
+    def done(self, completion: Completion) -> None:
+        assert completion.request_id not in self.completions, "completed twice"
+        self.completions[completion.request_id] = completion
+        self._changed.set()
+
+    def aborted(self, request: GenerateRequest) -> None:
+        self.taken[request.request_id] = request
+        self._changed.set()
+
+    async def flush(self) -> None:
+        await anyio.lowlevel.checkpoint()
+
+    async def fail(self, error: Exception) -> None:
+        raise AssertionError(f"a sink failed: {error}")
+
+    async def wait_for(self, condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+        with anyio.fail_after(timeout_s):
+            while not condition():
+                self._changed = anyio.Event()
+                await self._changed.wait()
+
+
+@contextlib.asynccontextmanager
+async def running(fake: FakeSGLang, **config: Any) -> AsyncIterator[SGLangRollout]:
+    """An adapter attached to ``fake``, running."""
+    section = SGLangConfig(urls=(fake.url,), **config)
+    engine = await anyio.to_thread.run_sync(
+        lambda: connect(section, url=fake.url, name="slot-0")
+    )
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.run)
+        try:
+            yield engine
+        finally:
+            tg.cancel_scope.cancel()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeSGLang]:
+    with FakeSGLang(MODEL) as server:
+        yield server

@@ -1,0 +1,66 @@
+"""Weights reach an SGLang server the way SGLang takes them: the server joins the
+trainer's group (``/init_weights_update_group``), the engine posts each bucket's
+names, dtypes and shapes (``/update_weights_from_distributed``) while the trainer
+broadcasts its tensors, and what it generates afterwards carries the new version."""
+
+import socket
+
+import anyio
+
+from dynarl.testing.fake_sglang import FakeSGLang
+from dynarl.workers.rollout import GenerateRequest, SamplingParams
+from dynarl.workers.sglang import weight_sender
+from dynarl.workers.torch.model import build_model
+from dynarl.workers.weights import WeightSyncGroup
+
+from .conftest import MODEL, Sink, running
+
+
+def greedy(prefix: str) -> list[GenerateRequest]:
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    return [
+        GenerateRequest(request_id=f"{prefix}{i}", prompt_ids=(5 + i, 9, 11), sampling=sampling)
+        for i in range(3)
+    ]
+
+
+async def test_weights_arrive_in_buckets_with_their_version(fake: FakeSGLang) -> None:
+    trained = build_model(MODEL, seed=1)
+    buckets = weight_sender.buckets_of(trained, bucket_bytes=64 * 1024)
+    assert len(buckets) > 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group = WeightSyncGroup(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=30.0)
+    sender: list[object] = []
+
+    def join() -> None:
+        sender.append(weight_sender.join_sender(host="127.0.0.1", port=port, world_size=2))
+
+    async with running(fake, weight_sync_backend="gloo") as engine:
+        sink = Sink()
+        await engine.submit(greedy("a"), sink)
+        await sink.wait_for(lambda: len(sink.completions) == 3)
+        before = dict(sink.completions)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, join)
+            await engine.join_weight_sync(group)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                anyio.to_thread.run_sync,
+                lambda: weight_sender.send_buckets(trained, buckets, group=sender[0]),
+            )
+            assert await engine.update_weights(buckets, 7) == 7
+        await engine.leave_weight_sync()
+        assert engine.weight_version == 7 and fake.weight_version == "7"
+        after = Sink()
+        await engine.submit(greedy("b"), after)
+        await after.wait_for(lambda: len(after.completions) == 3)
+    assert {c.weight_version for c in after.completions.values()} == {7}
+    assert {c.weight_version for c in before.values()} == {0}
+    changed = [
+        rid
+        for rid, c in after.completions.items()
+        if c.output_logprobs != before["a" + rid[1:]].output_logprobs
+    ]
+    assert changed, "the server generated with the old weights"
