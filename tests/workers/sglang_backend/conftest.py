@@ -64,9 +64,7 @@ class Sink:
 async def running(fake: FakeSGLang, **config: Any) -> AsyncIterator[SGLangRollout]:
     """An adapter attached to ``fake``, running."""
     section = SGLangConfig(urls=(fake.url,), **config)
-    engine = await anyio.to_thread.run_sync(
-        lambda: connect(section, url=fake.url, name="slot-0")
-    )
+    engine = await anyio.to_thread.run_sync(lambda: connect(section, url=fake.url, name="slot-0"))
     async with anyio.create_task_group() as tg:
         tg.start_soon(engine.run)
         try:
@@ -79,3 +77,13 @@ async def running(fake: FakeSGLang, **config: Any) -> AsyncIterator[SGLangRollou
 def fake() -> Iterator[FakeSGLang]:
     with FakeSGLang(MODEL) as server:
         yield server
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    """Wait until ``condition()`` holds, checking every 5 ms: the engine's progress
+    mid-stream (tokens so far) signals no event a test could wait on."""
+    for _ in range(int(timeout_s / 0.005)):
+        if condition():
+            return
+        await anyio.sleep(0.005)
+    raise TimeoutError("the condition did not hold in time")

@@ -3,7 +3,6 @@ another server exactly where they stopped, both streaming formats decode alike, 
 server dying mid-generation hands its requests back with their output so far, 5xx
 answers are retried and counted, and a server of another version is refused."""
 
-import anyio
 import numpy as np
 import pytest
 
@@ -13,7 +12,7 @@ from dynarl.workers.sglang.backend import connect
 from dynarl.workers.sglang.config import SGLangConfig
 from dynarl.workers.sglang.errors import ProtocolMismatchError
 
-from .conftest import MODEL, Sink, running
+from .conftest import MODEL, Sink, running, until
 
 
 def sampled(n: int = 4, *, max_new_tokens: int = 40, prefix: str = "q") -> list[GenerateRequest]:
@@ -41,11 +40,12 @@ async def test_a_sampled_request_aborted_and_resumed_elsewhere_matches_an_uninte
         async with running(first) as a, running(second) as b:
             sink = Sink()
             await a.submit(sampled(), sink)
-            with anyio.fail_after(20):
-                while a.load().num_running < 4 or sum(
-                    len(live.token_ids) for live in a._live.values()
-                ) < 20:
-                    await anyio.sleep(0.005)
+            await until(
+                lambda: (
+                    a.load().num_running == 4
+                    and sum(len(live.token_ids) for live in a._live.values()) >= 20
+                )
+            )
             taken = await a.abort(None)
             assert a.num_requests == 0 and len(taken) == 4
             for request in taken:
@@ -82,18 +82,14 @@ async def test_a_server_dying_mid_generation_hands_its_requests_back_with_their_
     async with running(fake, max_retries=0) as engine:
         sink = Sink()
         await engine.submit(sampled(3, max_new_tokens=80), sink)
-        with anyio.fail_after(20):
-            while min((len(v.token_ids) for v in engine._live.values()), default=0) < 5:
-                await anyio.sleep(0.005)
+        await until(lambda: min((len(v.token_ids) for v in engine._live.values()), default=0) >= 5)
         fake.die()
         await sink.wait_for(lambda: len(sink.taken) == 3)
         assert engine.error is not None
         assert not sink.completions
         assert all(len(r.output_ids) >= 5 for r in sink.taken.values())
         assert all(len(r.output_logprobs) == len(r.output_ids) for r in sink.taken.values())
-        with anyio.fail_after(10):  # run() ends once the server is lost
-            while engine.num_requests:
-                await anyio.sleep(0.01)
+        await until(lambda: engine.num_requests == 0)
     with FakeSGLang(MODEL) as healthy:
         async with running(healthy) as other:
             resumed = Sink()
@@ -115,18 +111,18 @@ async def test_5xx_answers_are_retried_with_back_off_and_counted(fake: FakeSGLan
 
 
 def test_a_server_of_another_version_is_refused_at_start_up() -> None:
-    with FakeSGLang(MODEL, version="0.4.9") as old:
-        with pytest.raises(ProtocolMismatchError, match=r"0\.4\.9.*0\.5\.x"):
-            connect(SGLangConfig(urls=(old.url,)), url=old.url, name="slot-0")
+    with (
+        FakeSGLang(MODEL, version="0.4.9") as old,
+        pytest.raises(ProtocolMismatchError, match=r"0\.4\.9.*0\.5\.x"),
+    ):
+        connect(SGLangConfig(urls=(old.url,)), url=old.url, name="slot-0")
 
 
 async def test_load_reports_running_requests_and_their_kv_tokens(fake: FakeSGLang) -> None:
     async with running(fake, stats_interval_s=0.05) as engine:
         sink = Sink()
         await engine.submit(sampled(3, max_new_tokens=80), sink)
-        with anyio.fail_after(20):
-            while engine.load().num_running < 3:
-                await anyio.sleep(0.005)
+        await until(lambda: engine.load().num_running == 3)
         load = engine.load()
         assert load.kv_tokens >= 3 * 5 and 0 < load.kv_usage < 1
         await sink.wait_for(lambda: len(sink.completions) == 3)
