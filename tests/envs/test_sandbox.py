@@ -278,8 +278,10 @@ async def test_limits_too_small_for_python_to_start_are_an_environment_failure()
 
 
 def test_bad_configuration_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ConfigError, match=r"sandbox\.timeout_s"):
+    with pytest.raises(ConfigError, match=r"sandbox\.timeout_s must be a positive number"):
         SandboxLimits(timeout_s=0)
+    with pytest.raises(ConfigError, match=r"sandbox\.cpu_s must be a positive whole number"):
+        SandboxLimits(cpu_s=1.5)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="'auto', 'bwrap' or 'rlimits'"):
         PythonSandbox(isolation="docker")  # type: ignore[arg-type]
     monkeypatch.setenv("PATH", "/nonexistent")

@@ -69,9 +69,7 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 from typing import Literal
 
 import anyio
@@ -79,6 +77,7 @@ import anyio.abc
 import msgspec
 
 from dynarl.core.errors import ConfigError
+from dynarl.envs import _sandbox_launch as launch
 from dynarl.envs._sandbox_child import ChildWatch, kill_group
 from dynarl.envs.environment import EnvironmentFailure
 
@@ -91,17 +90,15 @@ limits plus the audit hook, ``auto`` uses bwrap when it works and falls back oth
 IsolationUsed = Literal["bwrap", "rlimits+audit"]
 """Which isolation a run actually had."""
 
-_SANDBOX_DIR = "/sandbox"
 _FLOOD_FLOOR_BYTES = 1 << 20
-_PROBE_TIMEOUT_S = 60.0
-_PRELUDE_PATH = os.path.join(os.path.dirname(__file__), "_sandbox_prelude.py")
 
 
 class SandboxLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What one run may use.
 
     Attributes:
-        timeout_s: wall-clock limit; past it the process group is killed.
+        timeout_s: wall-clock limit of a run, the interpreter's start (some 50 ms)
+            included; past it the process group is killed.
         cpu_s: CPU seconds (``RLIMIT_CPU``): SIGXCPU at ``cpu_s``, SIGKILL a second later.
         memory_bytes: address space of the process (``RLIMIT_AS``); allocations past it
             raise ``MemoryError``. Python itself needs some 30 MiB, numpy some 100 MiB more.
@@ -119,12 +116,14 @@ class SandboxLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_output_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
-        for name in msgspec.structs.fields(self):
-            value = getattr(self, name.name)
-            if isinstance(value, bool) or not value > 0:
+        for field in msgspec.structs.fields(self):
+            value = getattr(self, field.name)
+            kind = (int, float) if field.name == "timeout_s" else int
+            if isinstance(value, bool) or not isinstance(value, kind) or not value > 0:
+                what = "number" if field.name == "timeout_s" else "whole number"
                 raise ConfigError(
-                    f"sandbox.{name.name} must be a positive number, got {value!r}",
-                    field=f"sandbox.{name.name}",
+                    f"sandbox.{field.name} must be a positive {what}, got {value!r}",
+                    field=f"sandbox.{field.name}",
                 )
 
 
@@ -210,7 +209,7 @@ class PythonSandbox:
         self.limits = limits or SandboxLimits()
         self._isolation: Isolation = isolation
         self._python = python or sys.executable
-        self._roots: tuple[str, ...] | None = None
+        self._dirs: tuple[str, ...] | None = None
         self._used: IsolationUsed | None = None
         self._prelude: str | None = None
 
@@ -223,10 +222,11 @@ class PythonSandbox:
         """Check the interpreter and bwrap now (the first run does it otherwise); the
         isolation runs will get. Raises EnvironmentFailure if Python cannot run."""
         if self._used is None:
-            roots = await self._python_roots()
+            if self._dirs is None:
+                self._dirs = await launch.python_dirs(self._python)
             used: IsolationUsed = "rlimits+audit"
             if self._bwrap is not None:
-                failure = await self._probe_bwrap(self._bwrap, roots)
+                failure = await launch.bwrap_failure(self._bwrap, self._dirs, self._python)
                 if failure is None:
                     used = "bwrap"
                 elif self._isolation == "bwrap":
@@ -249,19 +249,13 @@ class PythonSandbox:
         Never raises for what the code does; raises EnvironmentFailure when the sandbox
         itself cannot run (no interpreter, no temporary directory, bwrap failing)."""
         isolation = await self.prepare()
+        workdir = launch.make_workdir("dynarl-sandbox-")
         try:
-            workdir = tempfile.mkdtemp(prefix="dynarl-sandbox-")
-        except OSError as exc:
-            raise EnvironmentFailure(
-                f"cannot create the sandbox's temporary directory: {exc}; free disk space "
-                "or point TMPDIR at a writable directory"
-            ) from exc
-        try:
-            _write(os.path.join(workdir, "main.py"), code)
+            launch.write_code(os.path.join(workdir, "main.py"), code)
             return await self._run_in(workdir, isolation, stdin)
         finally:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_remove_tree, workdir)
+                await anyio.to_thread.run_sync(launch.remove_tree, workdir)
 
     async def _run_in(self, workdir: str, isolation: IsolationUsed, stdin: str) -> SandboxResult:
         read_fd, write_fd = os.pipe()
@@ -305,50 +299,15 @@ class PythonSandbox:
 
     def _argv(self, isolation: IsolationUsed, workdir: str, status_fd: int) -> list[str]:
         limits = self.limits
-        python = [self._python, "-I", "-B", "-u", "-X", "utf8", "-c", self._prelude_source()]
-        python += [str(status_fd), str(limits.cpu_s), str(limits.memory_bytes)]
-        python += [str(limits.max_processes), str(limits.max_file_bytes)]
+        if self._prelude is None:
+            self._prelude = launch.read_prelude()
+        limit_args = [str(status_fd), str(limits.cpu_s), str(limits.memory_bytes)]
+        limit_args += [str(limits.max_processes), str(limits.max_file_bytes)]
+        python = launch.python_argv(self._python, self._prelude, limit_args)
         if isolation == "rlimits+audit":
             return python
-        assert self._bwrap is not None and self._roots is not None
-        return _bwrap_argv(self._bwrap, self._roots, workdir) + python
-
-    def _prelude_source(self) -> str:
-        if self._prelude is None:
-            try:
-                with open(_PRELUDE_PATH, encoding="utf-8") as f:
-                    self._prelude = f.read()
-            except OSError as exc:
-                raise EnvironmentFailure(
-                    f"cannot read the sandbox prelude {_PRELUDE_PATH}: {exc}; reinstall dynarl"
-                ) from exc
-        return self._prelude
-
-    async def _python_roots(self) -> tuple[str, ...]:
-        """The interpreter's installation directories (to bind into bwrap)."""
-        if self._roots is None:
-            probe = "import sys; print(sys.prefix, sys.base_prefix, sys.exec_prefix, sep=chr(10))"
-            result = await _probe([self._python, "-I", "-c", probe], what="the sandbox's Python")
-            if result.returncode != 0:
-                raise EnvironmentFailure(
-                    f"the sandbox's Python {self._python!r} does not start (exit status "
-                    f"{result.returncode}): {result.stderr[-500:]!r}; pass python=... a "
-                    "working interpreter"
-                )
-            self._roots = _install_dirs(result.stdout.decode(), self._python)
-        return self._roots
-
-    async def _probe_bwrap(self, bwrap: str, roots: tuple[str, ...]) -> str | None:
-        """Why bwrap cannot run the interpreter here, or ``None`` when it can."""
-        workdir = tempfile.mkdtemp(prefix="dynarl-sandbox-probe-")
-        try:
-            argv = [*_bwrap_argv(bwrap, roots, workdir), self._python, "-I", "-c", "pass"]
-            result = await _probe(argv, what="bwrap", cwd=workdir)
-        finally:
-            await anyio.to_thread.run_sync(_remove_tree, workdir)
-        if result.returncode == 0:
-            return None
-        return f"exit status {result.returncode}: {result.stderr.decode(errors='replace')[-300:]}"
+        assert self._bwrap is not None and self._dirs is not None
+        return launch.bwrap_argv(self._bwrap, self._dirs, workdir) + python
 
 
 def _result(
@@ -423,50 +382,6 @@ def _cause(stderr_tail: str, limits: SandboxLimits) -> str | None:
     return None
 
 
-def _bwrap_argv(bwrap: str, python_roots: tuple[str, ...], workdir: str) -> list[str]:
-    """The bwrap command line that runs a command in ``workdir`` (at ``/sandbox``)."""
-    argv = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
-    argv += ["--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev"]
-    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.islink(top):
-            argv += ["--symlink", os.readlink(top), top]
-        elif os.path.isdir(top):
-            argv += ["--ro-bind", top, top]
-    bound = ["/usr"]
-    for root in python_roots:
-        if not any(root == b or root.startswith(b.rstrip("/") + "/") for b in bound):
-            argv += ["--ro-bind", root, root]
-            bound.append(root)
-    argv += ["--bind", workdir, _SANDBOX_DIR, "--chdir", _SANDBOX_DIR]
-    return argv
-
-
-async def _probe(
-    argv: list[str], *, what: str, cwd: str | None = None
-) -> "subprocess.CompletedProcess[bytes]":
-    """Run a check to its end (a few seconds at most), its output collected."""
-    try:
-        with anyio.fail_after(_PROBE_TIMEOUT_S):
-            return await anyio.run_process(argv, check=False, env={}, cwd=cwd)
-    except OSError as exc:
-        raise EnvironmentFailure(
-            f"cannot start {what} ({argv[0]}): {exc}; check that it is installed"
-        ) from exc
-    except TimeoutError as exc:
-        raise EnvironmentFailure(
-            f"{what} ({argv[0]}) did not answer in {_PROBE_TIMEOUT_S} s; the machine is "
-            "overloaded or the interpreter hangs at start"
-        ) from exc
-
-
-def _install_dirs(prefixes_text: str, python: str) -> tuple[str, ...]:
-    """The prefixes an interpreter printed, its executable's directory, and where each
-    of them leads through symlinks."""
-    prefixes = [p for p in prefixes_text.splitlines() if p]
-    prefixes.append(os.path.dirname(os.path.realpath(python)))
-    return tuple(sorted({*prefixes, *map(os.path.realpath, prefixes)}))
-
-
 def _started(status_fd: int) -> bool:
     """The child's prelude reported that it is about to run the code."""
     os.set_blocking(status_fd, False)
@@ -474,23 +389,3 @@ def _started(status_fd: int) -> bool:
         return os.read(status_fd, 1) == b"R"
     except BlockingIOError:
         return False
-
-
-def _write(path: str, text: str) -> None:
-    try:
-        with open(path, "w", encoding="utf-8", errors="replace") as f:
-            f.write(text)
-    except OSError as exc:
-        raise EnvironmentFailure(
-            f"cannot write the code into the sandbox directory: {exc}; free disk space"
-        ) from exc
-
-
-def _remove_tree(path: str) -> None:
-    """Remove the sandbox directory, also when the code took its permissions away."""
-    for root, dirs, _ in os.walk(path):
-        for name in dirs:
-            child = os.path.join(root, name)
-            if not os.path.islink(child):
-                os.chmod(child, 0o700)
-    shutil.rmtree(path, ignore_errors=True)
