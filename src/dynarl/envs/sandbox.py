@@ -225,6 +225,11 @@ class PythonSandbox:
             if self._dirs is None:
                 self._dirs = await launch.python_dirs(self._python)
             used: IsolationUsed = "rlimits+audit"
+            if self._bwrap is None and self._isolation == "auto":
+                logger.warning(
+                    "bwrap is not on PATH; code runs with rlimits and an audit hook only, "
+                    "which is no security boundary (apt-get install bubblewrap)"
+                )
             if self._bwrap is not None:
                 failure = await launch.bwrap_failure(self._bwrap, self._dirs, self._python)
                 if failure is None:
