@@ -2,6 +2,7 @@
 ``msgspec.structs.replace`` or :func:`dynarl.api.config_io.apply_overrides`."""
 
 from dynarl.api.config import DynaRLConfig
+from recipes.agentic import agentic_tiny
 from recipes.e2e import e2e_cpu
 from recipes.paper import agentic_7b_64, math_1_5b_64, math_7b_64, math_32b_64, paper_setting
 
@@ -18,6 +19,7 @@ def math_tiny() -> DynaRLConfig:
 
 __all__ = [
     "agentic_7b_64",
+    "agentic_tiny",
     "default",
     "e2e_cpu",
     "math_1_5b_64",

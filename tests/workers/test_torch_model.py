@@ -53,3 +53,28 @@ def test_saved_checkpoint_loads_through_from_pretrained(tmp_path: object, arch: 
     assert loaded_tokenizer.decode(ids[0].tolist()) == TEXT
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)
+
+
+def test_a_checkpoints_skeleton_builds_on_the_meta_device(tmp_path: object) -> None:
+    config = ModelConfig(hidden_size=32, num_heads=4, num_kv_heads=2)
+    model = build_model(config, seed=3)
+    save_pretrained(model, load_tokenizer(config), str(tmp_path))
+    with torch.device("meta"):  # how a trainer joiner builds its model
+        skeleton = build_model(msgspec.structs.replace(config, path=str(tmp_path)))
+    shapes = [(n, p.shape) for n, p in model.named_parameters()]
+    assert [(n, p.shape) for n, p in skeleton.named_parameters()] == shapes
+    assert all(p.device.type == "meta" for p in skeleton.parameters())
+
+
+def test_the_chat_tokenizer_has_one_id_per_chat_token_and_a_template(tmp_path: object) -> None:
+    tokenizer = build_tokenizer(chat=True)
+    ids = tokenizer.encode("<tool_call>{}</tool_call><|im_end|>", add_special_tokens=False)
+    assert len(ids) == 5 and tokenizer.eos_token == "<|im_end|>"
+    assert ids[-1] == tokenizer.eos_token_id
+    messages = [{"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    tokenizer.save_pretrained(str(tmp_path))  # a checkpoint keeps both
+    loaded = load_tokenizer(ModelConfig(path=str(tmp_path)))
+    assert loaded.chat_template == tokenizer.chat_template
+    assert loaded.eos_token_id == tokenizer.eos_token_id

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import anyio
+import anyio.to_thread
+import msgspec
 
 from dynarl.api.checkpoint import Checkpoint
 from dynarl.api.config import DynaRLConfig
@@ -26,6 +28,8 @@ from dynarl.control.controller import Controller
 from dynarl.control.pipeline import build_hypergraph
 from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT, TO_ACTOR, TO_INFERENCE
 from dynarl.core.clock import LoopClock
+from dynarl.core.errors import ConfigError
+from dynarl.envs.environment import EnvironmentSpec
 from dynarl.envs.prompts import PromptSampler
 from dynarl.obs.metrics import DeviceMeter
 from dynarl.obs.timeline import TimelineRecorder
@@ -55,6 +59,78 @@ def check_backends(cfg: DynaRLConfig) -> None:
     launcher.check(cfg.cluster)
 
 
+_DEMOS_PER_STEP = 16
+"""Demonstrations drawn per warm-start step."""
+
+
+def environment_of(
+    cfg: DynaRLConfig, environment: EnvironmentSpec | None
+) -> EnvironmentSpec | None:
+    """The multi-turn environment a run plays: the one given in code, or the built-in
+    one ``env.name`` names (refused if both are given), or none."""
+    if environment is not None and cfg.env.name is not None:
+        raise ConfigError(
+            f"the run is given an environment in code and env.name={cfg.env.name!r}; "
+            "drop one of them",
+            field="env.name",
+        )
+    if environment is not None:
+        return environment
+    if cfg.env.name is None:
+        if cfg.env.warm_start_steps:
+            raise ConfigError(
+                "env.warm_start_steps needs an environment with demonstrations; the "
+                "single-turn bracket task has none: set env.warm_start_steps=0",
+                field="env.warm_start_steps",
+            )
+        return None
+    from dynarl.envs.builtin import builtin_environment
+
+    return builtin_environment(cfg.env.name, seed=cfg.run.seed)
+
+
+async def warm_started(
+    cfg: DynaRLConfig, environment: EnvironmentSpec | None, run_dir: Path
+) -> DynaRLConfig:
+    """``cfg`` as the workers build it: with ``env.warm_start_steps``, its random-init
+    policy is first trained on the environment's demonstrations (in a thread) and saved
+    in the run directory, which ``model.path`` then names (a resumed run reuses it)."""
+    steps = cfg.env.warm_start_steps
+    if not steps or environment is None:
+        return cfg
+    demonstrations = environment.demonstrations
+    if demonstrations is None or environment.task is None:
+        raise ConfigError(
+            f"env.warm_start_steps={steps} needs an environment with demonstrations and "
+            f"tasks; {environment.name!r} has none: set env.warm_start_steps=0",
+            field="env.warm_start_steps",
+        )
+    out = run_dir / "warm_start"
+    if not (out / "config.json").is_file():
+        from dynarl.workers import backends
+
+        trainer = backends.trainer_backend(cfg.actor)
+        tasks = environment.task
+        # Demonstrations come from tasks far past those the run's iterations draw.
+        demos = [demonstrations(tasks(1_000_000 + i)) for i in range(steps * _DEMOS_PER_STEP)]
+        tools = environment.make().tools
+        await anyio.to_thread.run_sync(
+            lambda: trainer.warm_start(
+                cfg.model,
+                demos,
+                tools=tools,
+                steps=steps,
+                lr=cfg.env.warm_start_lr,
+                seed=cfg.run.seed,
+                out_dir=out,
+            )
+        )
+    model = msgspec.structs.replace(cfg.model, path=str(out.resolve()), tokenizer="chars")
+    return msgspec.structs.replace(
+        cfg, model=model, env=msgspec.structs.replace(cfg.env, warm_start_steps=0)
+    )
+
+
 async def assemble(
     cfg: DynaRLConfig,
     stack: contextlib.AsyncExitStack,
@@ -62,15 +138,18 @@ async def assemble(
     resumed: Checkpoint | None,
     on_progress: Callable[[Progress], None],
     before_controller: Callable[[], object],
+    environment: EnvironmentSpec | None = None,
 ) -> Run:
     """The parts of a run of ``cfg``, entered on ``stack`` (leaving it stops them in
     reverse order); ``resumed`` continues from a checkpoint; ``before_controller`` is
     called just before the controller starts (what it pushes on ``stack`` runs once the
-    controller has stopped)."""
+    controller has stopped); ``environment``: the multi-turn environment the episodes
+    play (else the single-turn bracket task)."""
     from dynarl.api.executor import WorldExecutor
     from dynarl.control.modes import make_hold, make_policy
     from dynarl.control.predictor import Predictor
     from dynarl.data import RouterConfig
+    from dynarl.data.request_order import order_named
     from dynarl.data.router import Router
     from dynarl.data.zmq_transport import ZmqTransport
     from dynarl.envs.prompts import prompt_sampler
@@ -110,6 +189,7 @@ async def assemble(
             transport,
             consumers={PROMPTS: [ROLLOUT], TO_INFERENCE: [INFERENCE], TO_ACTOR: [ACTOR]},
             config=router_cfg,
+            order=order_named(cfg.rollout.request_order),
             on_event=reporter,
         )
     )
@@ -148,7 +228,10 @@ async def assemble(
     stack.callback(reporter.disconnect)  # nobody applies events after
 
     seed = cfg.run.seed
-    sampler = prompt_sampler(cfg.data, seed=seed, generator=SyntheticTask(seed=seed).prompt)
+    tasks = environment.task if environment is not None else None
+    sampler = prompt_sampler(
+        cfg.data, seed=seed, generator=tasks or SyntheticTask(seed=seed).prompt
+    )
     if resumed is not None:
         sampler.load_state_dict(resumed.state.sampler)
     assert world.trainer is not None, "the world starts its trainer"
@@ -166,6 +249,9 @@ async def assemble(
         tokenizer=load_tokenizer(cfg.model),
         uses_inference=uses_inference,
         on_progress=on_progress,
+        environment=environment,
+        env=cfg.env,
+        max_seq_len=cfg.model.max_seq_len,
     )
     return Run(controller, world, pipeline, meter, recorder, sampler)
 

@@ -19,7 +19,7 @@ from dynarl.control.config import SchedulerConfig
 from dynarl.control.layout import PipelineLayout
 from dynarl.core.config import NonNegativeInt, PositiveInt, Section
 from dynarl.core.errors import ConfigError
-from dynarl.envs.config import DataConfig
+from dynarl.envs.config import DataConfig, EnvConfig
 from dynarl.launch.config import ClusterConfig
 from dynarl.rl.config import AlgorithmConfig
 from dynarl.workers.config import ActorConfig, InferenceConfig, ModelConfig, RolloutConfig
@@ -30,6 +30,7 @@ __all__ = [
     "ClusterConfig",
     "DataConfig",
     "DynaRLConfig",
+    "EnvConfig",
     "InferenceConfig",
     "ModelConfig",
     "RolloutConfig",
@@ -65,6 +66,7 @@ class DynaRLConfig(Section, frozen=True, kw_only=True):
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     data: DataConfig = msgspec.field(default_factory=DataConfig)
+    env: EnvConfig = msgspec.field(default_factory=EnvConfig)
     run: RunConfig = msgspec.field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:
@@ -137,6 +139,28 @@ class DynaRLConfig(Section, frozen=True, kw_only=True):
                 "scheduler.mode=static-disaggregated keeps the initial split for the whole "
                 "run, so rollout.initial_devices and actor.initial_devices must both be > 0",
                 field="scheduler.mode",
+            )
+        self._check_env()
+
+    def _check_env(self) -> None:
+        env, model = self.env, self.model
+        if env.max_total_tokens is not None and env.max_total_tokens > model.max_seq_len:
+            raise ConfigError(
+                f"env.max_total_tokens={env.max_total_tokens} is longer than the model's "
+                f"model.max_seq_len={model.max_seq_len}; lower it or leave it unset",
+                field="env.max_total_tokens",
+            )
+        if env.name is not None and model.path is None and model.tokenizer != "chat":
+            raise ConfigError(
+                f"env.name={env.name!r} plays multi-turn episodes through a chat template, "
+                "and the built-in character tokenizer has none; set model.tokenizer=chat",
+                field="model.tokenizer",
+            )
+        if env.warm_start_steps and model.path is not None:
+            raise ConfigError(
+                "env.warm_start_steps trains a random-init policy, but model.path loads a "
+                "checkpoint; set env.warm_start_steps=0 (or drop model.path)",
+                field="env.warm_start_steps",
             )
 
     def pipeline_layout(self) -> PipelineLayout:

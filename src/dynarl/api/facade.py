@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     from dynarl.api.world import RealWorld
     from dynarl.control.controller import Controller
+    from dynarl.envs.environment import EnvironmentSpec
     from dynarl.envs.prompts import PromptSampler
     from dynarl.rl.pipeline import Pipeline, Progress
 
@@ -58,6 +59,9 @@ class DynaRL:
         resume_from: a run directory to continue from its last checkpoint (the run
             goes on writing there); ``cfg`` should be the configuration saved there,
             see :meth:`resume`.
+        environment: the multi-turn environment whose episodes the run trains on
+            (:mod:`dynarl.envs`); default: the built-in one ``cfg.env.name`` names, or
+            the single-turn bracket task.
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class DynaRL:
         run_dir: str | Path | None = None,
         on_progress: "Callable[[Progress], None] | None" = None,
         resume_from: str | Path | None = None,
+        environment: "EnvironmentSpec | None" = None,
     ) -> None:
         if resume_from is not None:
             if run_dir is not None and Path(run_dir).resolve() != Path(resume_from).resolve():
@@ -76,6 +81,7 @@ class DynaRL:
                 )
             run_dir = resume_from
         self.cfg = cfg
+        self.environment = environment
         self.run_dir = Path(run_dir if run_dir is not None else cfg.run.run_dir)
         self.on_progress = on_progress
         self.resume_from = None if resume_from is None else Path(resume_from)
@@ -141,9 +147,10 @@ class DynaRL:
     async def _open(self, stack: contextlib.AsyncExitStack) -> None:
         # Checked first: a backend that cannot run here, or a directory with nothing to
         # resume, fails before anything loads.
-        from dynarl.api.assembly import check_backends
+        from dynarl.api.assembly import check_backends, environment_of, warm_started
 
         check_backends(self.cfg)
+        environment = environment_of(self.cfg, self.environment)
         resumed = None if self.resume_from is None else self._files.resume_point(self.cfg)
         from dynarl.api.assembly import assemble
 
@@ -158,8 +165,9 @@ class DynaRL:
             MetricsWriter(files.metrics_path, append=resumed is not None)
         )
         run = await assemble(
-            cfg,
+            await warm_started(cfg, environment, self.run_dir),
             stack,
+            environment=environment,
             resumed=None if resumed is None else resumed.checkpoint,
             on_progress=lambda p: self.on_progress(p) if self.on_progress else None,
             before_controller=functools.partial(stack.callback, self._write_timeline_at_exit),

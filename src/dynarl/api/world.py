@@ -100,7 +100,12 @@ class RealWorld:
     @property
     def rollout_role(self) -> RolloutRole:
         """The role rollout slots assume."""
-        return RolloutRole(model=self.cfg.model, rollout=self.cfg.rollout, seed=self.cfg.run.seed)
+        return RolloutRole(
+            model=self.cfg.model,
+            rollout=self.cfg.rollout,
+            order=self.cfg.rollout.request_order,
+            seed=self.cfg.run.seed,
+        )
 
     @property
     def inference_role(self) -> InferenceRole:

@@ -6,7 +6,7 @@ adds the aging bound that keeps any request from starving; these keys carry no a
 term beyond arrival order, exactly so that the bound is the queue's one mechanism.
 """
 
-from typing import Protocol
+from typing import Literal, Protocol
 
 
 class RequestInfo(Protocol):
@@ -62,3 +62,12 @@ class ToolCallPriorityOrder:
     def key(self, info: RequestInfo) -> tuple[float, ...]:
         """``(-tool_calls, -prefix_tokens, enqueued_s)``."""
         return (-info.tool_calls, -info.prefix_tokens, info.enqueued_s)
+
+
+OrderName = Literal["fifo", "priority"]
+"""The orders a configuration names (``rollout.request_order``)."""
+
+
+def order_named(name: OrderName) -> RequestOrder:
+    """The request order ``name`` stands for."""
+    return ToolCallPriorityOrder() if name == "priority" else FifoOrder()

@@ -50,7 +50,7 @@ class EnvConfig(Section, frozen=True, kw_only=True):
         warm_start_lr: learning rate of those steps.
     """
 
-    name: Literal["lookup", "calculator", "python-tests"] | None = None
+    name: Literal["lookup", "calculator", "python-tests"] | None = None  # builtin.BuiltinName
     max_turns: PositiveInt = 8
     max_total_tokens: PositiveInt | None = None
     max_wall_s: PositiveFloat = 300.0

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import anyio
 import msgspec
-from anyio.abc import ObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 
 from dynarl.control.topology import PROMPTS
 from dynarl.core.ids import GroupId, ItemId
@@ -90,7 +90,7 @@ class EpisodeRunner:
         max_seq_len: int,
         tokenizer: object,
         router: Router,
-        finished: ObjectSendStream[Episode],
+        finished: MemoryObjectSendStream[Episode],
         now_s: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.spec = spec
@@ -105,9 +105,10 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------------ episodes
 
-    async def start(self, request: GenerateRequest, task: Prompt, group: GroupId) -> None:
-        """Start an episode of ``task`` as ``request`` (its id, seed and sampling) and
-        route its first turn; an environment that fails to reset ends it aborted."""
+    async def start(self, request: GenerateRequest, task: Prompt, group: GroupId) -> Item | None:
+        """Start an episode of ``task`` as ``request`` (its id, seed and sampling): the
+        item of its first turn, for the router. An environment that fails to reset ends
+        the episode aborted (``None``)."""
         rid = request.request_id
         play = _Play(request, group, self.spec.make(), self.now_s())
         self._plays[rid] = play
@@ -119,12 +120,12 @@ class EpisodeRunner:
         except Exception as e:  # a failed reset: nothing to train on
             self._log_abort(rid, "reset", e)
             await self._end(rid, "aborted")
-            return
+            return None
         if play.transcript.num_tokens >= self.max_tokens:
             logger.error("episode %s: its first prompt fills the context; ends truncated", rid)
             await self._end(rid, "truncated")
-            return
-        await self.router.submit([self._item(rid, play)])
+            return None
+        return self._item(rid, play)
 
     async def turn_ended(self, routed: RoutedResult) -> None:
         """A turn came back from its engine: step the environment, then resume the
@@ -188,6 +189,7 @@ class EpisodeRunner:
         """Close the environments of episodes still playing (the iteration stops)."""
         for rid in list(self._plays):
             await self._close(self._plays.pop(rid))
+        self.finished.close()
 
     # ------------------------------------------------------------------ helpers
 

@@ -64,7 +64,7 @@ from dynarl.rl.requests import group_requests, prompt_ids, response_text
 from dynarl.rl.samples import Rewarded, Samples, Scored
 from dynarl.workers.config import RolloutConfig
 from dynarl.workers.inference import LogprobRequest, LogprobResult
-from dynarl.workers.rollout import Completion
+from dynarl.workers.rollout import Completion, GenerateRequest
 from dynarl.workers.trainer import Trainer
 from dynarl.workers.trainer_items import shard_items
 
@@ -210,7 +210,6 @@ class _Iteration:
     async def run(self) -> IterationStats:
         p, n = self.p, len(self.requests)
         p.reporter.forget()
-        p.reporter(ev.IterationStarted(iteration=self.iteration))
         responses_send, responses = anyio.create_memory_object_stream[list[Episode]](n)
         to_score_send, to_score = anyio.create_memory_object_stream[list[Episode]](n)
         facts_send, facts = anyio.create_memory_object_stream[Rewarded | Scored](2 * n)
@@ -232,6 +231,10 @@ class _Iteration:
                 finished=inbox_send.clone(),
             )
         try:
+            # Episodes start (their environments reset) before the iteration does, so
+            # the controller sees all of rollout's work at once, as for single turns.
+            first = [] if runner is None else await self._start_episodes(runner)
+            p.reporter(ev.IterationStarted(iteration=self.iteration))
             async with anyio.create_task_group() as tg:
                 self.pump = await tg.start(self._pump, inbox_send)
                 self.tg, self.runner = tg, runner
@@ -245,13 +248,7 @@ class _Iteration:
                 facts_send.close()
                 tg.start_soon(self._collect, facts, ready_send)
                 tg.start_soon(self._train, ready)
-                if runner is None:
-                    await p.router.submit(self._request_items())
-                else:
-                    async with runner.finished, anyio.create_task_group() as starts:
-                        for r in self.requests:
-                            prompt = self.prompts[self.samples.group_of[r.request_id]]
-                            starts.start_soon(runner.start, r, prompt, self.group_of[r.request_id])
+                await p.router.submit(self._request_items() if runner is None else first)
         finally:
             if runner is not None:
                 await runner.aclose()
@@ -264,6 +261,19 @@ class _Iteration:
         self.stage_s["sync"] = time.perf_counter() - t0
         p.reporter(ev.IterationDone(iteration=self.iteration))
         return self._stats(time.perf_counter() - self.started)
+
+    async def _start_episodes(self, runner: EpisodeRunner) -> list[Item]:
+        """Reset every episode's environment, all at once; their first turns' items."""
+        first: list[Item | None] = [None] * len(self.requests)
+
+        async def start(i: int, request: GenerateRequest) -> None:
+            prompt = self.prompts[self.samples.group_of[request.request_id]]
+            first[i] = await runner.start(request, prompt, self.group_of[request.request_id])
+
+        async with anyio.create_task_group() as tg:
+            for i, request in enumerate(self.requests):
+                tg.start_soon(start, i, request)
+        return [item for item in first if item is not None]
 
     def _request_items(self) -> list[Item]:
         """The single-turn rollout requests as router items."""
@@ -332,9 +342,7 @@ class _Iteration:
         p, n, runner = self.p, len(self.requests), self.runner
         expected = {PROMPTS: n, TO_INFERENCE: n if p.uses_inference else 0, TO_ACTOR: n}
         received = dict.fromkeys(expected, 0)
-        async with contextlib.AsyncExitStack() as upstream:
-            upstream.callback(self.pump.cancel)
-            await upstream.enter_async_context(inbox)
+        async with inbox, contextlib.AsyncExitStack() as upstream:
             for stream in (responses, to_score, facts):
                 await upstream.enter_async_context(stream)
             while received != expected:
@@ -370,6 +378,7 @@ class _Iteration:
                     await facts.send(Scored(tuple(scored)))
                 if (received[PROMPTS], received[TO_INFERENCE]) == (n, expected[TO_INFERENCE]):
                     await upstream.aclose()  # every sample is through them
+        self.pump.cancel()  # the iteration's last result is in
 
     async def _responded(
         self,

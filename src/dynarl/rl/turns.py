@@ -140,3 +140,28 @@ class Transcript:
         self.output_ids.extend(token_ids)
         self.logprobs.extend([0.0] * len(token_ids))
         self.mask.extend([0] * len(token_ids))
+
+
+def transcript_of(
+    renderer: ChatRenderer, tokenizer: Any, messages: Sequence[ChatMessage]
+) -> Transcript:
+    """The transcript a whole conversation (a demonstration) makes, token for token as
+    an episode playing it would: the messages before the first assistant turn are the
+    prompt, each assistant turn's text is encoded as sampled (with its end-of-turn
+    token; log-probs 0), and the messages between turns are observations."""
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None:
+        raise TemplateError("a demonstration needs at least one assistant turn")
+    transcript = Transcript(renderer.prompt_ids(messages[:first]))
+    observation: list[ChatMessage] = []
+    for message in messages[first:]:
+        if message["role"] != "assistant":
+            observation.append(message)
+            continue
+        if observation:
+            transcript.add_observation(renderer.observation_ids(observation, turn_ended=True))
+            observation = []
+        ids = [*tokenizer.encode(message["content"], add_special_tokens=False)]
+        ids.append(renderer.end_of_turn_id)
+        transcript.add_turn(ids, [0.0] * len(ids), weight_version=0)
+    return transcript

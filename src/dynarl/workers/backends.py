@@ -14,9 +14,11 @@ import importlib
 import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Protocol, cast
 
 from dynarl.core.errors import ConfigError
+from dynarl.envs.environment import ChatMessage
 from dynarl.workers.config import ActorConfig, InferenceConfig, ModelConfig, RolloutConfig
 from dynarl.workers.handles import CallChannel
 from dynarl.workers.inference import InferenceEngine
@@ -134,6 +136,23 @@ class TrainerBackend(Protocol):
         num_threads: int,
     ) -> Trainer:
         """A trainer over the started ``workers``, training ``model`` with ``loss``."""
+        ...
+
+    def warm_start(
+        self,
+        model: ModelConfig,
+        demonstrations: Sequence[Sequence[ChatMessage]],
+        *,
+        tools: Sequence[dict[str, object]],
+        steps: int,
+        lr: float,
+        seed: int,
+        out_dir: Path,
+    ) -> list[float]:
+        """Train the random-init policy of ``model`` (``seed``) for ``steps``
+        supervised steps on ``demonstrations`` (their assistant tokens), in this
+        process, and save it with its tokenizer to ``out_dir`` (a checkpoint
+        ``model.path`` can name); the loss of each step."""
         ...
 
 

@@ -13,6 +13,7 @@ import msgspec
 
 from dynarl.core.config import NonNegativeInt, PositiveFloat, PositiveInt, Section
 from dynarl.core.errors import ConfigError
+from dynarl.workers.sglang.config import SGLangConfig
 
 
 class ModelConfig(Section, frozen=True, kw_only=True):
@@ -69,12 +70,17 @@ class RolloutConfig(Section, frozen=True, kw_only=True):
 
     Attributes:
         backend: ``torch`` (the reference engine; one device per engine) or ``sglang``
-            (not built yet: refused with what to use instead).
+            (SGLang servers over their HTTP API; see ``sglang``).
         tp: devices per engine (tensor parallel).
         initial_devices: devices rollout starts each run with.
         max_running_requests: requests an engine decodes at once.
         kv_capacity_tokens: KV-cache tokens an engine holds.
         temperature, top_p, max_new_tokens: sampling parameters.
+        request_order: the order each engine's queue serves requests in: ``fifo``, or
+            ``priority`` (the priority-aware queue for multi-turn episodes: sessions
+            with more completed tool calls first, then a longer cached prefix, with an
+            aging bound so nothing starves).
+        sglang: the SGLang servers (``backend="sglang"``): launched or attached to.
     """
 
     backend: Literal["torch", "sglang"] = "torch"
@@ -85,6 +91,8 @@ class RolloutConfig(Section, frozen=True, kw_only=True):
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     max_new_tokens: PositiveInt = 128
+    request_order: Literal["fifo", "priority"] = "fifo"
+    sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
 
 
 class InferenceConfig(Section, frozen=True, kw_only=True):

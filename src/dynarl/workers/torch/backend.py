@@ -5,12 +5,14 @@ thread (building loads torch and a model)."""
 import functools
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import anyio
 import torch
 
-from dynarl.data.request_order import FifoOrder, ToolCallPriorityOrder
+from dynarl.data.request_order import order_named
 from dynarl.data.request_queue import RequestQueue
+from dynarl.envs.environment import ChatMessage
 from dynarl.workers.backends import WorkerEntry
 from dynarl.workers.config import ActorConfig, ModelConfig
 from dynarl.workers.protocol import InferenceRole, RolloutRole
@@ -24,6 +26,7 @@ from dynarl.workers.torch.torch_trainer import TorchTrainer
 from dynarl.workers.torch.trainer_config import TrainerConfig
 from dynarl.workers.torch.trainer_main import trainer_main
 from dynarl.workers.torch.trainer_pool import TrainerPool, WorkerChannel
+from dynarl.workers.torch.warm_start import warm_start
 from dynarl.workers.trainer import LossFn
 
 
@@ -36,7 +39,7 @@ class TorchBackend:
     def build_rollout(self, role: RolloutRole, *, name: str, num_threads: int) -> TorchRollout:
         """A rollout engine whose waiting queue is the data plane's request queue."""
         torch.set_num_threads(num_threads)
-        order = ToolCallPriorityOrder() if role.order == "priority" else FifoOrder()
+        order = order_named(role.order)
         queue = RequestQueue[EngineSequence](
             order, max_size=role.max_queued_requests, clock=_MonotonicClock(), aging=role.aging
         )
@@ -78,6 +81,24 @@ class TorchBackend:
             loss_fn=loss,
         )
         return TorchTrainer(pool)
+
+
+    def warm_start(
+        self,
+        model: ModelConfig,
+        demonstrations: Sequence[Sequence[ChatMessage]],
+        *,
+        tools: Sequence[dict[str, object]],
+        steps: int,
+        lr: float,
+        seed: int,
+        out_dir: Path,
+    ) -> list[float]:
+        """Supervised steps of the random-init policy on ``demonstrations``, saved to
+        ``out_dir`` (see :mod:`dynarl.workers.torch.warm_start`)."""
+        return warm_start(
+            model, demonstrations, tools=tools, steps=steps, lr=lr, seed=seed, out_dir=out_dir
+        )
 
 
 class _MonotonicClock:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     LlamaConfig,
     PretrainedConfig,
@@ -68,13 +69,19 @@ def build_model(
     """The policy model of ``config``, in eval mode on ``device``.
 
     With ``config.path`` set it is loaded with ``AutoModelForCausalLM.from_pretrained``
-    (``seed`` is unused). Otherwise its weights are initialised from ``seed`` alone
-    (the global torch RNG is left as it was), with the vocabulary of ``tokenizer``
-    (default: :func:`build_tokenizer`).
+    (``seed`` is unused); under ``torch.device("meta")``, only its architecture is
+    built (a skeleton whose tensors its caller fills). Otherwise its weights are
+    initialised from ``seed`` alone (the global torch RNG is left as it was), with the
+    vocabulary of ``tokenizer`` (default: :func:`build_tokenizer`).
     """
     dtype = _DTYPES[config.dtype]
     model: PreTrainedModel
-    if config.path is not None:
+    if config.path is not None and torch.empty(0).device.type == "meta":
+        # A skeleton of a checkpoint's architecture (a trainer joiner: its tensors
+        # arrive from a running rank); ``from_pretrained`` refuses the meta device.
+        hf_config = AutoConfig.from_pretrained(config.path)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)  # type: ignore[no-untyped-call]
+    elif config.path is not None:
         with _no_progress_bars():
             model = AutoModelForCausalLM.from_pretrained(config.path, dtype=dtype)
         logger.info("loaded %s from %s", type(model).__name__, config.path)

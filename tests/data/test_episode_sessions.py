@@ -1,0 +1,294 @@
+"""Multi-turn episodes through the real data router: the runner keeps the ids the
+engine sampled, appends observations as the chat template renders them, sends each
+session back to its engine, ends episodes at their limits, and always closes the
+environment. The engines are the faked edge: workers that answer each turn with a
+scripted policy's tokens, handed back through the slots' own item sink."""
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import anyio
+import msgspec
+import pytest
+
+from dynarl.control import events as ev
+from dynarl.core.ids import GroupId, ItemId
+from dynarl.data import PeerLostError, Router, WorkerLink
+from dynarl.envs.config import EnvConfig
+from dynarl.envs.environment import (
+    ChatMessage,
+    EnvironmentFailure,
+    EnvironmentSpec,
+    StepResult,
+    Turn,
+)
+from dynarl.envs.lookup import LookupTask, lookup_spec
+from dynarl.envs.prompts import Prompt
+from dynarl.rl.episode import Episode
+from dynarl.rl.episode_runner import EpisodeRunner
+from dynarl.rl.turns import ChatRenderer
+from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams
+from dynarl.workers.sinks import ItemSink
+from dynarl.workers.tokenizer import build_tokenizer
+
+from .helpers import Net, cluster
+
+TOKENIZER = build_tokenizer(chat=True)
+EOT = TOKENIZER.eos_token_id
+LOGPROB = -0.5
+Policy = Callable[[str], str]
+"""The scripted policy: the text of its next turn, given its context's text."""
+
+
+def lookup_policy(context: str) -> str:
+    """Call ``open_box`` on the asked box, then answer with what it returned."""
+    if "<tool_response>" not in context:
+        box = context.rsplit("box ", maxsplit=1)[-1][0]
+        return f'<tool_call>{{"name": "open_box", "arguments": {{"box": {box}}}}}</tool_call>'
+    response = context.rsplit("<tool_response>", maxsplit=1)[-1]
+    return response.split("</tool_response>", maxsplit=1)[0]
+
+
+def always_call(context: str) -> str:
+    return '<tool_call>{"name": "open_box", "arguments": {"box": 1}}</tool_call>'
+
+
+def engine(policy: Policy, contexts: list[tuple[int, ...]]) -> Callable[[WorkerLink], Any]:
+    """A rollout worker answering each turn with ``policy``'s tokens (and recording
+    the contexts it was asked to continue)."""
+
+    async def serve(link: WorkerLink) -> None:
+        try:
+            while True:
+                for item in await link.receive():
+                    request = msgspec.msgpack.decode(item.payload, type=GenerateRequest)
+                    contexts.append(request.prompt_ids)
+                    text = policy(TOKENIZER.decode(list(request.prompt_ids)))
+                    ids = [*TOKENIZER.encode(text, add_special_tokens=False), EOT]
+                    ids = ids[: request.sampling.max_new_tokens]
+                    completion = Completion(
+                        request_id=item.id,
+                        prompt_ids=request.prompt_ids,
+                        output_ids=tuple(ids),
+                        output_logprobs=(LOGPROB,) * len(ids),
+                        finish_reason="stop" if ids[-1] == EOT else "length",
+                        weight_version=3,
+                    )
+                    ItemSink(link, item, 0, multi_turn=request.multi_turn).done(completion)
+        except PeerLostError:
+            pass
+
+    return serve
+
+
+class Rig:
+    """A router with scripted engines, an episode runner over it, and the loop that
+    hands ended turns to the runner (the pipeline driver's part)."""
+
+    def __init__(self, router: Router, runner: EpisodeRunner, finished: Any, graph: Any) -> None:
+        self.router, self.runner, self.finished, self.graph = router, runner, finished, graph
+
+    async def play(self, spec_tasks: list[Prompt], *, timeout_s: float = 10.0) -> list[Episode]:
+        """Play one episode per task; the finished episodes in task order."""
+        done: dict[str, Episode] = {}
+        items = []
+        for i, task in enumerate(spec_tasks):
+            request = GenerateRequest(
+                request_id=f"e{i}",
+                prompt_ids=(),
+                sampling=SamplingParams(max_new_tokens=64, seed=i),
+            )
+            item = await self.runner.start(request, task, GroupId("g"))
+            if item is not None:
+                items.append(item)
+        await self.router.submit(items)
+        with anyio.fail_after(timeout_s):
+            async with anyio.create_task_group() as tg:
+                while len(done) < len(spec_tasks):
+                    while True:
+                        try:
+                            episode = self.finished.receive_nowait()
+                        except anyio.WouldBlock:
+                            break
+                        done[episode.request_id] = episode
+                    if len(done) == len(spec_tasks):
+                        break
+                    with anyio.move_on_after(0.05):
+                        for d in await self.router.receive_batch():
+                            assert d.result.status == "tool_call"
+                            tg.start_soon(self.runner.turn_ended, d)
+        return [done[f"e{i}"] for i in range(len(spec_tasks))]
+
+
+@asynccontextmanager
+async def rig(
+    tmp_path: Path,
+    spec: EnvironmentSpec,
+    *,
+    policy: Policy = lookup_policy,
+    engines: tuple[str, ...] = ("rollout-0",),
+    contexts: list[tuple[int, ...]] | None = None,
+    **limits: Any,
+) -> AsyncIterator[Rig]:
+    net = Net("inproc", tmp_path)
+    async with cluster(net, [], all_instances=list(engines)) as c:
+        for name in engines:
+            c.add_worker(name, serve=engine(policy, contexts if contexts is not None else []))
+        await c.router.wait_for_instances(len(engines))
+        send, receive = anyio.create_memory_object_stream[Episode](100)
+        runner = EpisodeRunner(
+            spec=spec,
+            limits=EnvConfig(**limits),
+            max_seq_len=256,
+            tokenizer=TOKENIZER,
+            router=c.router,
+            finished=send,
+        )
+        try:
+            yield Rig(c.router, runner, receive, c.graph)
+        finally:
+            await runner.aclose()
+            receive.close()
+        c.graph.check()
+    await net.aclose()
+
+
+TASKS = [LookupTask(seed=0).prompt(i) for i in range(6)]
+
+
+async def test_an_episode_keeps_the_sampled_ids_and_renders_only_the_observation(
+    tmp_path: Path,
+) -> None:
+    contexts: list[tuple[int, ...]] = []
+    async with rig(tmp_path, lookup_spec(0), contexts=contexts) as r:
+        [episode] = await r.play(TASKS[:1])
+    task = TASKS[0]
+    call = lookup_policy(f"box {task.metadata['box']}")
+    turn_0 = [*TOKENIZER.encode(call, add_special_tokens=False), EOT]
+    turn_1 = [*TOKENIZER.encode(str(task.answer), add_special_tokens=False), EOT]
+    renderer = ChatRenderer(TOKENIZER, lookup_spec(0).make().tools)
+    observation = renderer.observation_ids(
+        [{"role": "tool", "name": "open_box", "content": str(task.answer)}], turn_ended=True
+    )
+    assert episode.end == "done" and episode.reward == 1.0 and episode.num_turns == 2
+    assert episode.output_ids == (*turn_0, *observation, *turn_1)
+    assert episode.output_mask == (1,) * len(turn_0) + (0,) * len(observation) + (1,) * len(turn_1)
+    sampled = [lp for lp, m in zip(episode.output_logprobs, episode.output_mask, strict=True) if m]
+    assert set(sampled) == {LOGPROB} and episode.weight_version == 3
+    # The second turn continues the first's exact ids: nothing was decoded and re-encoded.
+    assert contexts[1] == contexts[0] + tuple(turn_0) + observation
+    assert episode.metrics["tool_calls"] == 1 and episode.metrics["turns"] == 2
+
+
+async def test_each_session_comes_back_to_the_engine_holding_its_prefix(tmp_path: Path) -> None:
+    engines = ("rollout-0", "rollout-1", "rollout-2")
+    async with rig(tmp_path, lookup_spec(0), engines=engines) as r:
+        episodes = await r.play(TASKS)
+        served: dict[ItemId, list[str]] = {}
+        for e in r.graph.of(ev.ItemRouted):
+            served.setdefault(e.item, []).append(e.instance)
+        starts, finishes = r.graph.of(ev.ToolCallStarted), r.graph.of(ev.ToolCallFinished)
+    assert all(e.reward == 1.0 for e in episodes)
+    assert all(len(turns) == 2 and len(set(turns)) == 1 for turns in served.values())
+    assert len({turns[0] for turns in served.values()}) > 1  # spread over the engines
+    # Every turn's end is a tool call the model sees; the last one ends the episode.
+    assert (len(starts), len(finishes)) == (2 * len(TASKS), len(TASKS))
+
+
+class Scripted:
+    """An environment whose steps a test scripts; it records its close."""
+
+    closed: ClassVar[list[str]] = []
+
+    def __init__(self, step: Callable[[Turn], Any], reset_fails: bool = False) -> None:
+        self._step = step
+        self._reset_fails = reset_fails
+        self.task = ""
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        return []
+
+    async def reset(self, task: Prompt) -> list[ChatMessage]:
+        self.task = task.prompt_id
+        if self._reset_fails:
+            raise EnvironmentFailure("the sandbox did not start")
+        return [{"role": "user", "content": task.text}]
+
+    async def step(self, turn: Turn) -> StepResult:
+        result: StepResult = await self._step(turn)
+        return result
+
+    async def close(self) -> None:
+        Scripted.closed.append(self.task)
+
+
+def scripted(step: Callable[[Turn], Any], **kw: Any) -> EnvironmentSpec:
+    Scripted.closed = []
+    return EnvironmentSpec(make=lambda: Scripted(step, **kw))
+
+
+async def again(turn: Turn) -> StepResult:
+    return StepResult(observation=({"role": "user", "content": "again"},))
+
+
+async def test_an_episode_ends_truncated_at_its_turn_limit(tmp_path: Path) -> None:
+    async with rig(tmp_path, scripted(again), policy=always_call, max_turns=3) as r:
+        [episode] = await r.play(TASKS[:1])
+    assert (episode.end, episode.num_turns, episode.reward) == ("truncated", 3, 0.0)
+    assert Scripted.closed == [TASKS[0].prompt_id]
+
+
+async def test_an_episode_ends_truncated_at_its_token_budget(tmp_path: Path) -> None:
+    async with rig(tmp_path, scripted(again), policy=always_call, max_total_tokens=150) as r:
+        [episode] = await r.play(TASKS[:1])
+    assert episode.end == "truncated"
+    assert len(episode.prompt_ids) + len(episode.output_ids) <= 150
+
+
+async def test_a_step_past_the_episode_wall_time_ends_it_truncated(tmp_path: Path) -> None:
+    async def slow(turn: Turn) -> StepResult:
+        await anyio.sleep(30)
+        raise AssertionError("cancelled by the wall-time limit")
+
+    async with rig(tmp_path, scripted(slow), max_wall_s=0.3) as r:
+        [episode] = await r.play(TASKS[:1])
+    assert episode.end == "truncated" and episode.metrics["env_s"] < 5
+
+
+@pytest.mark.parametrize("error", [EnvironmentFailure("sandbox died"), ValueError("a bug")])
+async def test_a_failing_environment_aborts_the_episode_unscored(
+    tmp_path: Path, error: Exception
+) -> None:
+    async def broken(turn: Turn) -> StepResult:
+        raise error
+
+    async with rig(tmp_path, scripted(broken)) as r:
+        episodes = await r.play(TASKS[:2])
+    assert [e.end for e in episodes] == ["aborted", "aborted"]
+    assert sorted(Scripted.closed) == sorted(t.prompt_id for t in TASKS[:2])
+
+
+async def test_an_environment_that_fails_to_start_ends_its_episode_unrouted(
+    tmp_path: Path,
+) -> None:
+    async with rig(tmp_path, scripted(again, reset_fails=True)) as r:
+        [episode] = await r.play(TASKS[:1])
+        routed = r.graph.of(ev.ItemRouted)
+    assert (episode.end, episode.num_turns, routed) == ("aborted", 0, [])
+    assert Scripted.closed == [TASKS[0].prompt_id]
+
+
+async def test_episodes_still_playing_are_closed_when_the_iteration_stops(
+    tmp_path: Path,
+) -> None:
+    async def forever(turn: Turn) -> StepResult:
+        await anyio.sleep(60)
+        raise AssertionError("cancelled")
+
+    async with rig(tmp_path, scripted(forever)) as r:
+        with anyio.move_on_after(0.5):
+            await r.play(TASKS[:2])
+    assert sorted(Scripted.closed) == sorted(t.prompt_id for t in TASKS[:2])
