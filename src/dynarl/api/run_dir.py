@@ -15,7 +15,7 @@ from dynarl.api.checkpoint import Checkpoint, ResumeError, latest_checkpoint
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import load_config
 from dynarl.obs.metrics import IterationStats, read_metrics, write_metrics
-from dynarl.obs.timeline import Interval, Mark, TimelineLine, read_timeline, write_lines
+from dynarl.obs.timeline import Interval, TimelineLine, read_timeline, write_lines
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,6 @@ def _until(lines: Sequence[TimelineLine], end_s: float) -> list[TimelineLine]:
     for line in lines:
         if isinstance(line, Interval) and line.start_s < end_s:
             out.append(msgspec.structs.replace(line, end_s=min(line.end_s, end_s)))
-        elif isinstance(line, Mark) and line.time_s <= end_s:
+        elif not isinstance(line, Interval) and line.time_s <= end_s:
             out.append(line)
     return out

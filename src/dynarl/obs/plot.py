@@ -13,13 +13,14 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from dynarl.obs.timeline import FREE, MIGRATING, Interval, Mark, TimelineLine
+from dynarl.obs.timeline import FREE, MIGRATING, Interval, Mark, TimelineLine, ToolLoad
 
 COLOURS = {
     "rollout": "#4c72b0",
     "inference": "#55a868",
     "actor": "#c44e52",
     "reward": "#8172b2",
+    "tool": "#937860",
     MIGRATING: "#dd8452",
     FREE: "#e5e5e5",
 }
@@ -80,6 +81,19 @@ def timeline_figure(lines: Sequence[TimelineLine], *, title: str = "") -> Figure
         for line in lines:
             if isinstance(line, Mark) and line.run == run and line.what == "iteration_end":
                 ax.axvline(line.time_s, color="black", linestyle="--", linewidth=0.8)
+        loads = [x for x in lines if isinstance(x, ToolLoad) and x.run == run]
+        if loads:  # the tool component, off the devices: sessions out on tool calls
+            tools = ax.twinx()
+            tools.step(
+                [0.0, *(x.time_s for x in loads), end],
+                [0, *(x.num_in_tool for x in loads), loads[-1].num_in_tool],
+                where="post",
+                color=COLOURS["tool"],
+                linewidth=1.0,
+            )
+            tools.set_ylim(bottom=0)
+            tools.set_ylabel("in tools", fontsize=8)
+            seen["tool"] = None
         ax.set_xlim(0, end)
         ax.set_ylim(0, num_devices)
         ax.invert_yaxis()

@@ -5,7 +5,9 @@ on every placement event it reads the hypergraph and closes the interval of each
 device whose holder changed. A device is held by a component's active instance, is
 ``migrating`` (its instance is being drained, or it is in transit), or is ``free``.
 The timeline is written as JSON lines (``timeline.jsonl``): one line per interval and
-one per iteration boundary, each tagged with the run (the scheduling mode).
+one per iteration boundary, each tagged with the run (the scheduling mode). In runs
+with multi-turn episodes, the tool component (off the devices) is on it too: a line
+each time the number of sessions out on tool calls changes.
 """
 
 import os
@@ -24,6 +26,7 @@ FREE = "free"
 """Label of a device no component holds."""
 
 _PLACEMENT_EVENTS = (ev.MigrationStarted, ev.MigrationDone, ev.MigrationFailed, ev.WorkerFailed)
+_TOOL_EVENTS = (ev.ToolCallStarted, ev.ToolCallFinished, ev.ItemCompleted)
 
 
 class Interval(msgspec.Struct, frozen=True, kw_only=True, tag="interval", tag_field="kind"):
@@ -45,7 +48,16 @@ class Mark(msgspec.Struct, frozen=True, kw_only=True, tag="mark", tag_field="kin
     time_s: float
 
 
-TimelineLine = Interval | Mark
+class ToolLoad(msgspec.Struct, frozen=True, kw_only=True, tag="tool", tag_field="kind"):
+    """From ``time_s`` on, ``num_in_tool`` sessions were out of their engines on tool
+    calls (the tool component's load)."""
+
+    run: str
+    time_s: float
+    num_in_tool: int
+
+
+TimelineLine = Interval | Mark | ToolLoad
 
 
 class TimelineRecorder:
@@ -78,11 +90,20 @@ class TimelineRecorder:
             DeviceId(d): (self._label(DeviceId(d)), offset_s) for d in range(graph.num_devices)
         }
         self._last: dict[DeviceId, int] = {}  # index of each device's last closed interval
+        self.tool_loads: list[ToolLoad] = []
+        self._in_tool = 0
 
     def __call__(self, event: ev.Event) -> None:
         """Listener: update on placement events and iteration boundaries."""
         if isinstance(event, _PLACEMENT_EVENTS):
             self._refresh(event.time_s)
+        elif isinstance(event, _TOOL_EVENTS):
+            in_tool = sum(e.num_in_tool for e in self.graph.edges.values())
+            if in_tool != self._in_tool:
+                self._in_tool = in_tool
+                self.tool_loads.append(
+                    ToolLoad(run=self.run, time_s=event.time_s - self.origin_s, num_in_tool=in_tool)
+                )
         elif isinstance(event, ev.IterationStarted):
             self.marks.append(
                 Mark(
@@ -127,7 +148,7 @@ class TimelineRecorder:
     def lines(self, now_s: float | None = None) -> Iterator[TimelineLine]:
         """Every interval and mark, in time order; with ``now_s`` (on the events' clock)
         the open intervals too, as if they ended then (the timeline so far)."""
-        items: list[TimelineLine] = [*self.intervals, *self.marks]
+        items: list[TimelineLine] = [*self.intervals, *self.marks, *self.tool_loads]
         if now_s is not None:
             end_s = now_s - self.origin_s
             items += [
