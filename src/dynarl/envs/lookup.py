@@ -9,7 +9,7 @@ copying its output earns 1.
 
 It is the environment of the ``agentic_tiny`` recipe, sized for a random-init model
 with the built-in chat tokenizer: short prompts, one tool, one call. Its
-demonstrations (for a supervised warm start) call the tool in a third of the
+demonstrations (for a supervised warm start) call the tool in half of the
 episodes and guess in the rest, so a warm-started policy calls it sometimes, and RL
 has to discover that calling pays.
 """
@@ -29,8 +29,10 @@ NUM_BOXES = 10
 """Boxes per task (numbered 0-9)."""
 SYSTEM_PROMPT = "Use open_box."
 """What the policy is told."""
-CALL_FRACTION = 1 / 3
+CALL_FRACTION = 0.5
 """Share of the demonstrations that call the tool (the others guess)."""
+GUESS = "000"
+"""The demonstrations' guess: one fixed answer (random ones would only teach noise)."""
 
 _CODE = re.compile(r"\d{3}")
 
@@ -101,8 +103,7 @@ def demonstrations(task: Prompt) -> list[ChatMessage]:
         {"role": "user", "content": task.text},
     ]
     if rng.random() >= CALL_FRACTION:
-        guess = f"{int(rng.integers(1000)):03d}"
-        return [*first, {"role": "assistant", "content": guess}]
+        return [*first, {"role": "assistant", "content": GUESS}]
     box = task.metadata["box"]
     arguments = json.dumps({"name": "open_box", "arguments": {"box": box}})
     call = f"<tool_call>{arguments}</tool_call>"

@@ -25,9 +25,16 @@ _CHARACTERS = string.printable  # digits, letters, punctuation, space and \t\n\r
 
 END_OF_TURN = "<|im_end|>"
 """End of a chat turn in the built-in chat tokenizer (Qwen's); generation stops on it."""
-CHAT_TOKENS = ("<|im_start|>", END_OF_TURN, "<tool_call>", "</tool_call>")
-"""Special tokens of the built-in chat tokenizer, one id each, as in Qwen2's vocabulary
-(``<tool_response>`` stays text there too)."""
+CHAT_TOKENS = (
+    "<|im_start|>",
+    END_OF_TURN,
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
+"""Special tokens of the built-in chat tokenizer, one id each, as in Qwen2.5's
+vocabulary."""
 
 CHAT_TEMPLATE = (
     "{% if messages[0].role == 'system' or tools %}<|im_start|>system\n"
