@@ -18,6 +18,7 @@ import numpy as np
 
 from dynarl import DynaRL
 from dynarl.api.config import (
+    ActorConfig,
     AlgorithmConfig,
     DynaRLConfig,
     EnvConfig,
@@ -75,13 +76,16 @@ def demonstrations(task: Prompt) -> list[ChatMessage]:
 SPEC = EnvironmentSpec(make=WordLengths, task=task, demonstrations=demonstrations, name="words")
 
 
-def config(num_iterations: int = 4, run_dir: str = "runs/word_lengths") -> DynaRLConfig:
+def config(
+    num_iterations: int = 4, run_dir: str = "runs/word_lengths", warm_start_steps: int = 600
+) -> DynaRLConfig:
     """A tiny CPU run of the environment."""
     return DynaRLConfig(
         model=ModelConfig(tokenizer="chat"),
         rollout=RolloutConfig(max_new_tokens=64, request_order="priority"),
+        actor=ActorConfig(lr=3e-4),
         algorithm=AlgorithmConfig(num_prompts=8, group_size=4, n_minibatches=2),
-        env=EnvConfig(max_turns=3, warm_start_steps=50),
+        env=EnvConfig(max_turns=3, warm_start_steps=warm_start_steps),
         run=RunConfig(num_iterations=num_iterations, run_dir=run_dir, checkpoint_every=0),
     )
 
