@@ -1,9 +1,11 @@
 """One finished sample as the pipeline driver keeps it: a single-turn response, or a
 whole multi-turn episode with the mask of the tokens the policy sampled."""
 
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
+import numpy as np
 
 from dynarl.workers.rollout import Completion, FinishReason
 
@@ -62,3 +64,20 @@ class Episode(msgspec.Struct, frozen=True, kw_only=True):
         if self.output_mask is None:
             return len(self.output_ids)
         return sum(self.output_mask)
+
+
+def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
+    """An iteration's episode metrics: per-episode means of each metric over the
+    scored episodes, the tool-call rate, and the truncated and aborted counts."""
+    scored = [e for e in episodes if e.end != "aborted"]
+    out: dict[str, float] = {
+        "truncated": float(sum(e.end == "truncated" for e in episodes)),
+        "aborted": float(len(episodes) - len(scored)),
+    }
+    if not scored:
+        return out
+    keys = sorted({k for e in scored for k in e.metrics})
+    for key in keys:
+        out[key] = float(np.mean([e.metrics.get(key, 0.0) for e in scored]))
+    out["tool_call_rate"] = float(np.mean([e.metrics.get("tool_calls", 0.0) > 0 for e in scored]))
+    return out

@@ -182,7 +182,7 @@ class EpisodeRunner:
             return
         transcript.add_observation(observation)
         await self.router.resume(
-            routed.item.id, _ENCODER.encode(self._request(rid, play)), latency_s=latency_s
+            routed.item.id, _ENCODER.encode(self._request(play)), latency_s=latency_s
         )
 
     async def aclose(self) -> None:
@@ -193,7 +193,7 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------------ helpers
 
-    def _request(self, rid: str, play: _Play) -> GenerateRequest:
+    def _request(self, play: _Play) -> GenerateRequest:
         """The session's next turn: the whole context so far, a budget of what is left
         of the episode's tokens, a seed of its own."""
         transcript, sampling = play.transcript, play.request.sampling
@@ -212,7 +212,7 @@ class EpisodeRunner:
             id=ItemId(rid),
             group=play.group,
             edge=PROMPTS,
-            payload=_ENCODER.encode(self._request(rid, play)),
+            payload=_ENCODER.encode(self._request(play)),
             affinity="prefer",
             tokens=play.transcript.num_tokens,
         )

@@ -56,7 +56,7 @@ from dynarl.rl.batch import (
     to_arrays,
 )
 from dynarl.rl.config import AlgorithmConfig
-from dynarl.rl.episode import Episode
+from dynarl.rl.episode import Episode, episode_stats
 from dynarl.rl.episode_runner import EpisodeRunner
 from dynarl.rl.gate import StepGate
 from dynarl.rl.reporter import EventReporter
@@ -308,7 +308,7 @@ class _Iteration:
             weight_version=self.iteration + 1,
             stage_s=self.stage_s,
             elapsed_s=elapsed,
-            episodes=_episode_stats(list(samples.completions.values()))
+            episodes=episode_stats(list(samples.completions.values()))
             if self.p.environment is not None
             else {},
         )
@@ -537,20 +537,3 @@ def _split(
         else:
             logger.error("result of item %s on unexpected edge %s", d.item.id, d.item.edge)
     return responses, turns, scored, trained
-
-
-def _episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
-    """An iteration's episode metrics: per-episode means of each metric over the
-    scored episodes, the tool-call rate, and the truncated and aborted counts."""
-    scored = [e for e in episodes if e.end != "aborted"]
-    out: dict[str, float] = {
-        "truncated": float(sum(e.end == "truncated" for e in episodes)),
-        "aborted": float(len(episodes) - len(scored)),
-    }
-    if not scored:
-        return out
-    keys = sorted({k for e in scored for k in e.metrics})
-    for key in keys:
-        out[key] = float(np.mean([e.metrics.get(key, 0.0) for e in scored]))
-    out["tool_call_rate"] = float(np.mean([e.metrics.get("tool_calls", 0.0) > 0 for e in scored]))
-    return out

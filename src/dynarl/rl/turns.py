@@ -114,11 +114,6 @@ class Transcript:
         """Context length: prompt, turns and observations."""
         return len(self.prompt_ids) + len(self.output_ids)
 
-    @property
-    def num_sampled(self) -> int:
-        """Tokens the policy sampled."""
-        return sum(self.mask)
-
     def context(self) -> tuple[int, ...]:
         """The next turn's prompt."""
         return self.prompt_ids + tuple(self.output_ids)

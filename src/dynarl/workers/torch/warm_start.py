@@ -47,9 +47,8 @@ def warm_start(
     policy = build_model(model, seed=seed, tokenizer=tokenizer)
     policy.train()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr)
-    order = np.random.default_rng([seed, 0x5F7]).permutation
     losses: list[float] = []
-    batches = _batches(len(rows), steps, order)
+    batches = _batches(len(rows), steps, np.random.default_rng([seed, 0x5F7]))
     pad = tokenizer.pad_token_id or 0
     for chosen in batches:
         ids, mask, attention = _tensors([rows[i] for i in chosen], pad)
@@ -76,12 +75,11 @@ def warm_start(
     return losses
 
 
-def _batches(num_rows: int, steps: int, order: object) -> list[np.ndarray]:
+def _batches(num_rows: int, steps: int, rng: np.random.Generator) -> list[np.ndarray]:
     """``steps`` batches drawn epoch by epoch in seeded orders."""
-    assert callable(order)
     out: list[np.ndarray] = []
     while len(out) < steps:
-        perm = order(num_rows)
+        perm = rng.permutation(num_rows)
         out.extend(perm[i : i + BATCH_SIZE] for i in range(0, num_rows, BATCH_SIZE))
     return out[:steps]
 
