@@ -31,6 +31,10 @@ NOT_APPLICABLE = {
         "SGLang takes weights by manifest (update_weights_from_distributed), not the "
         "torch sender's in-band broadcast; tests/workers/sglang_backend/test_sglang_weight_sync.py"
     ),
+    ("test_sent_weights_arrive_with_their_version", "sglang"): (
+        "SGLang takes weights by manifest (update_weights_from_distributed), not the "
+        "torch sender's in-band broadcast; tests/workers/sglang_backend/test_sglang_weight_sync.py"
+    ),
 }
 """Contract tests a backend cannot take as written, and where it is tested instead."""
 

@@ -261,9 +261,11 @@ async def test_a_cancelled_run_kills_its_process_and_removes_its_directory(
 
 
 @needs_bwrap
-async def test_under_bwrap_the_host_filesystem_does_not_exist() -> None:
+async def test_under_bwrap_the_host_filesystem_does_not_exist(tmp_path: Path) -> None:
     sandbox = PythonSandbox(LIMITS, isolation="bwrap")
-    paths = ("/etc/passwd", "/home", "/tmp", "/var")
+    host_file = tmp_path / "host-secret"  # beside the test, not the Python installation
+    host_file.write_text("secret")
+    paths = ("/etc/passwd", "/home", str(host_file), "/var")
     code = f"import os\nprint(os.getcwd(), [os.path.exists(p) for p in {paths}])"
     result = await sandbox.run(code)
     assert (
