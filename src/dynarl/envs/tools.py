@@ -18,7 +18,6 @@ import json
 import logging
 import re
 import types
-import typing
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Concatenate, Generic, Literal, ParamSpec, Self, TypeVar, cast, overload
 
@@ -26,12 +25,28 @@ import anyio
 import anyio.to_thread
 import docstring_parser
 import msgspec
-import pydantic
-import pydantic.json_schema
 import pydantic_core
 
-from dynarl.core.errors import DynaRLError
 from dynarl.envs.environment import EnvironmentFailure
+from dynarl.envs.tool_arguments import (
+    ToolArgumentError,
+    ToolArguments,
+    ToolDefinitionError,
+    ToolError,
+)
+
+__all__ = [
+    "DEFAULT_MAX_OUTPUT_CHARS",
+    "AnyToolSpec",
+    "ToolArgumentError",
+    "ToolDefinitionError",
+    "ToolError",
+    "ToolOutput",
+    "ToolSpec",
+    "ToolStatus",
+    "tool",
+    "tools_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,20 +58,6 @@ DEFAULT_MAX_OUTPUT_CHARS = 10_000
 """A tool's output is cut to this many characters unless it says otherwise."""
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-
-
-class ToolError(DynaRLError):
-    """Root of the errors of tools."""
-
-
-class ToolDefinitionError(ToolError):
-    """A tool is declared or wired wrongly (say an un-annotated parameter, or no value
-    for a hidden one): a bug of the environment's, the message names the tool and fix."""
-
-
-class ToolArgumentError(ToolError):
-    """The model's arguments do not fit the tool; the message is written for the model
-    (which argument, and why)."""
 
 
 ToolStatus = Literal["ok", "invalid_arguments", "raised", "timed_out"]
@@ -119,9 +120,7 @@ class ToolSpec(Generic[S, P, R]):
         self._signature = inspect.signature(fn)
         self._is_async = inspect.iscoroutinefunction(fn)
         self._check_definition()
-        self._arguments: type[pydantic.BaseModel] | None = None
-        self._aliases: dict[str, str] = {}
-        self._parameters: dict[str, Any] = {}
+        self._arguments: ToolArguments | None = None
         self._limiter: anyio.CapacityLimiter | None = None
 
     @overload
@@ -151,8 +150,7 @@ class ToolSpec(Generic[S, P, R]):
     @property
     def parameters(self) -> dict[str, Any]:
         """The JSON Schema of the arguments the model gives (hidden ones left out)."""
-        self._build()
-        return self._parameters
+        return self._build().schema
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -169,12 +167,7 @@ class ToolSpec(Generic[S, P, R]):
         optional arguments are left to the method's defaults. Raises
         :class:`ToolArgumentError` naming each bad argument; hidden parameters count
         as unknown arguments."""
-        model = self._build()
-        try:
-            values = model.model_validate(dict(arguments))
-        except pydantic.ValidationError as exc:
-            raise ToolArgumentError(self._explain(exc)) from None
-        return {self._aliases[field]: getattr(values, field) for field in values.model_fields_set}
+        return self._build().validate(arguments)
 
     async def call(
         self, owner: S, arguments: Mapping[str, Any], *, hidden: Mapping[str, Any] | None = None
@@ -258,25 +251,12 @@ class ToolSpec(Generic[S, P, R]):
             return text
         return f"{text[:limit]}\n[output truncated: {len(text) - limit} more characters]"
 
-    def _explain(self, exc: pydantic.ValidationError) -> str:
-        """The model-facing account of a validation failure: one clause per error."""
-        problems = []
-        unknown_or_missing = False
-        for error in exc.errors(include_url=False):
-            first, *rest = error["loc"]  # ("tags", 1) -> tags[1]
-            where = str(first) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in rest)
-            if error["type"] == "extra_forbidden":
-                problems.append(f"unexpected argument {where!r}")
-                unknown_or_missing = True
-            elif error["type"] == "missing":
-                problems.append(f"missing required argument {where!r}")
-                unknown_or_missing = True
-            else:
-                problems.append(f"argument {where!r}: {error['msg']} (got {error['input']!r:.60})")
-        if unknown_or_missing:
-            takes = ", ".join(self._aliases.values()) or "no arguments"
-            problems.append(f"{self.name} takes: {takes}")
-        return f"invalid arguments for {self.name}: " + "; ".join(problems)
+    def _build(self) -> ToolArguments:
+        """The arguments' model and schema, built on first use (so hints may name
+        classes defined after the tool)."""
+        if self._arguments is None:
+            self._arguments = ToolArguments(self.fn, tool_name=self.name, hidden=self.hidden)
+        return self._arguments
 
     def _check_definition(self) -> None:
         where = f"tool {self.name!r} ({self.fn.__qualname__})"
@@ -312,52 +292,6 @@ class ToolSpec(Generic[S, P, R]):
                 f"{where}: hidden={unknown} names no parameter; hidden names are among: "
                 f"{', '.join(sorted(names)) or 'none (the tool takes no parameters)'}"
             )
-
-    def _build(self) -> type[pydantic.BaseModel]:
-        """The arguments' pydantic model and JSON Schema, built on first use."""
-        if self._arguments is not None:
-            return self._arguments
-        where = f"tool {self.name!r} ({self.fn.__qualname__})"
-        try:
-            hints = typing.get_type_hints(self.fn, include_extras=True)
-        except Exception as exc:
-            raise ToolDefinitionError(
-                f"{where}: its type hints cannot be resolved ({exc}); import the types "
-                "they name in the tool's module"
-            ) from exc
-        doc = docstring_parser.parse(inspect.getdoc(self.fn) or "")
-        described = {param.arg_name: param.description for param in doc.params}
-        # Fields are named p0, p1, ... with the parameter's name as alias, so a
-        # parameter may be called `json` or `model_x` without clashing with pydantic.
-        parameters = list(self._signature.parameters.values())[1:]
-        visible = [param for param in parameters if param.name not in self.hidden]
-        aliases = {f"p{number}": param.name for number, param in enumerate(visible)}
-        fields: dict[str, Any] = {
-            field: (
-                hints[param.name],
-                pydantic.Field(
-                    ... if param.default is param.empty else param.default,
-                    alias=param.name,
-                    description=described.get(param.name),
-                ),
-            )
-            for field, param in zip(aliases, visible, strict=True)
-        }
-        config = pydantic.ConfigDict(extra="forbid")
-        try:
-            model: type[pydantic.BaseModel] = pydantic.create_model(
-                f"{self.name}_arguments", __config__=config, **fields
-            )
-            schema = model.model_json_schema(schema_generator=_Untitled)
-            del schema["title"]
-        except (pydantic.PydanticUserError, TypeError) as exc:
-            raise ToolDefinitionError(
-                f"{where}: its parameters cannot be validated ({str(exc).splitlines()[0]}); "
-                "use types pydantic knows (str, int, float, bool, Literal, lists, dicts, "
-                "models), or make the parameter hidden if the environment supplies it"
-            ) from exc
-        self._aliases, self._parameters, self._arguments = aliases, schema, model
-        return model
 
 
 AnyToolSpec = ToolSpec[Any, ..., Any]
@@ -421,11 +355,3 @@ def tools_of(obj: object) -> Mapping[str, AnyToolSpec]:
             )
         by_name[spec.name] = spec
     return types.MappingProxyType(by_name)
-
-
-class _Untitled(pydantic.json_schema.GenerateJsonSchema):
-    """JSON schemas without the titles pydantic makes up from field names (noise in a
-    tool prompt)."""
-
-    def field_title_should_be_set(self, schema: Any) -> bool:
-        return False
