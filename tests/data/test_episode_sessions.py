@@ -15,7 +15,7 @@ import pytest
 
 from dynarl.control import events as ev
 from dynarl.core.ids import GroupId, ItemId
-from dynarl.data import PeerLostError, Router, WorkerLink
+from dynarl.data import ItemResult, PeerLostError, Router, WorkerLink
 from dynarl.envs.config import EnvConfig
 from dynarl.envs.environment import (
     ChatMessage,
@@ -55,9 +55,12 @@ def always_call(context: str) -> str:
     return '<tool_call>{"name": "open_box", "arguments": {"box": 1}}</tool_call>'
 
 
-def engine(policy: Policy, contexts: list[tuple[int, ...]]) -> Callable[[WorkerLink], Any]:
+def engine(
+    policy: Policy, contexts: list[tuple[int, ...]], refuse: Callable[[str], bool]
+) -> Callable[[WorkerLink], Any]:
     """A rollout worker answering each turn with ``policy``'s tokens (and recording
-    the contexts it was asked to continue)."""
+    the contexts it was asked to continue); it refuses the turns ``refuse`` picks, as a
+    slot refuses a request its engine cannot take."""
 
     async def serve(link: WorkerLink) -> None:
         try:
@@ -65,7 +68,13 @@ def engine(policy: Policy, contexts: list[tuple[int, ...]]) -> Callable[[WorkerL
                 for item in await link.receive():
                     request = msgspec.msgpack.decode(item.payload, type=GenerateRequest)
                     contexts.append(request.prompt_ids)
-                    text = policy(TOKENIZER.decode(list(request.prompt_ids)))
+                    context = TOKENIZER.decode(list(request.prompt_ids))
+                    if refuse(context):
+                        link.complete(
+                            ItemResult(item=item.id, status="refused", payload=b"too long")
+                        )
+                        continue
+                    text = policy(context)
                     ids = [*TOKENIZER.encode(text, add_special_tokens=False), EOT]
                     ids = ids[: request.sampling.max_new_tokens]
                     completion = Completion(
@@ -117,7 +126,7 @@ class Rig:
                         break
                     with anyio.move_on_after(0.05):
                         for d in await self.router.receive_batch():
-                            assert d.result.status == "tool_call"
+                            assert d.result.status in ("tool_call", "refused")
                             tg.start_soon(self.runner.turn_ended, d)
         return [done[f"e{i}"] for i in range(len(spec_tasks))]
 
@@ -130,12 +139,15 @@ async def rig(
     policy: Policy = lookup_policy,
     engines: tuple[str, ...] = ("rollout-0",),
     contexts: list[tuple[int, ...]] | None = None,
+    refuse: Callable[[str], bool] = lambda context: False,
     **limits: Any,
 ) -> AsyncIterator[Rig]:
     net = Net("inproc", tmp_path)
     async with cluster(net, [], all_instances=list(engines)) as c:
         for name in engines:
-            c.add_worker(name, serve=engine(policy, contexts if contexts is not None else []))
+            c.add_worker(
+                name, serve=engine(policy, contexts if contexts is not None else [], refuse)
+            )
         await c.router.wait_for_instances(len(engines))
         send, receive = anyio.create_memory_object_stream[Episode](100)
         runner = EpisodeRunner(
@@ -292,3 +304,14 @@ async def test_episodes_still_playing_are_closed_when_the_iteration_stops(
         with anyio.move_on_after(0.5):
             await r.play(TASKS[:2])
     assert sorted(Scripted.closed) == sorted(t.prompt_id for t in TASKS[:2])
+
+
+async def test_a_turn_its_engine_refuses_aborts_the_episode_unscored(tmp_path: Path) -> None:
+    def second_turn(context: str) -> bool:
+        return "<tool_response>" in context
+
+    async with rig(tmp_path, lookup_spec(), refuse=second_turn) as r:
+        episodes = await r.play(TASKS[:2])
+        stats = r.router.statistics()
+    assert [(e.end, e.num_turns) for e in episodes] == [("aborted", 1), ("aborted", 1)]
+    assert stats.num_refused == 2 and stats.num_pending == 0

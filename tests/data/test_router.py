@@ -271,6 +271,38 @@ async def test_an_environment_ends_a_session_out_on_a_tool_call(inproc: Net) -> 
     c.graph.check()
 
 
+async def test_a_refused_item_finishes_with_its_reason_and_is_counted(inproc: Net) -> None:
+    async def serve(link: WorkerLink) -> None:
+        try:
+            while True:
+                for it in await link.receive():
+                    bad = it.payload.startswith(b"bad")
+                    link.complete(
+                        ItemResult(
+                            item=it.id,
+                            status="refused" if bad else "done",
+                            payload=b"prompt too long" if bad else it.payload,
+                        )
+                    )
+        except PeerLostError:
+            pass
+
+    async with cluster(inproc, [], all_instances=["w0", "w1"]) as c:
+        c.add_worker("w0", serve=serve)
+        c.add_worker("w1", serve=serve)
+        await c.router.wait_for_instances(2)
+        items = [item(k) for k in range(6)]
+        items[2] = msgspec.structs.replace(items[2], payload=b"bad")
+        await c.router.submit(items)
+        done = {d.item.id: d for d in await c.collect(6)}
+        stats = c.router.statistics()
+    assert done[ItemId("i2")].refusal == "prompt too long"
+    assert [k for k, d in done.items() if d.refusal is not None] == [ItemId("i2")]
+    assert stats.num_refused == 1 and stats.num_pending == 0 and stats.num_requeued == 0
+    assert len(c.graph.of(ev.ItemCompleted)) == 6  # a refused item is finished, not retried
+    c.graph.check()
+
+
 async def test_a_session_moves_when_its_engine_has_no_room(inproc: Net) -> None:
     async with cluster(
         inproc,

@@ -57,7 +57,8 @@ class RouterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     Items are pending from ``submit`` to completion: in the backlog, queued at an
     instance, in flight on a worker, or out on a tool call. ``rejected`` counts bad
     input by kind (see :data:`dynarl.data.codec.REJECT_KINDS`; ``framing`` for
-    transport-level drops); ``num_frames_unsent`` counts control frames (pings,
+    transport-level drops); ``num_refused`` counts items workers refused to serve
+    (finished, not routed again); ``num_frames_unsent`` counts control frames (pings,
     refusals) dropped because the peer was not reading or gone.
     """
 
@@ -70,6 +71,7 @@ class RouterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     num_in_tool: int
     num_routed: int
     num_completed: int
+    num_refused: int
     num_requeued: int
     num_workers_failed: int
     num_frames_unsent: int

@@ -32,12 +32,20 @@ _MAX_REFILL_MISSES = 4
 
 class RoutedResult(msgspec.Struct, frozen=True, kw_only=True):
     """A result handed to the caller: ``item`` as it was routed, what ``instance``
-    returned for it. ``result.status`` is ``"done"`` or ``"tool_call"`` (then resume
-    the session with the tool's output for its next turn)."""
+    returned for it. ``result.status`` is ``"done"``, ``"tool_call"`` (then resume
+    the session with the tool's output for its next turn) or ``"refused"`` (the worker
+    could not serve it; the item is finished, see :attr:`refusal`)."""
 
     item: wire.Item
     result: wire.ItemResult
     instance: InstanceId
+
+    @property
+    def refusal(self) -> str | None:
+        """Why the worker refused the item (``status == "refused"``), else ``None``."""
+        if self.result.status != "refused":
+            return None
+        return self.result.payload.decode("utf-8", errors="replace")
 
 
 class Placement:
@@ -71,6 +79,7 @@ class Placement:
         """Instances that start drained when they join (see ``Router.hold``)."""
         self.num_routed = 0
         self.num_completed = 0
+        self.num_refused = 0
         self.num_requeued = 0
         self.num_workers_failed = 0
 
@@ -192,9 +201,17 @@ class Placement:
         if item is None:
             raise RoutingError(f"{w.instance!r} returned {r.item!r}, which it does not hold")
         generated = self.generated_tokens.pop(item.id, 0) + r.num_tokens
-        if r.status == "done":
+        if r.status in ("done", "refused"):
             self.pending.discard(item.id)
             self.num_completed += 1
+            if r.status == "refused":
+                self.num_refused += 1
+                logger.warning(
+                    "%s refused item %s: %s",
+                    w.instance,
+                    item.id,
+                    r.payload.decode("utf-8", errors="replace"),
+                )
             self.emit(
                 ev.ItemCompleted(
                     time_s=now,

@@ -309,6 +309,7 @@ class Router:
             num_in_tool=len(p.in_tool),
             num_routed=p.num_routed,
             num_completed=p.num_completed,
+            num_refused=p.num_refused,
             num_requeued=p.num_requeued,
             num_workers_failed=p.num_workers_failed,
             num_frames_unsent=self._sessions.num_frames_unsent,

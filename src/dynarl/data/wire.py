@@ -31,10 +31,12 @@ Affinity = Literal["must", "prefer", "none"]
 there, while it lives), ``prefer`` (there while it lives and has room, otherwise the
 least-loaded instance) or ``none`` (the least-loaded instance)."""
 
-ResultStatus = Literal["done", "tool_call", "aborted"]
+ResultStatus = Literal["done", "tool_call", "aborted", "refused"]
 """How a worker hands an item back: finished (``done``); left the engine to run a tool
-call and will return for its next turn (``tool_call``); or given back unfinished with
-its partial output because the controller asked for it (``aborted``)."""
+call and will return for its next turn (``tool_call``); given back unfinished with
+its partial output because the controller asked for it (``aborted``); or refused by the
+worker, which cannot serve it (``refused``: the payload is the reason, UTF-8; the item
+is finished, never routed again, and counted)."""
 
 
 class Item(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

@@ -132,6 +132,10 @@ class EpisodeRunner:
         session for its next turn or finish it."""
         rid = str(routed.item.id)
         play = self._plays[rid]
+        if routed.refusal is not None:  # the router has finished its session
+            logger.error("episode %s aborted: its engine refused the turn: %s", rid, routed.refusal)
+            await self._end(rid, "aborted")
+            return
         completion = _COMPLETION.decode(routed.result.payload)
         transcript = play.transcript
         transcript.add_turn(

@@ -36,7 +36,7 @@ from dynarl.data.worker_link import WorkerLink
 from dynarl.workers import backends
 from dynarl.workers import protocol as p
 from dynarl.workers.errors import BadRequestError, LifecycleError
-from dynarl.workers.inference import InferenceEngine, LogprobRequest
+from dynarl.workers.inference import InferenceEngine, LogprobRequest, LogprobResult
 from dynarl.workers.lifecycle import Lifecycle
 from dynarl.workers.rollout import GenerateRequest, RolloutEngine
 from dynarl.workers.sinks import CallSink, ItemSink
@@ -319,16 +319,14 @@ class SlotServer:
                 try:
                     request = _GENERATE.decode(item.payload)
                 except msgspec.DecodeError as e:
-                    logger.error("%s: item %s is not a GenerateRequest: %s", self.name, item.id, e)
-                    link.complete(wire.ItemResult(item=item.id, payload=b""))
+                    link.complete(_refused(item.id, f"not a GenerateRequest: {e}"))
                     continue
                 request = msgspec.structs.replace(request, request_id=item.id)
                 sink = ItemSink(link, item, len(request.output_ids), multi_turn=request.multi_turn)
                 try:
                     await engine.submit([request], sink)
                 except BadRequestError as e:
-                    logger.error("%s: item %s refused: %s", self.name, item.id, e)
-                    link.complete(wire.ItemResult(item=item.id, payload=b""))
+                    link.complete(_refused(item.id, e))
                     continue
                 if link.abort_requested(item.id):  # asked back while it was on its way
                     await engine.abort([item.id])
@@ -381,20 +379,15 @@ class SlotServer:
                 try:
                     sample = _SCORE.decode(item.payload)
                 except msgspec.DecodeError as e:
-                    logger.error("%s: item %s is not a LogprobRequest: %s", self.name, item.id, e)
-                    link.complete(wire.ItemResult(item=item.id, payload=b""))
+                    link.complete(_refused(item.id, f"not a LogprobRequest: {e}"))
                     continue
                 batch.append((item, msgspec.structs.replace(sample, item_id=item.id)))
             if not batch:
                 continue
-            try:
-                results = await engine.score([sample for _, sample in batch])
-            except BadRequestError as e:
-                logger.error("%s: a batch of %d samples refused: %s", self.name, len(batch), e)
-                for item, _ in batch:
-                    link.complete(wire.ItemResult(item=item.id, payload=b""))
-                continue
-            for (item, sample), result in zip(batch, results, strict=True):
+            for (item, sample), result in await _score_each(engine, batch):
+                if isinstance(result, BadRequestError):
+                    link.complete(_refused(item.id, result))
+                    continue
                 link.complete(
                     wire.ItemResult(
                         item=ItemId(item.id),
@@ -484,3 +477,24 @@ def _kind(role: p.Role | None) -> p.RoleKind | None:
     if role is None:
         return None
     return "rollout" if isinstance(role, p.RolloutRole) else "inference"
+
+
+async def _score_each(
+    engine: InferenceEngine, batch: list[tuple[wire.Item, LogprobRequest]]
+) -> list[tuple[tuple[wire.Item, LogprobRequest], LogprobResult | BadRequestError]]:
+    """Each sample of ``batch`` with its log-probs, or with the engine's refusal: a
+    refused batch is scored again one sample at a time, so one bad sample does not take
+    the others down with it."""
+    try:
+        results = await engine.score([sample for _, sample in batch])
+    except BadRequestError as e:
+        if len(batch) == 1:
+            return [(batch[0], e)]
+        return [pair for one in batch for pair in await _score_each(engine, [one])]
+    return list(zip(batch, results, strict=True))
+
+
+def _refused(item: ItemId, reason: BadRequestError | str) -> wire.ItemResult:
+    """The result of an item the worker cannot serve: the reason goes back to the
+    router, which finishes the item and counts it."""
+    return wire.ItemResult(item=item, status="refused", payload=str(reason).encode())
