@@ -60,8 +60,6 @@ def test_only_the_backend_table_imports_the_torch_backend() -> None:
         for path in SRC.rglob("*.py")
         if SRC / "workers" / "torch" not in path.parents
         and path != SRC / "testing" / "fake_sglang.py"  # a fake backed by the torch engine
-        # the trainer's side of SGLang's weight sync packs the torch trainer's buckets
-        and path != SRC / "workers" / "sglang" / "weight_sender.py"
         and (hits := [n for n in _imports(path) if n.startswith("dynarl.workers.torch")])
     }
     assert offenders == {}

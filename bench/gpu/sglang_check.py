@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM
 from dynarl.workers.config import ModelConfig, RolloutConfig
 from dynarl.workers.protocol import RolloutRole
 from dynarl.workers.rollout import GenerateRequest, SamplingParams
-from dynarl.workers.sglang import weight_sender
 from dynarl.workers.sglang.backend import BACKEND
 from dynarl.workers.sglang.config import SGLangConfig
+from dynarl.workers.torch import weight_sync
 from dynarl.workers.weights import WeightSyncGroup
 
 
@@ -67,7 +67,7 @@ async def main(model_path: str) -> dict[str, object]:
             results["resumed_lengths"] = sorted(len(c.output_ids) for c in completions.values())  # type: ignore[attr-defined]
             results["resume_ok"] = all(n == 256 for n in results["resumed_lengths"])  # type: ignore[union-attr]
             model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype="auto").cuda()
-            buckets = weight_sender.buckets_of(model, bucket_bytes=256 << 20)
+            manifest = weight_sync.manifest_of(model, version=1, bucket_bytes=256 << 20)
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
@@ -77,16 +77,23 @@ async def main(model_path: str) -> dict[str, object]:
                 join.start_soon(
                     anyio.to_thread.run_sync,
                     lambda: sender.append(
-                        weight_sender.join_sender(host="127.0.0.1", port=port, world_size=2)
+                        weight_sync.join_weight_sync_group(
+                            host="127.0.0.1",
+                            port=port,
+                            rank=0,
+                            world_size=2,
+                            device=model.device,
+                            timeout_s=120.0,
+                        )
                     ),
                 )
                 await engine.join_weight_sync(group)
             async with anyio.create_task_group() as sync:
                 sync.start_soon(
                     anyio.to_thread.run_sync,
-                    lambda: weight_sender.send_buckets(model, buckets, group=sender[0]),
+                    lambda: weight_sync.send_by_manifest(model, manifest, group=sender[0]),
                 )
-                results["weight_version"] = await engine.update_weights(buckets, 1)
+                results["weight_version"] = await engine.receive_weights(manifest)
             tg.cancel_scope.cancel()
     finally:
         engine.close()

@@ -26,16 +26,7 @@ ROLLOUT_BACKENDS = ["torch", "sglang"]
 INFERENCE_BACKENDS = ["torch"]
 
 
-NOT_APPLICABLE = {
-    ("test_weights_arrive_with_their_version", "sglang"): (
-        "SGLang takes weights by manifest (update_weights_from_distributed), not the "
-        "torch sender's in-band broadcast; tests/workers/sglang_backend/test_sglang_weight_sync.py"
-    ),
-    ("test_sent_weights_arrive_with_their_version", "sglang"): (
-        "SGLang takes weights by manifest (update_weights_from_distributed), not the "
-        "torch sender's in-band broadcast; tests/workers/sglang_backend/test_sglang_weight_sync.py"
-    ),
-}
+NOT_APPLICABLE: dict[tuple[str, str], str] = {}
 """Contract tests a backend cannot take as written, and where it is tested instead."""
 
 

@@ -98,6 +98,7 @@ async def test_weights_arrive_with_their_version_and_leave_the_reference(
     from dynarl.workers.torch.model import build_model
 
     trained = build_model(MODEL, seed=1)
+    manifest = weight_sync.manifest_of(trained, version=3, bucket_bytes=1 << 20)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -111,7 +112,7 @@ async def test_weights_arrive_with_their_version_and_leave_the_reference(
             device=torch.device("cpu"),
             timeout_s=30.0,
         )
-        weight_sync.send_weights(trained, version=3, group=sender, bucket_bytes=1 << 20)
+        weight_sync.send_by_manifest(trained, manifest, group=sender)
         weight_sync.leave_weight_sync_group(sender)
 
     engine = inference_factory(compute_ref_logprobs=True)
@@ -119,7 +120,7 @@ async def test_weights_arrive_with_their_version_and_leave_the_reference(
     async with anyio.create_task_group() as tg:
         tg.start_soon(anyio.to_thread.run_sync, send)
         await engine.join_weight_sync(group)
-        assert await engine.receive_weights() == 3
+        assert await engine.receive_weights(manifest) == 3
         await engine.leave_weight_sync()
     results = await engine.score(samples(3))
     assert {r.weight_version for r in results} == {3}

@@ -181,11 +181,14 @@ async def test_weights_arrive_with_their_version(rollout_factory: RolloutFactory
         port = s.getsockname()[1]
     group = WeightSyncGroup(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=30.0)
 
+    manifest = weight_sync.manifest_of(trained, version=7, bucket_bytes=1 << 16)
+    assert len(manifest.buckets) > 1
+
     def send() -> None:
         sender = weight_sync.join_weight_sync_group(
             host="127.0.0.1", port=port, rank=0, world_size=2, device=torch_cpu(), timeout_s=30.0
         )
-        weight_sync.send_weights(trained, version=7, group=sender, bucket_bytes=1 << 20)
+        weight_sync.send_by_manifest(trained, manifest, group=sender)
         weight_sync.leave_weight_sync_group(sender)
 
     async with rollout_factory() as engine:
@@ -193,7 +196,7 @@ async def test_weights_arrive_with_their_version(rollout_factory: RolloutFactory
         async with anyio.create_task_group() as tg:
             tg.start_soon(anyio.to_thread.run_sync, send)
             await engine.join_weight_sync(group)
-            assert await engine.receive_weights() == 7
+            assert await engine.receive_weights(manifest) == 7
             await engine.leave_weight_sync()
         assert engine.weight_version == 7
         after = await generate(engine, greedy(8, prefix="v"))

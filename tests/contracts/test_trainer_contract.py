@@ -26,7 +26,7 @@ from dynarl.testing.workers import LocalWorkers, train_through
 from dynarl.workers import backends, sync_group
 from dynarl.workers.errors import TrainerError
 from dynarl.workers.trainer import Minibatch, StepMetrics, Trainer
-from dynarl.workers.weights import WeightSyncGroup
+from dynarl.workers.weights import WeightManifest, WeightSyncGroup
 
 from .conftest import MODEL, RolloutFactory
 
@@ -161,8 +161,8 @@ class _Receiver:
     async def leave_weight_sync(self) -> None:
         await self.engine.leave_weight_sync()  # type: ignore[attr-defined]
 
-    async def update_weights(self) -> int:
-        version: int = await self.engine.receive_weights()  # type: ignore[attr-defined]
+    async def update_weights(self, manifest: WeightManifest) -> int:
+        version: int = await self.engine.receive_weights(manifest)  # type: ignore[attr-defined]
         return version
 
 

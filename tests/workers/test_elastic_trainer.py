@@ -31,7 +31,10 @@ from dynarl.workers.torch.trainer_commands import ReshardFault  # noqa: E402
 from dynarl.workers.torch.trainer_config import TrainerConfig  # noqa: E402
 from dynarl.workers.torch.trainer_main import trainer_main  # noqa: E402
 from dynarl.workers.torch.trainer_pool import TrainerPool  # noqa: E402
-from dynarl.workers.torch.weight_sync import join_weight_sync_group, receive_weights  # noqa: E402
+from dynarl.workers.torch.weight_sync import (  # noqa: E402
+    join_weight_sync_group,
+    receive_by_manifest,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -219,7 +222,8 @@ async def test_a_failed_resize_leaves_the_old_group_training(
 
 def _engine_standin(port: int, conn: Connection) -> None:
     """A rollout engine stand-in: its own copy of the model (other seed), receiving two
-    weight syncs and sending back each version and the received values."""
+    weight syncs (each manifest handed over the pipe first, as the controller hands it
+    to engines) and sending back each version and the received values."""
     torch.set_num_threads(1)
     torch.manual_seed(12345)
     model = TINY_QWEN2()
@@ -227,7 +231,7 @@ def _engine_standin(port: int, conn: Connection) -> None:
         host="127.0.0.1", port=port, rank=1, world_size=2, device=torch.device("cpu"), timeout_s=60
     )
     for _ in range(2):
-        version = receive_weights(model, group=group)
+        version = receive_by_manifest(model, conn.recv(), group=group)
         conn.send((version, {k: v.numpy().copy() for k, v in model.state_dict().items()}))
     conn.close()
 
@@ -257,6 +261,9 @@ async def test_weight_sync_delivers_weights_and_version_to_an_engine(
         await pool.connect_weight_sync("127.0.0.1", port, world_size=2)
         for version in (1, 2):
             await pool.train_step(next(batches))
+            manifest = await pool.weight_manifest(version)
+            assert manifest.version == version
+            ours.send(manifest)
             assert await pool.sync_weights(version) > 0
             await pool.save_checkpoint(tmp_path / f"v{version}.pt")
             received_any = await anyio.to_thread.run_sync(ours.poll, 30)

@@ -88,7 +88,7 @@ from dynarl.workers.torch.buckets import broadcast
 from dynarl.workers.torch.engine import ALL_MEMORY, MemoryTag, RolloutEngine
 from dynarl.workers.torch.errors import EngineError
 
-DEFAULT_VERSION = "0.5.3"
+DEFAULT_VERSION = "0.5.9"
 """The SGLang version the fake reports."""
 
 
@@ -380,9 +380,22 @@ class FakeSGLang:
             await self._abort(None)
         await self._idle.wait()  # SGLang's model_update_lock: running requests finish first
 
+        specs = list(zip(obj["names"], obj["dtypes"], obj["shapes"], strict=True))
+
         def receive() -> dict[str, torch.Tensor]:
+            if obj.get("load_format") == "flattened_bucket":
+                # _update_bucketed_weights_from_distributed: one broadcast of the
+                # tensors flattened and concatenated in order (FlattenedTensorBucket).
+                parts = [torch.empty(shape, dtype=getattr(torch, dt)) for _, dt, shape in specs]
+                flat = torch.cat([p.flatten() for p in parts])
+                broadcast(flat, group=self._group, group_src=0)
+                tensors, start = {}, 0
+                for (name, _, shape), part in zip(specs, parts, strict=True):
+                    tensors[name] = flat[start : start + part.numel()].reshape(shape)
+                    start += part.numel()
+                return tensors
             tensors = {}
-            for name, dtype, shape in zip(obj["names"], obj["dtypes"], obj["shapes"], strict=True):
+            for name, dtype, shape in specs:
                 tensor = torch.empty(shape, dtype=getattr(torch, dtype))
                 broadcast(tensor, group=self._group, group_src=0)
                 tensors[name] = tensor

@@ -32,7 +32,7 @@ from dynarl.workers.errors import LaunchError, WorkerCallError
 from dynarl.workers.inference import LogprobRequest, LogprobResult
 from dynarl.workers.lifecycle import LifecycleState
 from dynarl.workers.rollout import Completion, GenerateRequest
-from dynarl.workers.weights import WeightSyncGroup
+from dynarl.workers.weights import WeightManifest, WeightSyncGroup
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +113,11 @@ class WorkerHandle:
         which calls this on every member at once)."""
         await self._call(p.LeaveWeightSync(), p.Ack)
 
-    async def update_weights(self) -> int:
-        """Receive the weights the trainer broadcasts now; returns their version.
-        Running requests continue under the new weights (re-prefilled)."""
-        return (await self._call(p.UpdateWeights(), p.WeightsUpdated)).version
+    async def update_weights(self, manifest: WeightManifest) -> int:
+        """Receive the weights the trainer broadcasts now, as ``manifest`` describes
+        them; returns their version. Running requests continue under the new weights
+        (re-prefilled)."""
+        return (await self._call(p.UpdateWeights(manifest=manifest), p.WeightsUpdated)).version
 
 
 class RolloutHandle(WorkerHandle):

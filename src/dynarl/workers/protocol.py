@@ -24,6 +24,7 @@ from dynarl.workers.inference import (
 )
 from dynarl.workers.lifecycle import LifecycleState
 from dynarl.workers.rollout import Completion, EngineLoad, GenerateRequest
+from dynarl.workers.weights import WeightManifest
 
 FREE: Final = ComponentId("free")
 """The component a slot belongs to while it has no role (nothing is routed to it)."""
@@ -143,13 +144,15 @@ class JoinWeightSync(SlotRequest, frozen=True, kw_only=True):
 
 
 class UpdateWeights(SlotRequest, frozen=True, kw_only=True):
-    """Receive the weights the trainer broadcasts over the weight-sync group now;
-    answered with their version."""
+    """Receive the weights the trainer broadcasts over the weight-sync group now, as
+    ``manifest`` describes them; answered with their version."""
+
+    manifest: WeightManifest
 
 
 class LeaveWeightSync(SlotRequest, frozen=True, kw_only=True):
-    """Leave the weight-sync group (collective: every member leaves at the same time,
-    before a new group is built); answered once all left."""
+    """Leave the weight-sync group (every member leaves at the same time, after the
+    last sync and before a new group is built); answered once left."""
 
 
 class GetStats(SlotRequest, frozen=True, kw_only=True):

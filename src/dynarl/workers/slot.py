@@ -451,7 +451,7 @@ class SlotServer:
                 f"{self.name} is in no weight-sync group as its {_kind(self._role)} role; "
                 "join one first"
             )
-        return p.WeightsUpdated(version=await engine.receive_weights())
+        return p.WeightsUpdated(version=await engine.receive_weights(req.manifest))
 
     async def _stats(self, req: p.GetStats) -> p.SlotReply:
         stats = p.SlotStats(

@@ -11,7 +11,7 @@ import anyio
 
 from dynarl.workers.errors import WorkerCallError
 from dynarl.workers.trainer import Trainer
-from dynarl.workers.weights import WeightSyncGroup
+from dynarl.workers.weights import WeightManifest, WeightSyncGroup
 
 
 class Member(Protocol):
@@ -22,11 +22,11 @@ class Member(Protocol):
         ...
 
     async def leave_weight_sync(self) -> None:
-        """Leave the group (collective)."""
+        """Leave the group."""
         ...
 
-    async def update_weights(self) -> int:
-        """Receive the broadcast now; returns its version."""
+    async def update_weights(self, manifest: WeightManifest) -> int:
+        """Receive the broadcast ``manifest`` describes now; returns its version."""
         ...
 
 
@@ -43,7 +43,8 @@ async def connect(
     store on a free port of ``host``) and ``engines`` (ranks 1.., in order).
 
     With ``connected``, a group exists: ``leaving`` (its engines) and its sender leave
-    it together first (a collective, so no member tears it down under a peer).
+    it together first (no sync is in flight then: each broadcast returned on every
+    member).
     """
     if connected:
         async with anyio.create_task_group() as tg:
@@ -67,11 +68,19 @@ async def connect(
 
 async def broadcast(trainer: Trainer, version: int, engines: Sequence[Member]) -> int:
     """Send the trainer's weights tagged ``version`` to ``engines`` (every member of
-    the group); returns the bytes sent."""
+    the group): the trainer describes what it sends, every engine is handed that
+    manifest, then the broadcast runs. Returns the bytes sent."""
     versions: list[int] = []
+    manifest = await trainer.weight_manifest(version)
+    if manifest.version != version:
+        raise WorkerCallError(
+            f"the trainer described weights version {manifest.version} when asked for "
+            f"{version}",
+            error="WeightSyncError",
+        )
 
     async def receive(engine: Member) -> None:
-        versions.append(await engine.update_weights())
+        versions.append(await engine.update_weights(manifest))
 
     async with anyio.create_task_group() as tg:
         for engine in engines:

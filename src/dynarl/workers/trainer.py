@@ -12,7 +12,7 @@ import msgspec
 import numpy.typing as npt
 
 from dynarl.core.ids import InstanceId
-from dynarl.workers.weights import WeightSyncGroup
+from dynarl.workers.weights import WeightManifest, WeightSyncGroup
 
 if TYPE_CHECKING:
     import torch
@@ -176,11 +176,17 @@ class Trainer(Protocol):
         the engines join at the same time."""
         ...
 
+    async def weight_manifest(self, version: int) -> WeightManifest:
+        """What :meth:`send_weights` of ``version`` will broadcast, bucket by bucket
+        (names, dtypes, shapes), for the engines to be handed before it starts."""
+        ...
+
     async def send_weights(self, version: int) -> int:
-        """Broadcast the weights tagged ``version`` to the group; returns bytes sent."""
+        """Broadcast the weights tagged ``version`` to the group, exactly as
+        :meth:`weight_manifest` described them; returns bytes sent."""
         ...
 
     async def leave_weight_sync(self) -> None:
-        """The sender leaves the group (collective with its engines); a no-op without
-        one."""
+        """The sender leaves the group (after the last sync; the engines leave at
+        the same time); a no-op without one."""
         ...

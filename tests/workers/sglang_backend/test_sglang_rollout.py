@@ -110,10 +110,11 @@ async def test_5xx_answers_are_retried_with_back_off_and_counted(fake: FakeSGLan
     assert fake.num_generate_calls == 3
 
 
-def test_a_server_of_another_version_is_refused_at_start_up() -> None:
+@pytest.mark.parametrize("version", ["0.4.9", "0.5.5.post3"])
+def test_a_server_of_another_version_is_refused_at_start_up(version: str) -> None:
     with (
-        FakeSGLang(MODEL, version="0.4.9") as old,
-        pytest.raises(ProtocolMismatchError, match=r"0\.4\.9.*0\.5\.x"),
+        FakeSGLang(MODEL, version=version) as old,
+        pytest.raises(ProtocolMismatchError, match=rf"{version}.*0\.5\.x from 0\.5\.6"),
     ):
         connect(SGLangConfig(urls=(old.url,)), url=old.url, name="slot-0")
 

@@ -1,7 +1,8 @@
 """Weights reach an SGLang server the way SGLang takes them: the server joins the
 trainer's group (``/init_weights_update_group``), the engine posts each bucket's
-names, dtypes and shapes (``/update_weights_from_distributed``) while the trainer
-broadcasts its tensors, and what it generates afterwards carries the new version."""
+names, dtypes and shapes (``/update_weights_from_distributed``, flattened buckets)
+while the trainer's torch sender broadcasts them, and what it generates afterwards
+carries the new version."""
 
 import socket
 
@@ -9,7 +10,7 @@ import anyio
 
 from dynarl.testing.fake_sglang import FakeSGLang
 from dynarl.workers.rollout import GenerateRequest, SamplingParams
-from dynarl.workers.sglang import weight_sender
+from dynarl.workers.torch import weight_sync
 from dynarl.workers.torch.model import build_model
 from dynarl.workers.weights import WeightSyncGroup
 
@@ -26,16 +27,25 @@ def greedy(prefix: str) -> list[GenerateRequest]:
 
 async def test_weights_arrive_in_buckets_with_their_version(fake: FakeSGLang) -> None:
     trained = build_model(MODEL, seed=1)
-    buckets = weight_sender.buckets_of(trained, bucket_bytes=64 * 1024)
-    assert len(buckets) > 1
+    manifest = weight_sync.manifest_of(trained, version=7, bucket_bytes=64 * 1024)
+    assert len(manifest.buckets) > 1
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     group = WeightSyncGroup(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=30.0)
-    sender: list[object] = []
+    sender: list[weight_sync.Group] = []
 
     def join() -> None:
-        sender.append(weight_sender.join_sender(host="127.0.0.1", port=port, world_size=2))
+        sender.append(
+            weight_sync.join_weight_sync_group(
+                host="127.0.0.1",
+                port=port,
+                rank=0,
+                world_size=2,
+                device=trained.device,
+                timeout_s=30.0,
+            )
+        )
 
     async with running(fake, weight_sync_backend="gloo") as engine:
         sink = Sink()
@@ -48,9 +58,9 @@ async def test_weights_arrive_in_buckets_with_their_version(fake: FakeSGLang) ->
         async with anyio.create_task_group() as tg:
             tg.start_soon(
                 anyio.to_thread.run_sync,
-                lambda: weight_sender.send_buckets(trained, buckets, group=sender[0]),
+                lambda: weight_sync.send_by_manifest(trained, manifest, group=sender[0]),
             )
-            assert await engine.update_weights(buckets, 7) == 7
+            assert await engine.receive_weights(manifest) == 7
         await engine.leave_weight_sync()
         assert engine.weight_version == 7 and fake.weight_version == "7"
         after = Sink()
@@ -64,3 +74,6 @@ async def test_weights_arrive_in_buckets_with_their_version(fake: FakeSGLang) ->
         if c.output_logprobs != before["a" + rid[1:]].output_logprobs
     ]
     assert changed, "the server generated with the old weights"
+    loaded = dict(fake.engine.model.named_parameters())
+    for name, p in trained.named_parameters():
+        assert loaded[name].data.equal(p.data), f"{name} differs from what was sent"

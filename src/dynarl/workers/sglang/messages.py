@@ -120,7 +120,10 @@ class InitWeightsUpdateGroupReqInput(msgspec.Struct, kw_only=True):
 
 class UpdateWeightsFromDistributedReqInput(msgspec.Struct, kw_only=True):
     """Body of ``POST /update_weights_from_distributed``: the server receives one
-    broadcast (from group rank 0) per named tensor, in order, and loads them."""
+    broadcast (from group rank 0) per named tensor, in order, and loads them; with
+    ``load_format="flattened_bucket"`` one broadcast of them all, flattened and
+    concatenated in order (``_update_bucketed_weights_from_distributed``, SGLang
+    0.5.6+)."""
 
     names: list[str]
     dtypes: list[str]
@@ -129,6 +132,7 @@ class UpdateWeightsFromDistributedReqInput(msgspec.Struct, kw_only=True):
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = None
+    load_format: str | None = None
 
 
 class DestroyWeightsUpdateGroupReqInput(msgspec.Struct, kw_only=True):
@@ -203,12 +207,3 @@ class ModelList(msgspec.Struct, kw_only=True):
     """``GET /v1/models``."""
 
     data: list[ModelCard]
-
-
-class WeightBucket(msgspec.Struct, frozen=True, kw_only=True):
-    """The tensors of one ``/update_weights_from_distributed`` call, in broadcast
-    order: ``dtypes`` as SGLang names them (``"float32"``, ``"bfloat16"``)."""
-
-    names: tuple[str, ...]
-    dtypes: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]

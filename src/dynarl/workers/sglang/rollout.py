@@ -16,6 +16,7 @@ back and continues.
 
 import collections
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -35,12 +36,16 @@ from dynarl.workers.sglang.errors import (
     ServerLostError,
     SGLangError,
 )
-from dynarl.workers.weights import WeightReceiver, WeightSyncGroup
+from dynarl.workers.weights import WeightManifest, WeightReceiver, WeightSyncGroup
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = ("0.5.",)
 """SGLang versions whose HTTP API this adapter speaks (prefixes of ``version``)."""
+
+MIN_VERSION = (0, 5, 6)
+"""The oldest SGLang that takes flattened buckets in ``/update_weights_from_distributed``
+(sgl-project/sglang#13824), the layout of dynarl's weight sync."""
 
 GROUP_NAME = "dynarl-weight-sync"
 """The weight-sync group's name on the server."""
@@ -326,14 +331,16 @@ class SGLangRollout:
             raise WeightSyncError(f"{self.name}: the server could not join: {reply.message}")
         self._in_group = True
 
-    async def update_weights(self, buckets: Sequence[m.WeightBucket], version: int) -> int:
-        """Receive the trainer's broadcast of ``buckets`` (one ``/update_weights_from_
-        distributed`` each, the sender broadcasting each tensor from group rank 0 at
-        the same time) and take ``version``; returns it."""
+    async def receive_weights(self, manifest: WeightManifest) -> int:
+        """Have the server receive the broadcast ``manifest`` describes: one
+        ``/update_weights_from_distributed`` per bucket (``load_format=
+        "flattened_bucket"``: the bucket is one broadcast of its tensors flattened in
+        order, which the trainer sends from group rank 0 meanwhile), the last one
+        flushing the cache and taking the version; returns it."""
         if not self._in_group:
             raise WeightSyncError(f"{self.name} is in no weight-sync group; join one first")
-        for i, bucket in enumerate(buckets):
-            last = i == len(buckets) - 1
+        for i, bucket in enumerate(manifest.buckets):
+            last = i == len(manifest.buckets) - 1
             reply = await self.client.post_as(
                 "/update_weights_from_distributed",
                 m.UpdateWeightsFromDistributedReqInput(
@@ -342,24 +349,15 @@ class SGLangRollout:
                     shapes=[list(s) for s in bucket.shapes],
                     group_name=GROUP_NAME,
                     flush_cache=last,
-                    weight_version=str(version) if last else None,
+                    weight_version=str(manifest.version) if last else None,
+                    load_format="flattened_bucket",
                 ),
                 m.SuccessResponse,
             )
             if not reply.success:
                 raise WeightSyncError(f"{self.name}: weight update failed: {reply.message}")
-        self._version = version
-        return version
-
-    async def receive_weights(self) -> int:
-        """Not available: SGLang takes weights with their names, dtypes and shapes
-        in the HTTP call (:meth:`update_weights`), which the torch sender's in-band
-        broadcast does not give."""
-        raise WeightSyncError(
-            f"{self.name}: an SGLang server takes weights by manifest "
-            f"(update_weights(buckets, version)); the trainer's torch broadcast carries "
-            f"none yet: sync with dynarl.workers.sglang.weight_sender"
-        )
+        self._version = manifest.version
+        return manifest.version
 
     async def leave_weight_sync(self) -> None:
         """Have the server leave the group (``/destroy_weights_update_group``)."""
@@ -546,6 +544,15 @@ def _version(text: str | None) -> int:
         return 0
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string (``"0.5.6.post1"`` -> ``(0, 5, 6)``)."""
+    parts = []
+    for part in version.split(".")[:3]:
+        digits = re.match(r"\d+", part)
+        parts.append(int(digits.group()) if digits else 0)
+    return tuple(parts)
+
+
 def check_server(get: Callable[[str, type[Any]], Any], url: str) -> tuple[m.ServerInfo, int, int]:
     """The server's info, context length and weight version, once it is known to speak
     this adapter's protocol; ``get(path, type)`` reads one endpoint, decoded.
@@ -554,11 +561,11 @@ def check_server(get: Callable[[str, type[Any]], Any], url: str) -> tuple[m.Serv
         ProtocolMismatchError: another SGLang version, or not a generation model.
     """
     info: m.ServerInfo = get("/get_server_info", m.ServerInfo)
-    if not info.version.startswith(SUPPORTED_VERSIONS):
+    if not info.version.startswith(SUPPORTED_VERSIONS) or _release(info.version) < MIN_VERSION:
         raise ProtocolMismatchError(
             f"the SGLang server at {url} is version {info.version}; this adapter speaks "
-            f"the HTTP API of SGLang {', '.join(v + 'x' for v in SUPPORTED_VERSIONS)}: "
-            f"run one of those there"
+            f"the HTTP API of SGLang {', '.join(v + 'x' for v in SUPPORTED_VERSIONS)} from "
+            f"{'.'.join(map(str, MIN_VERSION))} on: run one of those there"
         )
     model: m.ModelInfo = get("/get_model_info", m.ModelInfo)
     if not model.is_generation:

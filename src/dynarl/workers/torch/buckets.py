@@ -102,7 +102,7 @@ def _span(members: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 def _run_buckets(
     tensors: Sequence[torch.Tensor],
-    bucket_bytes: int,
+    plan: Sequence[Sequence[int]],
     collective: Callable[[torch.Tensor], None],
     *,
     pack: bool,
@@ -110,12 +110,13 @@ def _run_buckets(
     staging: Staging | None,
     on_bucket: BucketHook | None,
 ) -> int:
-    """Run ``collective`` once per bucket. A bucket whose tensors lie back to back runs
-    in place; otherwise ``pack`` copies them into a staging buffer before the collective
-    and ``unpack`` copies it back after. Returns bytes moved."""
+    """Run ``collective`` once per bucket of ``plan`` (indices of ``tensors``). A
+    bucket whose tensors lie back to back runs in place; otherwise ``pack`` copies them
+    into a staging buffer before the collective and ``unpack`` copies it back after.
+    Returns bytes moved."""
     staging = staging if staging is not None else Staging()
     moved = 0
-    for index, bucket in enumerate(plan_buckets(tensors, bucket_bytes)):
+    for index, bucket in enumerate(plan):
         members = [tensors[i] for i in bucket]
         flat = _span(members)
         if flat is not None:
@@ -161,10 +162,32 @@ def broadcast_tensors(
     Works on process groups registered with torch.distributed and on standalone ones.
     Returns the bytes broadcast.
     """
+    return broadcast_buckets(
+        tensors,
+        plan_buckets(tensors, bucket_bytes),
+        group=group,
+        group_src=group_src,
+        staging=staging,
+        on_bucket=on_bucket,
+    )
+
+
+def broadcast_buckets(
+    tensors: Sequence[torch.Tensor],
+    plan: Sequence[Sequence[int]],
+    *,
+    group: Group,
+    group_src: int,
+    staging: Staging | None = None,
+    on_bucket: BucketHook | None = None,
+) -> int:
+    """Broadcast ``tensors`` from group rank ``group_src``, one collective per bucket
+    of ``plan`` (lists of indices into ``tensors``, each of one dtype): a bucket travels
+    as its tensors flattened and concatenated in order. Returns the bytes broadcast."""
     is_source = group.rank() == group_src
     return _run_buckets(
         tensors,
-        bucket_bytes,
+        plan,
         lambda t: broadcast(t, group=group, group_src=group_src),
         pack=is_source,
         unpack=not is_source,
@@ -186,5 +209,11 @@ def all_reduce_tensors(
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
     return _run_buckets(
-        tensors, bucket_bytes, collective, pack=True, unpack=True, staging=staging, on_bucket=None
+        tensors,
+        plan_buckets(tensors, bucket_bytes),
+        collective,
+        pack=True,
+        unpack=True,
+        staging=staging,
+        on_bucket=None,
     )

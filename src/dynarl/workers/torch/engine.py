@@ -41,6 +41,7 @@ from dynarl.workers.torch.sampler import sample, uniform
 from dynarl.workers.torch.scheduler import Scheduler
 from dynarl.workers.torch.sequence import Sequence
 from dynarl.workers.torch.waiting import OrderedWaitingList, WaitingQueue
+from dynarl.workers.weights import WeightManifest
 
 logger = logging.getLogger(__name__)
 
@@ -268,16 +269,21 @@ class RolloutEngine:
         complete = len(named_tensors) == sum(1 for _ in self._model.parameters())
         self._after_weight_update(version, complete=complete)
 
-    def update_weights(self, group: Group) -> int:
-        """Receive the weights the trainer broadcasts over ``group`` (its rank 0 calls
-        :func:`~dynarl.workers.torch.weight_sync.send_weights`) and take the version
-        that travels with them, which is returned. Running requests re-prefill, as for
+    def update_weights(self, group: Group, manifest: WeightManifest | None = None) -> int:
+        """Receive the weights the trainer broadcasts over ``group`` as ``manifest``
+        describes them (its rank 0 calls
+        :func:`~dynarl.workers.torch.weight_sync.send_by_manifest`; without a manifest,
+        :func:`~dynarl.workers.torch.weight_sync.send_weights`) and take their version,
+        which is returned. Running requests re-prefill, as for
         :meth:`load_weights` — unless the broadcast carries the version the engine
         already holds (the same weights, sent again to a new group member): then their
         KV cache stays valid and they keep running."""
         self._check_resumed()
         held = self._version if self._memory.has_valid_weights else None
-        version = weight_sync.receive_weights(self._model, group=group)
+        if manifest is None:
+            version = weight_sync.receive_weights(self._model, group=group)
+        else:
+            version = weight_sync.receive_by_manifest(self._model, manifest, group=group)
         if version == held:
             return version
         self._after_weight_update(version, complete=True)

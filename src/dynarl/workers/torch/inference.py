@@ -28,6 +28,7 @@ from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.logprobs import sequence_logprobs
 from dynarl.workers.torch.memory import ParameterMemory
 from dynarl.workers.torch.model import build_model
+from dynarl.workers.weights import WeightManifest
 
 logger = logging.getLogger(__name__)
 
@@ -169,10 +170,15 @@ class InferenceWorker:
         weights.load_weights(self._policy, named_tensors)
         self._version = version
 
-    def update_weights(self, group: Group) -> int:
-        """Receive the policy weights the trainer broadcasts over ``group`` (see
+    def update_weights(self, group: Group, manifest: WeightManifest | None = None) -> int:
+        """Receive the policy weights the trainer broadcasts over ``group`` as
+        ``manifest`` describes them (see
+        :func:`~dynarl.workers.torch.weight_sync.send_by_manifest`; without one,
         :func:`~dynarl.workers.torch.weight_sync.send_weights`); returns their version."""
-        self._version = weight_sync.receive_weights(self._policy, group=group)
+        if manifest is None:
+            self._version = weight_sync.receive_weights(self._policy, group=group)
+        else:
+            self._version = weight_sync.receive_by_manifest(self._policy, manifest, group=group)
         return self._version
 
     def release_memory_occupation(self) -> None:

@@ -9,7 +9,7 @@ from dynarl.workers.inference import InferenceProgress, LogprobRequest, LogprobR
 from dynarl.workers.torch import weight_sync
 from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.inference import InferenceWorker
-from dynarl.workers.weights import WeightReceiver, WeightSyncGroup
+from dynarl.workers.weights import WeightManifest, WeightReceiver, WeightSyncGroup
 
 
 class TorchInference:
@@ -57,17 +57,20 @@ class TorchInference:
         """Join the trainer's weight-sync group."""
         await self.sync.join(group, device=next(iter(self.worker.policy.parameters())).device)
 
-    async def receive_weights(self) -> int:
-        """Receive the policy weights the trainer broadcasts now."""
+    async def receive_weights(self, manifest: WeightManifest) -> int:
+        """Receive the policy weights the trainer broadcasts now, as ``manifest``
+        describes them."""
         if self.sync.group is None:
             raise EngineError(f"{self.name} is in no weight-sync group; join one first")
         async with self._lock:
-            return await anyio.to_thread.run_sync(self.worker.update_weights, self.sync.group)
+            return await anyio.to_thread.run_sync(
+                self.worker.update_weights, self.sync.group, manifest
+            )
 
     def adopt_weight_sync(self, other: WeightReceiver) -> bool:
         """Take ``other``'s membership if it is a torch engine of this process."""
         return self.sync.adopt(getattr(other, "sync", None))
 
     async def leave_weight_sync(self) -> None:
-        """Leave the weight-sync group (collective)."""
+        """Leave the weight-sync group."""
         await self.sync.leave()

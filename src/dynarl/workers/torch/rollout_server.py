@@ -23,7 +23,7 @@ from dynarl.workers.rollout import (
 from dynarl.workers.torch import weight_sync
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.errors import EngineError
-from dynarl.workers.weights import WeightReceiver, WeightSyncGroup
+from dynarl.workers.weights import WeightManifest, WeightReceiver, WeightSyncGroup
 
 logger = logging.getLogger(__name__)
 
@@ -116,13 +116,15 @@ class TorchRollout:
         """Join the trainer's weight-sync group."""
         await self.sync.join(group, device=_device(self.engine.model.parameters()))
 
-    async def receive_weights(self) -> int:
-        """Receive a broadcast into the engine's weights; running requests continue
-        under the new weights (re-prefilled)."""
+    async def receive_weights(self, manifest: WeightManifest) -> int:
+        """Receive the broadcast ``manifest`` describes into the engine's weights;
+        running requests continue under the new weights (re-prefilled)."""
         if self.sync.group is None:
             raise EngineError(f"{self.name} is in no weight-sync group; join one first")
         async with self._lock:
-            version = await anyio.to_thread.run_sync(self.engine.update_weights, self.sync.group)
+            version = await anyio.to_thread.run_sync(
+                self.engine.update_weights, self.sync.group, manifest
+            )
         self._wake()
         return version
 
@@ -131,7 +133,7 @@ class TorchRollout:
         return self.sync.adopt(getattr(other, "sync", None))
 
     async def leave_weight_sync(self) -> None:
-        """Leave the weight-sync group (collective)."""
+        """Leave the weight-sync group."""
         await self.sync.leave()
 
     async def run(self) -> None:

@@ -16,7 +16,7 @@ import anyio.lowlevel
 from dynarl.core.ids import InstanceId
 from dynarl.workers.torch.trainer_pool import TrainerPool
 from dynarl.workers.trainer import ResizeResult, StepMetrics
-from dynarl.workers.weights import WeightSyncGroup
+from dynarl.workers.weights import WeightManifest, WeightSyncGroup
 
 T = TypeVar("T")
 
@@ -107,8 +107,13 @@ class TorchTrainer:
             )
         )
 
+    async def weight_manifest(self, version: int) -> WeightManifest:
+        """What :meth:`send_weights` of ``version`` broadcasts."""
+        return await self._run(self.pool.weight_manifest, version)
+
     async def send_weights(self, version: int) -> int:
-        """Broadcast the weights tagged ``version``; returns bytes sent."""
+        """Broadcast the weights tagged ``version`` as :meth:`weight_manifest`
+        described them; returns bytes sent."""
         return await self._run(self.pool.sync_weights, version)
 
     async def leave_weight_sync(self) -> None:

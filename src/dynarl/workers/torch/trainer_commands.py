@@ -12,6 +12,7 @@ import msgspec
 
 from dynarl.workers.torch.trainer_config import TrainerConfig
 from dynarl.workers.trainer import Array, StepMetrics
+from dynarl.workers.weights import WeightManifest
 
 
 class ReshardFault(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,14 +113,23 @@ class ConnectWeightSync(_Command, frozen=True, kw_only=True):
     timeout_s: float
 
 
+class DescribeWeights(_Command, frozen=True, kw_only=True):
+    """The member in the weight-sync group: describe what :class:`SyncWeights` of
+    ``version`` broadcasts (answered with :class:`WeightsDescribed`)."""
+
+    version: int
+
+
 class SyncWeights(_Command, frozen=True, kw_only=True):
-    """The member in the weight-sync group: broadcast the weights, tagged ``version``."""
+    """The member in the weight-sync group: broadcast the weights, tagged ``version``,
+    as :class:`DescribeWeights` described them."""
 
     version: int
 
 
 class LeaveWeightSync(_Command, frozen=True, kw_only=True):
-    """The sender of the weight-sync group: leave it (collective with the engines)."""
+    """The sender of the weight-sync group: leave it (after the last sync; the engines
+    leave too)."""
 
 
 class Shutdown(_Command, frozen=True, kw_only=True):
@@ -137,6 +147,7 @@ Command = (
     | SaveCheckpoint
     | LoadCheckpoint
     | ConnectWeightSync
+    | DescribeWeights
     | SyncWeights
     | LeaveWeightSync
     | Shutdown
@@ -165,6 +176,12 @@ class StepDone(_Reply, frozen=True, kw_only=True):
     elapsed_s: float
 
 
+class WeightsDescribed(_Reply, frozen=True, kw_only=True):
+    """What a weight sync broadcasts (the answer to :class:`DescribeWeights`)."""
+
+    manifest: WeightManifest
+
+
 class Failed(_Reply, frozen=True, kw_only=True):
     """The command raised ``error`` (exception type name) with ``message``."""
 
@@ -172,5 +189,5 @@ class Failed(_Reply, frozen=True, kw_only=True):
     message: str
 
 
-Reply = Done | StepDone | Failed
+Reply = Done | StepDone | WeightsDescribed | Failed
 """Everything a worker answers."""

@@ -31,6 +31,7 @@ from dynarl.workers.torch.trainer_commands import (
     Command,
     CommitResize,
     ConnectWeightSync,
+    DescribeWeights,
     Done,
     Failed,
     Join,
@@ -46,10 +47,12 @@ from dynarl.workers.torch.trainer_commands import (
     SyncWeights,
     TrainOnItems,
     TrainStep,
+    WeightsDescribed,
 )
 from dynarl.workers.torch.trainer_config import TrainerConfig
 from dynarl.workers.trainer import Minibatch, ResizeResult, StepMetrics
 from dynarl.workers.trainer_items import to_array
+from dynarl.workers.weights import WeightManifest
 
 logger = logging.getLogger(__name__)
 
@@ -302,8 +305,8 @@ class TrainerPool:
         self._sync_worker = worker
 
     async def leave_weight_sync(self) -> None:
-        """The sender leaves the weight-sync group (collective: every engine of the
-        group leaves at the same time); a no-op without a group."""
+        """The sender leaves the weight-sync group (every engine of the group leaves
+        at the same time); a no-op without a group."""
         if self._sync_worker is None:
             return
         worker, self._sync_worker = self._sync_worker, None
@@ -314,8 +317,21 @@ class TrainerPool:
         """The worker that sends in the weight-sync group (``None`` without a group)."""
         return self._sync_worker
 
+    async def weight_manifest(self, version: int) -> WeightManifest:
+        """What :meth:`sync_weights` of ``version`` broadcasts (the sender describes it)."""
+        worker = self._sender()
+        reply = self._check(await self._call([worker], DescribeWeights(version=version)))[0]
+        assert isinstance(reply, WeightsDescribed)
+        return reply.manifest
+
     async def sync_weights(self, version: int) -> int:
-        """Broadcast the weights tagged ``version`` to the engines; returns bytes sent."""
+        """Broadcast the weights tagged ``version`` to the engines, as
+        :meth:`weight_manifest` described them; returns bytes sent."""
+        reply = self._check(await self._call([self._sender()], SyncWeights(version=version)))[0]
+        assert isinstance(reply, Done)
+        return reply.bytes_moved
+
+    def _sender(self) -> int:
         if self._sync_worker is None:
             raise WeightSyncError("no weight-sync group; call connect_weight_sync first")
         if self._sync_worker not in self._members:
@@ -323,9 +339,7 @@ class TrainerPool:
                 f"worker {self._sync_worker}, the sender of the weight-sync group, left the "
                 "trainer; call connect_weight_sync again with the new rank 0"
             )
-        reply = self._check(await self._call([self._sync_worker], SyncWeights(version=version)))[0]
-        assert isinstance(reply, Done)
-        return reply.bytes_moved
+        return self._sync_worker
 
     async def close(self) -> None:
         """Ask every worker to shut down (each tears down its process groups and

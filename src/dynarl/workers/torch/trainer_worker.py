@@ -37,6 +37,7 @@ from dynarl.workers.torch.trainer_commands import (
     Command,
     CommitResize,
     ConnectWeightSync,
+    DescribeWeights,
     Done,
     Failed,
     Join,
@@ -51,12 +52,14 @@ from dynarl.workers.torch.trainer_commands import (
     SyncWeights,
     TrainOnItems,
     TrainStep,
+    WeightsDescribed,
 )
 from dynarl.workers.torch.trainer_config import TrainerConfig
 from dynarl.workers.torch.weight_sync import (
     join_weight_sync_group,
     leave_weight_sync_group,
-    send_weights,
+    manifest_of,
+    send_by_manifest,
 )
 from dynarl.workers.trainer import Array, LossFn
 from dynarl.workers.trainer_items import stack_rows
@@ -194,6 +197,7 @@ class TrainerWorker:
             SaveCheckpoint: self._save,
             LoadCheckpoint: self._load,
             ConnectWeightSync: self._connect,
+            DescribeWeights: self._describe,
             SyncWeights: self._sync,
             LeaveWeightSync: self._leave,
             Shutdown: lambda _: self._done(time.perf_counter()),
@@ -318,14 +322,19 @@ class TrainerWorker:
         if self.sync_group is None:
             raise WeightSyncError(f"worker {self.worker} is not in a weight-sync group")
         trainer = self._member()
-        sent = send_weights(
-            trainer.model,
-            version=command.version,
-            group=self.sync_group,
-            bucket_bytes=self.config.bucket_bytes,
-            staging=trainer.staging,
+        manifest = manifest_of(
+            trainer.model, version=command.version, bucket_bytes=self.config.bucket_bytes
+        )
+        sent = send_by_manifest(
+            trainer.model, manifest, group=self.sync_group, staging=trainer.staging
         )
         return self._done(started, bytes_moved=sent)
+
+    def _describe(self, command: DescribeWeights) -> Reply:
+        manifest = manifest_of(
+            self._member().model, version=command.version, bucket_bytes=self.config.bucket_bytes
+        )
+        return WeightsDescribed(worker=self.worker, manifest=manifest)
 
     def _leave(self, command: LeaveWeightSync) -> Reply:
         started = time.perf_counter()

@@ -2,10 +2,16 @@
 
 The group is its own small world, apart from the trainer's: the sending trainer rank is
 its rank 0 and hosts its store at ``host:port``; engines join as ranks ``1..n-1``
-(the shape of SGLang's ``init_weights_update_group``). Each sync broadcasts a header
-(version, tensor count, element count, a checksum of names/shapes/dtypes, bucket size)
-and then the parameters in buckets, so engines check they hold the same model and
-learn the version that travels with the weights.
+(the shape of SGLang's ``init_weights_update_group``).
+
+A sync of the run goes by manifest (:class:`~dynarl.workers.weights.WeightManifest`):
+the sender describes it (:func:`manifest_of`), every engine checks it against its own
+model before anything moves, and each bucket is one broadcast of its tensors
+flattened in order (:func:`send_by_manifest`, :func:`receive_by_manifest`) — the
+layout SGLang servers take too. :func:`send_weights` / :func:`receive_weights` are the
+older self-describing form between two torch processes (a header with the version,
+tensor count, element count, a layout checksum and the bucket size, then the
+buckets), kept for in-process tools and tests.
 """
 
 import datetime
@@ -19,8 +25,15 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from dynarl.workers.errors import WeightSyncError
-from dynarl.workers.torch.buckets import Group, Staging, broadcast, broadcast_tensors
-from dynarl.workers.weights import WeightSyncGroup
+from dynarl.workers.torch.buckets import (
+    Group,
+    Staging,
+    broadcast,
+    broadcast_buckets,
+    broadcast_tensors,
+    plan_buckets,
+)
+from dynarl.workers.weights import WeightBucket, WeightManifest, WeightSyncGroup
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +93,7 @@ class Membership:
         )
 
     async def leave(self) -> None:
-        """Leave the group (collective); a no-op when in none."""
+        """Leave the group; a no-op when in none."""
         if self.group is not None:
             group, self.group = self.group, None
             await anyio.to_thread.run_sync(leave_weight_sync_group, group)
@@ -94,11 +107,13 @@ class Membership:
 
 
 def leave_weight_sync_group(group: Group) -> None:
-    """Collective: every member calls it after its last sync, so no member tears the
-    group down (or exits) while a peer still uses it — gloo aborts the process when a
-    peer's connection closes under it."""
-    # Backend (a standalone group) has barrier at run time but not in its stub.
-    group.barrier().wait()  # type: ignore[union-attr]
+    """Tear this member's side of the group down. Not a collective: an SGLang server
+    leaves with ``/destroy_weights_update_group``, which joins no barrier. The caller
+    guarantees no sync is in flight (every receiver's update returned before anyone
+    leaves), so no peer uses a connection that closes."""
+    shutdown = getattr(group, "shutdown", None)  # NCCL frees its communicator
+    if callable(shutdown) and not isinstance(group, dist.ProcessGroupGloo):
+        shutdown()
 
 
 def send_weights(
@@ -147,6 +162,93 @@ def receive_weights(model: torch.nn.Module, *, group: Group) -> int:
     with torch.no_grad():
         broadcast_tensors(params, group=group, group_src=0, bucket_bytes=bucket_bytes)
     return version
+
+
+def manifest_of(model: torch.nn.Module, *, version: int, bucket_bytes: int) -> WeightManifest:
+    """What :func:`send_by_manifest` sends of ``model``: its parameters in order, cut
+    into buckets of one dtype and at most ``bucket_bytes`` (a larger tensor alone)."""
+    named = list(model.named_parameters())
+    plan = plan_buckets([p for _, p in named], bucket_bytes)
+    buckets = []
+    for bucket in plan:
+        members = [named[i] for i in bucket]
+        buckets.append(
+            WeightBucket(
+                names=tuple(name for name, _ in members),
+                dtypes=tuple(dtype_name(p.dtype) for _, p in members),
+                shapes=tuple(tuple(p.shape) for _, p in members),
+            )
+        )
+    return WeightManifest(version=version, buckets=tuple(buckets))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as SGLang names it (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def send_by_manifest(
+    model: torch.nn.Module,
+    manifest: WeightManifest,
+    *,
+    group: Group,
+    staging: Staging | None = None,
+) -> int:
+    """Broadcast ``model``'s parameters from group rank 0 as ``manifest`` describes
+    them (one broadcast per bucket, its tensors flattened in order). Collective: every
+    receiver takes the same manifest at the same time. Returns the bytes sent."""
+    tensors, plan = _layout(model, manifest, side="sender")
+    with torch.no_grad():
+        sent = broadcast_buckets(tensors, plan, group=group, group_src=0, staging=staging)
+    logger.info("sent weights version %d (%d bytes)", manifest.version, sent)
+    return sent
+
+
+def receive_by_manifest(model: torch.nn.Module, manifest: WeightManifest, *, group: Group) -> int:
+    """Receive the broadcast ``manifest`` describes into ``model``'s parameters in
+    place; returns ``manifest.version``. Raises :class:`WeightSyncError` before any
+    byte moves when the manifest does not fit the model (the sender then fails on its
+    timeout)."""
+    tensors, plan = _layout(model, manifest, side="engine")
+    with torch.no_grad():
+        broadcast_buckets(tensors, plan, group=group, group_src=0)
+    return manifest.version
+
+
+def _layout(
+    model: torch.nn.Module, manifest: WeightManifest, *, side: str
+) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """``model``'s parameters in the manifest's order, and its buckets as indices."""
+    params = dict(model.named_parameters())
+    names = manifest.names
+    missing = [n for n in names if n not in params]
+    unsent = [n for n in params if n not in set(names)]
+    if missing or unsent:
+        raise WeightSyncError(
+            f"the weight manifest names {len(names)} tensors; this {side}'s model lacks "
+            f"{missing[:3]} and the manifest lacks {unsent[:3]}: build both from the "
+            f"same model config"
+        )
+    tensors: list[torch.Tensor] = []
+    plan: list[list[int]] = []
+    for bucket in manifest.buckets:
+        if not bucket.names:
+            raise WeightSyncError("the weight manifest has an empty bucket; drop it")
+        indices = []
+        for name, dtype, shape in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True):
+            p = params[name].data
+            if tuple(p.shape) != tuple(shape) or dtype_name(p.dtype) != dtype:
+                raise WeightSyncError(
+                    f"the weight manifest has {name} as {dtype}{list(shape)}; this "
+                    f"{side}'s model has {dtype_name(p.dtype)}{list(p.shape)}: build both "
+                    f"from the same model config"
+                )
+            indices.append(len(tensors))
+            tensors.append(p)
+        if len({t.dtype for t in tensors[indices[0] :]}) > 1:
+            raise WeightSyncError(f"a weight bucket mixes dtypes ({bucket.dtypes}); one per bucket")
+        plan.append(indices)
+    return tensors, plan
 
 
 def _checksum(model: torch.nn.Module) -> int:
