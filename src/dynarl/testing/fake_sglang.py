@@ -8,8 +8,10 @@ and log-probs are real. Only the edge is faked: the adapter under test is real.
     with FakeSGLang(ModelConfig(max_seq_len=128)) as server:
         engine = connect(SGLangConfig(urls=(server.url,)), url=server.url, name="slot-0")
 
-or as a process, the way the adapter's launcher starts SGLang
-(``python -m dynarl.testing.fake_sglang --port 30000 --dynarl-model '{...}'``).
+or as a process, the way the adapter's launcher starts SGLang: set
+``rollout.sglang.launch_command=["python", "-m", "dynarl.testing.fake_sglang"]`` and the
+launcher runs it with SGLang's flags (``--model-path`` a checkpoint directory, which
+the launcher writes for a random-init model).
 
 What each endpoint follows (SGLang ``python/sglang/srt/entrypoints/http_server.py``
 at commit 0025436e, and ``managers/tokenizer_manager.py`` / ``managers/io_struct.py`` of
@@ -72,6 +74,7 @@ from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any, Self
 
+import msgspec
 import torch
 import uvicorn
 from starlette.applications import Starlette
@@ -674,30 +677,38 @@ def _sse(obj: object) -> bytes:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Serve a fake SGLang server in the foreground, taking SGLang's launch flags
-    (unknown ones are ignored) plus ``--dynarl-model`` (a ``ModelConfig`` as JSON) and
-    ``--dynarl-seed``."""
-    import msgspec
-
+    """Serve a fake SGLang server in the foreground, taking the flags of
+    ``python -m sglang.launch_server`` that dynarl's launcher passes (others are
+    ignored): ``--model-path`` (a checkpoint directory), ``--context-length``,
+    ``--dtype``, ``--random-seed``, ``--max-running-requests``, ``--max-total-tokens``,
+    ``--tp-size``, the memory-saver flags; and ``--dynarl-version``, the SGLang version
+    it reports."""
     parser = argparse.ArgumentParser(prog="python -m dynarl.testing.fake_sglang")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--model-path", default=None)
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--max-running-requests", type=int, default=16)
+    parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--tp", "--tp-size", type=int, default=1)
     parser.add_argument("--enable-memory-saver", action="store_true")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true")
     parser.add_argument("--incremental-streaming-output", action="store_true")
-    parser.add_argument("--dynarl-model", default="{}")
-    parser.add_argument("--dynarl-seed", type=int, default=0)
     parser.add_argument("--dynarl-version", default=DEFAULT_VERSION)
     args, _ = parser.parse_known_args(argv)
-    model = msgspec.json.decode(args.dynarl_model, type=ModelConfig)
-    if args.model_path is not None:
-        model = msgspec.structs.replace(model, path=args.model_path)
+    model = ModelConfig(path=args.model_path)
+    if args.context_length is not None:
+        model = msgspec.structs.replace(model, max_seq_len=args.context_length)
+    if args.dtype in ("float32", "bfloat16"):
+        model = msgspec.structs.replace(model, dtype=args.dtype)
     torch.set_num_threads(1)
     server = FakeSGLang(
         model,
-        seed=args.dynarl_seed,
+        seed=args.random_seed,
+        max_running_requests=args.max_running_requests,
+        kv_capacity_tokens=args.max_total_tokens,
         version=args.dynarl_version,
         enable_memory_saver=args.enable_memory_saver,
         enable_weights_cpu_backup=args.enable_weights_cpu_backup,

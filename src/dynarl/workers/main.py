@@ -94,9 +94,16 @@ def watch_parent() -> None:
 
 
 async def _run(endpoint: str, name: str, config: SlotConfig) -> None:
+    server = SlotServer(name, config)
+    try:
+        await _serve(server, endpoint, name, config)
+    finally:
+        server.close()  # a launched SGLang server ends with its slot, however it ends
+
+
+async def _serve(server: SlotServer, endpoint: str, name: str, config: SlotConfig) -> None:
     from dynarl.data.zmq_transport import ZmqTransport
 
-    server = SlotServer(name, config)
     async with anyio.create_task_group() as tg:
         if config.preload_modules:
             tg.start_soon(server.preload)

@@ -211,3 +211,8 @@ class RolloutEngine(WeightReceiver, Protocol):
     async def resume_memory(self) -> None:
         """Allocate the released memory again and go on serving."""
         ...
+
+    def close(self) -> None:
+        """Free what the engine holds outside its process (an SGLang server it
+        launched is stopped); the slot calls it once, when it stops. Idempotent."""
+        ...

@@ -160,8 +160,15 @@ class SlotServer:
             self._preloaded.set()
 
     def stop(self) -> None:
-        """Record a clean shutdown."""
+        """Record a clean shutdown, closing the rollout engine (a server it launched
+        stops with the slot)."""
+        self.close()
         self.lifecycle.to("stopped")
+
+    def close(self) -> None:
+        """Close the rollout engine built here, if any (idempotent)."""
+        if self._rollout is not None:
+            self._rollout[1].close()
 
     async def _answer(self, link: WorkerLink, call: wire.Call) -> None:
         request = None

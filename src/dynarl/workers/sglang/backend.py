@@ -2,13 +2,16 @@
 on an SGLang server, launched for it or one the user runs. Called in a slot's worker
 thread: launching waits for the server's ``/health``."""
 
+import contextlib
 import re
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import msgspec
 
 from dynarl.workers.protocol import RolloutRole
+from dynarl.workers.sglang.checkpoint import PolicyCheckpoint
 from dynarl.workers.sglang.client import SGLangClient
 from dynarl.workers.sglang.config import SGLangConfig
 from dynarl.workers.sglang.errors import ProtocolMismatchError, ServerError
@@ -25,29 +28,45 @@ class SGLangBackend:
 
     def build_rollout(self, role: RolloutRole, *, name: str, num_threads: int) -> SGLangRollout:
         """An engine on server ``i`` of ``role.rollout.sglang`` (``i`` from ``name``,
-        ``slot-i``), launched first when no URLs are configured."""
+        ``slot-i``), launched first when no URLs are configured (with a random-init
+        policy written as a checkpoint for it when ``role.model.path`` is unset)."""
         config = role.rollout.sglang
         index = _index(name)
-        server: ServerProcess | None = None
-        if config.launches:
-            port = config.port_base + index
-            url = f"http://{config.host}:{port}"
-            command = server_command(
-                config, model_path=role.model.path, tp=role.rollout.tp, port=port
-            )
-            server = ServerProcess(command, url=url, env=SERVER_ENV)
-            server.start(timeout_s=config.startup_timeout_s)
-        else:
-            url = config.urls[index % len(config.urls)]
+        if not config.launches:
+            return connect(config, url=config.urls[index % len(config.urls)], name=name)
+        stop = contextlib.ExitStack()  # closed by the engine, or here on failure
         try:
-            return connect(config, url=url, name=name, on_close=server.stop if server else None)
+            model_path = role.model.path
+            if model_path is None:
+                checkpoint = PolicyCheckpoint(role.model, seed=role.seed)
+                stop.callback(checkpoint.remove)
+                model_path = checkpoint.path
+            port = config.port_base + index
+            command = server_command(
+                config,
+                model_path=model_path,
+                rollout=role.rollout,
+                context_length=role.model.max_seq_len,
+                dtype=role.model.dtype,
+                seed=role.seed,
+                port=port,
+            )
+            server = ServerProcess(command, url=f"http://{config.host}:{port}", env=SERVER_ENV)
+            stop.callback(server.stop)
+            server.start(timeout_s=config.startup_timeout_s)
+            return connect(config, url=server.url, name=name, on_close=stop.close)
         except BaseException:
-            if server is not None:
-                server.stop()
+            stop.close()
             raise
 
 
-def connect(config: SGLangConfig, *, url: str, name: str, on_close: Any = None) -> SGLangRollout:
+def connect(
+    config: SGLangConfig,
+    *,
+    url: str,
+    name: str,
+    on_close: Callable[[], None] | None = None,
+) -> SGLangRollout:
     """An engine on the server at ``url``, once it is known to speak this adapter's
     protocol (a clear :class:`ProtocolMismatchError` otherwise)."""
     with httpx.Client(base_url=url, timeout=config.connect_timeout_s) as http:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import httpx
 
+from dynarl.workers.config import RolloutConfig
 from dynarl.workers.sglang.config import SGLangConfig
 from dynarl.workers.sglang.errors import LaunchFailedError
 
@@ -26,21 +27,41 @@ logger = logging.getLogger(__name__)
 
 
 def server_command(
-    config: SGLangConfig, *, model_path: str | None, tp: int, port: int
+    config: SGLangConfig,
+    *,
+    model_path: str,
+    rollout: RolloutConfig,
+    context_length: int,
+    dtype: str,
+    seed: int,
+    port: int,
 ) -> list[str]:
-    """The command line of one server: ``config.launch_command`` and its flags."""
+    """The command line of one server: ``config.launch_command`` and SGLang's flags
+    for the model, the engine's limits (``rollout.max_running_requests``,
+    ``rollout.kv_capacity_tokens`` as ``--max-total-tokens``), the run's seed, and
+    the memory saver, CPU weight backup and priority scheduling dynarl relies on."""
     command = list(config.launch_command)
     if command[0] == "python":
         command[0] = sys.executable
-    if model_path is not None:
-        command += ["--model-path", model_path]
     command += [
+        "--model-path",
+        model_path,
         "--host",
         config.host,
         "--port",
         str(port),
-        "--tp",
-        str(tp),
+        "--tp-size",
+        str(rollout.tp),
+        "--context-length",
+        str(context_length),
+        "--dtype",
+        dtype,
+        "--random-seed",
+        str(seed),
+        "--max-running-requests",
+        str(rollout.max_running_requests),
+        "--max-total-tokens",
+        str(rollout.kv_capacity_tokens),
         "--enable-memory-saver",
         "--enable-weights-cpu-backup",
         "--enable-priority-scheduling",

@@ -112,6 +112,9 @@ class TorchRollout:
             self._paused = False
         self._wake()
 
+    def close(self) -> None:
+        """Nothing to free outside this process."""
+
     async def join_weight_sync(self, group: WeightSyncGroup) -> None:
         """Join the trainer's weight-sync group."""
         await self.sync.join(group, device=_device(self.engine.model.parameters()))
