@@ -2,7 +2,8 @@
 entered on an exit stack in the order they must close in reverse.
 
 :func:`check_backends` says first whether the backends the config names can run here;
-:func:`assemble` then binds the data router on a private socket, builds the hypergraph,
+:func:`assemble` then binds the data router (a private socket, or TCP for workers on
+other nodes; each run has its own token that workers present at hello), builds the hypergraph,
 starts the workers (:class:`~dynarl.api.world.RealWorld`), restores a checkpoint if
 there is one, starts the controller with its listeners and returns the pipeline driver
 that runs iterations over it all. Heavy modules (zmq, torch through the backends) load
@@ -149,19 +150,20 @@ async def assemble(
     from dynarl.control.modes import make_hold, make_policy
     from dynarl.control.predictor import Predictor
     from dynarl.data import RouterConfig
+    from dynarl.data.endpoint import new_token
     from dynarl.data.request_order import order_named
     from dynarl.data.router import Router
-    from dynarl.data.zmq_transport import ZmqTransport
     from dynarl.envs.prompts import prompt_sampler
     from dynarl.envs.synthetic import SyntheticTask
     from dynarl.envs.verifier import AsyncVerifier, MatchVerifier
+    from dynarl.launch.binding import bind_controller
     from dynarl.rl.gate import StepGate
     from dynarl.rl.reporter import EventReporter
     from dynarl.workers.tokenizer import load_tokenizer
 
     ipc_dir = Path(tempfile.mkdtemp(prefix="dynarl-"))
     stack.callback(shutil.rmtree, ipc_dir, ignore_errors=True)
-    transport = ZmqTransport.bind(f"ipc://{ipc_dir}/router.sock")
+    transport, advertised = bind_controller(cfg.cluster, ipc_dir)
     stack.push_async_callback(transport.aclose)
 
     clock = LoopClock()
@@ -191,6 +193,8 @@ async def assemble(
             config=router_cfg,
             order=order_named(cfg.rollout.request_order),
             on_event=reporter,
+            token=new_token(),
+            advertised_address=advertised,
         )
     )
     world = RealWorld(cfg, graph, router)

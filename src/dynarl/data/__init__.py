@@ -16,6 +16,7 @@ from dynarl.data.errors import (
     ProtocolError,
     ProtocolVersionError,
     RoutingError,
+    UnauthorizedError,
 )
 from dynarl.data.inproc import InProcNetwork, InProcTransport
 from dynarl.data.peers import RouterConfig, RouterStatistics
@@ -58,6 +59,7 @@ __all__ = [
     "RoutingPolicy",
     "Transport",
     "TransportStatistics",
+    "UnauthorizedError",
     "WorkerLink",
     "controller_codec",
     "open_worker_link",

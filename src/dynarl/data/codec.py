@@ -26,10 +26,12 @@ REJECT_KINDS: Final = (
     "invalid",
     "unexpected",
     "stale",
+    "unauthorized",
 )
 """Kinds of rejected input: the first five are bad frames; ``unexpected`` is a valid
 message in the wrong state (work before hello), ``stale`` a result for an item the
-sender no longer holds (it was declared failed, or the item was taken back)."""
+sender no longer holds (it was declared failed, or the item was taken back);
+``unauthorized`` a hello with a wrong or missing run token."""
 
 M = TypeVar("M")
 

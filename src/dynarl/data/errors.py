@@ -27,6 +27,12 @@ class HelloRefusedError(ProtocolError):
     is already connected, ...); the message carries the controller's reason."""
 
 
+class UnauthorizedError(HelloRefusedError):
+    """The controller refused this worker at hello: it presented a wrong or missing
+    run token. Start workers with the endpoint the controller gives out (it carries
+    the run's token)."""
+
+
 class PeerLostError(DataPlaneError):
     """The other side stopped answering, retired this worker, or declared it failed."""
 

@@ -35,6 +35,7 @@ from dynarl.data import wire
 from dynarl.data._tasks import task_group
 from dynarl.data.calls import Call
 from dynarl.data.codec import Rejections, controller_codec
+from dynarl.data.endpoint import worker_endpoint
 from dynarl.data.errors import RoutingError
 from dynarl.data.peers import RouterConfig, RouterStatistics, WorkerState
 from dynarl.data.placement import Placement, RoutedResult
@@ -59,6 +60,9 @@ class Router:
         on_event: receives every control-plane event, synchronously, in order (e.g.
             ``hypergraph.apply``).
         clock: where time comes from (default the event loop's).
+        token: the run's token (:mod:`dynarl.data.endpoint`): a hello without it is
+            refused and counted (``rejected["unauthorized"]``); ``None``: none asked.
+        advertised_address: the address workers dial (default the transport's).
     """
 
     def __init__(
@@ -71,8 +75,12 @@ class Router:
         policy: RoutingPolicy | None = None,
         on_event: Callable[[ev.Event], object] | None = None,
         clock: Clock | None = None,
+        token: str | None = None,
+        advertised_address: str | None = None,
     ) -> None:
         self.config = config or RouterConfig()
+        self._token = token
+        self._advertised = advertised_address
         self._transport = transport
         self._order = order or FifoOrder()
         self._clock = clock or LoopClock()
@@ -90,6 +98,7 @@ class Router:
             placement=self._placement,
             on_join=self._on_join,
             on_results=self._on_results,
+            token=token,
         )
         self._backlog_space = anyio.Event()
         self._outbox: list[RoutedResult] = []
@@ -206,6 +215,12 @@ class Router:
     def address(self) -> str:
         """Where workers connect: the transport's address (with the actual port)."""
         return self._transport.address
+
+    @property
+    def endpoint(self) -> str:
+        """What a worker is started with: the advertised address and the run's token
+        (see :func:`~dynarl.data.endpoint.worker_endpoint`)."""
+        return worker_endpoint(self._advertised or self._transport.address, self._token or "")
 
     @property
     def instances(self) -> list[InstanceId]:

@@ -9,6 +9,7 @@ carries — items and their results — belongs to the router
 (:mod:`dynarl.data.router`), which it calls back.
 """
 
+import hmac
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,6 +48,7 @@ class Sessions:
         placement: the router's item table (workers join and fail there).
         on_join: a worker said hello and was accepted (start feeding it).
         on_results: a worker handed items back.
+        token: the run's token every hello must carry (``None``: none is asked for).
     """
 
     def __init__(
@@ -60,8 +62,10 @@ class Sessions:
         placement: Placement,
         on_join: Callable[[WorkerState], None],
         on_results: OnResults,
+        token: str | None = None,
     ) -> None:
         self._transport = transport
+        self._token = None if token is None else token.encode()
         self._codec = codec
         self._config = config
         self._order = order
@@ -113,6 +117,20 @@ class Sessions:
             return
         if msg.protocol != wire.PROTOCOL_VERSION:
             self._refuse_version(peer, msg.protocol)
+            return
+        if self._token is not None and not hmac.compare_digest(msg.token.encode(), self._token):
+            what = "a wrong" if msg.token else "no"
+            self.rejections.add(
+                "unauthorized", f"hello as {msg.instance!r} with {what} run token (refused)"
+            )
+            self.send_nowait(
+                peer,
+                wire.Refused(
+                    "auth",
+                    f"this worker presented {what} run token: start workers with the "
+                    f"endpoint this run's controller gives out (it carries the token)",
+                ),
+            )
             return
         if msg.instance in self._placement.workers:
             self.send_nowait(

@@ -23,7 +23,7 @@ import msgspec
 from dynarl.control.events import AnyEvent
 from dynarl.core.ids import ComponentId, EdgeId, GroupId, InstanceId, ItemId
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 """Version of this module's messages; a worker announcing another one is refused."""
 
 Affinity = Literal["must", "prefer", "none"]
@@ -102,8 +102,8 @@ class Welcome(ToWorker, frozen=True):
 
 class Refused(ToWorker, frozen=True):
     """Hello refused, or a message from a worker the controller no longer knows.
-    ``code`` is ``"version"``, ``"duplicate"`` or ``"unknown"``; ``reason`` says what
-    to do."""
+    ``code`` is ``"version"``, ``"auth"`` (a wrong or missing run token),
+    ``"duplicate"``, ``"invalid"`` or ``"unknown"``; ``reason`` says what to do."""
 
     code: str
     reason: str
@@ -153,12 +153,14 @@ class Call(ToWorker, frozen=True):
 
 class Hello(ToController, frozen=True):
     """First message of a worker: its protocol version, the instance it runs, the
-    component it belongs to and how many items it serves at once."""
+    component it belongs to, how many items it serves at once, and the run's token
+    (:mod:`dynarl.data.endpoint`; a router that asks for one refuses any other)."""
 
     protocol: int
     instance: InstanceId
     component: ComponentId
     capacity: int
+    token: str = ""
 
 
 class Pong(ToController, frozen=True):

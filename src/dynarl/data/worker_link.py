@@ -32,6 +32,7 @@ from dynarl.data.errors import (
     PeerLostError,
     ProtocolError,
     ProtocolVersionError,
+    UnauthorizedError,
 )
 from dynarl.data.transport import CONTROLLER, Transport
 
@@ -274,18 +275,20 @@ async def open_worker_link(
     hello_timeout_s: float = 30.0,
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     max_batch_items: int = 256,
+    token: str = "",
 ) -> AsyncIterator[WorkerLink]:
     """Say hello as ``instance`` of ``component`` serving up to ``capacity`` items at
-    once, and run the link while the block runs; on exit, say bye (the controller then
-    routes whatever this worker still holds elsewhere).
+    once, presenting the run's ``token``, and run the link while the block runs; on
+    exit, say bye (the controller then routes whatever this worker still holds
+    elsewhere).
 
-    Raises :class:`ProtocolVersionError` or :class:`HelloRefusedError` if the
-    controller refuses, :class:`PeerLostError` if it does not answer within
-    ``hello_timeout_s``. The caller owns and closes ``transport``.
+    Raises :class:`ProtocolVersionError`, :class:`UnauthorizedError` (wrong token) or
+    :class:`HelloRefusedError` if the controller refuses, :class:`PeerLostError` if it
+    does not answer within ``hello_timeout_s``. The caller owns and closes ``transport``.
     """
     clock = clock or LoopClock()
     codec = worker_codec(Rejections(f"worker {instance}"), max_frame_bytes=max_frame_bytes)
-    hello = wire.Hello(wire.PROTOCOL_VERSION, instance, component, capacity)
+    hello = wire.Hello(wire.PROTOCOL_VERSION, instance, component, capacity, token)
     await transport.send(CONTROLLER, codec.encode(hello))
     welcome = await _await_welcome(transport, codec, hello_timeout_s)
     link = WorkerLink(transport, codec, welcome, clock, max_batch_items)
@@ -308,6 +311,12 @@ async def open_worker_link(
                     pass  # the controller's liveness check will notice
 
 
+_REFUSALS: dict[str, type[ProtocolError]] = {
+    "version": ProtocolVersionError,
+    "auth": UnauthorizedError,
+}
+
+
 async def _await_welcome(
     transport: Transport, codec: Codec[wire.AnyToWorker], timeout_s: float
 ) -> wire.Welcome:
@@ -319,7 +328,7 @@ async def _await_welcome(
                 if isinstance(msg, wire.Welcome):
                     return msg
                 if isinstance(msg, wire.Refused):
-                    error = ProtocolVersionError if msg.code == "version" else HelloRefusedError
+                    error = _REFUSALS.get(msg.code, HelloRefusedError)
                     raise error(f"the controller refused this worker: {msg.reason}")
     raise PeerLostError(
         f"no answer to hello from {transport.address} within "

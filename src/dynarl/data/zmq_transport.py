@@ -76,6 +76,11 @@ class ZmqTransport:
     def connect(cls, endpoint: str, *, hwm: int = DEFAULT_HWM) -> "ZmqTransport":
         """A worker's end: a DEALER connected to ``endpoint`` (it may connect before the
         controller binds; frames wait until the connection is up)."""
+        if "#" in endpoint:
+            raise DataPlaneError(
+                f"{endpoint!r} is a worker endpoint with a run token: connect to its address "
+                f"(dynarl.data.endpoint.split_endpoint) and present the token in the hello"
+            )
         ctx = zmq.asyncio.Context()
         sock = ctx.socket(zmq.DEALER)
         try:

@@ -75,7 +75,8 @@ class LocalLauncher:
     Args:
         router: the data router the slots connect to (bound and running).
         config: how many slots, and how they run.
-        endpoint: where the slots connect (default: the router's transport address).
+        endpoint: what the slots are started with (default: the router's
+            :attr:`~dynarl.data.router.Router.endpoint`, its address and run token).
     """
 
     def __init__(
@@ -83,7 +84,7 @@ class LocalLauncher:
     ) -> None:
         self.router = router
         self.config = config or LaunchConfig()
-        self.endpoint = endpoint or router.address
+        self.endpoint = endpoint or router.endpoint
         self.slots: list[Slot] = []
         """The started slots, in order."""
         self.workers: list[Slot] = []

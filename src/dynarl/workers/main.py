@@ -24,6 +24,7 @@ from multiprocessing.connection import wait
 
 import anyio
 
+from dynarl.data.endpoint import split_endpoint
 from dynarl.data.errors import DataPlaneError, PeerLostError
 from dynarl.data.worker_link import open_worker_link
 from dynarl.workers.slot import SlotConfig, SlotServer
@@ -104,12 +105,13 @@ async def _run(endpoint: str, name: str, config: SlotConfig) -> None:
 async def _serve(server: SlotServer, endpoint: str, name: str, config: SlotConfig) -> None:
     from dynarl.data.zmq_transport import ZmqTransport
 
+    address, token = split_endpoint(endpoint)
     async with anyio.create_task_group() as tg:
         if config.preload_modules:
             tg.start_soon(server.preload)
         identity = server.identity
         while True:
-            transport = ZmqTransport.connect(endpoint)
+            transport = ZmqTransport.connect(address)
             try:
                 async with open_worker_link(
                     transport,
@@ -117,6 +119,7 @@ async def _serve(server: SlotServer, endpoint: str, name: str, config: SlotConfi
                     component=identity[1],
                     capacity=config.capacity,
                     hello_timeout_s=config.hello_timeout_s,
+                    token=token,
                 ) as link:
                     await server.serve(link)
             except PeerLostError as e:

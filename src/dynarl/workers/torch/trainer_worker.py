@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from dynarl.core.ids import ComponentId, InstanceId
 from dynarl.data import wire
+from dynarl.data.endpoint import split_endpoint
 from dynarl.data.errors import PeerLostError
 from dynarl.data.worker_link import WorkerLink, open_worker_link
 from dynarl.workers.errors import TrainerError, WeightSyncError
@@ -78,12 +79,13 @@ async def serve(endpoint: str, name: str) -> None:
     """Serve the pool's commands as ``name`` until retired or cut off."""
     from dynarl.data.zmq_transport import ZmqTransport
 
-    transport = ZmqTransport.connect(endpoint)
+    address, token = split_endpoint(endpoint)
+    transport = ZmqTransport.connect(address)
     server: TrainerWorker | None = None
     inbox: dict[str, wire.Item] = {}  # samples routed here, until a step takes them
     try:
         async with open_worker_link(
-            transport, instance=InstanceId(name), component=ACTOR, capacity=_CAPACITY
+            transport, instance=InstanceId(name), component=ACTOR, capacity=_CAPACITY, token=token
         ) as link:
             while True:
                 try:
