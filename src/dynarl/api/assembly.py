@@ -140,12 +140,14 @@ async def assemble(
     on_progress: Callable[[Progress], None],
     before_controller: Callable[[], object],
     environment: EnvironmentSpec | None = None,
+    run_dir: Path | None = None,
 ) -> Run:
     """The parts of a run of ``cfg``, entered on ``stack`` (leaving it stops them in
     reverse order); ``resumed`` continues from a checkpoint; ``before_controller`` is
     called just before the controller starts (what it pushes on ``stack`` runs once the
     controller has stopped); ``environment``: the multi-turn environment the episodes
-    play (else the single-turn bracket task)."""
+    play (else the single-turn bracket task); ``run_dir``: the run directory (workers on
+    other nodes copy their output to its ``workers/``)."""
     from dynarl.api.executor import WorldExecutor
     from dynarl.control.modes import make_hold, make_policy
     from dynarl.control.predictor import Predictor
@@ -197,7 +199,7 @@ async def assemble(
             advertised_address=advertised,
         )
     )
-    world = RealWorld(cfg, graph, router)
+    world = RealWorld(cfg, graph, router, log_dir=None if run_dir is None else run_dir / "workers")
     stack.push_async_callback(world.aclose)
     await world.start()
     if resumed is not None:

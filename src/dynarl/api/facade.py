@@ -168,6 +168,7 @@ class DynaRL:
             await warm_started(cfg, environment, self.run_dir),
             stack,
             environment=environment,
+            run_dir=self.run_dir,
             resumed=None if resumed is None else resumed.checkpoint,
             on_progress=lambda p: self.on_progress(p) if self.on_progress else None,
             before_controller=functools.partial(stack.callback, self._write_timeline_at_exit),

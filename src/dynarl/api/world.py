@@ -24,8 +24,10 @@ the workers' processes.
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import anyio
 
@@ -53,9 +55,12 @@ class RealWorld:
         cfg: the run's configuration.
         graph: the controller's hypergraph in its initial placement (read only).
         router: the data router the slots connect to (bound and running).
+        log_dir: where the output of workers on other nodes is copied (Ray launcher).
     """
 
-    def __init__(self, cfg: DynaRLConfig, graph: Hypergraph, router: Router) -> None:
+    def __init__(
+        self, cfg: DynaRLConfig, graph: Hypergraph, router: Router, *, log_dir: Path | None = None
+    ) -> None:
         self.cfg = cfg
         self.graph = graph
         self.router = router
@@ -70,6 +75,8 @@ class RealWorld:
             d for d in all_devices if elastic or d in actor_devices
         ]
         """Devices with a trainer worker, in worker order."""
+        self._trainer_names = [f"trainer-{i}" for i in range(len(self.trainer_devices))]
+        self._trainer_device = dict(zip(self._trainer_names, self.trainer_devices, strict=True))
         self.launcher: Launcher = build_launcher(
             cfg.cluster,
             router,
@@ -78,11 +85,14 @@ class RealWorld:
                 num_threads=cfg.cluster.threads_per_device,
                 preload_modules=backends.preload_modules(cfg.rollout, cfg.inference),
             ),
+            slot_devices=self.slot_devices,
+            worker_devices=self._trainer_device,
+            # A model-parallel group of any component stays on one node.
+            group_size=math.lcm(cfg.rollout.tp, cfg.inference.tp, cfg.actor.tp),
+            log_dir=log_dir,
         )
         self.trainer: Trainer | None = None
         """The actor (after :meth:`start`)."""
-        self._trainer_names = [f"trainer-{i}" for i in range(len(self.trainer_devices))]
-        self._trainer_device = dict(zip(self._trainer_names, self.trainer_devices, strict=True))
         self.trainer_workers: list[SlotHandle] = []
         """The trainer's worker processes (after :meth:`start`), in worker order."""
         self.weight_version = 0

@@ -264,6 +264,14 @@ class Router:
         self._sessions.forget(w)
         await self._sessions.send(w, wire.Retire(reason))
 
+    def fail(self, instance: InstanceId, reason: str) -> None:
+        """Declare ``instance``'s worker failed now, as the liveness watch would after
+        its timeout: its launcher saw its process end. Its items are routed elsewhere
+        (``WorkerFailed``). Does nothing if it is not connected."""
+        w = self._placement.workers.get(instance)
+        if w is not None:
+            self._sessions.fail(w, reason, self._clock.now())
+
     async def ping(self, instance: InstanceId) -> float:
         """Round-trip time to ``instance``'s worker in seconds (a correlated request:
         the reply carries the request's ``corr``)."""

@@ -8,13 +8,25 @@ names, refusing one whose packages are missing or that is not built yet.
 """
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Protocol
+
+import msgspec
 
 from dynarl.data.router import Router
 from dynarl.launch.config import ClusterConfig
 from dynarl.workers.backends import Backend, WorkerEntry, check_name
 from dynarl.workers.handles import SlotHandle
 from dynarl.workers.slot import SlotConfig
+
+
+class WorkerLocation(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one worker runs: its node's address (and Ray node id) and its process."""
+
+    name: str
+    host: str
+    node: str | None = None
+    pid: int | None = None
 
 
 class Launcher(Protocol):
@@ -24,6 +36,11 @@ class Launcher(Protocol):
     @property
     def handles(self) -> Sequence[SlotHandle]:
         """The started slots' handles, in slot order."""
+        ...
+
+    @property
+    def locations(self) -> Mapping[str, WorkerLocation]:
+        """Where each started slot and worker runs, by name."""
         ...
 
     async def start(self) -> None:
@@ -46,12 +63,7 @@ class Launcher(Protocol):
 
 LAUNCHERS: Mapping[str, Backend] = {
     "local": Backend(requires=(), extra="", built=True),
-    "ray": Backend(
-        requires=("ray",),
-        extra="ray",
-        built=False,
-        note="the Ray launcher is not built yet in this version; use cluster.launcher=local",
-    ),
+    "ray": Backend(requires=("ray",), extra="ray", built=True),
 }
 """Every launcher, by name."""
 
@@ -62,11 +74,36 @@ def check(cluster: ClusterConfig) -> None:
 
 
 def build_launcher(
-    cluster: ClusterConfig, router: Router, *, num_slots: int, slot: SlotConfig
+    cluster: ClusterConfig,
+    router: Router,
+    *,
+    num_slots: int,
+    slot: SlotConfig,
+    slot_devices: Sequence[int] | None = None,
+    worker_devices: Mapping[str, int] | None = None,
+    group_size: int = 1,
+    log_dir: Path | None = None,
 ) -> Launcher:
     """The launcher ``cluster.launcher`` names, for ``num_slots`` slots run as ``slot``
-    says, connecting to ``router``."""
+    says, connecting to ``router``.
+
+    Where workers are placed (the Ray launcher): ``slot_devices`` (default
+    ``0..num_slots-1``) and ``worker_devices`` (by name) are their devices, and each
+    ``group_size`` consecutive devices stay on one node. ``log_dir`` receives the
+    output of workers that run on other nodes."""
     check(cluster)
+    if cluster.launcher == "ray":
+        from dynarl.launch.ray import RayLauncher
+
+        return RayLauncher(
+            router,
+            cluster,
+            slot=slot,
+            slot_devices=list(range(num_slots)) if slot_devices is None else slot_devices,
+            worker_devices=worker_devices,
+            group_size=group_size,
+            log_dir=log_dir,
+        )
     from dynarl.launch.local import LaunchConfig, LocalLauncher
 
     return LocalLauncher(router, LaunchConfig(num_slots=num_slots, slot=slot))

@@ -26,6 +26,7 @@ import msgspec
 
 from dynarl.data.errors import DataPlaneError
 from dynarl.data.router import Router
+from dynarl.launch.launcher import WorkerLocation
 from dynarl.workers.backends import WorkerEntry
 from dynarl.workers.errors import LaunchError
 from dynarl.workers.handles import SlotHandle
@@ -94,6 +95,14 @@ class LocalLauncher:
     def handles(self) -> list[SlotHandle]:
         """The started slots' handles, in order."""
         return [slot.handle for slot in self.slots]
+
+    @property
+    def locations(self) -> dict[str, WorkerLocation]:
+        """Where each started slot and worker runs: this machine, by process id."""
+        return {
+            s.name: WorkerLocation(name=s.name, host="localhost", pid=s.process.pid)
+            for s in [*self.slots, *self.workers]
+        }
 
     async def __aenter__(self) -> Self:
         try:

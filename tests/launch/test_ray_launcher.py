@@ -1,0 +1,165 @@
+"""The Ray launcher on a simulated two-node Ray cluster (two raylets on this machine):
+workers start as actors in placement groups that keep a TP group on one node, dial
+the controller over TCP with the run's token and answer; a killed actor reaches the
+router as a worker failure at once and its items finish elsewhere, exactly once; the
+workers' output reaches the log folder; closing leaves no process and no placement
+group."""
+
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from dynarl.control import events as ev
+from dynarl.core.ids import EdgeId, GroupId, InstanceId, ItemId
+from dynarl.data import Item, Router, RouterConfig
+from dynarl.data.endpoint import new_token, node_address, split_endpoint
+from dynarl.launch.binding import bind_controller
+from dynarl.launch.config import ClusterConfig
+from dynarl.launch.ray import RayLauncher
+from dynarl.launch.ray_placement import DevicePlacement
+from dynarl.workers.errors import LaunchError
+from dynarl.workers.slot import SlotConfig
+
+from .ray_workers import echo_worker
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = EdgeId("prompts")
+RAY = ClusterConfig(launcher="ray", num_devices=4)
+
+
+class Controller:
+    def __init__(self, router: Router, log_dir: Path) -> None:
+        self.router = router
+        self.log_dir = log_dir
+        self.failed: dict[str, str] = {}
+        self.failure = anyio.Event()
+
+    def on_event(self, event: ev.Event) -> None:
+        if isinstance(event, ev.WorkerFailed):
+            self.failed[event.instance] = event.reason
+            self.failure.set()
+
+
+@asynccontextmanager
+async def controller() -> AsyncIterator[Controller]:
+    """A router bound as a Ray run binds it (TCP on this machine's address, a token)."""
+    folder = Path(tempfile.mkdtemp(prefix="dyn-"))
+    transport, advertised = bind_controller(RAY, folder)
+    c: Controller | None = None
+
+    def on_event(event: ev.Event) -> None:
+        if c is not None:
+            c.on_event(event)
+
+    try:
+        async with Router(
+            transport,
+            consumers={PROMPTS: ["rollout"]},
+            config=RouterConfig(heartbeat_interval_s=0.2, liveness_timeout_s=60.0),
+            token=new_token(),
+            advertised_address=advertised,
+            on_event=on_event,
+        ) as router:
+            c = Controller(router, folder / "workers")
+            yield c
+    finally:
+        await transport.aclose()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def items(n: int) -> list[Item]:
+    return [
+        Item(id=ItemId(f"i{k}"), group=GroupId(f"g{k}"), edge=PROMPTS, payload=b"p%d" % k)
+        for k in range(n)
+    ]
+
+
+@pytest.mark.timeout(150)
+async def test_workers_run_as_actors_a_tp_group_per_node_and_a_killed_actor_fails_over(
+    ray_cluster: Any,
+) -> None:
+    import ray
+
+    async with controller() as c:
+        address, _ = split_endpoint(c.router.endpoint)
+        assert address.startswith(f"tcp://{node_address()}:")  # not loopback, not ipc
+        launcher = RayLauncher(
+            c.router,
+            RAY,
+            slot=SlotConfig(),
+            slot_devices=[],
+            worker_devices={f"w-{d}": d for d in range(4)},
+            group_size=2,  # devices 0-1 and 2-3 are TP groups
+            log_dir=c.log_dir,
+        )
+        try:
+            await launcher.start()
+            names = [f"w-{d}" for d in range(4)]
+            handles = await launcher.start_workers(echo_worker, names, num_threads=1)
+            assert sorted(c.router.instances) == names
+            assert await c.router.call(InstanceId("w-3"), b"hi") == b"pong:hi"
+
+            # Each node has room for one group of two 1-CPU bundles: a group is never
+            # split, so the two groups sit on the two nodes.
+            where = launcher.locations
+            assert where["w-0"].node == where["w-1"].node
+            assert where["w-2"].node == where["w-3"].node
+            assert where["w-0"].node != where["w-2"].node
+            pids = [h.pid for h in handles]
+            assert all(p is not None and alive(p) for p in pids)
+
+            # Kill one actor while its items are in flight: the router hears of it from
+            # the launcher and every item completes exactly once on the others.
+            await c.router.submit(items(24))
+            with anyio.fail_after(30):
+                done = await c.router.receive_batch()  # items flow: each worker holds 4
+            victim = launcher._workers[2]
+            assert victim.name == "w-2"
+            ray.kill(victim.actor, no_restart=True)
+            with anyio.fail_after(60):
+                while len(done) < 24:
+                    done += await c.router.receive_batch()
+            assert sorted(d.item.id for d in done) == sorted(i.id for i in items(24))
+            assert {d.instance for d in done} <= {"w-0", "w-1", "w-2", "w-3"}
+            # Whichever came first (here, on one machine, the closed socket), both the
+            # router and the launcher's actor watch saw it.
+            assert list(c.failed) == ["w-2"], c.failed
+            with anyio.fail_after(10):
+                await victim.exited.wait()
+            assert victim.ended is not None and "lost its Ray actor" in victim.ended
+            assert "w-2" not in c.router.instances
+            stats = c.router.statistics()
+            assert stats.num_workers_failed == 1 and stats.num_pending == 0
+        finally:
+            await launcher.aclose()
+        await launcher.aclose()  # closing twice is harmless
+
+        assert not [p for p in pids if p is not None and alive(p)]
+        # Every worker's output reached the log folder.
+        for name in names:
+            assert f"{name} serving" in (c.log_dir / f"{name}.log").read_text()
+        table = ray.util.placement_group_table()
+        assert all(pg["state"] == "REMOVED" for pg in table.values())
+
+
+@pytest.mark.timeout(60)
+async def test_a_tp_group_larger_than_any_node_is_refused_not_split(ray_cluster: Any) -> None:
+    placement = DevicePlacement([0, 1, 2], group_size=3, bundle={"CPU": 1.0})
+    with pytest.raises(LaunchError, match="every group on one node"):
+        await placement.reserve(timeout_s=3.0)
