@@ -243,6 +243,8 @@ def _run(args: argparse.Namespace) -> int:
                     + (f", resumed after {done} iterations" if args.resume else "")
                     + f" (started in {time.perf_counter() - started:.1f} s)"
                 )
+                for host, names in rl.worker_hosts().items():
+                    display.print(f"  workers on {host}: {', '.join(names)}")
                 async for stats in rl.iterations():
                     display.iteration(stats)
                 display.set_status("saving the final checkpoint and timeline")

@@ -277,6 +277,15 @@ class DynaRL:
         """Devices each component holds now (empty before the run opens)."""
         return {} if self._meter is None else self._meter.allocation()
 
+    def worker_hosts(self) -> dict[str, list[str]]:
+        """The workers on each host (a node's address; ``127.0.0.1`` for local
+        processes), by name: where the run's processes are (empty before it opens)."""
+        hosts: dict[str, list[str]] = {}
+        if self._world is not None:
+            for where in self._world.launcher.locations.values():
+                hosts.setdefault(where.host, []).append(where.name)
+        return hosts
+
     def metrics_records(self) -> list[dict[str, FlatValue]]:
         """Every finished iteration's stats as a flat dict (``stage_s.rollout``,
         ``device_s.actor``, ...): ``pandas.DataFrame(rl.metrics_records())``."""

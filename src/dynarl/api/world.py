@@ -140,6 +140,28 @@ class RealWorld:
         node = self.graph.instances[InstanceId(holder)]
         return node.id if node.component == ACTOR else None
 
+    def host_of(self, worker: str) -> str:
+        """The address other nodes reach ``worker``'s node at (where it hosts a
+        torch.distributed rendezvous)."""
+        return self.launcher.locations[worker].host
+
+    def _sender_host(self, trainer: Trainer) -> str:
+        """Where the weight-sync group's store is: the node of the trainer's rank 0
+        (its sender). A parked trainer names no ranks: its workers' node then, which
+        is right while they share one node (warned otherwise)."""
+        ranks = trainer.rank_instances()
+        if ranks:
+            return self.host_of(ranks[0])
+        hosts = {self.host_of(name) for name in self._trainer_names}
+        if len(hosts) > 1:
+            logger.warning(
+                "the parked trainer's workers span nodes %s: the weight-sync group "
+                "rendezvous at %s (trainer-0's node) may not be its sender's",
+                sorted(hosts),
+                self.host_of(self._trainer_names[0]),
+            )
+        return self.host_of(self._trainer_names[0])
+
     def trainer_members(self, devices: Sequence[DeviceId]) -> list[int]:
         """The trainer workers of ``devices``."""
         return [self.trainer_devices.index(d) for d in devices]
@@ -180,6 +202,7 @@ class RealWorld:
             seed=cfg.run.seed,
             workers=[CallChannel(self.router, name) for name in names],
             num_threads=threads,
+            rendezvous_host=self.host_of(names[0]),
         )
         self.trainer = trainer
         actor = sorted(self.graph.components[ACTOR].active_instances(), key=lambda n: n.id)
@@ -342,7 +365,11 @@ class RealWorld:
         if same and trainer.weight_sync_ready and all(s.in_weight_sync for s in members):
             return
         await sync_group.connect(
-            trainer, members, leaving=self._sync_members, connected=self._connected
+            trainer,
+            members,
+            leaving=self._sync_members,
+            connected=self._connected,
+            host=self._sender_host(trainer),
         )
         for slot in self._sync_members:
             slot.in_weight_sync = False

@@ -98,9 +98,10 @@ class LocalLauncher:
 
     @property
     def locations(self) -> dict[str, WorkerLocation]:
-        """Where each started slot and worker runs: this machine, by process id."""
+        """Where each started slot and worker runs: this machine (loopback), by
+        process id."""
         return {
-            s.name: WorkerLocation(name=s.name, host="localhost", pid=s.process.pid)
+            s.name: WorkerLocation(name=s.name, host="127.0.0.1", pid=s.process.pid)
             for s in [*self.slots, *self.workers]
         }
 

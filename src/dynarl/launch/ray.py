@@ -117,7 +117,9 @@ class RayLauncher:
             group_size=group_size,
             bundle={"CPU": ray.cpus_per_device, "GPU": ray.gpus_per_device},
         )
-        self._connection = RayConnection(ray, timeout_s=start_timeout_s)
+        self._connection = RayConnection(
+            ray, timeout_s=start_timeout_s, local_num_cpus=len(devices) * ray.cpus_per_device
+        )
         self._slots: list[RayWorker] = []
         self._workers: list[RayWorker] = []
         self._watched: list[RayWorker] = []  # every worker started, for the watcher
@@ -127,6 +129,7 @@ class RayLauncher:
         self._token: Any = None
         self._closing = False
         self._opened = False
+        self._open_lock = anyio.Lock()
 
     # ------------------------------------------------------------------ the protocol
 
@@ -202,18 +205,20 @@ class RayLauncher:
     # ------------------------------------------------------------------ start
 
     async def _open(self) -> None:
-        if self._opened:
-            return
-        self._opened = True
-        await self._connection.open()
-        await self._placement.reserve(self.start_timeout_s)
-        self._token = anyio.lowlevel.current_token()
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._watch = threading.Thread(
-            target=self._watch_loop, name="dynarl-ray-watch", daemon=True
-        )
-        self._watch.start()
+        # start() and start_workers() may run side by side: one of them opens.
+        async with self._open_lock:
+            if self._opened:
+                return
+            self._opened = True
+            await self._connection.open()
+            await self._placement.reserve(self.start_timeout_s)
+            self._token = anyio.lowlevel.current_token()
+            if self.log_dir is not None:
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._watch = threading.Thread(
+                target=self._watch_loop, name="dynarl-ray-watch", daemon=True
+            )
+            self._watch.start()
 
     async def _start(
         self,

@@ -4,6 +4,10 @@
 local one) and leaves it at the end. If this process is already connected (the
 application called ``ray.init``), that connection is used as it is and left open.
 
+A local cluster it starts offers at least the logical CPUs the run's placement
+bundles ask for (on a 2-core machine, a 4-device run's four 1-CPU bundles): Ray's CPU
+counts are scheduling tokens, the workers' threads are set by the run.
+
 ``ray.init`` runs in a thread the connection keeps until it closes: a local cluster's
 processes are tied to the life of the thread that starts them (Ray sets their parent
 death signal, which Linux sends when that *thread* ends), so starting it from a pooled
@@ -11,6 +15,8 @@ worker thread would stop the cluster as soon as that thread retires.
 """
 
 import logging
+import math
+import os
 import threading
 
 import anyio
@@ -27,11 +33,16 @@ class RayConnection:
     Args:
         config: the Ray launcher's section.
         timeout_s: most time to connect.
+        local_num_cpus: the logical CPUs a local cluster it starts offers at least
+            (the run's bundles), beyond this machine's cores.
     """
 
-    def __init__(self, config: RayConfig, *, timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, config: RayConfig, *, timeout_s: float = 120.0, local_num_cpus: float = 0.0
+    ) -> None:
         self.config = config
         self.timeout_s = timeout_s
+        self.local_num_cpus = local_num_cpus
         self.owned = False
         """Whether this connection called ``ray.init`` (and so leaves at the end)."""
         self._thread: threading.Thread | None = None
@@ -66,9 +77,14 @@ class RayConnection:
     def _hold(self) -> None:
         import ray
 
+        local = self.config.address is None
         try:
             ray.init(
                 address=self.config.address,
+                # Logical CPUs only count bundles: room for the run's on a small machine.
+                num_cpus=max(os.cpu_count() or 1, math.ceil(self.local_num_cpus))
+                if local
+                else None,
                 include_dashboard=False,
                 log_to_driver=False,
                 configure_logging=False,

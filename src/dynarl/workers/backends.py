@@ -134,8 +134,11 @@ class TrainerBackend(Protocol):
         seed: int,
         workers: Sequence[CallChannel],
         num_threads: int,
+        rendezvous_host: str = "127.0.0.1",
     ) -> Trainer:
-        """A trainer over the started ``workers``, training ``model`` with ``loss``."""
+        """A trainer over the started ``workers``, training ``model`` with ``loss``;
+        its process group's rendezvous is hosted by worker 0, which the other workers
+        reach at ``rendezvous_host`` (worker 0's node address)."""
         ...
 
     def warm_start(

@@ -63,9 +63,11 @@ class TorchBackend:
         seed: int,
         workers: Sequence[WorkerChannel],
         num_threads: int,
+        rendezvous_host: str = "127.0.0.1",
     ) -> TorchTrainer:
         """An elastic data-parallel trainer over ``workers`` (started by the launcher
-        with :func:`trainer_main`; not joined yet)."""
+        with :func:`trainer_main`; not joined yet), rendezvousing at worker 0's
+        ``rendezvous_host``."""
         config = TrainerConfig(
             micro_batch_size=actor.micro_batch_size,
             lr=actor.lr,
@@ -79,6 +81,7 @@ class TorchBackend:
             workers=workers,
             model_factory=functools.partial(build_model, model, seed=seed),
             loss_fn=loss,
+            host=rendezvous_host,
         )
         return TorchTrainer(pool)
 

@@ -1,0 +1,56 @@
+"""A real run on the Ray launcher (the simulated two-node cluster): the default job
+learns exactly what it learns with local worker processes, its workers spread over
+both nodes and dial the controller over TCP with the run's token, and their output
+reaches the run directory."""
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from dynarl.api.config import DynaRLConfig
+from dynarl.api.config_io import apply_overrides
+from dynarl.api.facade import DynaRL
+from dynarl.data.endpoint import node_address
+
+pytestmark = pytest.mark.slow
+
+SHORT = ["run.num_iterations=2", "run.checkpoint_every=0"]
+
+
+def config(run_dir: Path, *overrides: str) -> DynaRLConfig:
+    return apply_overrides(DynaRLConfig(), [*SHORT, *overrides, f"run.run_dir={run_dir}"])
+
+
+async def run(cfg: DynaRLConfig) -> tuple[list[float], list[float], dict[str, list[str]], Any]:
+    async with DynaRL(cfg) as rl:
+        hosts = rl.worker_hosts()
+        history = await rl.run()
+        assert rl._world is not None
+        stats = rl._world.router.statistics()
+    return [s.mean_reward for s in history], [s.loss for s in history], hosts, stats
+
+
+@pytest.mark.timeout(420)
+async def test_the_default_job_learns_the_same_on_ray_as_on_local_processes(
+    tmp_path: Path, ray_cluster: Any
+) -> None:
+    local = await run(config(tmp_path / "local"))
+    on_ray = await run(config(tmp_path / "ray", "cluster.launcher=ray"))
+
+    # The same tokens sampled, so the same rewards; the loss up to float summation
+    # order (the trainer ranks' threads).
+    assert on_ray[0] == local[0], (local[0], on_ray[0])
+    assert on_ray[1] == pytest.approx(local[1], rel=1e-6), (local[1], on_ray[1])
+    names = {f"{role}-{i}" for role in ("slot", "trainer") for i in range(4)}
+    assert list(local[2]) == ["127.0.0.1"] and set(local[2]["127.0.0.1"]) == names
+    assert set(on_ray[2]) == {node_address()}  # both simulated nodes are this machine
+    assert {n for ns in on_ray[2].values() for n in ns} == names
+    assert on_ray[3].num_workers_failed == 0
+    assert "unauthorized" not in on_ray[3].rejected
+    logs = tmp_path / "ray" / "workers"
+    assert {p.stem for p in logs.glob("*.log")} == names
+    # The weight-sync rendezvous is on the trainer node's address, not loopback.
+    assert f"joined weight-sync group {node_address()}:" in (logs / "trainer-0.log").read_text()
