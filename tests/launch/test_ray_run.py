@@ -6,6 +6,7 @@ reaches the run directory."""
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 pytest.importorskip("torch")
@@ -14,6 +15,7 @@ from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
 from dynarl.api.facade import DynaRL
 from dynarl.data.endpoint import node_address
+from dynarl.launch.ray import RayLauncher
 
 pytestmark = pytest.mark.slow
 
@@ -54,3 +56,49 @@ async def test_the_default_job_learns_the_same_on_ray_as_on_local_processes(
     assert {p.stem for p in logs.glob("*.log")} == names
     # The weight-sync rendezvous is on the trainer node's address, not loopback.
     assert f"joined weight-sync group {node_address()}:" in (logs / "trainer-0.log").read_text()
+
+
+async def kill_when_busy(router: Any, victim: Any, instance: str, killed: list[str]) -> None:
+    import ray
+
+    # The router signals no event for "requests in flight": poll its statistics.
+    while not router.statistics().num_in_flight:  # noqa: ASYNC110
+        await anyio.sleep(0.01)
+    ray.kill(victim.actor, no_restart=True)
+    killed.append(instance)
+
+
+@pytest.mark.timeout(300)
+async def test_a_rollout_actor_killed_mid_iteration_is_handled_and_the_run_goes_on(
+    tmp_path: Path, ray_cluster: Any
+) -> None:
+    cfg = config(
+        tmp_path / "kill",
+        "cluster.launcher=ray",
+        "scheduler.mode=static-disaggregated",
+        "cluster.num_devices=3",
+        "rollout.initial_devices=2",
+        "inference.initial_devices=0",
+        "run.num_iterations=3",
+    )
+    killed: list[str] = []
+    async with DynaRL(cfg) as rl:
+        world = rl._world
+        assert world is not None
+        launcher = world.launcher
+        assert isinstance(launcher, RayLauncher)
+        history = []
+        async with anyio.create_task_group() as tg:
+            async for stats in rl.iterations():
+                history.append(stats)
+                if len(history) == 1:
+                    # The next iteration's rollout starts now: kill one engine's actor
+                    # while it generates.
+                    instance, slot = sorted(world._serving.items())[0]
+                    victim = next(w for w in launcher._slots if w.handle is slot)
+                    tg.start_soon(kill_when_busy, world.router, victim, instance, killed)
+        stats = world.router.statistics()
+    # Its requests went back to the router and finished on the other engine.
+    assert killed and stats.num_workers_failed == 1 and stats.num_requeued > 0
+    assert [s.iteration for s in history] == [0, 1, 2]
+    assert all(s.gen_tokens > 0 for s in history)

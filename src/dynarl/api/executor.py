@@ -51,12 +51,15 @@ class WorldExecutor:
 
     def on_event(self, event: ev.Event) -> None:
         """Controller listener: once a migration is done (its instances placed in the
-        hypergraph), the router may route to the rollout engines it created."""
+        hypergraph), the router may route to the rollout engines it created; a worker
+        that failed is forgotten by the world."""
         if isinstance(event, ev.MigrationDone):
             for instance in self._created.pop(event.migration, ()):
                 self.world.router.reactivate(instance)
         elif isinstance(event, ev.MigrationFailed):
             self._created.pop(event.migration, None)
+        elif isinstance(event, ev.WorkerFailed):
+            self.world.forget(event.instance)
 
     async def execute(self, migration: Migration) -> float | None:
         """Carry out ``migration``; raise if it cannot be (the old placement stays).

@@ -105,6 +105,7 @@ class RealWorld:
         # (slot, role) pairs known to hold weight_version.
         self._current: set[tuple[str, str | None]] = set()
         self._connected = False  # whether a weight-sync group exists
+        self._failed: set[str] = set()  # slots whose process is gone
         self._sync_lock = anyio.Lock()
 
     @property
@@ -283,6 +284,16 @@ class RealWorld:
             await slot.release_memory(host_backup=True)
         return slot
 
+    def forget(self, instance: InstanceId) -> None:
+        """``instance``'s worker failed (its process is gone; the router routed its
+        items elsewhere): its slot serves nothing from now on, and the weight-sync
+        group is rebuilt without it at the next sync (the live members leave the old
+        group; the dead one cannot)."""
+        slot = self._serving.pop(instance, None)
+        if slot is not None:
+            self._failed.add(slot.name)
+            logger.warning("slot %s (%s) is gone; the run goes on without it", slot.name, instance)
+
     async def restore(self, instance: InstanceId, slot: SlotHandle) -> None:
         """Undo :meth:`release` (the move it was part of failed): the slot resumes the
         role's memory and the router routes to ``instance`` again."""
@@ -367,7 +378,7 @@ class RealWorld:
         await sync_group.connect(
             trainer,
             members,
-            leaving=self._sync_members,
+            leaving=[s for s in self._sync_members if s.name not in self._failed],
             connected=self._connected,
             host=self._sender_host(trainer),
         )
