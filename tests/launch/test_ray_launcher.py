@@ -163,3 +163,48 @@ async def test_a_tp_group_larger_than_any_node_is_refused_not_split(ray_cluster:
     placement = DevicePlacement([0, 1, 2], group_size=3, bundle={"CPU": 1.0})
     with pytest.raises(LaunchError, match="every group on one node"):
         await placement.reserve(timeout_s=3.0)
+
+
+@pytest.mark.timeout(150)
+async def test_a_lost_node_fails_its_workers_and_their_items_finish_on_the_other(
+    ray_cluster: Any,
+) -> None:
+    async with controller() as c:
+        launcher = RayLauncher(
+            c.router,
+            RAY,
+            slot=SlotConfig(),
+            slot_devices=[],
+            worker_devices={f"w-{d}": d for d in range(4)},
+            group_size=2,
+        )
+        try:
+            await launcher.start()
+            names = [f"w-{d}" for d in range(4)]
+            await launcher.start_workers(echo_worker, names, num_threads=1)
+            where = launcher.locations
+            head = ray_cluster.head_node.node_id
+            lost = [n for n in names if where[n].node != head]
+            assert len(lost) == 2  # one TP group on each node
+            [node] = [n for n in ray_cluster.list_all_nodes() if n.node_id != head]
+
+            await c.router.submit(items(24))
+            with anyio.fail_after(30):
+                done = await c.router.receive_batch()
+            # The node crashes: its raylet and every process on it are killed (Ray's
+            # test cluster does this from the main thread).
+            ray_cluster.remove_node(node, allow_graceful=False)
+            with anyio.fail_after(90):
+                while len(done) < 24:
+                    done += await c.router.receive_batch()
+            assert sorted(d.item.id for d in done) == sorted(i.id for i in items(24))
+            assert sorted(c.failed) == lost, c.failed
+            assert sorted(c.router.instances) == sorted(set(names) - set(lost))
+            with anyio.fail_after(60):
+                for w in launcher._workers:
+                    if w.name in lost:
+                        await w.exited.wait()
+        finally:
+            await launcher.aclose()
+            # Later tests want both nodes again.
+            ray_cluster.add_node(num_cpus=2, resources={"node-b": 1})

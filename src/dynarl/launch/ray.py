@@ -130,6 +130,7 @@ class RayLauncher:
         self._closing = False
         self._opened = False
         self._open_lock = anyio.Lock()
+        self._open_error: BaseException | None = None
 
     # ------------------------------------------------------------------ the protocol
 
@@ -207,11 +208,17 @@ class RayLauncher:
     async def _open(self) -> None:
         # start() and start_workers() may run side by side: one of them opens.
         async with self._open_lock:
+            if self._open_error is not None:
+                raise LaunchError(f"the Ray launcher did not start: {self._open_error}")
             if self._opened:
                 return
             self._opened = True
-            await self._connection.open()
-            await self._placement.reserve(self.start_timeout_s)
+            try:
+                await self._connection.open()
+                await self._placement.reserve(self.start_timeout_s)
+            except BaseException as e:
+                self._open_error = e
+                raise
             self._token = anyio.lowlevel.current_token()
             if self.log_dir is not None:
                 self.log_dir.mkdir(parents=True, exist_ok=True)

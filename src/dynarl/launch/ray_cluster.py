@@ -80,7 +80,8 @@ class RayConnection:
         local = self.config.address is None
         try:
             ray.init(
-                address=self.config.address,
+                # "local": a new cluster, even if one already runs on this machine.
+                address="local" if local else self.config.address,
                 # Logical CPUs only count bundles: room for the run's on a small machine.
                 num_cpus=max(os.cpu_count() or 1, math.ceil(self.local_num_cpus))
                 if local
