@@ -183,7 +183,8 @@ class RayLauncher:
         even when cancelled."""
         with anyio.CancelScope(shield=True):
             self._closing = True
-            workers = [*self._slots, *self._workers]
+            with self._lock:  # every actor started, also by a start that failed
+                workers, self._watched = self._watched, []
             self._slots, self._workers = [], []
             for w in workers:
                 if w.alive:
