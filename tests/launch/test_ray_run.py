@@ -58,14 +58,17 @@ async def test_the_default_job_learns_the_same_on_ray_as_on_local_processes(
     assert f"joined weight-sync group {node_address()}:" in (logs / "trainer-0.log").read_text()
 
 
-async def kill_when_busy(router: Any, victim: Any, instance: str, killed: list[str]) -> None:
+async def kill_when_busy(router: Any, victim: Any, instance: str, killed: list[int]) -> None:
+    """Kill ``victim``'s actor as soon as its engine ``instance`` generates; records
+    how many requests it held then."""
     import ray
 
-    # The router signals no event for "requests in flight": poll its statistics.
-    while not router.statistics().num_in_flight:  # noqa: ASYNC110
-        await anyio.sleep(0.01)
+    # The router signals no event for "requests in flight here": poll its record.
+    worker = router._placement.workers[instance]
+    while not worker.in_flight:  # noqa: ASYNC110
+        await anyio.sleep(0.005)
+    killed.append(len(worker.in_flight))
     ray.kill(victim.actor, no_restart=True)
-    killed.append(instance)
 
 
 @pytest.mark.timeout(300)
@@ -81,7 +84,7 @@ async def test_a_rollout_actor_killed_mid_iteration_is_handled_and_the_run_goes_
         "inference.initial_devices=0",
         "run.num_iterations=3",
     )
-    killed: list[str] = []
+    killed: list[int] = []
     async with DynaRL(cfg) as rl:
         world = rl._world
         assert world is not None
@@ -98,7 +101,12 @@ async def test_a_rollout_actor_killed_mid_iteration_is_handled_and_the_run_goes_
                     victim = next(w for w in launcher._slots if w.handle is slot)
                     tg.start_soon(kill_when_busy, world.router, victim, instance, killed)
         stats = world.router.statistics()
-    # Its requests went back to the router and finished on the other engine.
-    assert killed and stats.num_workers_failed == 1 and stats.num_requeued > 0
+        graph = rl.controller.graph if rl.controller is not None else None
+    # It held requests when it died; they went back to the router and finished on the
+    # other engine: every sample of every iteration was trained on.
+    assert killed and killed[0] > 0 and stats.num_workers_failed == 1
     assert [s.iteration for s in history] == [0, 1, 2]
+    assert graph is not None
+    samples = cfg.algorithm.num_prompts * cfg.algorithm.group_size
+    assert graph.components["actor"].items_completed == 3 * samples
     assert all(s.gen_tokens > 0 for s in history)
