@@ -19,13 +19,14 @@ from dynarl.control import events as ev
 from dynarl.core.ids import ComponentId, InstanceId
 from dynarl.data import PeerLostError, Router, RouterConfig, open_worker_link
 from dynarl.data.zmq_transport import ZmqTransport
+from dynarl.launch.binding import bind_controller
 from dynarl.launch.config import ClusterConfig
 from dynarl.launch.launcher import Launcher, build_launcher
 from dynarl.workers.slot import SlotConfig
 
 pytestmark = pytest.mark.slow
 
-LAUNCHERS = ["local"]
+LAUNCHERS = ["local", "ray"]
 
 
 def call_worker(endpoint: str, name: str, num_threads: int) -> None:
@@ -65,10 +66,13 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def open_cluster(name: str) -> AsyncIterator[Cluster]:
+async def open_cluster(name: str, request: pytest.FixtureRequest) -> AsyncIterator[Cluster]:
     """A router and the launcher ``name`` (two slots), in this task."""
+    if name == "ray":
+        request.getfixturevalue("ray_cluster")  # the session's Ray cluster
     folder = Path(tempfile.mkdtemp(prefix="dyn-"))
-    transport = ZmqTransport.bind(f"ipc://{folder}/r.sock")
+    # Where the launcher's workers can reach it: ipc for local ones, TCP for Ray's.
+    transport, _ = bind_controller(ClusterConfig(launcher=name), folder)
     config = RouterConfig(heartbeat_interval_s=0.2, liveness_timeout_s=2.0)
     cluster = Cluster()
     try:
@@ -106,8 +110,10 @@ def still_alive(pids: list[int], timeout_s: float) -> list[int]:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("name", LAUNCHERS)
-async def test_what_it_starts_says_hello_answers_and_is_gone_after_close(name: str) -> None:
-    async with open_cluster(name) as cluster:
+async def test_what_it_starts_says_hello_answers_and_is_gone_after_close(
+    name: str, request: pytest.FixtureRequest
+) -> None:
+    async with open_cluster(name, request) as cluster:
         await check_start_and_close(cluster)
 
 
@@ -127,8 +133,10 @@ async def check_start_and_close(cluster: Cluster) -> None:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("name", LAUNCHERS)
-async def test_a_worker_that_dies_reaches_the_router_as_a_failure(name: str) -> None:
-    async with open_cluster(name) as cluster:
+async def test_a_worker_that_dies_reaches_the_router_as_a_failure(
+    name: str, request: pytest.FixtureRequest
+) -> None:
+    async with open_cluster(name, request) as cluster:
         await cluster.launcher.start()
         (worker,) = await cluster.launcher.start_workers(call_worker, ["w-0"], num_threads=1)
         assert worker.pid is not None

@@ -1,5 +1,6 @@
-"""Fixtures for the launchers' tests: a simulated two-node Ray cluster, started once
-per session (each Ray node costs seconds and ~0.6 GB)."""
+"""Fixtures shared across test folders: a simulated two-node Ray cluster for the
+launcher tests (tests/launch, the launcher contract), started once per session (each
+Ray node costs seconds and ~0.6 GB)."""
 
 import os
 from collections.abc import Iterator
@@ -24,8 +25,8 @@ def ray_cluster() -> Iterator[Any]:
     )
     try:
         cluster.add_node(num_cpus=2, resources={"node-b": 1})
-        # The tests' worker mains live in this folder's package: workers import it.
-        tests = str(Path(__file__).resolve().parents[1])
+        # The tests' worker mains live in the test packages: workers import them.
+        tests = str(Path(__file__).resolve().parent)
         ray.init(
             address=cluster.address,
             log_to_driver=False,
