@@ -1,8 +1,9 @@
 """The router over TCP with a run token: a worker presenting the token joins; a peer
 with a wrong or missing token, or one that skips the hello, is refused in words,
 counted, and neither joins nor reaches the controller's events. Real ZeroMQ sockets
-over TCP on loopback."""
+over TCP on loopback. Also: a worker its launcher saw die is failed at once."""
 
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -12,7 +13,15 @@ import pytest
 
 from dynarl.control import events as ev
 from dynarl.core.ids import InstanceId
-from dynarl.data import CONTROLLER, Router, RouterConfig, open_worker_link, wire
+from dynarl.data import (
+    CONTROLLER,
+    PeerLostError,
+    Router,
+    RouterConfig,
+    WorkerLink,
+    open_worker_link,
+    wire,
+)
 from dynarl.data.codec import Rejections, worker_codec
 from dynarl.data.endpoint import (
     advertised_address,
@@ -23,9 +32,10 @@ from dynarl.data.endpoint import (
 from dynarl.data.errors import DataPlaneError, UnauthorizedError
 from dynarl.data.zmq_transport import ZmqTransport
 
-from .helpers import CONSUMERS, ROLLOUT, echo, item
+from .helpers import CONSUMERS, ROLLOUT, Net, cluster, echo, item, wait_until
 
 FAST = RouterConfig(heartbeat_interval_s=0.05, liveness_timeout_s=2.0)
+SLOW_LIVENESS = RouterConfig(heartbeat_interval_s=0.05, liveness_timeout_s=60.0)
 
 
 class Controller:
@@ -134,3 +144,33 @@ async def test_a_worker_with_the_token_joins_and_serves() -> None:
             await worker.aclose()
         assert done.instance == "w0" and done.result.payload == b"p1@w0"
         assert controller.router.statistics().rejected == {}
+
+
+async def test_a_worker_its_launcher_saw_die_is_failed_at_once_and_its_items_move(
+    inproc: Net,
+) -> None:
+    # The worker holds its items and stays silent (a node that vanished without closing
+    # its connection): only the launcher's word makes the router act before the
+    # liveness timeout.
+    async with cluster(inproc, ["w0"], all_instances=["w0", "w1"], config=SLOW_LIVENESS) as c:
+        c.add_worker("w1", serve=hold_forever)
+        with anyio.fail_after(10):
+            await c.router.wait_for_instances(2)
+        c.router.hold(InstanceId("w0"))
+        await c.router.submit([item(k) for k in range(4)])
+        await wait_until(lambda: c.router.statistics().num_in_flight == 4)
+        c.router.reactivate(InstanceId("w0"))
+        c.router.fail(InstanceId("w1"), "its Ray actor died")
+        c.router.fail(InstanceId("nobody"), "unknown instances are ignored")
+        done = await c.collect(4)
+        failed = c.graph.of(ev.WorkerFailed)
+    assert sorted(d.item.id for d in done) == [f"i{k}" for k in range(4)]
+    assert {d.instance for d in done} == {"w0"}
+    assert [(e.instance, e.reason) for e in failed] == [("w1", "its Ray actor died")]
+
+
+async def hold_forever(link: WorkerLink) -> None:
+    """Take items and never hand them back."""
+    with contextlib.suppress(PeerLostError):
+        while True:
+            await link.receive()
