@@ -3,12 +3,12 @@ sender and the engines that serve a role, built and torn down together, and one
 broadcast to every member. Backend-neutral: the trainer is any
 :class:`~dynarl.workers.trainer.Trainer`, the engines are typed worker handles."""
 
-import socket
 from collections.abc import Sequence
 from typing import Protocol
 
 import anyio
 
+from dynarl.data.endpoint import rendezvous_port
 from dynarl.workers.errors import WorkerCallError
 from dynarl.workers.trainer import Trainer
 from dynarl.workers.weights import WeightManifest, WeightSyncGroup
@@ -51,7 +51,7 @@ async def connect(
             for engine in leaving:
                 tg.start_soon(engine.leave_weight_sync)
             await trainer.leave_weight_sync()
-    port = _free_port(host)
+    port = rendezvous_port(host)
     world_size = len(engines) + 1
     async with anyio.create_task_group() as tg:
         for rank, engine in enumerate(engines, start=1):
@@ -74,8 +74,7 @@ async def broadcast(trainer: Trainer, version: int, engines: Sequence[Member]) -
     manifest = await trainer.weight_manifest(version)
     if manifest.version != version:
         raise WorkerCallError(
-            f"the trainer described weights version {manifest.version} when asked for "
-            f"{version}",
+            f"the trainer described weights version {manifest.version} when asked for {version}",
             error="WeightSyncError",
         )
 
@@ -93,10 +92,3 @@ async def broadcast(trainer: Trainer, version: int, engines: Sequence[Member]) -
             error="WeightSyncError",
         )
     return sent
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port

@@ -15,7 +15,6 @@ This module does not import torch; the workers do.
 
 import logging
 import pickle
-import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any, Protocol
 import anyio
 import msgspec
 
+from dynarl.data.endpoint import rendezvous_port
 from dynarl.data.errors import DataPlaneError
 from dynarl.workers.errors import ReshardError, TrainerError, WeightSyncError
 from dynarl.workers.torch.trainer_commands import (
@@ -140,9 +140,7 @@ class TrainerPool:
         """Join every worker to the world group (worker 0 hosts it at ``host``)."""
         if self._started:
             raise TrainerError("the pool is already started")
-        with socket.socket() as probe:
-            probe.bind((self.host, 0))
-            port = probe.getsockname()[1]
+        port = rendezvous_port(self.host)
         code = pickle.dumps((self._model_factory, self._loss_fn))
         self._started = True
         replies = await self._call_each(
