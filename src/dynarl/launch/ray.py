@@ -242,9 +242,8 @@ class RayLauncher:
         started: list[RayWorker] = []
         for name, device, arg in zip(names, devices, args, strict=True):
             actor = host_class.options(
-                name=None,
-                max_concurrency=4,
-                max_restarts=0,
+                max_concurrency=4,  # run() blocks one thread; the other calls answer beside it
+                max_restarts=0,  # a dead worker is reported, never silently restarted
                 scheduling_strategy=self._placement.strategy(device),
                 **resources,
             ).remote(name)
