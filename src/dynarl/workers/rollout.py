@@ -56,8 +56,10 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
         request_id: unique among the requests an engine holds.
         prompt_ids: the prompt's token ids.
         sampling: sampling parameters.
-        priority: passed to engines with priority scheduling (SGLang: larger first);
-            the reference engine orders its queue with a ``RequestOrder`` instead.
+        priority: passed to engines with priority scheduling (SGLang: larger first;
+            when 0 and the role's order is ``priority``, the SGLang engine sends
+            ``tool_calls``); the reference engine orders its queue with a
+            ``RequestOrder`` instead.
         tool_calls: tool calls this multi-turn request has completed (for the order).
         stream: emit a :class:`TokenDelta` for every generated token, not only the
             final :class:`Completion`.
@@ -104,6 +106,10 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True, tag=True):
         finish_reason: why it finished.
         weight_version: oldest weight version that generated any of its tokens; equal
             to the engine's version unless the request straddled a weight update.
+        cached_tokens: tokens of its input the engine found in its prefix cache
+            (SGLang's ``meta_info.cached_tokens``; the reference engine keeps no
+            prefix cache: 0). For a multi-turn session it is the data router's
+            ``prefix_tokens``, which the priority-aware queue ranks by.
     """
 
     request_id: str
@@ -112,6 +118,7 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     output_logprobs: tuple[float, ...]
     finish_reason: FinishReason
     weight_version: int
+    cached_tokens: int = 0
 
 
 StepOutput = TokenDelta | Completion

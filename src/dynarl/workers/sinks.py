@@ -95,6 +95,7 @@ class ItemSink:
                 status="tool_call" if self._multi_turn else "done",
                 payload=_ENCODER.encode(completion),
                 num_tokens=len(completion.output_ids) - self._before,
+                prefix_tokens=completion.cached_tokens,
             )
         )
 

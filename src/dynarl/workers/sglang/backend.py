@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from dynarl.data.request_order import OrderName
 from dynarl.workers.protocol import RolloutRole
 from dynarl.workers.sglang.checkpoint import PolicyCheckpoint
 from dynarl.workers.sglang.client import SGLangClient
@@ -33,7 +34,8 @@ class SGLangBackend:
         config = role.rollout.sglang
         index = _index(name)
         if not config.launches:
-            return connect(config, url=config.urls[index % len(config.urls)], name=name)
+            url = config.urls[index % len(config.urls)]
+            return connect(config, url=url, name=name, order=role.order)
         stop = contextlib.ExitStack()  # closed by the engine, or here on failure
         try:
             model_path = role.model.path
@@ -50,11 +52,14 @@ class SGLangBackend:
                 dtype=role.model.dtype,
                 seed=role.seed,
                 port=port,
+                order=role.order,
             )
             server = ServerProcess(command, url=f"http://{config.host}:{port}", env=SERVER_ENV)
             stop.callback(server.stop)
             server.start(timeout_s=config.startup_timeout_s)
-            return connect(config, url=server.url, name=name, on_close=stop.close)
+            return connect(
+                config, url=server.url, name=name, on_close=stop.close, order=role.order
+            )
         except BaseException:
             stop.close()
             raise
@@ -66,6 +71,7 @@ def connect(
     url: str,
     name: str,
     on_close: Callable[[], None] | None = None,
+    order: OrderName = "fifo",
 ) -> SGLangRollout:
     """An engine on the server at ``url``, once it is known to speak this adapter's
     protocol (a clear :class:`ProtocolMismatchError` otherwise)."""
@@ -105,6 +111,7 @@ def connect(
         stats_interval_s=config.stats_interval_s,
         weight_sync_backend=config.weight_sync_backend,
         on_close=on_close or (lambda: None),
+        order=order,
     )
 
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import httpx
 
+from dynarl.data.request_order import OrderName
 from dynarl.workers.config import RolloutConfig
 from dynarl.workers.sglang.config import SGLangConfig
 from dynarl.workers.sglang.errors import LaunchFailedError
@@ -35,11 +36,14 @@ def server_command(
     dtype: str,
     seed: int,
     port: int,
+    order: OrderName = "fifo",
 ) -> list[str]:
     """The command line of one server: ``config.launch_command`` and SGLang's flags
     for the model, the engine's limits (``rollout.max_running_requests``,
     ``rollout.kv_capacity_tokens`` as ``--max-total-tokens``), the run's seed, and
-    the memory saver, CPU weight backup and priority scheduling dynarl relies on."""
+    the memory saver, CPU weight backup and priority scheduling dynarl relies on;
+    with the ``priority`` request order, SGLang's ``lpm`` schedule policy (longest
+    cached prefix first among equal priorities)."""
     command = list(config.launch_command)
     if command[0] == "python":
         command[0] = sys.executable
@@ -66,6 +70,8 @@ def server_command(
         "--enable-weights-cpu-backup",
         "--enable-priority-scheduling",
     ]
+    if order == "priority":
+        command += ["--schedule-policy", "lpm"]
     if config.mem_fraction_static is not None:
         command += ["--mem-fraction-static", str(config.mem_fraction_static)]
     return command + list(config.extra_args)

@@ -26,6 +26,7 @@ import anyio.abc
 import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
+from dynarl.data.request_order import OrderName
 from dynarl.workers.errors import BadRequestError, WeightSyncError
 from dynarl.workers.rollout import Completion, EngineLoad, GenerateRequest, RequestSink
 from dynarl.workers.sglang import messages as m
@@ -107,6 +108,9 @@ class SGLangRollout:
         stats_interval_s: how often :meth:`run` reads the server's ``/get_load``.
         weight_sync_backend: the collective backend of weight-sync groups.
         on_close: called once :meth:`run` ends (stops a launched server).
+        order: the role's request order: with ``priority``, a request without a
+            priority of its own is sent with ``priority=tool_calls`` (SGLang's priority
+            scheduling serves larger first, then by arrival).
         now_s: clock for throughput.
     """
 
@@ -121,8 +125,10 @@ class SGLangRollout:
         stats_interval_s: float = 1.0,
         weight_sync_backend: str = "nccl",
         on_close: Callable[[], None] = lambda: None,
+        order: OrderName = "fifo",
         now_s: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._order = order
         self.client = client
         self.name = name
         self.info = info
@@ -411,8 +417,16 @@ class SGLangRollout:
                 sampling_seed=sampling.seed,
             ),
             rid=request.request_id,
-            priority=request.priority or None,
+            priority=self._priority(request),
         )
+
+    def _priority(self, request: GenerateRequest) -> int | None:
+        """SGLang's ``priority`` of ``request`` (larger first): its own, else with the
+        priority order its completed tool calls (the order's first key; a longer cached
+        prefix, its second, is what SGLang's ``lpm`` schedule policy prefers)."""
+        if request.priority:
+            return request.priority
+        return request.tool_calls if self._order == "priority" else None
 
     async def _serve(self, live: _Live) -> None:
         live.serving = True
@@ -501,6 +515,7 @@ class SGLangRollout:
                     output_logprobs=request.output_logprobs + tuple(live.logprobs),
                     finish_reason="stop" if reason == "stop" else "length",
                     weight_version=live.version if live.version is not None else self._version,
+                    cached_tokens=live.cached_tokens,
                 )
             )
         else:
