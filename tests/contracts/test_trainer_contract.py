@@ -152,6 +152,8 @@ class _Receiver:
     """A rollout engine as a member of the weight-sync group (what a slot's handle
     does for a worker process)."""
 
+    weight_sync_ranks = 1
+
     def __init__(self, engine: object) -> None:
         self.engine = engine
 

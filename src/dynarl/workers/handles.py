@@ -105,6 +105,7 @@ class WorkerHandle:
             rank=group.rank,
             world_size=group.world_size,
             timeout_s=group.timeout_s,
+            num_ranks=group.num_ranks,
         )
         await self._call(request, p.Ack)
 
@@ -216,6 +217,8 @@ class SlotHandle(WorkerHandle):
         self.pid = pid
         self.role: p.RoleKind | None = None
         """The role it holds."""
+        self.weight_sync_ranks = 1
+        """Ranks its role takes in the weight-sync group (its tensor-parallel size)."""
         self.in_weight_sync = False
         """Whether its role holds the slot's place in the weight-sync group (a role it
         takes may not carry over the previous role's)."""
@@ -260,6 +263,9 @@ class SlotHandle(WorkerHandle):
                 self._router.reactivate(old)
             raise
         self.role = "rollout" if isinstance(role, p.RolloutRole) else "inference"
+        self.weight_sync_ranks = (
+            role.rollout.tp if isinstance(role, p.RolloutRole) else role.inference.tp
+        )
         self.in_weight_sync = reply.in_weight_sync
         self._next = instance
 

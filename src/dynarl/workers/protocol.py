@@ -141,6 +141,7 @@ class JoinWeightSync(SlotRequest, frozen=True, kw_only=True):
     rank: int
     world_size: int
     timeout_s: float = 120.0
+    num_ranks: int = 1
 
 
 class UpdateWeights(SlotRequest, frozen=True, kw_only=True):

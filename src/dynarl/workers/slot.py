@@ -439,6 +439,7 @@ class SlotServer:
             rank=req.rank,
             world_size=req.world_size,
             timeout_s=req.timeout_s,
+            num_ranks=req.num_ranks,
         )
         await engine.join_weight_sync(group)
         self._sync_holder = engine

@@ -17,6 +17,11 @@ from dynarl.workers.weights import WeightManifest, WeightSyncGroup
 class Member(Protocol):
     """An engine's side of the group, as a handle reaches it."""
 
+    @property
+    def weight_sync_ranks(self) -> int:
+        """Ranks it takes in the group (one per tensor-parallel rank)."""
+        ...
+
     async def join_weight_sync(self, group: WeightSyncGroup) -> None:
         """Join ``group``."""
         ...
@@ -40,7 +45,8 @@ async def connect(
     timeout_s: float = 120.0,
 ) -> None:
     """Build the weight-sync group: the trainer's sender (group rank 0, hosting the
-    store on a free port of ``host``) and ``engines`` (ranks 1.., in order).
+    store on a free port of ``host``) and ``engines`` (ranks 1.., in order, each
+    taking as many consecutive ranks as it has tensor-parallel ranks).
 
     With ``connected``, a group exists: ``leaving`` (its engines) and its sender leave
     it together first (no sync is in flight then: each broadcast returned on every
@@ -52,12 +58,19 @@ async def connect(
                 tg.start_soon(engine.leave_weight_sync)
             await trainer.leave_weight_sync()
     port = rendezvous_port(host)
-    world_size = len(engines) + 1
+    world_size = 1 + sum(engine.weight_sync_ranks for engine in engines)
     async with anyio.create_task_group() as tg:
-        for rank, engine in enumerate(engines, start=1):
+        rank = 1
+        for engine in engines:
             group = WeightSyncGroup(
-                host=host, port=port, rank=rank, world_size=world_size, timeout_s=timeout_s
+                host=host,
+                port=port,
+                rank=rank,
+                world_size=world_size,
+                timeout_s=timeout_s,
+                num_ranks=engine.weight_sync_ranks,
             )
+            rank += engine.weight_sync_ranks
             tg.start_soon(engine.join_weight_sync, group)
         await trainer.join_weight_sync(
             WeightSyncGroup(

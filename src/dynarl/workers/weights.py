@@ -27,9 +27,11 @@ class WeightSyncGroup(msgspec.Struct, frozen=True, kw_only=True):
 
     Attributes:
         host, port: the group's store (hosted by the sender, rank 0).
-        rank: this engine's rank (``>= 1``).
-        world_size: the sender and every engine.
+        rank: this engine's (first) rank (``>= 1``).
+        world_size: the sender and every engine's ranks.
         timeout_s: how long joining, and each later collective, may wait.
+        num_ranks: the ranks this engine takes, ``rank`` onwards: an engine on
+            ``tp`` devices (an SGLang server) receives on each tensor-parallel rank.
     """
 
     host: str
@@ -37,6 +39,7 @@ class WeightSyncGroup(msgspec.Struct, frozen=True, kw_only=True):
     rank: int
     world_size: int
     timeout_s: float = 120.0
+    num_ranks: int = 1
 
 
 class WeightBucket(msgspec.Struct, frozen=True, kw_only=True):

@@ -63,8 +63,11 @@ class Sink:
 @contextlib.asynccontextmanager
 async def running(fake: FakeSGLang, **config: Any) -> AsyncIterator[SGLangRollout]:
     """An adapter attached to ``fake``, running."""
+    order = config.pop("order", "fifo")
     section = SGLangConfig(urls=(fake.url,), **config)
-    engine = await anyio.to_thread.run_sync(lambda: connect(section, url=fake.url, name="slot-0"))
+    engine = await anyio.to_thread.run_sync(
+        lambda: connect(section, url=fake.url, name="slot-0", order=order)
+    )
     async with anyio.create_task_group() as tg:
         tg.start_soon(engine.run)
         try:

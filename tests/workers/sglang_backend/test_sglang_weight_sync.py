@@ -7,8 +7,10 @@ carries the new version."""
 import socket
 
 import anyio
+import pytest
 
 from dynarl.testing.fake_sglang import FakeSGLang
+from dynarl.workers.errors import WeightSyncError
 from dynarl.workers.rollout import GenerateRequest, SamplingParams
 from dynarl.workers.torch import weight_sync
 from dynarl.workers.torch.model import build_model
@@ -77,3 +79,50 @@ async def test_weights_arrive_in_buckets_with_their_version(fake: FakeSGLang) ->
     loaded = dict(fake.engine.model.named_parameters())
     for name, p in trained.named_parameters():
         assert loaded[name].data.equal(p.data), f"{name} differs from what was sent"
+
+
+async def test_a_tensor_parallel_server_takes_a_rank_per_tp_worker() -> None:
+    """A tp=2 server joins as ranks ``rank_offset`` and ``rank_offset + 1`` (SGLang's TP
+    workers each receive the broadcast), so the group counts 1 + 2 ranks; a group that
+    gives it one rank is refused before anything joins."""
+    trained = build_model(MODEL, seed=1)
+    manifest = weight_sync.manifest_of(trained, version=3, bucket_bytes=64 * 1024)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sender: list[weight_sync.Group] = []
+
+    def join() -> None:
+        sender.append(
+            weight_sync.join_weight_sync_group(
+                host="127.0.0.1",
+                port=port,
+                rank=0,
+                world_size=3,
+                device=trained.device,
+                timeout_s=30.0,
+            )
+        )
+
+    with FakeSGLang(MODEL, tp=2) as fake:
+        async with running(fake, weight_sync_backend="gloo") as engine:
+            one = WeightSyncGroup(host="127.0.0.1", port=port, rank=1, world_size=2)
+            with pytest.raises(WeightSyncError, match="tp_size=2"):
+                await engine.join_weight_sync(one)
+            group = WeightSyncGroup(
+                host="127.0.0.1", port=port, rank=1, world_size=3, num_ranks=2, timeout_s=30.0
+            )
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, join)
+                await engine.join_weight_sync(group)
+            assert fake.group_ranks == (1, 2)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(
+                    anyio.to_thread.run_sync,
+                    lambda: weight_sync.send_by_manifest(trained, manifest, group=sender[0]),
+                )
+                assert await engine.receive_weights(manifest) == 3
+            await engine.leave_weight_sync()
+        loaded = dict(fake.engine.model.named_parameters())
+    for name, p in trained.named_parameters():
+        assert loaded[name].data.equal(p.data)

@@ -319,8 +319,18 @@ class SGLangRollout:
     # ------------------------------------------------------------------ weights
 
     async def join_weight_sync(self, group: WeightSyncGroup) -> None:
-        """Have the server join the weight-sync group as ``group.rank`` (its tensor-
-        parallel ranks take ``group.rank`` onwards)."""
+        """Have the server join the weight-sync group: its tensor-parallel ranks take
+        ``group.rank`` onwards (SGLang's ``rank_offset``), ``group.num_ranks`` of them.
+
+        Raises:
+            WeightSyncError: the server has another number of tensor-parallel ranks.
+        """
+        if group.num_ranks != self.info.tp_size:
+            raise WeightSyncError(
+                f"{self.name}: the weight-sync group gives the server {group.num_ranks} "
+                f"ranks, but it runs tp_size={self.info.tp_size}; set rollout.tp to the "
+                f"servers' --tp-size"
+            )
         reply = await self.client.post_as(
             "/init_weights_update_group",
             m.InitWeightsUpdateGroupReqInput(

@@ -88,6 +88,11 @@ class Membership:
 
     async def join(self, group: WeightSyncGroup, *, device: torch.device) -> None:
         """Join ``group`` (blocks a thread until every member joined)."""
+        if group.num_ranks != 1:
+            raise WeightSyncError(
+                f"a torch engine takes one rank of the weight-sync group, not "
+                f"{group.num_ranks}; give its role tp=1"
+            )
         self.group = await anyio.to_thread.run_sync(
             functools.partial(join, group, device=device)
         )
