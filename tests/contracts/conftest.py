@@ -14,10 +14,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from dynarl.api.config import InferenceConfig, ModelConfig, RolloutConfig  # noqa: E402
+from dynarl.testing.sinks import RecordingSink  # noqa: E402
 from dynarl.workers import backends  # noqa: E402
 from dynarl.workers.inference import InferenceEngine  # noqa: E402
 from dynarl.workers.protocol import InferenceRole, RolloutRole  # noqa: E402
-from dynarl.workers.rollout import Completion, GenerateRequest, RolloutEngine  # noqa: E402
+from dynarl.workers.rollout import RolloutEngine  # noqa: E402
 
 MODEL = ModelConfig(max_seq_len=128)
 """The tiny random-init policy every backend serves (seed 0)."""
@@ -28,6 +29,8 @@ INFERENCE_BACKENDS = ["torch"]
 
 NOT_APPLICABLE: dict[tuple[str, str], str] = {}
 """Contract tests a backend cannot take as written, and where it is tested instead."""
+
+__all__ = ["RecordingSink"]  # the suites' sink, shared with the backends' own tests
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -46,39 +49,6 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-class RecordingSink:
-    """A request sink that keeps what it heard and signals each arrival."""
-
-    def __init__(self) -> None:
-        self.completions: dict[str, Completion] = {}
-        self.taken: dict[str, GenerateRequest] = {}
-        self.failures: list[Exception] = []
-        self._changed = anyio.Event()
-
-    def done(self, completion: Completion) -> None:
-        assert completion.request_id not in self.completions, "completed twice"
-        self.completions[completion.request_id] = completion
-        self._changed.set()
-
-    def aborted(self, request: GenerateRequest) -> None:
-        self.taken[request.request_id] = request
-        self._changed.set()
-
-    async def flush(self) -> None:
-        await anyio.lowlevel.checkpoint()
-
-    async def fail(self, error: Exception) -> None:
-        self.failures.append(error)
-        self._changed.set()
-
-    async def wait_for(self, condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
-        """Wait until ``condition()`` holds (checked at every arrival)."""
-        with anyio.fail_after(timeout_s):
-            while not condition():
-                self._changed = anyio.Event()
-                await self._changed.wait()
 
 
 RolloutFactory = Callable[[], contextlib.AbstractAsyncContextManager[RolloutEngine]]

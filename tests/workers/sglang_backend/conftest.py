@@ -14,7 +14,6 @@ pytest.importorskip("uvicorn")
 
 from dynarl.testing.fake_sglang import FakeSGLang  # noqa: E402
 from dynarl.workers.config import ModelConfig  # noqa: E402
-from dynarl.workers.rollout import Completion, GenerateRequest  # noqa: E402
 from dynarl.workers.sglang.backend import connect  # noqa: E402
 from dynarl.workers.sglang.config import SGLangConfig  # noqa: E402
 from dynarl.workers.sglang.rollout import SGLangRollout  # noqa: E402
@@ -28,36 +27,6 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-class Sink:
-    """A request sink that keeps what it heard and signals each arrival."""
-
-    def __init__(self) -> None:
-        self.completions: dict[str, Completion] = {}
-        self.taken: dict[str, GenerateRequest] = {}
-        self._changed = anyio.Event()
-
-    def done(self, completion: Completion) -> None:
-        assert completion.request_id not in self.completions, "completed twice"
-        self.completions[completion.request_id] = completion
-        self._changed.set()
-
-    def aborted(self, request: GenerateRequest) -> None:
-        self.taken[request.request_id] = request
-        self._changed.set()
-
-    async def flush(self) -> None:
-        await anyio.lowlevel.checkpoint()
-
-    async def fail(self, error: Exception) -> None:
-        raise AssertionError(f"a sink failed: {error}")
-
-    async def wait_for(self, condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-        with anyio.fail_after(timeout_s):
-            while not condition():
-                self._changed = anyio.Event()
-                await self._changed.wait()
 
 
 @contextlib.asynccontextmanager

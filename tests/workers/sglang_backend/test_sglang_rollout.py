@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 from dynarl.testing.fake_sglang import FakeSGLang
+from dynarl.testing.sinks import RecordingSink
 from dynarl.workers.rollout import GenerateRequest, SamplingParams
 from dynarl.workers.sglang.backend import connect
 from dynarl.workers.sglang.config import SGLangConfig
 from dynarl.workers.sglang.errors import ProtocolMismatchError
 
-from .conftest import MODEL, Sink, running, until
+from .conftest import MODEL, running, until
 
 
 def sampled(n: int = 4, *, max_new_tokens: int = 40, prefix: str = "q") -> list[GenerateRequest]:
@@ -32,13 +33,13 @@ async def test_a_sampled_request_aborted_and_resumed_elsewhere_matches_an_uninte
     fake: FakeSGLang,
 ) -> None:
     async with running(fake) as engine:
-        sink = Sink()
+        sink = RecordingSink(raise_on_fail=True)
         await engine.submit(sampled(), sink)
         await sink.wait_for(lambda: len(sink.completions) == 4)
         uninterrupted = sink.completions
     with FakeSGLang(MODEL) as first, FakeSGLang(MODEL) as second:
         async with running(first) as a, running(second) as b:
-            sink = Sink()
+            sink = RecordingSink(raise_on_fail=True)
             await a.submit(sampled(), sink)
             await until(
                 lambda: (
@@ -53,7 +54,7 @@ async def test_a_sampled_request_aborted_and_resumed_elsewhere_matches_an_uninte
                 so_far = len(request.output_ids)
                 assert 0 < so_far < 40
                 assert request.output_ids == full.output_ids[:so_far]
-            resumed = Sink()
+            resumed = RecordingSink(raise_on_fail=True)
             await b.submit(taken, resumed)
             await resumed.wait_for(lambda: len(resumed.completions) == 4)
     for rid, c in resumed.completions.items():
@@ -63,12 +64,12 @@ async def test_a_sampled_request_aborted_and_resumed_elsewhere_matches_an_uninte
 
 async def test_incremental_streaming_output_gives_the_same_completions(fake: FakeSGLang) -> None:
     async with running(fake) as engine:
-        sink = Sink()
+        sink = RecordingSink(raise_on_fail=True)
         await engine.submit(sampled(2), sink)
         await sink.wait_for(lambda: len(sink.completions) == 2)
     with FakeSGLang(MODEL, incremental_streaming_output=True) as incremental:
         async with running(incremental) as engine:
-            other = Sink()
+            other = RecordingSink(raise_on_fail=True)
             await engine.submit(sampled(2), other)
             await other.wait_for(lambda: len(other.completions) == 2)
     for rid, c in other.completions.items():
@@ -80,7 +81,7 @@ async def test_a_server_dying_mid_generation_hands_its_requests_back_with_their_
     fake: FakeSGLang,
 ) -> None:
     async with running(fake, max_retries=0) as engine:
-        sink = Sink()
+        sink = RecordingSink(raise_on_fail=True)
         await engine.submit(sampled(3, max_new_tokens=80), sink)
         await until(lambda: min((len(v.token_ids) for v in engine._live.values()), default=0) >= 5)
         fake.die()
@@ -92,7 +93,7 @@ async def test_a_server_dying_mid_generation_hands_its_requests_back_with_their_
         await until(lambda: engine.num_requests == 0)
     with FakeSGLang(MODEL) as healthy:
         async with running(healthy) as other:
-            resumed = Sink()
+            resumed = RecordingSink(raise_on_fail=True)
             await other.submit(list(sink.taken.values()), resumed)
             await resumed.wait_for(lambda: len(resumed.completions) == 3)
     assert all(len(c.output_ids) == 80 for c in resumed.completions.values())
@@ -103,7 +104,7 @@ async def test_a_server_dying_mid_generation_hands_its_requests_back_with_their_
 async def test_5xx_answers_are_retried_with_back_off_and_counted(fake: FakeSGLang) -> None:
     async with running(fake, retry_backoff_s=0.01, max_retries=3) as engine:
         fake.fail_next = [503, 502]
-        sink = Sink()
+        sink = RecordingSink(raise_on_fail=True)
         await engine.submit(sampled(1, max_new_tokens=5), sink)
         await sink.wait_for(lambda: len(sink.completions) == 1)
     assert engine.num_retries == 2
@@ -121,7 +122,7 @@ def test_a_server_of_another_version_is_refused_at_start_up(version: str) -> Non
 
 async def test_load_reports_running_requests_and_their_kv_tokens(fake: FakeSGLang) -> None:
     async with running(fake, stats_interval_s=0.05) as engine:
-        sink = Sink()
+        sink = RecordingSink(raise_on_fail=True)
         await engine.submit(sampled(3, max_new_tokens=80), sink)
         await until(lambda: engine.load().num_running == 3)
         load = engine.load()

@@ -7,23 +7,24 @@ import anyio
 import pytest
 
 from dynarl.testing.fake_sglang import FakeSGLang
+from dynarl.testing.sinks import RecordingSink
 from dynarl.workers.rollout import GenerateRequest, SamplingParams
 
-from .conftest import MODEL, Sink, running, until
+from .conftest import MODEL, running, until
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
 
 
 async def test_a_next_turn_reports_the_previous_turns_context_as_cached(fake: FakeSGLang) -> None:
     async with running(fake) as engine:
-        first = Sink()
+        first = RecordingSink(raise_on_fail=True)
         turn = GenerateRequest(request_id="t0", prompt_ids=(5, 6, 7, 8), sampling=GREEDY)
         await engine.submit([turn], first)
         await first.wait_for(lambda: len(first.completions) == 1)
         done = first.completions["t0"]
         assert done.cached_tokens == 0
         context = done.prompt_ids + done.output_ids
-        second = Sink()
+        second = RecordingSink(raise_on_fail=True)
         follow = GenerateRequest(request_id="t1", prompt_ids=(*context, 9, 10), sampling=GREEDY)
         other = GenerateRequest(request_id="o1", prompt_ids=(11, 12, 13), sampling=GREEDY)
         await engine.submit([follow, other], second)
@@ -44,7 +45,7 @@ async def test_the_priority_order_serves_requests_with_more_tool_calls_first(
 ) -> None:
     with FakeSGLang(MODEL, max_running_requests=1) as fake:
         async with running(fake, order=order) as engine:
-            sink = Sink()
+            sink = RecordingSink(raise_on_fail=True)
             blocker = GenerateRequest(
                 request_id="busy",
                 prompt_ids=(3, 4),

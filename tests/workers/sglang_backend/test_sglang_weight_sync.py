@@ -10,13 +10,14 @@ import anyio
 import pytest
 
 from dynarl.testing.fake_sglang import FakeSGLang
+from dynarl.testing.sinks import RecordingSink
 from dynarl.workers.errors import WeightSyncError
 from dynarl.workers.rollout import GenerateRequest, SamplingParams
 from dynarl.workers.torch import weight_sync
 from dynarl.workers.torch.model import build_model
 from dynarl.workers.weights import WeightSyncGroup
 
-from .conftest import MODEL, Sink, running
+from .conftest import MODEL, running
 
 
 def greedy(prefix: str) -> list[GenerateRequest]:
@@ -50,7 +51,7 @@ async def test_weights_arrive_in_buckets_with_their_version(fake: FakeSGLang) ->
         )
 
     async with running(fake, weight_sync_backend="gloo") as engine:
-        sink = Sink()
+        sink = RecordingSink(raise_on_fail=True)
         await engine.submit(greedy("a"), sink)
         await sink.wait_for(lambda: len(sink.completions) == 3)
         before = dict(sink.completions)
@@ -65,7 +66,7 @@ async def test_weights_arrive_in_buckets_with_their_version(fake: FakeSGLang) ->
             assert await engine.receive_weights(manifest) == 7
         await engine.leave_weight_sync()
         assert engine.weight_version == 7 and fake.weight_version == "7"
-        after = Sink()
+        after = RecordingSink(raise_on_fail=True)
         await engine.submit(greedy("b"), after)
         await after.wait_for(lambda: len(after.completions) == 3)
     assert {c.weight_version for c in after.completions.values()} == {7}

@@ -16,8 +16,9 @@ from dynarl.workers.sglang.checkpoint import PolicyCheckpoint
 from dynarl.workers.sglang.client import SGLangClient
 from dynarl.workers.sglang.config import SGLangConfig
 from dynarl.workers.sglang.errors import ProtocolMismatchError, ServerError
+from dynarl.workers.sglang.handshake import check_server
 from dynarl.workers.sglang.launcher import ServerProcess, server_command
-from dynarl.workers.sglang.rollout import SGLangRollout, check_server
+from dynarl.workers.sglang.rollout import SGLangRollout
 
 SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 """Environment of launched servers: report log-probs of the model's own distribution

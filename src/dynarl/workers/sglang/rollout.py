@@ -16,19 +16,16 @@ back and continues.
 
 import collections
 import logging
-import re
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
 
 import anyio
 import anyio.abc
-import msgspec
 from anyio.streams.memory import MemoryObjectSendStream
 
 from dynarl.data.request_order import OrderName
-from dynarl.workers.errors import BadRequestError, WeightSyncError
-from dynarl.workers.rollout import Completion, EngineLoad, GenerateRequest, RequestSink
+from dynarl.workers.errors import BadRequestError
+from dynarl.workers.rollout import EngineLoad, GenerateRequest, RequestSink
 from dynarl.workers.sglang import messages as m
 from dynarl.workers.sglang.client import SGLangClient
 from dynarl.workers.sglang.errors import (
@@ -37,64 +34,14 @@ from dynarl.workers.sglang.errors import (
     ServerLostError,
     SGLangError,
 )
+from dynarl.workers.sglang.live import LiveRequest, Outcome
+from dynarl.workers.sglang.server_group import ServerGroup
 from dynarl.workers.weights import WeightManifest, WeightReceiver, WeightSyncGroup
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VERSIONS = ("0.5.",)
-"""SGLang versions whose HTTP API this adapter speaks (prefixes of ``version``)."""
-
-MIN_VERSION = (0, 5, 6)
-"""The oldest SGLang that takes flattened buckets in ``/update_weights_from_distributed``
-(sgl-project/sglang#13824), the layout of dynarl's weight sync."""
-
-GROUP_NAME = "dynarl-weight-sync"
-"""The weight-sync group's name on the server."""
-
 THROUGHPUT_WINDOW_S = 5.0
 """How far back :meth:`SGLangRollout.load` measures generation throughput."""
-
-Outcome = Literal["done", "aborted", "lost"]
-
-
-class _Live:
-    """One request the engine holds: its sink and what the server generated so far."""
-
-    def __init__(self, request: GenerateRequest, sink: RequestSink) -> None:
-        self.request = request
-        self.sink = sink
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.version: int | None = request.weight_version
-        self.posted = False
-        self.streaming = False  # the server prefilled it (a chunk arrived)
-        self.serving = False  # its task is running
-        self.abort_requested = False
-        self.abort_resent = False
-        self.cached_tokens = 0
-        self.outcome: Outcome | None = None
-        self.settled = anyio.Event()
-
-    @property
-    def input_ids(self) -> list[int]:
-        return [*self.request.prompt_ids, *self.request.output_ids, *self.token_ids]
-
-    def partial(self) -> GenerateRequest:
-        """The request holding its output so far, to resume anywhere."""
-        if not self.token_ids:
-            return self.request
-        return msgspec.structs.replace(
-            self.request,
-            output_ids=self.request.output_ids + tuple(self.token_ids),
-            output_logprobs=self.request.output_logprobs + tuple(self.logprobs),
-            weight_version=self.version,
-        )
-
-    def settle(self, outcome: Outcome) -> None:
-        if self.outcome is None:
-            self.outcome = outcome
-            self.settled.set()
-
 
 class SGLangRollout:
     """A rollout engine served by the SGLang server behind ``client``.
@@ -135,15 +82,16 @@ class SGLangRollout:
         self.context_len = context_len
         self._version = weight_version
         self._stats_interval_s = stats_interval_s
-        self._sync_backend = weight_sync_backend
         self._on_close = on_close
         self._now_s = now_s
-        self._live: dict[str, _Live] = {}
-        self._incoming: MemoryObjectSendStream[_Live] | None = None
+        self._live: dict[str, LiveRequest] = {}
+        self._incoming: MemoryObjectSendStream[LiveRequest] | None = None
         self._error: Exception | None = None
         self._held = False  # memory released: unasked-for aborts are resubmitted on resume
-        self._parked: list[_Live] = []
-        self._in_group = False
+        self._parked: list[LiveRequest] = []
+        self._group = ServerGroup(
+            client, name=name, tp_size=info.tp_size, backend=weight_sync_backend
+        )
         self._recent: collections.deque[tuple[float, int]] = collections.deque()
         self._server_load: tuple[float, list[m.LoadReport]] | None = None
         self.num_server_aborts = 0
@@ -184,7 +132,7 @@ class SGLangRollout:
         server is lost (then :attr:`error` is set, every request still here is handed
         back to its sink with its partial output, and this returns). Requests whose
         streams an earlier run left (cancelled) continue from their output so far."""
-        incoming, queue = anyio.create_memory_object_stream[_Live](float("inf"))
+        incoming, queue = anyio.create_memory_object_stream[LiveRequest](float("inf"))
         for live in self._live.values():
             if live.outcome is None and not live.serving:
                 incoming.send_nowait(live)
@@ -223,7 +171,7 @@ class SGLangRollout:
             await sink.flush()
             return
         for request in requests:
-            live = _Live(request, sink)
+            live = LiveRequest(request, sink)
             self._live[request.request_id] = live
             self._enqueue(live)
 
@@ -312,77 +260,26 @@ class SGLangRollout:
         self._held = False
         parked, self._parked = self._parked, []
         for live in parked:
-            again = _Live(live.partial(), live.sink)
+            again = LiveRequest(live.partial(), live.sink)
             self._live[again.request.request_id] = again
             self._enqueue(again)
 
     # ------------------------------------------------------------------ weights
 
     async def join_weight_sync(self, group: WeightSyncGroup) -> None:
-        """Have the server join the weight-sync group: its tensor-parallel ranks take
-        ``group.rank`` onwards (SGLang's ``rank_offset``), ``group.num_ranks`` of them.
-
-        Raises:
-            WeightSyncError: the server has another number of tensor-parallel ranks.
-        """
-        if group.num_ranks != self.info.tp_size:
-            raise WeightSyncError(
-                f"{self.name}: the weight-sync group gives the server {group.num_ranks} "
-                f"ranks, but it runs tp_size={self.info.tp_size}; set rollout.tp to the "
-                f"servers' --tp-size"
-            )
-        reply = await self.client.post_as(
-            "/init_weights_update_group",
-            m.InitWeightsUpdateGroupReqInput(
-                master_address=group.host,
-                master_port=group.port,
-                rank_offset=group.rank,
-                world_size=group.world_size,
-                group_name=GROUP_NAME,
-                backend=self._sync_backend,
-            ),
-            m.SuccessResponse,
-        )
-        if not reply.success:
-            raise WeightSyncError(f"{self.name}: the server could not join: {reply.message}")
-        self._in_group = True
+        """Have the server join the weight-sync group: its tensor-parallel workers take
+        ``group.num_ranks`` ranks from ``group.rank`` (see :class:`ServerGroup`)."""
+        await self._group.join(group)
 
     async def receive_weights(self, manifest: WeightManifest) -> int:
-        """Have the server receive the broadcast ``manifest`` describes: one
-        ``/update_weights_from_distributed`` per bucket (``load_format=
-        "flattened_bucket"``: the bucket is one broadcast of its tensors flattened in
-        order, which the trainer sends from group rank 0 meanwhile), the last one
-        flushing the cache and taking the version; returns it."""
-        if not self._in_group:
-            raise WeightSyncError(f"{self.name} is in no weight-sync group; join one first")
-        for i, bucket in enumerate(manifest.buckets):
-            last = i == len(manifest.buckets) - 1
-            reply = await self.client.post_as(
-                "/update_weights_from_distributed",
-                m.UpdateWeightsFromDistributedReqInput(
-                    names=list(bucket.names),
-                    dtypes=list(bucket.dtypes),
-                    shapes=[list(s) for s in bucket.shapes],
-                    group_name=GROUP_NAME,
-                    flush_cache=last,
-                    weight_version=str(manifest.version) if last else None,
-                    load_format="flattened_bucket",
-                ),
-                m.SuccessResponse,
-            )
-            if not reply.success:
-                raise WeightSyncError(f"{self.name}: weight update failed: {reply.message}")
-        self._version = manifest.version
-        return manifest.version
+        """Have the server receive the broadcast ``manifest`` describes and take its
+        version; returns it."""
+        self._version = await self._group.receive(manifest)
+        return self._version
 
     async def leave_weight_sync(self) -> None:
         """Have the server leave the group (``/destroy_weights_update_group``)."""
-        if self._in_group:
-            self._in_group = False
-            await self.client.post(
-                "/destroy_weights_update_group",
-                m.DestroyWeightsUpdateGroupReqInput(group_name=GROUP_NAME),
-            )
+        await self._group.leave()
 
     def adopt_weight_sync(self, other: WeightReceiver) -> bool:
         """Never: the group membership is the server's, not this process's."""
@@ -390,7 +287,7 @@ class SGLangRollout:
 
     # ------------------------------------------------------------------ internals
 
-    def _enqueue(self, live: _Live) -> None:
+    def _enqueue(self, live: LiveRequest) -> None:
         """Hand ``live`` to the running :meth:`run` (a later run takes it otherwise)."""
         if self._incoming is not None:
             self._incoming.send_nowait(live)
@@ -410,26 +307,6 @@ class SGLangRollout:
         if len(request.output_ids) >= request.sampling.max_new_tokens:
             raise BadRequestError(f"request {rid!r} already has max_new_tokens output tokens")
 
-    def _generate_input(self, live: _Live) -> m.GenerateReqInput:
-        request, sampling = live.request, live.request.sampling
-        input_ids = live.input_ids
-        remaining = sampling.max_new_tokens - len(request.output_ids) - len(live.token_ids)
-        # SGLang refuses input + max_new_tokens >= context length; stop at it instead.
-        max_new = min(remaining, self.context_len - 1 - len(input_ids))
-        return m.GenerateReqInput(
-            input_ids=input_ids,
-            sampling_params=m.SamplingParamsJSON(
-                max_new_tokens=max_new,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                stop_token_ids=list(sampling.stop_token_ids) or None,
-                ignore_eos=sampling.ignore_eos,
-                sampling_seed=sampling.seed,
-            ),
-            rid=request.request_id,
-            priority=self._priority(request),
-        )
-
     def _priority(self, request: GenerateRequest) -> int | None:
         """SGLang's ``priority`` of ``request`` (larger first): its own, else with the
         priority order its completed tool calls (the order's first key; a longer cached
@@ -438,7 +315,7 @@ class SGLangRollout:
             return request.priority
         return request.tool_calls if self._order == "priority" else None
 
-    async def _serve(self, live: _Live) -> None:
+    async def _serve(self, live: LiveRequest) -> None:
         live.serving = True
         try:
             await self._stream(live)
@@ -454,13 +331,18 @@ class SGLangRollout:
             raise
         await self._flush(live)
 
-    async def _stream(self, live: _Live) -> None:
+    async def _stream(self, live: LiveRequest) -> None:
         live.posted = True
-        async for chunk in self.client.generate(self._generate_input(live)):
+        body = live.generate_input(
+            context_len=self.context_len, priority=self._priority(live.request)
+        )
+        async for chunk in self.client.generate(body):
             meta = chunk.meta_info
             if meta is None:
                 raise ProtocolMismatchError(f"/generate sent a chunk without meta_info: {chunk}")
-            self._apply(live, meta)
+            new = live.apply(meta)
+            if new:
+                self._recent.append((self._now_s(), new))
             live.streaming = True
             if live.abort_requested and not live.abort_resent:
                 # An abort sent before the server knew the rid was ignored there.
@@ -484,55 +366,17 @@ class SGLangRollout:
             return
         raise ServerLostError(f"{self.client.url}/generate ended without a finish reason")
 
-    def _apply(self, live: _Live, meta: m.MetaInfo) -> None:
-        """Take the chunk's new tokens, whether it lists all of them or the new ones."""
-        total, entries, known = (
-            meta.completion_tokens,
-            meta.output_token_logprobs,
-            len(live.token_ids),
-        )
-        if len(entries) == total:
-            new = entries[known:]
-        elif known + len(entries) == total:
-            new = entries
-        elif known == total:
-            new = []
-        else:
-            raise ProtocolMismatchError(
-                f"/generate chunk of {meta.id} has {len(entries)} token log-probs for "
-                f"{total} tokens after {known}; start the server without options that "
-                f"change output_token_logprobs"
-            )
-        live.cached_tokens = meta.cached_tokens or live.cached_tokens
-        if new:
-            if live.version is None:
-                live.version = _version(meta.weight_version)
-            live.logprobs.extend(float(lp) for lp, _, _ in new)
-            live.token_ids.extend(int(t) for _, t, _ in new)
-            self._recent.append((self._now_s(), len(new)))
-
-    def _finish(self, live: _Live, outcome: Outcome, reason: str = "") -> None:
+    def _finish(self, live: LiveRequest, outcome: Outcome, reason: str = "") -> None:
         if live.outcome is not None:
             return
         self._live.pop(live.request.request_id, None)
         if outcome == "done":
-            request = live.request
-            live.sink.done(
-                Completion(
-                    request_id=request.request_id,
-                    prompt_ids=request.prompt_ids,
-                    output_ids=request.output_ids + tuple(live.token_ids),
-                    output_logprobs=request.output_logprobs + tuple(live.logprobs),
-                    finish_reason="stop" if reason == "stop" else "length",
-                    weight_version=live.version if live.version is not None else self._version,
-                    cached_tokens=live.cached_tokens,
-                )
-            )
+            live.sink.done(live.completion(reason, engine_version=self._version))
         else:
             live.sink.aborted(live.partial())
         live.settle(outcome)
 
-    async def _flush(self, live: _Live) -> None:
+    async def _flush(self, live: LiveRequest) -> None:
         if live.outcome in ("done", "lost") or (
             live.outcome == "aborted" and not live.abort_requested
         ):
@@ -558,48 +402,3 @@ class SGLangRollout:
             except SGLangError as e:
                 logger.debug("%s: /get_load failed: %s", self.name, e)
             await anyio.sleep(self._stats_interval_s)
-
-
-def _version(text: str | None) -> int:
-    """dynarl's integer version of SGLang's ``weight_version`` string (``"default"``
-    before any update: 0)."""
-    try:
-        return int(text) if text is not None else 0
-    except ValueError:
-        return 0
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """The numeric release of a version string (``"0.5.6.post1"`` -> ``(0, 5, 6)``)."""
-    parts = []
-    for part in version.split(".")[:3]:
-        digits = re.match(r"\d+", part)
-        parts.append(int(digits.group()) if digits else 0)
-    return tuple(parts)
-
-
-def check_server(get: Callable[[str, type[Any]], Any], url: str) -> tuple[m.ServerInfo, int, int]:
-    """The server's info, context length and weight version, once it is known to speak
-    this adapter's protocol; ``get(path, type)`` reads one endpoint, decoded.
-
-    Raises:
-        ProtocolMismatchError: another SGLang version, or not a generation model.
-    """
-    info: m.ServerInfo = get("/get_server_info", m.ServerInfo)
-    if not info.version.startswith(SUPPORTED_VERSIONS) or _release(info.version) < MIN_VERSION:
-        raise ProtocolMismatchError(
-            f"the SGLang server at {url} is version {info.version}; this adapter speaks "
-            f"the HTTP API of SGLang {', '.join(v + 'x' for v in SUPPORTED_VERSIONS)} from "
-            f"{'.'.join(map(str, MIN_VERSION))} on: run one of those there"
-        )
-    model: m.ModelInfo = get("/get_model_info", m.ModelInfo)
-    if not model.is_generation:
-        raise ProtocolMismatchError(
-            f"the SGLang server at {url} serves {model.model_path}, which is not a "
-            f"generation model; serve the policy there"
-        )
-    cards: m.ModelList = get("/v1/models", m.ModelList)
-    context = info.context_length or (cards.data[0].max_model_len if cards.data else None)
-    if context is None:
-        raise ProtocolMismatchError(f"the SGLang server at {url} reports no context length")
-    return info, context, _version(model.weight_version)

@@ -1,0 +1,95 @@
+"""An SGLang server's membership of the trainer's weight-sync group, driven over its
+HTTP API: ``/init_weights_update_group`` (its tensor-parallel workers join as ranks
+``rank_offset`` onwards), one ``/update_weights_from_distributed`` per bucket of the
+sync's manifest (``load_format="flattened_bucket"``: the bucket is one broadcast of its
+tensors flattened in order, which the trainer sends from group rank 0 meanwhile), and
+``/destroy_weights_update_group``. The membership is the server's, not the process's
+that drives it, so no other role can take it over."""
+
+from dynarl.workers.errors import WeightSyncError
+from dynarl.workers.sglang import messages as m
+from dynarl.workers.sglang.client import SGLangClient
+from dynarl.workers.weights import WeightManifest, WeightSyncGroup
+
+GROUP_NAME = "dynarl-weight-sync"
+"""The weight-sync group's name on the server."""
+
+
+class ServerGroup:
+    """The weight-sync group membership of the server behind ``client``.
+
+    Args:
+        client: the server's client.
+        name: for error messages.
+        tp_size: the server's tensor-parallel workers (ranks it takes).
+        backend: the group's collective backend (``nccl`` on GPUs).
+    """
+
+    def __init__(self, client: SGLangClient, *, name: str, tp_size: int, backend: str) -> None:
+        self.client = client
+        self.name = name
+        self.tp_size = tp_size
+        self.backend = backend
+        self.joined = False
+
+    async def join(self, group: WeightSyncGroup) -> None:
+        """Have the server join ``group`` (returns once every member joined).
+
+        Raises:
+            WeightSyncError: the group gives it another number of ranks than its
+                tensor-parallel workers, or the server could not join.
+        """
+        if group.num_ranks != self.tp_size:
+            raise WeightSyncError(
+                f"{self.name}: the weight-sync group gives the server {group.num_ranks} "
+                f"ranks, but it runs tp_size={self.tp_size}; set rollout.tp to the "
+                f"servers' --tp-size"
+            )
+        reply = await self.client.post_as(
+            "/init_weights_update_group",
+            m.InitWeightsUpdateGroupReqInput(
+                master_address=group.host,
+                master_port=group.port,
+                rank_offset=group.rank,
+                world_size=group.world_size,
+                group_name=GROUP_NAME,
+                backend=self.backend,
+            ),
+            m.SuccessResponse,
+        )
+        if not reply.success:
+            raise WeightSyncError(f"{self.name}: the server could not join: {reply.message}")
+        self.joined = True
+
+    async def receive(self, manifest: WeightManifest) -> int:
+        """Have the server receive the broadcast ``manifest`` describes, bucket by
+        bucket, the last call flushing its cache and taking the version; returns it."""
+        if not self.joined:
+            raise WeightSyncError(f"{self.name} is in no weight-sync group; join one first")
+        for i, bucket in enumerate(manifest.buckets):
+            last = i == len(manifest.buckets) - 1
+            reply = await self.client.post_as(
+                "/update_weights_from_distributed",
+                m.UpdateWeightsFromDistributedReqInput(
+                    names=list(bucket.names),
+                    dtypes=list(bucket.dtypes),
+                    shapes=[list(s) for s in bucket.shapes],
+                    group_name=GROUP_NAME,
+                    flush_cache=last,
+                    weight_version=str(manifest.version) if last else None,
+                    load_format="flattened_bucket",
+                ),
+                m.SuccessResponse,
+            )
+            if not reply.success:
+                raise WeightSyncError(f"{self.name}: weight update failed: {reply.message}")
+        return manifest.version
+
+    async def leave(self) -> None:
+        """Have the server leave the group; a no-op when it is in none."""
+        if self.joined:
+            self.joined = False
+            await self.client.post(
+                "/destroy_weights_update_group",
+                m.DestroyWeightsUpdateGroupReqInput(group_name=GROUP_NAME),
+            )
