@@ -154,6 +154,7 @@ class ServerInfo(msgspec.Struct, kw_only=True):
 
     version: str
     max_total_num_tokens: int
+    model_path: str | None = None
     max_req_input_len: int | None = None
     context_length: int | None = None
     enable_memory_saver: bool = False
