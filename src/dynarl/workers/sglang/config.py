@@ -12,16 +12,20 @@ class SGLangConfig(Section, frozen=True, kw_only=True):
     """How rollout engines reach their SGLang servers.
 
     With ``urls`` empty, each rollout engine launches its own server
-    (``launch_command`` plus ``--model-path``, ``--tp``, ``--port``,
-    ``--enable-memory-saver``, ``--enable-weights-cpu-backup``,
-    ``--enable-priority-scheduling`` and ``extra_args``) and stops it with the engine;
+    (``launch_command`` plus SGLang's flags for the model, the port, ``rollout.tp``,
+    ``rollout.max_running_requests``, ``rollout.kv_capacity_tokens``, the run's seed,
+    the memory saver, CPU weight backup and priority scheduling, and ``extra_args``;
+    see docs/sglang.md) and stops it with the engine;
     otherwise engines attach to servers the user runs, engine ``i`` to
     ``urls[i % len(urls)]`` (``i`` from the slot's name, ``slot-i``).
 
     Attributes:
         urls: servers to attach to (``http://host:port``); empty to launch them.
         launch_command: the server's command line before its flags; a first word
-            ``python`` is this interpreter.
+            ``python`` is this interpreter. SGLang's launcher by default; a wrapper of
+            your own that takes the same flags; or, for tests and CPU-only trials,
+            ``["python", "-m", "dynarl.testing.fake_sglang"]`` (a fake server backed
+            by the torch reference engine).
         host: the address launched servers listen on.
         port_base: launched server ``i`` listens on ``port_base + i``.
         mem_fraction_static: ``--mem-fraction-static`` (unset: SGLang's default).
