@@ -21,6 +21,12 @@ from typing import Protocol
 
 import msgspec
 
+GROUP_NAME = "dynarl-weight-sync"
+"""The weight-sync group's name (SGLang's ``group_name``). Every member keys the group's
+store as SGLang's ``init_custom_process_group`` does through torch's
+``_new_process_group_helper``: ``{name}``, then ``{name}/``, then ``{device}/`` (``cuda``
+for NCCL, ``cpu`` for gloo)."""
+
 
 class WeightSyncGroup(msgspec.Struct, frozen=True, kw_only=True):
     """Where an engine joins the trainer's weight-sync group, and as which rank.

@@ -260,14 +260,14 @@ class FakeSGLang:
 
         def join(rank: int) -> Any:
             # Each TP worker joins as rank_offset + tp_rank (ModelRunner.
-            # init_weights_update_group); the store is the trainer's, prefixed.
+            # init_weights_update_group) over the trainer's store, keyed as
+            # init_custom_process_group + _new_process_group_helper key it.
             store = TCPStore(
                 obj["master_address"], int(obj["master_port"]), world_size,
                 is_master=False, timeout=timeout,
             )  # fmt: skip
-            return torch.distributed.ProcessGroupGloo(
-                PrefixStore(name, store), rank, world_size, timeout
-            )
+            keys = PrefixStore("cpu/", PrefixStore(f"{name}/", PrefixStore(name, store)))
+            return torch.distributed.ProcessGroupGloo(keys, rank, world_size, timeout)
 
         ranks = tuple(range(offset, offset + self.tp))
         try:

@@ -9,10 +9,7 @@ that drives it, so no other role can take it over."""
 from dynarl.workers.errors import WeightSyncError
 from dynarl.workers.sglang import messages as m
 from dynarl.workers.sglang.client import SGLangClient
-from dynarl.workers.weights import WeightManifest, WeightSyncGroup
-
-GROUP_NAME = "dynarl-weight-sync"
-"""The weight-sync group's name on the server."""
+from dynarl.workers.weights import GROUP_NAME, WeightManifest, WeightSyncGroup
 
 
 class ServerGroup:

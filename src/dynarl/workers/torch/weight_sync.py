@@ -33,7 +33,7 @@ from dynarl.workers.torch.buckets import (
     broadcast_tensors,
     plan_buckets,
 )
-from dynarl.workers.weights import WeightBucket, WeightManifest, WeightSyncGroup
+from dynarl.workers.weights import GROUP_NAME, WeightBucket, WeightManifest, WeightSyncGroup
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def join_weight_sync_group(
     NCCL on CUDA; the group is independent of any default process group."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-    prefixed = PrefixStore("dynarl-weight-sync", store)
+    prefixed = group_store(store, device_type=device.type)
     group: Group
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
@@ -64,6 +64,15 @@ def join_weight_sync_group(
         group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     logger.info("joined weight-sync group %s:%d as rank %d/%d", host, port, rank, world_size)
     return group
+
+
+def group_store(store: TCPStore, *, device_type: str, name: str = GROUP_NAME) -> PrefixStore:
+    """The group's keys in ``store``, as an SGLang server's TP worker keys them
+    (``init_custom_process_group`` prefixes the name, torch's
+    ``_new_process_group_helper`` the name and a slash, then the device), so the
+    trainer's sender, torch engines and SGLang servers meet in one group."""
+    device = "cuda" if device_type == "cuda" else "cpu"
+    return PrefixStore(f"{device}/", PrefixStore(f"{name}/", PrefixStore(name, store)))
 
 
 def join(group: WeightSyncGroup, *, device: torch.device) -> Group:
