@@ -1,0 +1,71 @@
+"""A real run with ``rollout.backend=sglang``: slots launch fake SGLang servers
+(``rollout.sglang.launch_command``), and under ``static-colocated`` every device goes
+through rollout, inference and the actor each iteration, so the servers release and
+resume their memory, the slots switch roles, and the weights reach the servers by
+manifest after every optimizer step. Nothing is left running afterwards."""
+
+import multiprocessing
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from dynarl.api.config import DynaRLConfig
+from dynarl.api.config_io import apply_overrides
+from dynarl.api.facade import DynaRL
+
+pytestmark = pytest.mark.slow
+
+SMALL = [
+    "run.checkpoint_every=0",
+    "cluster.num_devices=2",
+    "rollout.initial_devices=1",
+    "inference.initial_devices=0",
+    "algorithm.num_prompts=8",
+    "run.num_iterations=2",
+    "rollout.backend=sglang",
+    "rollout.sglang.launch_command=[python, -m, dynarl.testing.fake_sglang]",
+]
+
+
+@pytest.mark.timeout(300)
+async def test_a_colocated_run_on_sglang_servers_syncs_weights_every_iteration(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as s:  # launched servers listen on port_base + slot index
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = apply_overrides(
+        DynaRLConfig(),
+        [
+            *SMALL,
+            "scheduler.mode=static-colocated",
+            f"rollout.sglang.port_base={port}",
+            f"run.run_dir={tmp_path}",
+        ],
+    )
+    async with DynaRL(cfg) as rl:
+        history = [s async for s in rl.iterations()]
+    assert [s.weight_version for s in history] == [1, 2]
+    assert all(s.gen_tokens > 0 and s.mean_reward >= 0 for s in history)
+    for stats in history:  # every device moved through rollout and the actor
+        moves = [(m.src, m.dst) for m in stats.migrations]
+        assert any(dst == "rollout" for _, dst in moves), moves
+        assert stats.allocation == {"rollout": 0, "inference": 0, "actor": 2}
+    assert multiprocessing.active_children() == []
+    servers = [
+        pid
+        for pid in os.listdir("/proc")
+        if pid.isdigit() and f"--port {port}" in _cmdline(pid) and "fake_sglang" in _cmdline(pid)
+    ]
+    assert not servers, "a launched server outlived the run"
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
