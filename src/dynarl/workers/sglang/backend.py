@@ -3,6 +3,7 @@ on an SGLang server, launched for it or one the user runs. Called in a slot's wo
 thread: launching waits for the server's ``/health``."""
 
 import contextlib
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,8 @@ from dynarl.workers.sglang.handshake import check_server
 from dynarl.workers.sglang.launcher import ServerProcess, server_command
 from dynarl.workers.sglang.rollout import SGLangRollout
 
+logger = logging.getLogger(__name__)
+
 SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 """Environment of launched servers: report log-probs of the model's own distribution
 (temperature 1), which is what dynarl's completions carry, not the tempered one."""
@@ -36,7 +39,9 @@ class SGLangBackend:
         index = _index(name)
         if not config.launches:
             url = config.urls[index % len(config.urls)]
-            return connect(config, url=url, name=name, order=role.order)
+            engine = connect(config, url=url, name=name, order=role.order)
+            _note_server_limits(engine, role)
+            return engine
         stop = contextlib.ExitStack()  # closed by the engine, or here on failure
         try:
             model_path = role.model.path
@@ -114,6 +119,25 @@ def connect(
         on_close=on_close or (lambda: None),
         order=order,
     )
+
+
+def _note_server_limits(engine: SGLangRollout, role: RolloutRole) -> None:
+    """An attached server runs with its own KV capacity and tensor-parallel size; say so
+    once when the run's configuration names others (the server's apply)."""
+    info, rollout = engine.info, role.rollout
+    if info.max_total_num_tokens != rollout.kv_capacity_tokens or info.tp_size != rollout.tp:
+        logger.warning(
+            "%s: the attached server at %s holds %d KV tokens with tp_size=%d; "
+            "rollout.kv_capacity_tokens=%d and rollout.tp=%d apply to launched servers "
+            "only (the weight-sync group gives this one %d ranks)",
+            engine.name,
+            engine.client.url,
+            info.max_total_num_tokens,
+            info.tp_size,
+            rollout.kv_capacity_tokens,
+            rollout.tp,
+            rollout.tp,
+        )
 
 
 def _index(name: str) -> int:
