@@ -6,6 +6,7 @@ stops the server and removes the checkpoint."""
 
 import os
 import socket
+import tempfile
 from pathlib import Path
 
 import anyio
@@ -18,6 +19,7 @@ from dynarl.workers.protocol import RolloutRole
 from dynarl.workers.rollout import Completion, GenerateRequest, RolloutEngine, SamplingParams
 from dynarl.workers.sglang.backend import BACKEND
 from dynarl.workers.sglang.config import SGLangConfig
+from dynarl.workers.sglang.errors import LaunchFailedError
 from dynarl.workers.torch.backend import BACKEND as TORCH
 
 from .conftest import MODEL
@@ -71,3 +73,14 @@ def _cmdline(pid: str) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def test_a_server_that_fails_to_start_is_a_clear_error_and_leaves_nothing() -> None:
+    before = set(Path(tempfile.gettempdir()).glob("dynarl-sglang-policy-*"))
+    sglang = SGLangConfig(
+        launch_command=("python", "-c", "import sys; sys.exit(3)"), startup_timeout_s=30
+    )
+    role = RolloutRole(model=MODEL, rollout=RolloutConfig(backend="sglang", sglang=sglang))
+    with pytest.raises(LaunchFailedError, match=r"exited with code 3.*log"):
+        BACKEND.build_rollout(role, name="slot-0", num_threads=1)
+    assert set(Path(tempfile.gettempdir()).glob("dynarl-sglang-policy-*")) == before
