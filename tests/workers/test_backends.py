@@ -25,7 +25,6 @@ from dynarl.workers import backends
         ),
         ("inference.backend=megatron", "inference.backend", ["dynarl[megatron]"]),
         ("actor.backend=megatron", "actor.backend", ["dynarl[megatron]"]),
-        ("cluster.launcher=ray", "cluster.launcher", ["ray"]),
         ("rollout.tp=2", "rollout.tp", ["does not shard", "rollout.tp=1"]),
         ("actor.tp=2", "actor.tp", ["actor.backend=megatron"]),
         ("actor.pp=2", "actor.pp", ["pipeline parallelism"]),
