@@ -190,6 +190,7 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1) -> Any:
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         cuda_graph_scope=[],
+        calculate_per_token_loss=True,
     )
 
 
@@ -225,9 +226,23 @@ def build_gpt(
             pg_collection=groups,
         )
     module: torch.nn.Module = model
+    _mark_sharded(module)
     if device != "cpu":
         module.to(device)
     return module
+
+
+def _mark_sharded(model: torch.nn.Module) -> None:
+    """Mark every tensor-parallel-split parameter as megatron-core's initialisation
+    would (it is skipped here: weights are loaded), so gradient norms count the norms'
+    replicated weights once and every shard of the others."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for name, param in model.named_parameters():
+        if name.endswith("layernorm.weight") or getattr(param, "tensor_model_parallel", False):
+            continue
+        dim = 1 if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else 0
+        set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
 
 
 def causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
