@@ -24,7 +24,7 @@ MODEL = ModelConfig(max_seq_len=128)
 """The tiny random-init policy every backend serves (seed 0)."""
 
 ROLLOUT_BACKENDS = ["torch", "sglang"]
-INFERENCE_BACKENDS = ["torch"]
+INFERENCE_BACKENDS = ["torch", "megatron"]
 
 
 NOT_APPLICABLE: dict[tuple[str, str], str] = {}

@@ -32,7 +32,7 @@ from .conftest import MODEL, RolloutFactory
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
-TRAINER_BACKENDS = ["torch"]
+TRAINER_BACKENDS = ["torch", "megatron"]
 
 
 def minibatch(step: int, num_samples: int = 8, length: int = 24) -> Minibatch:

@@ -23,8 +23,11 @@ from dynarl.workers import backends
             "rollout.sglang.urls",
             ["pip install 'dynarl[sglang]'", "rollout.sglang.urls"],
         ),
-        ("inference.backend=megatron", "inference.backend", ["dynarl[megatron]"]),
-        ("actor.backend=megatron", "actor.backend", ["dynarl[megatron]"]),
+        (
+            "inference.backend=megatron\ninference.tp=2",
+            "inference.tp",
+            ["does not shard", "inference.tp=1"],
+        ),
         ("rollout.tp=2", "rollout.tp", ["does not shard", "rollout.tp=1"]),
         ("actor.tp=2", "actor.tp", ["actor.backend=megatron"]),
         ("actor.pp=2", "actor.pp", ["pipeline parallelism"]),
@@ -36,7 +39,7 @@ def test_a_backend_that_cannot_run_here_is_refused_naming_the_field_and_the_fix(
     cfg = apply_overrides(
         DynaRLConfig(),
         [
-            override,
+            *override.split("\n"),
             "rollout.initial_devices=2",
             "actor.initial_devices=2",
             "inference.initial_devices=0",
@@ -47,6 +50,32 @@ def test_a_backend_that_cannot_run_here_is_refused_naming_the_field_and_the_fix(
     assert info.value.field == field
     for text in says:
         assert text in str(info.value)
+
+
+@pytest.mark.parametrize("role", ["inference", "actor"])
+def test_megatron_is_refused_naming_its_extra_where_megatron_core_is_missing(
+    role: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(backends, "_installed", lambda module: module != "megatron.core")
+    cfg = apply_overrides(DynaRLConfig(), [f"{role}.backend=megatron"])
+    with pytest.raises(ConfigError, match=r"pip install 'dynarl\[megatron\]'") as info:
+        check_backends(cfg)
+    assert info.value.field == f"{role}.backend"
+
+
+def test_megatron_shards_the_actor_over_devices() -> None:
+    pytest.importorskip("megatron.core")
+    cfg = apply_overrides(
+        DynaRLConfig(),
+        [
+            "actor.backend=megatron",
+            "actor.tp=2",
+            "actor.pp=2",
+            "actor.initial_devices=4",
+            "cluster.num_devices=8",
+        ],
+    )
+    check_backends(cfg)
 
 
 def test_the_default_backends_run_here() -> None:

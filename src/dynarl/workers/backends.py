@@ -62,13 +62,20 @@ class Backend:
 _TORCH = Backend(requires=("torch", "transformers"), extra="torch", built=True, max_tp=1)
 
 
-def _planned(extra: str, requires: str, what: str, field: str) -> Backend:
-    return Backend(
-        requires=(requires,),
-        extra=extra,
-        built=False,
-        note=f"the {what} is not built yet in this version; use {field}=torch",
-    )
+_MEGATRON_INFERENCE = Backend(
+    requires=("torch", "transformers", "megatron.core"),
+    extra="megatron",
+    built=True,
+    max_tp=1,
+    note="one inference replica per process; set inference.tp=1",
+)
+_MEGATRON_ACTOR = Backend(
+    requires=("torch", "transformers", "megatron.core"),
+    extra="megatron",
+    built=True,
+    max_tp=None,
+    max_pp=None,
+)
 
 
 BACKENDS: Mapping[Role, Mapping[str, Backend]] = {
@@ -86,13 +93,11 @@ BACKENDS: Mapping[Role, Mapping[str, Backend]] = {
     },
     "inference": {
         "torch": _TORCH,
-        "megatron": _planned(
-            "megatron", "megatron.core", "Megatron-core backend", "inference.backend"
-        ),
+        "megatron": _MEGATRON_INFERENCE,
     },
     "actor": {
         "torch": _TORCH,
-        "megatron": _planned("megatron", "megatron.core", "Megatron-core backend", "actor.backend"),
+        "megatron": _MEGATRON_ACTOR,
     },
 }
 """Every backend, by role and name."""
@@ -167,7 +172,15 @@ def _sglang() -> object:
     return importlib.import_module("dynarl.workers.sglang.backend").BACKEND
 
 
-_LOADERS: Mapping[str, Callable[[], object]] = {"torch": _torch, "sglang": _sglang}
+def _megatron() -> object:
+    return importlib.import_module("dynarl.workers.megatron.backend").BACKEND
+
+
+_LOADERS: Mapping[str, Callable[[], object]] = {
+    "torch": _torch,
+    "sglang": _sglang,
+    "megatron": _megatron,
+}
 """How each built backend is imported (only when a run needs it)."""
 
 

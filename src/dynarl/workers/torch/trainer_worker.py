@@ -75,8 +75,13 @@ samples to them (each to the rank whose shard holds it)."""
 _CAPACITY = 1 << 20  # samples a worker may hold: a step's shard arrives before the step
 
 
-async def serve(endpoint: str, name: str) -> None:
-    """Serve the pool's commands as ``name`` until retired or cut off."""
+async def serve(
+    endpoint: str, name: str, join: "Callable[[Join], TrainerWorker] | None" = None
+) -> None:
+    """Serve the pool's commands as ``name`` until retired or cut off. ``join`` builds
+    the worker from its ``Join`` command (default: this backend's; another trainer
+    backend passes its own subclass of :class:`TrainerWorker`)."""
+    join = join if join is not None else _join
     from dynarl.data.zmq_transport import ZmqTransport
 
     address, token = split_endpoint(endpoint)
@@ -97,7 +102,7 @@ async def serve(endpoint: str, name: str) -> None:
                 try:
                     command = _DECODER.decode(call.body)
                     if isinstance(command, Join):
-                        server = await anyio.to_thread.run_sync(_join, command)
+                        server = await anyio.to_thread.run_sync(join, command)
                         reply: Reply = Done(worker=command.worker, elapsed_s=0.0)
                     elif server is None:
                         raise TrainerError(f"{name} got {type(command).__name__} before Join")
@@ -147,6 +152,20 @@ def _leave(server: "TrainerWorker") -> None:
 
 def _join(command: Join) -> "TrainerWorker":
     """Join the world group (blocks until every worker joined) and build the worker."""
+    device, model_factory, loss_fn = join_world(command)
+    return TrainerWorker(
+        command.worker,
+        config=command.config,
+        model_factory=model_factory,
+        loss_fn=loss_fn,
+        device=device,
+    )
+
+
+def join_world(command: Join) -> tuple[torch.device, Any, Any]:
+    """Join the trainer's world process group as ``command`` says (blocks until every
+    worker joined); returns this worker's device and the unpickled model factory and
+    loss."""
     config = command.config
     device = torch.device("cpu")
     if config.device == "cuda":
@@ -160,13 +179,7 @@ def _join(command: Join) -> "TrainerWorker":
         world_size=command.num_workers,
         timeout=datetime.timedelta(seconds=config.timeout_s),
     )
-    return TrainerWorker(
-        command.worker,
-        config=config,
-        model_factory=model_factory,
-        loss_fn=loss_fn,
-        device=device,
-    )
+    return device, model_factory, loss_fn
 
 
 class TrainerWorker:

@@ -1,0 +1,125 @@
+"""The driver side of the Megatron trainer: the torch backend's pool of pre-started
+worker processes, with ranks that are replicas of ``tp * pp`` workers.
+
+What changes from :class:`~dynarl.workers.torch.trainer_pool.TrainerPool`: members
+come in whole replicas; the data router's instance of a data-parallel rank is its
+replica's leader (the other workers of the replica take no items and receive the
+leader's); a resize's source is a whole replica (the first that stays whole, else the
+first); parking keeps replica 0; a checkpoint and a weight sync gather replica 0.
+"""
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from dynarl.workers.errors import TrainerError, WeightSyncError
+from dynarl.workers.megatron.layout import Layout
+from dynarl.workers.torch.trainer_commands import (
+    Done,
+    ReshardFault,
+    SaveCheckpoint,
+    StepDone,
+    SyncWeights,
+    TrainOnItems,
+)
+from dynarl.workers.torch.trainer_pool import TrainerPool
+from dynarl.workers.trainer import ResizeResult, StepMetrics
+
+
+class MegatronPool(TrainerPool):
+    """An elastic Megatron trainer over pre-started workers (see the module docstring).
+    ``model_factory`` is the workers' :class:`~dynarl.workers.megatron.spec.ModelSpec`,
+    whose ``tp`` and ``pp`` cut the members into replicas."""
+
+    @property
+    def replica_size(self) -> int:
+        """Workers per data-parallel replica."""
+        spec = self._model_factory
+        return int(spec.tp) * int(spec.pp)
+
+    def layout(self, members: Sequence[int] | None = None) -> Layout:
+        """The layout of ``members`` (default: the current members)."""
+        spec = self._model_factory
+        return Layout(tuple(self._members if members is None else members), spec.tp, spec.pp)
+
+    @property
+    def rank_instances(self) -> list[str]:
+        """Each replica leader's instance, in data-parallel order."""
+        if self._parked or not self._members:
+            return []
+        return [self.workers[w].name for w in self.layout().leaders()]
+
+    async def train_on_items(self, shards: Sequence[Sequence[str]]) -> StepMetrics:
+        """One step: ``shards[r]`` are the items the router delivered to replica
+        ``r``'s leader."""
+        if self._parked:
+            raise TrainerError("the trainer is parked (it holds no devices); resize it first")
+        leaders = self.layout().leaders()
+        if len(shards) != len(leaders):
+            raise TrainerError(f"{len(shards)} shards for {len(leaders)} data-parallel ranks")
+        items = {leader: tuple(shard) for leader, shard in zip(leaders, shards, strict=True)}
+        replies = self._check(
+            await self._call_each(self._members, lambda w: TrainOnItems(item_ids=items.get(w, ())))
+        )
+        assert isinstance(replies[0], StepDone)
+        return replies[0].metrics
+
+    async def resize(
+        self,
+        members: Sequence[int],
+        *,
+        source: int | None = None,
+        fault: ReshardFault | None = None,
+    ) -> ResizeResult:
+        """Make ``members`` the ranks, create-before-destroy; the source is a whole
+        replica of the current layout (named by its leader)."""
+        new = self._valid_members(members)
+        if source is None and self._members:
+            replicas = self.layout().replicas()
+            staying = [r for r in replicas if all(w in new for w in r)]
+            source = (staying or replicas)[0][0]
+        return await super().resize(new, source=source, fault=fault)
+
+    async def park(self) -> ResizeResult:
+        """Give up every device but replica 0's, which keeps the state."""
+        if not self._members:
+            raise TrainerError("the trainer has no members yet; call start_training first")
+        keeper = self.layout().replicas()[0]
+        result = await self.resize(keeper) if self._members != keeper else None
+        self._parked = True
+        return ResizeResult(
+            epoch=self._epoch,
+            old_members=() if result is None else result.old_members,
+            new_members=(),
+            elapsed_s=0.0 if result is None else result.elapsed_s,
+            bytes_moved=0 if result is None else result.bytes_moved,
+        )
+
+    async def save_checkpoint(self, path: str | Path) -> None:
+        """Replica 0 gathers its shards to its leader, which writes ``path``."""
+        replica = self.layout().replicas()[0]
+        self._check(await self._call(replica, SaveCheckpoint(path=str(path))))
+
+    async def sync_weights(self, version: int) -> int:
+        """Replica 0 gathers the weights in the HF layout to its leader, which
+        broadcasts them to the engines; returns the bytes sent."""
+        if self.sync_sender is None:
+            raise WeightSyncError("no weight-sync group; call connect_weight_sync first")
+        replica = self.layout().replicas()[0]
+        if self.sync_sender != replica[0]:
+            raise WeightSyncError(
+                f"worker {self.sync_sender}, the sender of the weight-sync group, is not the "
+                "trainer's rank 0 now; call connect_weight_sync again with the new rank 0"
+            )
+        replies = self._check(await self._call(replica, SyncWeights(version=version)))
+        sent = replies[0]
+        assert isinstance(sent, Done)
+        return sent.bytes_moved
+
+    def _valid_members(self, members: Sequence[int]) -> tuple[int, ...]:
+        chosen = super()._valid_members(members)
+        if len(chosen) % self.replica_size:
+            raise TrainerError(
+                f"members {chosen}: the megatron trainer takes whole replicas of "
+                f"actor.tp * actor.pp = {self.replica_size} workers"
+            )
+        return chosen

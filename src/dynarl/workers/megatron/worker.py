@@ -1,0 +1,281 @@
+"""The Megatron trainer worker process: the torch backend's worker (its serving loop,
+command table, weight-sync membership) with a Megatron rank in place of the data-
+parallel one.
+
+What differs is what a layout of replicas needs:
+
+- *start* builds the layout's process groups (every worker, members or not) and each
+  member cuts its shard out of the HF model of the spec;
+- *a step on routed items* reaches only each replica's leader; the leader shares the
+  samples with its replica over the replica group before the replica steps;
+- *a resize* (create-before-destroy) builds the new layout's groups beside the old
+  ones and moves each model shard that a worker of the new layout lacks from the same
+  shard of a source replica (parameters, AdamW moments and step; one transfer group
+  per shard position, bucketed broadcasts). A worker keeps its state when it holds the
+  same shard in both layouts; nothing else moves. The switch happens at commit; an
+  abort drops the new groups and the received state, and the old layout trains on;
+- *checkpoints and weight sync* gather replica 0's shards to its leader in the HF
+  layout (:mod:`~dynarl.workers.megatron.state`).
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dynarl.workers.errors import ReshardError, TrainerError, WeightSyncError
+from dynarl.workers.megatron import state
+from dynarl.workers.megatron.layout import Layout, RankGroups, build_groups
+from dynarl.workers.megatron.rank import MegatronRank
+from dynarl.workers.megatron.spec import ModelSpec
+from dynarl.workers.torch import reshard
+from dynarl.workers.torch.train_batch import to_tensors
+from dynarl.workers.torch.trainer_commands import (
+    AbortResize,
+    CommitResize,
+    Join,
+    LoadCheckpoint,
+    PrepareResize,
+    Reply,
+    SaveCheckpoint,
+    StartTraining,
+    StepDone,
+    SyncWeights,
+    TrainStep,
+)
+from dynarl.workers.torch.trainer_config import TrainerConfig
+from dynarl.workers.torch.trainer_worker import TrainerWorker, join_world
+from dynarl.workers.torch.weight_sync import send_weights
+from dynarl.workers.trainer import Array, LossFn
+
+logger = logging.getLogger(__name__)
+
+
+def join(command: Join) -> "MegatronWorker":
+    """Join the world group and build the worker (the serving loop's ``join``)."""
+    device, spec, loss_fn = join_world(command)
+    if not isinstance(spec, ModelSpec):
+        raise TrainerError(f"a megatron worker needs a ModelSpec, got {type(spec).__name__}")
+    return MegatronWorker(
+        command.worker, config=command.config, spec=spec, loss_fn=loss_fn, device=device
+    )
+
+
+@dataclass
+class _Pending:
+    """What a worker prepared for one resize."""
+
+    epoch: int
+    layout: Layout
+    groups: RankGroups | None
+    transfers: list[dist.ProcessGroup] = field(default_factory=list)
+    received: MegatronRank | None = None
+
+
+class MegatronWorker(TrainerWorker):
+    """A worker's state between commands: its rank (while a member), a prepared
+    resize, its weight-sync group."""
+
+    def __init__(
+        self,
+        worker: int,
+        *,
+        config: TrainerConfig,
+        spec: ModelSpec,
+        loss_fn: LossFn,
+        device: torch.device,
+    ) -> None:
+        super().__init__(
+            worker, config=config, model_factory=spec.hf_model, loss_fn=loss_fn, device=device
+        )
+        self.spec = spec
+        self.rank: MegatronRank | None = None
+        self.resizing: _Pending | None = None
+        self._hf: torch.nn.Module | None = None  # the weight-sync sender's HF layout
+
+    def close(self) -> None:
+        """Drop a prepared resize, the rank and its groups."""
+        if self.resizing is not None:
+            self._drop(self.resizing)
+        self.resizing = None
+        self.rank = None
+        super().close()
+
+    def train_shard(self, shard: dict[str, Array]) -> Reply:
+        """One step (with the other members) on the samples routed to this replica's
+        leader (empty on the other workers of the replica, which receive them)."""
+        started = time.perf_counter()
+        rank = self._rank()
+        mine = to_tensors(shard, self.device) if shard else {}
+        if rank.groups.layout.replica_size > 1:
+            mine = state.share_batch(
+                mine if self.worker == rank.groups.leader else None,
+                group=rank.groups.replica,
+                src=rank.groups.leader,
+                device=self.device,
+            )
+        metrics = rank.train_step(mine, local=True)
+        return StepDone(
+            worker=self.worker, metrics=metrics, elapsed_s=time.perf_counter() - started
+        )
+
+    # -- command handlers (the table of TrainerWorker dispatches to these) -------------
+
+    def _start(self, command: StartTraining) -> Reply:
+        started = time.perf_counter()
+        if self.resizing is not None:
+            raise TrainerError(f"resize {self.resizing.epoch} is pending; abort it first")
+        if self.rank is not None:  # a restart: the previous rank goes
+            self.rank.groups.destroy()
+            reshard.release_memory(self.rank)
+            self.rank = None
+        layout = Layout(command.members, self.spec.tp, self.spec.pp)
+        groups = build_groups(layout, worker=self.worker, timeout_s=self.config.timeout_s)
+        if groups is not None:
+            self.rank = MegatronRank.create(
+                self.spec,
+                loss_fn=self.loss_fn,
+                config=self.config,
+                groups=groups,
+                hf_state=self.spec.hf_state(),
+            )
+        return self._done(started)
+
+    def _train_step(self, command: TrainStep) -> Reply:
+        started = time.perf_counter()
+        metrics = self._rank().train_step(to_tensors(command.minibatch, self.device))
+        return StepDone(
+            worker=self.worker, metrics=metrics, elapsed_s=time.perf_counter() - started
+        )
+
+    def _prepare(self, command: PrepareResize) -> Reply:
+        started = time.perf_counter()
+        if self.resizing is not None:
+            raise TrainerError(f"resize {self.resizing.epoch} is still pending; abort it first")
+        old = Layout(command.old_members, self.spec.tp, self.spec.pp)
+        new = Layout(command.new_members, self.spec.tp, self.spec.pp)
+        timeout_s = self.config.reshard_timeout_s
+        groups = build_groups(new, worker=self.worker, timeout_s=timeout_s)
+        pending = _Pending(epoch=command.epoch, layout=new, groups=groups)
+        self.resizing = pending
+        plan = state.transfer_plan(old, new, source=command.source)
+        transfer_groups = state.create_transfer_groups(
+            plan, worker=self.worker, timeout_s=timeout_s
+        )
+        pending.transfers = [g for _, g in transfer_groups]
+        if groups is not None:
+            probe = torch.ones(1, device=self.device)
+            dist.all_reduce(probe, group=groups.members)
+            if int(probe.item()) != len(new.members):
+                raise ReshardError(f"the new group answered {probe.item()} to a health check")
+        moved = 0
+        for move, group in transfer_groups:
+            src_rank = sorted(move.ranks).index(move.source)
+            if self.worker == move.source:
+                moved += reshard.send_state(
+                    self._rank(), group=group, src=src_rank, bucket_bytes=self.config.bucket_bytes
+                )
+                continue
+            assert groups is not None
+            receiver = MegatronRank.empty(
+                self.spec, loss_fn=self.loss_fn, config=self.config, groups=groups
+            )
+            fault = command.fault
+            hook = None
+            if fault is not None and fault.worker == self.worker:
+                hook = state.fault_hook(fault.after_buckets)
+            moved += reshard.receive_state(
+                receiver,
+                group=group,
+                src=src_rank,
+                bucket_bytes=self.config.bucket_bytes,
+                on_bucket=hook,
+            )
+            pending.received = receiver
+        return self._done(started, bytes_moved=moved)
+
+    def _commit(self, command: CommitResize) -> Reply:
+        started = time.perf_counter()
+        pending = self._resize(command.epoch)
+        for group in pending.transfers:
+            dist.destroy_process_group(group)
+        old = self.rank
+        kept: MegatronRank | None = None
+        if pending.groups is not None:
+            kept = pending.received if pending.received is not None else old
+            if kept is None:
+                raise ReshardError(f"worker {self.worker} has no state after the resize")
+            kept.groups = pending.groups
+            kept.group = pending.groups.dp
+        if old is not None:
+            old.groups.destroy()
+            if kept is not old:
+                reshard.release_memory(old)
+        self.rank = kept
+        self.resizing = None
+        return self._done(started)
+
+    def _abort(self, command: AbortResize) -> Reply:
+        started = time.perf_counter()
+        if self.resizing is not None:
+            self._drop(self._resize(command.epoch))
+            self.resizing = None
+        return self._done(started)
+
+    def _save(self, command: SaveCheckpoint) -> Reply:
+        started = time.perf_counter()
+        rank = self._rank()
+        full = state.gather_full_state(rank)
+        if full is not None:
+            state.write_checkpoint(full, command.path)
+        return self._done(started)
+
+    def _load(self, command: LoadCheckpoint) -> Reply:
+        started = time.perf_counter()
+        state.load_checkpoint(self._rank(), command.path)
+        return self._done(started)
+
+    def _sync(self, command: SyncWeights) -> Reply:
+        started = time.perf_counter()
+        rank = self._rank()
+        hf = state.gather_hf_weights(rank)
+        if hf is None:  # a worker of replica 0 that is not its leader: it gave its shard
+            return self._done(started)
+        if self.sync_group is None:
+            raise WeightSyncError(f"worker {self.worker} is not in a weight-sync group")
+        if self._hf is None:
+            self._hf = self.spec.hf_model(device=self.device)
+        state.copy_into(self._hf, hf)
+        sent = send_weights(
+            self._hf,
+            version=command.version,
+            group=self.sync_group,
+            bucket_bytes=self.config.bucket_bytes,
+            staging=rank.staging,
+        )
+        return self._done(started, bytes_moved=sent)
+
+    # -- helpers --------------------------------------------------------------------
+
+    def _rank(self) -> MegatronRank:
+        if self.rank is None:
+            raise TrainerError(f"worker {self.worker} is not a trainer rank now")
+        return self.rank
+
+    def _resize(self, epoch: int) -> _Pending:
+        if self.resizing is None or self.resizing.epoch != epoch:
+            have = None if self.resizing is None else self.resizing.epoch
+            raise TrainerError(f"no prepared resize {epoch} on worker {self.worker} (have {have})")
+        return self.resizing
+
+    def _drop(self, pending: _Pending) -> None:
+        for group in pending.transfers:
+            dist.destroy_process_group(group)
+        pending.transfers.clear()
+        if pending.groups is not None:
+            pending.groups.destroy()
+        if pending.received is not None:
+            reshard.release_memory(pending.received)
+            pending.received = None
