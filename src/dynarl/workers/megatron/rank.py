@@ -161,6 +161,13 @@ class MegatronRank(ElasticTrainer):
             num_steps=self.num_steps,
         )
 
+    def accumulate(self, batch: TensorBatch) -> tuple[float, float]:
+        """Forward and backward over this replica's ``batch`` without stepping: the
+        gradients of the loss *sum* are left in ``.grad``; returns the loss sum and
+        normaliser (on the last stage; zeros elsewhere). For tests and diagnostics."""
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._forward_backward(batch)
+
     def _forward_backward(self, batch: TensorBatch) -> tuple[float, float]:
         """Forward and backward over ``batch`` in micro-batches with megatron-core's
         schedule; returns the summed loss and normaliser (meaningful on the last

@@ -183,8 +183,17 @@ def _stages(
 
 
 def gather_hf_weights(rank: MegatronRank) -> dict[str, torch.Tensor] | None:
-    """The model in the HF layout on replica 0's leader (``None`` elsewhere)."""
-    shards = _gather_to_leader(rank, {n: t.detach().cpu() for n, t in rank.named_shard().items()})
+    """The model in the HF layout on the replica leader (``None`` elsewhere)."""
+    return gather_hf(rank, rank.named_shard())
+
+
+def gather_hf(
+    rank: MegatronRank, shard: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor] | None:
+    """Tensors shaped like the parameters (``shard``: this worker's, by megatron
+    name) in the HF layout on the replica leader (``None`` elsewhere). Collective over
+    the replica."""
+    shards = _gather_to_leader(rank, {n: t.detach().cpu() for n, t in shard.items()})
     if shards is None:
         return None
     return convert.to_hf(_stages(rank.groups.layout, shards), rank.arch)
