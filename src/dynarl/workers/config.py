@@ -99,8 +99,9 @@ class InferenceConfig(Section, frozen=True, kw_only=True):
     """Log-probability inference (old policy, optionally a frozen reference).
 
     Attributes:
-        backend: ``torch`` (one device per replica) or ``megatron`` (not built yet:
-            refused).
+        backend: ``torch`` (one device per replica) or ``megatron`` (log-probs through
+            megatron-core's forward; one process per replica, ``tp=1``; needs the
+            ``megatron`` extra).
         tp: devices per inference replica.
         initial_devices: devices inference starts with.
         micro_batch_size: sequences per forward pass.
@@ -119,7 +120,9 @@ class ActorConfig(Section, frozen=True, kw_only=True):
 
     Attributes:
         backend: ``torch`` (data parallel over gloo/NCCL; ``tp`` and ``pp`` must be 1)
-            or ``megatron`` (not built yet: refused).
+            or ``megatron`` (megatron-core: tensor, pipeline and data parallel, elastic
+            data-parallel resizes; Qwen2 and Llama models; needs the ``megatron``
+            extra).
         tp, pp: tensor and pipeline parallel size of one data-parallel replica.
         initial_devices: devices the actor starts with (a multiple of ``tp * pp``).
         micro_batch_size: sequences per forward/backward.

@@ -8,20 +8,26 @@ leader's); a resize's source is a whole replica (the first that stays whole, els
 first); parking keeps replica 0; a checkpoint and a weight sync gather replica 0.
 """
 
+import dataclasses
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dynarl.workers.errors import TrainerError, WeightSyncError
+from dynarl.workers.errors import ReshardError, TrainerError, WeightSyncError
 from dynarl.workers.megatron.layout import Layout
 from dynarl.workers.torch.trainer_commands import (
+    AbortResize,
+    CommitResize,
     Done,
+    Failed,
+    PrepareReshard,
     ReshardFault,
     SaveCheckpoint,
     StepDone,
     SyncWeights,
     TrainOnItems,
 )
-from dynarl.workers.torch.trainer_pool import TrainerPool
+from dynarl.workers.torch.trainer_pool import TrainerPool, _describe
 from dynarl.workers.trainer import ResizeResult, StepMetrics
 
 
@@ -78,6 +84,46 @@ class MegatronPool(TrainerPool):
             staying = [r for r in replicas if all(w in new for w in r)]
             source = (staying or replicas)[0][0]
         return await super().resize(new, source=source, fault=fault)
+
+    async def reshard(self, members: Sequence[int], *, tp: int, pp: int) -> ResizeResult:
+        """Make ``members`` the ranks with replicas of ``tp`` x ``pp`` workers (a change
+        of tensor or pipeline parallel size), create-before-destroy: the first current
+        replica gathers its state in the HF layout and every new member takes its
+        shard. On failure every worker drops what it prepared, the old layout keeps
+        training, and :class:`ReshardError` is raised."""
+        spec = dataclasses.replace(self._model_factory, tp=tp, pp=pp)
+        new = tuple(int(m) for m in members)
+        Layout(new, tp, pp)  # whole replicas of the new size
+        super()._valid_members(new)
+        if self._parked or not self._members:
+            raise TrainerError("reshard a running trainer (resize a parked one first)")
+        old = self._members
+        source = self.layout().replicas()[0][0]
+        self._epoch += 1
+        started = time.perf_counter()
+        prepare = PrepareReshard(
+            epoch=self._epoch, old_members=old, new_members=new, source=source, tp=tp, pp=pp
+        )
+        replies = await self._call(range(self.num_workers), prepare)
+        failures = [r for r in replies if isinstance(r, Failed)]
+        if failures:
+            self._check(await self._call(range(self.num_workers), AbortResize(epoch=self._epoch)))
+            raise ReshardError(
+                f"reshard {old} -> {new} (tp={tp}, pp={pp}) failed and was rolled back; the "
+                f"old layout keeps training. {_describe(failures)}",
+                worker=failures[0].worker,
+            )
+        self._check(await self._call(range(self.num_workers), CommitResize(epoch=self._epoch)))
+        self._members = new
+        self._model_factory = spec
+        moved = sum(r.bytes_moved for r in replies if isinstance(r, Done))
+        return ResizeResult(
+            epoch=self._epoch,
+            old_members=old,
+            new_members=new,
+            elapsed_s=time.perf_counter() - started,
+            bytes_moved=moved,
+        )
 
     async def park(self) -> ResizeResult:
         """Give up every device but replica 0's, which keeps the state."""

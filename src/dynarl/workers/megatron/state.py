@@ -10,6 +10,7 @@ run resumes on any (dp, tp, pp) layout, and a torch run's tools can read its wei
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import torch
@@ -42,8 +43,8 @@ class _BatchHeader(msgspec.Struct, frozen=True, array_like=True):
 def share_batch(
     batch: TensorBatch | None, *, group: dist.ProcessGroup, src: int, device: torch.device
 ) -> TensorBatch:
-    """``batch`` (given on world rank ``src``, ``None`` elsewhere) on every worker of
-    ``group``."""
+    """Named tensors (given on world rank ``src``, ``None`` elsewhere) on every worker
+    of ``group``: a header of names, dtypes and shapes, then bucketed broadcasts."""
     group_src = dist.get_group_rank(group, src)
     header = None
     if batch is not None:
@@ -210,9 +211,8 @@ def copy_into(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> No
 
 
 def gather_full_state(rank: MegatronRank) -> dict[str, object] | None:
-    """Model, AdamW moments and counters in the HF layout, on replica 0's leader."""
-    if rank.groups.position.dp_rank != 0:
-        return None
+    """Model, AdamW moments and counters in the HF layout, on the replica's leader
+    (``None`` elsewhere). Collective over the replica."""
     names = [n for n, _ in rank.model.named_parameters()]
     params = [p for _, p in rank.model.named_parameters()]
     local: dict[str, torch.Tensor] = {
@@ -273,6 +273,15 @@ def load_checkpoint(rank: MegatronRank, path: str) -> None:
             f"{path} is not a checkpoint of the megatron backend (format {CHECKPOINT_FORMAT}); "
             "resume with the actor.backend of the run that wrote it"
         )
+    load_full_state(rank, full, source=path)
+    rng = full.get("torch_rng")
+    if isinstance(rng, torch.Tensor):
+        torch.set_rng_state(rng)
+
+
+def load_full_state(rank: MegatronRank, full: Mapping[str, Any], *, source: str) -> None:
+    """Make ``rank`` hold its shard of ``full`` (see :func:`gather_full_state`):
+    weights, AdamW moments and step counts."""
     p = rank.groups.position
     layout = rank.groups.layout
     cut = {"tp_rank": p.tp_rank, "tp": layout.tp, "pp_rank": p.pp_rank, "pp": layout.pp}
@@ -282,7 +291,7 @@ def load_checkpoint(rank: MegatronRank, path: str) -> None:
         convert.load_into(rank.model, weights)
     except (KeyError, ValueError, RuntimeError) as exc:
         raise TrainerError(
-            f"the checkpoint {path} does not fit this model ({exc}); resume with the model "
+            f"the state of {source} does not fit this model ({exc}); resume with the model "
             "settings of the run that wrote it"
         ) from exc
     named = dict(rank.model.named_parameters())
@@ -297,6 +306,34 @@ def load_checkpoint(rank: MegatronRank, path: str) -> None:
     groups = rank.optimizer.state_dict()["param_groups"]
     rank.optimizer.load_state_dict({"state": optimizer_state, "param_groups": groups})
     rank.num_steps = int(full.get("num_steps", 0))
-    rng = full.get("torch_rng")
-    if isinstance(rng, torch.Tensor):
-        torch.set_rng_state(rng)
+
+
+def share_full_state(
+    full: Mapping[str, Any] | None, *, group: dist.ProcessGroup, src: int, device: torch.device
+) -> dict[str, Any]:
+    """A :func:`gather_full_state` result (given on world rank ``src``) on every
+    worker of ``group`` (without the RNG state)."""
+    flat: TensorBatch | None = None
+    if full is not None:
+        flat = {
+            "step": torch.tensor(float(full["step"]), dtype=torch.float64),
+            "num_steps": torch.tensor(int(full["num_steps"]), dtype=torch.int64),
+        }
+        for key in ("model", *_MOMENTS):
+            for name, tensor in full.get(key, {}).items():
+                flat[f"{key}/{name}"] = tensor
+    got = share_batch(flat, group=group, src=src, device=device)
+    out: dict[str, Any] = {"step": float(got.pop("step")), "num_steps": int(got.pop("num_steps"))}
+    for name, tensor in got.items():
+        key, param = name.split("/", 1)
+        out.setdefault(key, {})[param] = tensor
+    return out
+
+
+def nbytes(full: Mapping[str, Any]) -> int:
+    """Bytes of the tensors of a full state."""
+    return sum(
+        t.numel() * t.element_size()
+        for key in ("model", *_MOMENTS)
+        for t in full.get(key, {}).values()
+    )

@@ -18,6 +18,8 @@ What differs is what a layout of replicas needs:
   layout (:mod:`~dynarl.workers.megatron.state`).
 """
 
+import dataclasses
+import datetime
 import logging
 import time
 from dataclasses import dataclass, field
@@ -37,6 +39,7 @@ from dynarl.workers.torch.trainer_commands import (
     CommitResize,
     Join,
     LoadCheckpoint,
+    PrepareReshard,
     PrepareResize,
     Reply,
     SaveCheckpoint,
@@ -72,6 +75,8 @@ class _Pending:
     groups: RankGroups | None
     transfers: list[dist.ProcessGroup] = field(default_factory=list)
     received: MegatronRank | None = None
+    spec: ModelSpec | None = None
+    """The spec after a change of tp or pp (``None``: unchanged)."""
 
 
 class MegatronWorker(TrainerWorker):
@@ -94,6 +99,7 @@ class MegatronWorker(TrainerWorker):
         self.rank: MegatronRank | None = None
         self.resizing: _Pending | None = None
         self._hf: torch.nn.Module | None = None  # the weight-sync sender's HF layout
+        self._handlers[PrepareReshard] = self._prepare_reshard
 
     def close(self) -> None:
         """Drop a prepared resize, the rank and its groups."""
@@ -196,6 +202,40 @@ class MegatronWorker(TrainerWorker):
             pending.received = receiver
         return self._done(started, bytes_moved=moved)
 
+    def _prepare_reshard(self, command: PrepareReshard) -> Reply:
+        """A change of tp or pp: the source replica gathers its state in the HF layout
+        to its leader, which shares it with every new member; each cuts its shard."""
+        started = time.perf_counter()
+        if self.resizing is not None:
+            raise TrainerError(f"resize {self.resizing.epoch} is still pending; abort it first")
+        spec = dataclasses.replace(self.spec, tp=command.tp, pp=command.pp)
+        spec.architecture()  # refuses a split the model cannot take, on every worker
+        old = Layout(command.old_members, self.spec.tp, self.spec.pp)
+        new = Layout(command.new_members, spec.tp, spec.pp)
+        timeout_s = self.config.reshard_timeout_s
+        groups = build_groups(new, worker=self.worker, timeout_s=timeout_s)
+        pending = _Pending(epoch=command.epoch, layout=new, groups=groups, spec=spec)
+        self.resizing = pending
+        where = old.position(command.source)
+        if where is None:
+            raise ReshardError(f"source worker {command.source} is not a member")
+        source = old.replicas()[where.dp_rank]
+        ranks = sorted(set(source) | set(new.members))
+        transfer = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+        if self.worker not in ranks:
+            return self._done(started)
+        pending.transfers.append(transfer)
+        full = state.gather_full_state(self._rank()) if self.worker in source else None
+        shared = state.share_full_state(full, group=transfer, src=source[0], device=self.device)
+        if groups is not None:
+            receiver = MegatronRank.empty(
+                spec, loss_fn=self.loss_fn, config=self.config, groups=groups
+            )
+            state.load_full_state(receiver, shared, source=f"worker {source[0]}")
+            pending.received = receiver
+        moved = state.nbytes(shared) * (len(ranks) - 1) if self.worker == source[0] else 0
+        return self._done(started, bytes_moved=moved)
+
     def _commit(self, command: CommitResize) -> Reply:
         started = time.perf_counter()
         pending = self._resize(command.epoch)
@@ -215,6 +255,9 @@ class MegatronWorker(TrainerWorker):
                 reshard.release_memory(old)
         self.rank = kept
         self.resizing = None
+        if pending.spec is not None:
+            self.spec = pending.spec
+            self._hf = None
         return self._done(started)
 
     def _abort(self, command: AbortResize) -> Reply:

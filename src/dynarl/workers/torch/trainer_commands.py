@@ -77,6 +77,20 @@ class PrepareResize(_Command, frozen=True, kw_only=True):
     fault: ReshardFault | None = None
 
 
+class PrepareReshard(_Command, frozen=True, kw_only=True):
+    """Every worker of a backend that shards a replica (Megatron): like
+    :class:`PrepareResize`, and the replicas' tensor- and pipeline-parallel sizes
+    become ``tp`` and ``pp``; the new members take their shards of the state the
+    source replica holds. Committed and aborted as a resize."""
+
+    epoch: int
+    old_members: tuple[int, ...]
+    new_members: tuple[int, ...]
+    source: int
+    tp: int
+    pp: int
+
+
 class CommitResize(_Command, frozen=True, kw_only=True):
     """Every worker: switch to the prepared group of ``epoch``; leavers release memory."""
 
@@ -142,6 +156,7 @@ Command = (
     | TrainStep
     | TrainOnItems
     | PrepareResize
+    | PrepareReshard
     | CommitResize
     | AbortResize
     | SaveCheckpoint
