@@ -11,9 +11,16 @@ no memory before it joins, receives) and ``raw_warm_s`` into an already touched 
 The gap between the two is first-touch page faulting, which on some virtual machines
 costs more than the copy. A shrink ``[0, 1] -> [0]`` moves no state: the fixed cost.
 
+With ``--megatron`` (when megatron-core is installed), the Megatron trainer of a
+model of the same width and depth (the built-in character vocabulary) adds two rows per
+size, each beside a bare broadcast of the bytes it moved: a data-parallel grow
+``[0] -> [0, 1]`` (the joiner receives its shard, moments and step from worker 0) and
+a change of tensor-parallel size ``TP=1 on [0] -> TP=2 on [0, 1]`` (worker 0 shares
+the whole state in the HF layout; each new member cuts its shard).
+
 Aim: ``reshard_s <= 2 * raw_s + 0.5``. Prints a table, then one JSON line.
 
-    python bench/reshard.py [--sizes 10M,50M,200M] [--repeats 2]
+    python bench/reshard.py [--sizes 10M,50M,200M] [--repeats 2] [--megatron]
 """
 
 import argparse
@@ -24,6 +31,7 @@ import multiprocessing
 import tempfile
 import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 import anyio
 import numpy as np
@@ -109,6 +117,64 @@ def measure_reshard(size: str, repeats: int) -> dict[str, float]:
     }
 
 
+def measure_megatron(size: str, repeats: int) -> list[dict[str, float]]:
+    """Best DP-grow and TP-change times of a two-worker Megatron pool."""
+    from dynarl.workers.config import ModelConfig
+    from dynarl.workers.megatron.main import megatron_trainer_main
+    from dynarl.workers.megatron.pool import MegatronPool
+    from dynarl.workers.megatron.spec import ModelSpec
+
+    hidden, layers, _, mlp = SHAPES[size]
+    heads, kv_heads = hidden // 64, max(2, hidden // 256)
+    model = ModelConfig(
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=mlp,
+        max_seq_len=64,
+    )
+    config = TrainerConfig(micro_batch_size=1, timeout_s=600.0, reshard_timeout_s=120.0)
+    rng = np.random.default_rng(0)
+    minibatch = {
+        "input_ids": rng.integers(4, 90, size=(1, 16)),
+        "loss_weights": np.ones((1, 16), dtype=np.float32),
+    }
+    times: dict[str, list[float]] = {"megatron dp grow": [], "megatron tp 1->2": []}
+    moved: dict[str, int] = {}
+
+    async def run() -> None:
+        async with LocalWorkers(megatron_trainer_main, ["mt-0", "mt-1"]) as workers:
+            pool = MegatronPool(
+                config,
+                workers=workers.channels,
+                model_factory=ModelSpec(model=model),
+                loss_fn=weighted_nll,
+            )
+            await pool.start()
+            try:
+                await pool.start_training([0])
+                await pool.train_step(minibatch)
+                for _ in range(repeats):
+                    grow = await pool.resize([0, 1])
+                    times["megatron dp grow"].append(grow.elapsed_s)
+                    moved["megatron dp grow"] = grow.bytes_moved
+                    await pool.resize([0])
+                    change = await pool.reshard([0, 1], tp=2, pp=1)
+                    times["megatron tp 1->2"].append(change.elapsed_s)
+                    moved["megatron tp 1->2"] = change.bytes_moved
+                    await pool.reshard([0], tp=1, pp=1)
+            finally:
+                await pool.close()
+
+    anyio.run(run)
+    params = sum(p.numel() for p in ModelSpec(model=model).hf_model().parameters())
+    return [
+        {"kind": kind, "params": params, "bytes": moved[kind], "reshard_s": min(t), "shrink_s": 0.0}
+        for kind, t in times.items()
+    ]
+
+
 def _raw_worker(
     rank: int, store_path: str, sizes: list[int], repeats: int, conn: Connection
 ) -> None:
@@ -180,10 +246,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="10M,50M,200M")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--megatron", action="store_true", help="add the Megatron rows")
     args = parser.parse_args()
     sizes = args.sizes.split(",")
     started = time.perf_counter()
-    rows = [measure_reshard(size, args.repeats) for size in sizes]
+    rows: list[dict[str, Any]] = []
+    for size in sizes:
+        rows.append({"kind": "torch dp grow", **measure_reshard(size, args.repeats)})
+        if args.megatron:
+            rows.extend(measure_megatron(size, args.repeats))
     raw = measure_raw([int(r["bytes"]) for r in rows], args.repeats)
     for row, (raw_s, raw_warm_s) in zip(rows, raw, strict=True):
         row.update(
@@ -194,6 +265,7 @@ def main() -> None:
         )
 
     header = (
+        "kind",
         "params",
         "state MB",
         "reshard s",
@@ -203,20 +275,33 @@ def main() -> None:
         "ratio",
         "shrink s",
     )
-    print(("{:>12} {:>9} {:>10} {:>8} {:>6} {:>11} {:>6} {:>9}").format(*header))
+    print(("{:<17} {:>12} {:>9} {:>10} {:>8} {:>6} {:>11} {:>6} {:>9}").format(*header))
     for row in rows:
         print(
-            f"{row['params']:>12,} {row['bytes'] / 1e6:>9.0f} {row['reshard_s']:>10.3f} "
+            f"{row['kind']:<17} {row['params']:>12,} {row['bytes'] / 1e6:>9.0f} "
+            f"{row['reshard_s']:>10.3f} "
             f"{row['raw_s']:>8.3f} {row['ratio']:>6.2f} {row['raw_warm_s']:>11.3f} "
             f"{row['ratio_warm']:>6.2f} {row['shrink_s']:>9.3f}"
         )
     print(
-        "reshard: grow [0] -> [0, 1] (params + buffers + AdamW state); raw: one gloo broadcast "
+        "torch dp grow: [0] -> [0, 1] (params + buffers + AdamW state); megatron dp grow: the "
+        "same with a Megatron trainer; megatron tp 1->2: TP=1 on [0] -> TP=2 on [0, 1] (the "
+        "whole HF-layout state to the new members); raw: one gloo broadcast "
         "of the same bytes into a fresh (like a joiner) or already touched buffer; shrink: "
         f"[0, 1] -> [0], the fixed cost. 2 processes, gloo, CPU; "
         f"{time.perf_counter() - started:.0f} s in all"
     )
-    keys = ("params", "reshard_s", "raw_s", "ratio", "raw_warm_s", "ratio_warm", "shrink_s")
+    keys = (
+        "kind",
+        "params",
+        "bytes",
+        "reshard_s",
+        "raw_s",
+        "ratio",
+        "raw_warm_s",
+        "ratio_warm",
+        "shrink_s",
+    )
     print(json.dumps({"bench": "reshard", "rows": [{k: row[k] for k in keys} for row in rows]}))
 
 

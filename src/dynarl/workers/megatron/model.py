@@ -205,6 +205,7 @@ def build_gpt(
     ``device`` (load them with :mod:`~dynarl.workers.megatron.convert`)."""
     use_cpu()
     _ensure_memory_buffer()
+    _ensure_rng_tracker()
     tp, pp = groups.tp.size(), groups.pp.size()
     arch.check_parallel(tp, pp)
     with quiet():
@@ -324,6 +325,15 @@ def _self_group(like: dist.ProcessGroup) -> dist.ProcessGroup:
         return like
     group: dist.ProcessGroup = dist.new_group([dist.get_rank()], use_local_synchronization=True)
     return group
+
+
+def _ensure_rng_tracker() -> None:
+    """The inference RNG tracker (``fork`` touches no RNG), unless one is installed:
+    exact for these dropout-free models, on the CPU and on a GPU."""
+    from megatron.core.tensor_parallel import random
+
+    if not random._CUDA_RNG_STATE_TRACKER_INITIALIZED:
+        random.initialize_rng_tracker(inference_rng_tracker=True)
 
 
 def _ensure_memory_buffer() -> None:

@@ -72,10 +72,12 @@ class MegatronRank(ElasticTrainer):
         config: TrainerConfig,
         groups: RankGroups,
         hf_state: Mapping[str, torch.Tensor],
+        device: torch.device | str = "cpu",
     ) -> "MegatronRank":
-        """A rank whose shard is cut from ``hf_state`` (the HF model's tensors)."""
+        """A rank on ``device`` whose shard is cut from ``hf_state`` (the HF model's
+        tensors)."""
         arch = spec.architecture()
-        model = build_gpt(arch, groups.collection)
+        model = build_gpt(arch, groups.collection, device=device)
         p = groups.position
         convert.load_into(
             model,
@@ -89,11 +91,17 @@ class MegatronRank(ElasticTrainer):
 
     @classmethod
     def empty(
-        cls, spec: ModelSpec, *, loss_fn: LossFn, config: TrainerConfig, groups: RankGroups
+        cls,
+        spec: ModelSpec,
+        *,
+        loss_fn: LossFn,
+        config: TrainerConfig,
+        groups: RankGroups,
+        device: torch.device | str = "cpu",
     ) -> "MegatronRank":
-        """A rank whose tensors are allocated but not filled (a joiner)."""
+        """A rank on ``device`` whose tensors are allocated but not filled (a joiner)."""
         arch = spec.architecture()
-        model = build_gpt(arch, groups.collection)
+        model = build_gpt(arch, groups.collection, device=device)
         return cls(
             model, _adamw(model, config), loss_fn=loss_fn, config=config, groups=groups, arch=arch
         )

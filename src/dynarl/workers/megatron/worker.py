@@ -146,6 +146,7 @@ class MegatronWorker(TrainerWorker):
                 config=self.config,
                 groups=groups,
                 hf_state=self.spec.hf_state(),
+                device=self.device,
             )
         return self._done(started)
 
@@ -186,7 +187,11 @@ class MegatronWorker(TrainerWorker):
                 continue
             assert groups is not None
             receiver = MegatronRank.empty(
-                self.spec, loss_fn=self.loss_fn, config=self.config, groups=groups
+                self.spec,
+                loss_fn=self.loss_fn,
+                config=self.config,
+                groups=groups,
+                device=self.device,
             )
             fault = command.fault
             hook = None
@@ -229,7 +234,7 @@ class MegatronWorker(TrainerWorker):
         shared = state.share_full_state(full, group=transfer, src=source[0], device=self.device)
         if groups is not None:
             receiver = MegatronRank.empty(
-                spec, loss_fn=self.loss_fn, config=self.config, groups=groups
+                spec, loss_fn=self.loss_fn, config=self.config, groups=groups, device=self.device
             )
             state.load_full_state(receiver, shared, source=f"worker {source[0]}")
             pending.received = receiver

@@ -1,0 +1,205 @@
+"""Check the Megatron-core backend on a GPU machine: NCCL, the CUDA path without the
+CPU redirections, and megatron-core's own DDP wrapper + distributed optimizer on our
+models.
+
+    python bench/gpu/megatron_check.py [--workers 2]
+
+Checks, one line each, then a JSON summary (exit code 1 if any failed):
+
+1. ``logits``: a tiny Qwen2 converted into Megatron on ``cuda`` gives transformers'
+   logits (fp32).
+2. ``train``: the trainer (MegatronPool, NCCL, one GPU per worker) steps at DP=1;
+   with two or more GPUs also a DP resize 1 -> 2 -> 1 and a TP=2 reshard, whose losses
+   must equal the fixed DP=1 run's.
+3. ``distributed_optimizer``: megatron-core's ``DistributedDataParallel`` with
+   ``use_distributed_optimizer`` and ``get_megatron_optimizer`` (Adam) on one rank take
+   the same step as torch AdamW on the same weights (what the backend would use on a
+   GPU; it is not wired into the elastic trainer yet, see docs/megatron.md).
+
+Needs a CUDA torch, transformers and megatron-core 0.16 (carry its wheel, with pyzmq
+and msgspec, to a machine without them).
+"""
+
+import argparse
+import datetime
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+import torch.distributed as dist
+
+MODEL_FIELDS = {"max_seq_len": 64, "num_layers": 2}
+
+
+def minibatch(step: int, n: int = 8, length: int = 20) -> dict[str, Any]:
+    rng = np.random.default_rng(step)
+    mask = np.zeros((n, length), dtype=np.float32)
+    mask[:, 6:] = 1.0
+    return {
+        "input_ids": rng.integers(4, 90, size=(n, length)),
+        "attention_mask": np.ones((n, length), dtype=np.int64),
+        "loss_mask": mask,
+        "old_logprobs": np.full((n, length), -4.0, dtype=np.float32),
+        "advantages": rng.standard_normal(n).astype(np.float32),
+    }
+
+
+def check_logits() -> dict[str, Any]:
+    from dynarl.workers.config import ModelConfig
+    from dynarl.workers.megatron import convert
+    from dynarl.workers.megatron.model import build_gpt, causal_logits, single_process_groups
+    from dynarl.workers.megatron.spec import ModelSpec
+
+    spec = ModelSpec(model=ModelConfig(**MODEL_FIELDS))
+    hf = spec.hf_model(device="cuda")
+    arch = spec.architecture()
+    model = build_gpt(arch, single_process_groups(), device="cuda")
+    convert.load_into(model, convert.to_megatron(dict(hf.named_parameters()), arch))
+    ids = torch.randint(4, 90, (3, 17), device="cuda")
+    with torch.no_grad():
+        expected = hf(input_ids=ids).logits
+        got = causal_logits(model, ids, None, vocab_size=arch.vocab_size)
+    error = float((got - expected).abs().max())
+    return {"ok": error < 1e-3, "max_abs_error": error}
+
+
+async def check_train(num_workers: int) -> dict[str, Any]:
+    from dynarl.api.config import AlgorithmConfig
+    from dynarl.rl.grpo import GrpoLoss
+    from dynarl.testing.workers import LocalWorkers
+    from dynarl.workers.config import ModelConfig
+    from dynarl.workers.megatron.main import megatron_trainer_main
+    from dynarl.workers.megatron.pool import MegatronPool
+    from dynarl.workers.megatron.spec import ModelSpec
+    from dynarl.workers.torch.trainer_config import TrainerConfig
+
+    config = TrainerConfig(micro_batch_size=4, lr=1e-2, device="cuda", timeout_s=300.0)
+    names = [f"mt-{i}" for i in range(num_workers)]
+    out: dict[str, Any] = {}
+    async with LocalWorkers(megatron_trainer_main, names) as workers:
+        pool = MegatronPool(
+            config,
+            workers=workers.channels,
+            model_factory=ModelSpec(model=ModelConfig(**MODEL_FIELDS)),
+            loss_fn=GrpoLoss.from_config(AlgorithmConfig()),
+        )
+        await pool.start()
+        try:
+            await pool.start_training([0])
+            start = "/tmp/dynarl_megatron_check_start.pt"
+            await pool.save_checkpoint(start)
+            fixed = [(await pool.train_step(minibatch(s))).loss for s in range(4)]
+            out["fixed"] = fixed
+            if num_workers >= 2:
+                await pool.load_checkpoint(start)
+                moved = [(await pool.train_step(minibatch(0))).loss]
+                grow = await pool.resize([0, 1])
+                moved.append((await pool.train_step(minibatch(1))).loss)
+                await pool.resize([0])
+                tp = await pool.reshard([0, 1], tp=2, pp=1)
+                moved.append((await pool.train_step(minibatch(2))).loss)
+                await pool.reshard([0], tp=1, pp=1)
+                moved.append((await pool.train_step(minibatch(3))).loss)
+                out.update(
+                    moved=moved,
+                    dp_grow_s=grow.elapsed_s,
+                    tp_change_s=tp.elapsed_s,
+                    max_rel_diff=float(np.max(np.abs(np.subtract(moved, fixed)) / np.abs(fixed))),
+                )
+                out["ok"] = out["max_rel_diff"] < 1e-4
+            else:
+                out["ok"] = bool(np.all(np.isfinite(fixed)))
+                out["note"] = "one GPU: no resize (NCCL takes one rank per GPU)"
+        finally:
+            await pool.close()
+    return out
+
+
+def check_distributed_optimizer() -> dict[str, Any]:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from dynarl.workers.config import ModelConfig
+    from dynarl.workers.megatron import convert
+    from dynarl.workers.megatron.model import build_gpt, causal_logits, single_process_groups
+    from dynarl.workers.megatron.spec import ModelSpec
+
+    spec = ModelSpec(model=ModelConfig(**MODEL_FIELDS))
+    arch = spec.architecture()
+    state = convert.to_megatron(spec.hf_state(), arch)
+    groups = single_process_groups()
+    ids = torch.randint(4, 90, (4, 16), device="cuda")
+
+    def loss_of(model: torch.nn.Module) -> torch.Tensor:
+        logits = causal_logits(model, ids, None, vocab_size=arch.vocab_size)
+        return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).sum().neg()
+
+    reference = build_gpt(arch, groups, device="cuda")
+    convert.load_into(reference, state)
+    adamw = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    loss_of(reference).backward()
+    adamw.step()
+
+    model = build_gpt(arch, groups, device="cuda")
+    convert.load_into(model, state)
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True),
+        model,
+        pg_collection=groups,
+    )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=0.0),
+        [ddp],
+        pg_collection=groups,
+    )
+    ddp.zero_grad_buffer()
+    loss_of(ddp).backward()
+    ddp.finish_grad_sync()
+    optimizer.step()
+    error = max(
+        float((a - b).abs().max())
+        for a, b in zip(model.parameters(), reference.parameters(), strict=True)
+    )
+    return {"ok": error < 1e-5, "max_abs_param_diff": error}
+
+
+def run(name: str, check: Callable[[], Any], results: dict[str, Any]) -> None:
+    try:
+        results[name] = check()
+    except Exception as error:  # a check that crashes is a failed check, reported
+        results[name] = {"ok": False, "error": f"{type(error).__name__}: {error}"}
+        traceback.print_exc()
+    print(f"{name:>22}: {'ok' if results[name].get('ok') else 'FAILED'} {results[name]}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=min(2, torch.cuda.device_count()))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device here: nothing to check", file=sys.stderr)
+        return 2
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl",
+            init_method="tcp://127.0.0.1:29533",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=120),
+        )
+    results: dict[str, Any] = {}
+    run("logits", check_logits, results)
+    run("train", lambda: anyio.run(check_train, max(1, args.workers)), results)
+    run("distributed_optimizer", check_distributed_optimizer, results)
+    print(json.dumps({"bench": "megatron_check", "results": results}, default=str))
+    return 0 if all(r.get("ok") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
