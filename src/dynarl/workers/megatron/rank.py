@@ -1,36 +1,38 @@
 """One Megatron trainer rank: its shard of the GPT model (a tensor-parallel rank of a
-pipeline stage), its AdamW optimizer, its process groups, and the optimizer step.
+pipeline stage) inside Megatron's ``DistributedDataParallel`` wrapper, its AdamW
+optimizer, its process groups, and the optimizer step.
 
 The step runs megatron-core's own schedule (``forward_backward_no_pipelining``, or
 the 1F1B ``forward_backward_pipelining_without_interleaving`` across stages) over the
-replica's micro-batches with ``calculate_per_token_loss``: each micro-batch adds its
-loss *sum* to the gradients and its normaliser to a count, as the torch trainer does.
-Then the gradients are summed over the data-parallel group in buckets, every member
-learns the global loss, normaliser and gradient norm (each shard counted once: tensor-
-parallel duplicates only on tensor rank 0), the gradients are divided by the global
-normaliser and clipped, and AdamW steps. The update is therefore the single-rank
-update whatever the (dp, tp, pp) layout, and a group can be swapped between steps:
-there is no wrapper bound to a data-parallel group (see ``docs/megatron.md`` for why
-Megatron's DDP wrapper is not used across resizes).
+replica's micro-batches with ``calculate_per_token_loss``: each micro-batch adds the
+gradient of its loss *sum* to the wrapper's buffers and its normaliser to a count, as
+the torch trainer does. The wrapper sums the buffers over the data-parallel group
+(``finish_grad_sync``, gradient scaling 1); every member learns the global loss,
+normaliser and gradient norm (each shard counted once: tensor-parallel duplicates only
+on tensor rank 0); the gradients are divided by the global normaliser and clipped, and
+AdamW steps on them. The update is therefore the single-rank update whatever the
+(dp, tp, pp) layout. A resize rebuilds the wrapper on the new layout's groups
+(:meth:`MegatronRank.regroup`) and retires the old one.
 
 It subclasses the torch backend's :class:`~dynarl.workers.torch.trainer.ElasticTrainer`
-for what is the same (the state's tensors, checkpoints of the local shard, the peer-to-
-peer state transfer of :mod:`dynarl.workers.torch.reshard`) and replaces the step.
+for what is the same (the state's tensors, the peer-to-peer state transfer of
+:mod:`dynarl.workers.torch.reshard`) and replaces the step.
 """
 
 import functools
 import logging
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dynarl.workers.errors import TrainerError
 from dynarl.workers.megatron import convert
+from dynarl.workers.megatron.cpu import quiet
 from dynarl.workers.megatron.layout import RankGroups
 from dynarl.workers.megatron.model import Architecture, build_gpt, causal_mask
 from dynarl.workers.megatron.spec import ModelSpec
-from dynarl.workers.torch.buckets import all_reduce_tensors
 from dynarl.workers.torch.train_batch import TensorBatch, micro_batches, num_samples, shard
 from dynarl.workers.torch.trainer import ElasticTrainer
 from dynarl.workers.torch.trainer_config import TrainerConfig
@@ -62,6 +64,22 @@ class MegatronRank(ElasticTrainer):
         )
         self.groups = groups
         self.arch = arch
+        self.ddp = _wrap(model, groups)
+        """Megatron's data-parallel wrapper of ``model`` on ``groups``: gradients
+        accumulate in its buffers (``param.main_grad``) and are summed over the
+        data-parallel group there."""
+
+    def regroup(self, groups: RankGroups) -> None:
+        """Move this rank to another layout's ``groups`` (a resize kept it): its
+        data-parallel wrapper is rebuilt on them and the old one retired."""
+        _retire(self.ddp)
+        self.groups = groups
+        self.group = groups.dp
+        self.ddp = _wrap(self.model, groups)
+
+    def release(self) -> None:
+        """Retire the wrapper (its gradient buffers go) before the tensors are freed."""
+        _retire(self.ddp)
 
     @classmethod
     def create(
@@ -130,20 +148,11 @@ class MegatronRank(ElasticTrainer):
         mine = dict(minibatch) if local else shard(minibatch, self.rank, self.world_size)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
-        if mine and num_samples(mine) > 0:
-            loss_sum, normaliser = self._forward_backward(mine)
-            if groups.is_loss_rank:
-                totals[0], totals[1] = loss_sum, normaliser
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        loss_sum, normaliser = self.accumulate(mine if mine and num_samples(mine) > 0 else {})
+        if groups.is_loss_rank:
+            totals[0], totals[1] = loss_sum, normaliser
         grads = [p.grad for p in params if p.grad is not None]
-        if groups.layout.dp > 1:
-            all_reduce_tensors(
-                grads, group=groups.dp, bucket_bytes=self.config.bucket_bytes, staging=self.staging
-            )
         totals[2] = self._local_grad_square(params)
         dist.all_reduce(totals, group=groups.members)
         loss_total, normaliser_total = float(totals[0]), float(totals[1])
@@ -170,11 +179,19 @@ class MegatronRank(ElasticTrainer):
         )
 
     def accumulate(self, batch: TensorBatch) -> tuple[float, float]:
-        """Forward and backward over this replica's ``batch`` without stepping: the
-        gradients of the loss *sum* are left in ``.grad``; returns the loss sum and
-        normaliser (on the last stage; zeros elsewhere). For tests and diagnostics."""
+        """Forward and backward over this replica's ``batch`` (empty: none), then the
+        wrapper's gradient sum over the data-parallel group, without stepping: the
+        summed gradients of the loss *sum* are left in ``.grad`` (views of the
+        wrapper's buffers); returns this replica's loss sum and normaliser (on the last
+        stage; zeros elsewhere). Collective over the data-parallel group."""
         self.optimizer.zero_grad(set_to_none=True)
-        return self._forward_backward(batch)
+        self.ddp.zero_grad_buffer()
+        totals = self._forward_backward(batch) if batch else (0.0, 0.0)
+        self.ddp.finish_grad_sync()
+        for p in self.model.parameters():
+            if p.requires_grad:
+                p.grad = p.main_grad  # type: ignore[attr-defined]
+        return totals
 
     def _forward_backward(self, batch: TensorBatch) -> tuple[float, float]:
         """Forward and backward over ``batch`` in micro-batches with megatron-core's
@@ -196,7 +213,7 @@ class MegatronRank(ElasticTrainer):
         reports = run(
             forward_step_func=step,
             data_iterator=iter(micros),
-            model=self.model,
+            model=self.ddp,
             num_microbatches=len(micros),
             seq_length=width,
             micro_batch_size=size,
@@ -223,6 +240,36 @@ class MegatronRank(ElasticTrainer):
             if p.grad is not None and (first or getattr(p, "tensor_model_parallel", False)):
                 total += float(p.grad.detach().double().pow(2).sum())
         return total
+
+
+def _wrap(model: torch.nn.Module, groups: RankGroups) -> Any:
+    """Megatron's ``DistributedDataParallel`` around ``model`` on ``groups``: no
+    overlap, no distributed optimizer, sums (``calculate_per_token_loss`` sets the
+    gradient scaling to 1)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    with quiet():
+        return DistributedDataParallel(
+            model.config,
+            DistributedDataParallelConfig(
+                overlap_grad_reduce=False,
+                use_distributed_optimizer=False,
+                grad_reduce_in_fp32=False,
+            ),
+            model,
+            pg_collection=groups.collection,
+        )
+
+
+def _retire(ddp: Any) -> None:
+    """Disconnect a wrapper that will not be used again. Its gradient hooks stay on the
+    parameters (it does not keep their handles) but find no parameter of theirs any
+    more, and its buffers are dropped."""
+    ddp.param_to_bucket_group = {}
+    ddp.buffers = []
+    ddp.bucket_groups = []
+    ddp.expert_parallel_buffers = []
+    ddp.expert_parallel_bucket_groups = []
 
 
 def _forward_step(

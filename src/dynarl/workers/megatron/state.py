@@ -194,7 +194,7 @@ def gather_hf(
     """Tensors shaped like the parameters (``shard``: this worker's, by megatron
     name) in the HF layout on the replica leader (``None`` elsewhere). Collective over
     the replica."""
-    shards = _gather_to_leader(rank, {n: t.detach().cpu() for n, t in shard.items()})
+    shards = _gather_to_leader(rank, {n: t.detach().to("cpu", copy=True) for n, t in shard.items()})
     if shards is None:
         return None
     return convert.to_hf(_stages(rank.groups.layout, shards), rank.arch)
@@ -216,14 +216,14 @@ def gather_full_state(rank: MegatronRank) -> dict[str, object] | None:
     names = [n for n, _ in rank.model.named_parameters()]
     params = [p for _, p in rank.model.named_parameters()]
     local: dict[str, torch.Tensor] = {
-        n: p.detach().cpu() for n, p in zip(names, params, strict=True)
+        n: p.detach().to("cpu", copy=True) for n, p in zip(names, params, strict=True)
     }
     step = 0.0
     for name, param in zip(names, params, strict=True):
         entry = rank.optimizer.state.get(param, {})
         for key in _MOMENTS:
             if key in entry:
-                local[f"{key}/{name}"] = entry[key].detach().cpu()
+                local[f"{key}/{name}"] = entry[key].detach().to("cpu", copy=True)
         if "step" in entry:
             step = float(entry["step"])
     shards = _gather_to_leader(rank, local)

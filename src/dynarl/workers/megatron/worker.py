@@ -135,6 +135,7 @@ class MegatronWorker(TrainerWorker):
             raise TrainerError(f"resize {self.resizing.epoch} is pending; abort it first")
         if self.rank is not None:  # a restart: the previous rank goes
             self.rank.groups.destroy()
+            self.rank.release()
             reshard.release_memory(self.rank)
             self.rank = None
         layout = Layout(command.members, self.spec.tp, self.spec.pp)
@@ -247,17 +248,19 @@ class MegatronWorker(TrainerWorker):
         for group in pending.transfers:
             dist.destroy_process_group(group)
         old = self.rank
+        old_groups = old.groups if old is not None else None
         kept: MegatronRank | None = None
         if pending.groups is not None:
             kept = pending.received if pending.received is not None else old
             if kept is None:
                 raise ReshardError(f"worker {self.worker} has no state after the resize")
-            kept.groups = pending.groups
-            kept.group = pending.groups.dp
-        if old is not None:
-            old.groups.destroy()
-            if kept is not old:
-                reshard.release_memory(old)
+            if kept is old:
+                kept.regroup(pending.groups)
+        if old_groups is not None:
+            old_groups.destroy()
+        if old is not None and kept is not old:
+            old.release()
+            reshard.release_memory(old)
         self.rank = kept
         self.resizing = None
         if pending.spec is not None:
@@ -325,5 +328,6 @@ class MegatronWorker(TrainerWorker):
         if pending.groups is not None:
             pending.groups.destroy()
         if pending.received is not None:
+            pending.received.release()
             reshard.release_memory(pending.received)
             pending.received = None
