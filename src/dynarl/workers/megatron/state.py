@@ -19,6 +19,7 @@ import torch.distributed as dist
 from dynarl.workers.errors import TrainerError
 from dynarl.workers.megatron import convert
 from dynarl.workers.megatron.layout import Layout
+from dynarl.workers.megatron.model import Architecture
 from dynarl.workers.megatron.rank import MegatronRank
 from dynarl.workers.torch.buckets import BucketHook, broadcast, broadcast_tensors
 from dynarl.workers.torch.train_batch import TensorBatch
@@ -284,56 +285,58 @@ def load_full_state(rank: MegatronRank, full: Mapping[str, Any], *, source: str)
     weights, AdamW moments and step counts."""
     p = rank.groups.position
     layout = rank.groups.layout
-    cut = {"tp_rank": p.tp_rank, "tp": layout.tp, "pp_rank": p.pp_rank, "pp": layout.pp}
     try:
-        weights = convert.to_megatron(full["model"], rank.arch, **cut)
-        moments = {k: convert.to_megatron(full[k], rank.arch, **cut) for k in _MOMENTS if k in full}
+        cut = cut_state(
+            full, rank.arch, tp_rank=p.tp_rank, tp=layout.tp, pp_rank=p.pp_rank, pp=layout.pp
+        )
+    except KeyError as exc:
+        raise TrainerError(f"the state of {source} lacks {exc}; it is not a full state") from exc
+    load_cut(rank, cut, source=source)
+
+
+def cut_state(
+    full: Mapping[str, Any], arch: Architecture, *, tp_rank: int, tp: int, pp_rank: int, pp: int
+) -> TensorBatch:
+    """The shard ``(tp_rank, pp_rank)`` of a full state, as flat named tensors:
+    ``model/<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>`` (megatron names),
+    ``step`` and ``num_steps`` (what one new member of a reshard receives)."""
+    flat: TensorBatch = {
+        "step": torch.tensor(float(full.get("step", 0.0)), dtype=torch.float64),
+        "num_steps": torch.tensor(int(full.get("num_steps", 0)), dtype=torch.int64),
+    }
+    position = {"tp_rank": tp_rank, "tp": tp, "pp_rank": pp_rank, "pp": pp}
+    for key in ("model", *_MOMENTS):
+        if key in full:
+            for name, tensor in convert.to_megatron(full[key], arch, **position).items():
+                flat[f"{key}/{name}"] = tensor
+    return flat
+
+
+def load_cut(rank: MegatronRank, flat: Mapping[str, torch.Tensor], *, source: str) -> None:
+    """Make ``rank`` hold a :func:`cut_state` of its own position."""
+    weights = _select(flat, "model")
+    try:
         convert.load_into(rank.model, weights)
-    except (KeyError, ValueError, RuntimeError) as exc:
+    except ValueError as exc:
         raise TrainerError(
             f"the state of {source} does not fit this model ({exc}); resume with the model "
             "settings of the run that wrote it"
         ) from exc
+    moments = {k: _select(flat, k) for k in _MOMENTS}
     named = dict(rank.model.named_parameters())
-    index = {name: i for i, name in enumerate(named)}
     optimizer_state: dict[int, dict[str, torch.Tensor]] = {}
-    if moments:
-        for name in named:
-            optimizer_state[index[name]] = {
-                "step": torch.tensor(float(full["step"])),
+    if all(moments[k] for k in _MOMENTS):
+        step = float(flat["step"])
+        for index, name in enumerate(named):
+            optimizer_state[index] = {
+                "step": torch.tensor(step),
                 **{k: moments[k][name].clone() for k in _MOMENTS},
             }
     groups = rank.optimizer.state_dict()["param_groups"]
     rank.optimizer.load_state_dict({"state": optimizer_state, "param_groups": groups})
-    rank.num_steps = int(full.get("num_steps", 0))
+    rank.num_steps = int(flat["num_steps"])
 
 
-def share_full_state(
-    full: Mapping[str, Any] | None, *, group: dist.ProcessGroup, src: int, device: torch.device
-) -> dict[str, Any]:
-    """A :func:`gather_full_state` result (given on world rank ``src``) on every
-    worker of ``group`` (without the RNG state)."""
-    flat: TensorBatch | None = None
-    if full is not None:
-        flat = {
-            "step": torch.tensor(float(full["step"]), dtype=torch.float64),
-            "num_steps": torch.tensor(int(full["num_steps"]), dtype=torch.int64),
-        }
-        for key in ("model", *_MOMENTS):
-            for name, tensor in full.get(key, {}).items():
-                flat[f"{key}/{name}"] = tensor
-    got = share_batch(flat, group=group, src=src, device=device)
-    out: dict[str, Any] = {"step": float(got.pop("step")), "num_steps": int(got.pop("num_steps"))}
-    for name, tensor in got.items():
-        key, param = name.split("/", 1)
-        out.setdefault(key, {})[param] = tensor
-    return out
-
-
-def nbytes(full: Mapping[str, Any]) -> int:
-    """Bytes of the tensors of a full state."""
-    return sum(
-        t.numel() * t.element_size()
-        for key in ("model", *_MOMENTS)
-        for t in full.get(key, {}).values()
-    )
+def nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of ``tensors``."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -210,7 +210,8 @@ class MegatronWorker(TrainerWorker):
 
     def _prepare_reshard(self, command: PrepareReshard) -> Reply:
         """A change of tp or pp: the source replica gathers its state in the HF layout
-        to its leader, which shares it with every new member; each cuts its shard."""
+        to its leader, which cuts each new member's shard (weights, moments, step) and
+        sends it that shard alone."""
         started = time.perf_counter()
         if self.resizing is not None:
             raise TrainerError(f"resize {self.resizing.epoch} is still pending; abort it first")
@@ -226,20 +227,42 @@ class MegatronWorker(TrainerWorker):
         if where is None:
             raise ReshardError(f"source worker {command.source} is not a member")
         source = old.replicas()[where.dp_rank]
-        ranks = sorted(set(source) | set(new.members))
-        transfer = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
-        if self.worker not in ranks:
-            return self._done(started)
-        pending.transfers.append(transfer)
+        leader = source[0]
+        # One pair group per new member: the leader cuts each member's shard out of
+        # the gathered state and sends it that shard only.
+        pairs: dict[int, dist.ProcessGroup] = {}
+        timeout = datetime.timedelta(seconds=timeout_s)
+        for member in new.members:
+            if member != leader:
+                group = dist.new_group(sorted([leader, member]), timeout=timeout)
+                if self.worker in (leader, member):
+                    pairs[member] = group
+        pending.transfers.extend(pairs.values())
         full = state.gather_full_state(self._rank()) if self.worker in source else None
-        shared = state.share_full_state(full, group=transfer, src=source[0], device=self.device)
+        moved = 0
+        own: dict[str, torch.Tensor] | None = None
+        if full is not None:  # the leader
+            arch = self._rank().arch
+            for member in new.members:
+                p = new.position(member)
+                assert p is not None
+                cut = state.cut_state(
+                    full, arch, tp_rank=p.tp_rank, tp=new.tp, pp_rank=p.pp_rank, pp=new.pp
+                )
+                if member == leader:
+                    own = cut
+                    continue
+                state.share_batch(cut, group=pairs[member], src=leader, device=self.device)
+                moved += state.nbytes(cut)
+        elif groups is not None:
+            own = state.share_batch(None, group=pairs[self.worker], src=leader, device=self.device)
         if groups is not None:
+            assert own is not None
             receiver = MegatronRank.empty(
                 spec, loss_fn=self.loss_fn, config=self.config, groups=groups, device=self.device
             )
-            state.load_full_state(receiver, shared, source=f"worker {source[0]}")
+            state.load_cut(receiver, own, source=f"worker {leader}")
             pending.received = receiver
-        moved = state.nbytes(shared) * (len(ranks) - 1) if self.worker == source[0] else 0
         return self._done(started, bytes_moved=moved)
 
     def _commit(self, command: CommitResize) -> Reply:
