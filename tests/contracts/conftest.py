@@ -94,6 +94,9 @@ async def _running(engine: RolloutEngine) -> AsyncIterator[RolloutEngine]:
 def inference_factory(request: pytest.FixtureRequest) -> InferenceFactory:
     """Builds an inference worker of the backend (``factory(compute_ref_logprobs=...)``)."""
 
+    if request.param == "megatron":
+        pytest.importorskip("megatron.core")
+
     def build(*, compute_ref_logprobs: bool = False) -> InferenceEngine:
         section = InferenceConfig(
             backend=request.param, micro_batch_size=4, compute_ref_logprobs=compute_ref_logprobs

@@ -64,6 +64,8 @@ class Rig:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=TRAINER_BACKENDS)
 async def rig(request: pytest.FixtureRequest) -> AsyncIterator[Rig]:
+    if request.param == "megatron":
+        pytest.importorskip("megatron.core")
     actor = ActorConfig(backend=request.param, micro_batch_size=4, lr=1e-2)
     backend = backends.trainer_backend(actor)
     async with LocalWorkers(
