@@ -1,6 +1,7 @@
 """The Megatron trainer's pool on two real worker processes: a change of tensor-
-parallel size mid-run (TP 1 -> 2 -> 1) equals a fixed TP=1 run; a reshard that fails
-is rolled back and the old layout trains on; a TP=2 trainer sends its weights in the
+parallel size mid-run (TP 1 -> 2 -> 1) equals a fixed TP=1 run; a resize or reshard
+that fails (a joiner failing mid-transfer, an impossible layout) is rolled back and
+the old layout trains on; a TP=2 trainer sends its weights in the
 HF layout a torch engine loads, with their version."""
 
 import socket
@@ -24,6 +25,7 @@ from dynarl.workers.errors import ReshardError  # noqa: E402
 from dynarl.workers.megatron.main import megatron_trainer_main  # noqa: E402
 from dynarl.workers.megatron.pool import MegatronPool  # noqa: E402
 from dynarl.workers.megatron.spec import ModelSpec  # noqa: E402
+from dynarl.workers.torch.trainer_commands import ReshardFault  # noqa: E402
 from dynarl.workers.torch.trainer_config import TrainerConfig  # noqa: E402
 from dynarl.workers.torch.weight_sync import (  # noqa: E402
     join_weight_sync_group,
@@ -89,6 +91,10 @@ async def test_tensor_parallel_1_2_1_mid_run_equals_a_fixed_run(
 async def test_a_failed_reshard_leaves_the_old_layout_training(pool: MegatronPool) -> None:
     members = pool.members
     before = (await pool.train_step(minibatch(7))).loss
+    # a joiner failing mid-transfer of a data-parallel grow
+    with pytest.raises(ReshardError, match="injected fault"):
+        await pool.resize([0, 1], fault=ReshardFault(worker=1, after_buckets=1))
+    assert pool.members == members
     with pytest.raises(ReshardError, match="increasing order"):
         await pool.reshard([1, 0], tp=2, pp=1)  # tensor ranks must follow world ranks
     assert pool.members == members and pool.replica_size == 1
