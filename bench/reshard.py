@@ -15,8 +15,9 @@ With ``--megatron`` (when megatron-core is installed), the Megatron trainer of a
 model of the same width and depth (the built-in character vocabulary) adds two rows per
 size, each beside a bare broadcast of the bytes it moved: a data-parallel grow
 ``[0] -> [0, 1]`` (the joiner receives its shard, moments and step from worker 0) and
-a change of tensor-parallel size ``TP=1 on [0] -> TP=2 on [0, 1]`` (worker 0 shares
-the whole state in the HF layout; each new member cuts its shard).
+a change of tensor-parallel size ``TP=1 on [0] -> TP=2 on [0, 1]`` (worker 0 cuts
+worker 1's shard of weights and AdamW state from its state in the HF layout and sends
+it). Their ``shrink`` is the way back.
 
 Aim: ``reshard_s <= 2 * raw_s + 0.5``. Prints a table, then one JSON line.
 
@@ -141,6 +142,7 @@ def measure_megatron(size: str, repeats: int) -> list[dict[str, float]]:
         "loss_weights": np.ones((1, 16), dtype=np.float32),
     }
     times: dict[str, list[float]] = {"megatron dp grow": [], "megatron tp 1->2": []}
+    backs: dict[str, list[float]] = {"megatron dp grow": [], "megatron tp 1->2": []}
     moved: dict[str, int] = {}
 
     async def run() -> None:
@@ -159,18 +161,25 @@ def measure_megatron(size: str, repeats: int) -> list[dict[str, float]]:
                     grow = await pool.resize([0, 1])
                     times["megatron dp grow"].append(grow.elapsed_s)
                     moved["megatron dp grow"] = grow.bytes_moved
-                    await pool.resize([0])
+                    backs["megatron dp grow"].append((await pool.resize([0])).elapsed_s)
                     change = await pool.reshard([0, 1], tp=2, pp=1)
                     times["megatron tp 1->2"].append(change.elapsed_s)
                     moved["megatron tp 1->2"] = change.bytes_moved
-                    await pool.reshard([0], tp=1, pp=1)
+                    back = await pool.reshard([0], tp=1, pp=1)
+                    backs["megatron tp 1->2"].append(back.elapsed_s)
             finally:
                 await pool.close()
 
     anyio.run(run)
     params = sum(p.numel() for p in ModelSpec(model=model).hf_model().parameters())
     return [
-        {"kind": kind, "params": params, "bytes": moved[kind], "reshard_s": min(t), "shrink_s": 0.0}
+        {
+            "kind": kind,
+            "params": params,
+            "bytes": moved[kind],
+            "reshard_s": min(t),
+            "shrink_s": min(backs[kind]),
+        }
         for kind, t in times.items()
     ]
 
@@ -285,10 +294,11 @@ def main() -> None:
         )
     print(
         "torch dp grow: [0] -> [0, 1] (params + buffers + AdamW state); megatron dp grow: the "
-        "same with a Megatron trainer; megatron tp 1->2: TP=1 on [0] -> TP=2 on [0, 1] (the "
-        "whole HF-layout state to the new members); raw: one gloo broadcast "
-        "of the same bytes into a fresh (like a joiner) or already touched buffer; shrink: "
-        f"[0, 1] -> [0], the fixed cost. 2 processes, gloo, CPU; "
+        "same with a Megatron trainer; megatron tp 1->2: TP=1 on [0] -> TP=2 on [0, 1] (worker "
+        "0 cuts worker 1's shard of weights and AdamW state and sends it); raw: one gloo "
+        "broadcast of the same bytes into a fresh (like a joiner) or already touched buffer; "
+        "shrink: the way back ([0, 1] -> [0], no state moves; megatron tp: TP=2 -> TP=1 on "
+        f"[0], a gather of worker 1's shard). 2 processes, gloo, CPU; "
         f"{time.perf_counter() - started:.0f} s in all"
     )
     keys = (
