@@ -4,6 +4,7 @@ that fails (a joiner failing mid-transfer, an impossible layout) is rolled back 
 the old layout trains on; a TP=2 trainer sends its weights in the
 HF layout a torch engine loads, with their version."""
 
+import functools
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -30,7 +31,7 @@ from dynarl.workers.torch.trainer_config import TrainerConfig  # noqa: E402
 from dynarl.workers.torch.weight_sync import (  # noqa: E402
     join_weight_sync_group,
     leave_weight_sync_group,
-    receive_weights,
+    receive_by_manifest,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -116,29 +117,36 @@ async def test_a_tensor_parallel_trainer_sends_hf_weights_with_their_version(
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
 
-    def receive() -> int:
-        group = join_weight_sync_group(
-            host="127.0.0.1",
-            port=port,
-            rank=1,
-            world_size=2,
-            device=torch.device("cpu"),
-            timeout_s=60,
-        )
-        version = receive_weights(engine, group=group)
-        leave_weight_sync_group(group)
-        return version
+    groups: list[object] = []
 
+    def join() -> None:
+        groups.append(
+            join_weight_sync_group(
+                host="127.0.0.1",
+                port=port,
+                rank=1,
+                world_size=2,
+                device=torch.device("cpu"),
+                timeout_s=60,
+            )
+        )
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.to_thread.run_sync, join)
+        await pool.connect_weight_sync("127.0.0.1", port, 2)
+    manifest = await pool.weight_manifest(7)
+    assert manifest.names == tuple(name for name, _ in engine.named_parameters())
     versions: list[int] = []
 
     async def engine_side() -> None:
+        receive = functools.partial(receive_by_manifest, engine, manifest, group=groups[0])
         versions.append(await anyio.to_thread.run_sync(receive))
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(engine_side)
-        await pool.connect_weight_sync("127.0.0.1", port, 2)
         assert await pool.sync_weights(7) > 0
-        await pool.leave_weight_sync()
+    await pool.leave_weight_sync()
+    leave_weight_sync_group(groups[0])  # type: ignore[arg-type]
     assert versions == [7]
     expected = torch.load(saved, weights_only=True)["model"]
     for name, param in engine.named_parameters():

@@ -3,9 +3,9 @@ the policy and, when configured, a frozen reference, each a ``GPTModel`` holding
 weights of the HF model of the run (a checkpoint, or the seed's random init, as the
 torch backend builds it).
 
-Weights arrive from the trainer in the HF layout, by the torch sender's broadcast
-(:mod:`dynarl.workers.torch.weight_sync`): they land in an HF-layout copy that checks
-the sender's layout, then convert into the policy. One process serves one replica
+Weights arrive from the trainer in the HF layout, as the manifest of the sync
+describes them (:mod:`dynarl.workers.torch.weight_sync`): they land in an HF-layout
+copy, which checks the manifest first, then convert into the policy. One process serves one replica
 (``inference.tp=1``: the backend table refuses more).
 """
 
@@ -31,7 +31,7 @@ from dynarl.workers.torch import weight_sync
 from dynarl.workers.torch.buckets import Group
 from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.memory import ParameterMemory
-from dynarl.workers.weights import WeightReceiver, WeightSyncGroup
+from dynarl.workers.weights import WeightManifest, WeightReceiver, WeightSyncGroup
 
 logger = logging.getLogger(__name__)
 
@@ -186,17 +186,18 @@ class MegatronInference:
         """Join the trainer's weight-sync group."""
         await self.sync.join(group, device=torch.device("cpu"))
 
-    async def receive_weights(self) -> int:
-        """Receive the policy weights the trainer broadcasts now (HF layout) and load
-        them into the policy; returns their version."""
+    async def receive_weights(self, manifest: WeightManifest) -> int:
+        """Receive the policy weights the trainer broadcasts now (HF layout, as
+        ``manifest`` describes them) and load them into the policy; returns their
+        version."""
         if self.sync.group is None:
             raise EngineError(f"{self.name} is in no weight-sync group; join one first")
         async with self._lock:
-            self._version = await anyio.to_thread.run_sync(self._receive, self.sync.group)
+            self._version = await anyio.to_thread.run_sync(self._receive, self.sync.group, manifest)
             return self._version
 
-    def _receive(self, group: Group) -> int:
-        version = weight_sync.receive_weights(self.receiver, group=group)
+    def _receive(self, group: Group, manifest: WeightManifest) -> int:
+        version = weight_sync.receive_by_manifest(self.receiver, manifest, group=group)
         hf = {n: p.detach() for n, p in self.receiver.named_parameters()}
         convert.load_into(self.policy, convert.to_megatron(hf, self.arch))
         return version
@@ -207,5 +208,5 @@ class MegatronInference:
         return self.sync.adopt(getattr(other, "sync", None))
 
     async def leave_weight_sync(self) -> None:
-        """Leave the weight-sync group (collective)."""
+        """Leave the weight-sync group."""
         await self.sync.leave()

@@ -37,6 +37,7 @@ from dynarl.workers.torch.train_batch import to_tensors
 from dynarl.workers.torch.trainer_commands import (
     AbortResize,
     CommitResize,
+    DescribeWeights,
     Join,
     LoadCheckpoint,
     PrepareReshard,
@@ -47,10 +48,11 @@ from dynarl.workers.torch.trainer_commands import (
     StepDone,
     SyncWeights,
     TrainStep,
+    WeightsDescribed,
 )
 from dynarl.workers.torch.trainer_config import TrainerConfig
 from dynarl.workers.torch.trainer_worker import TrainerWorker, join_world
-from dynarl.workers.torch.weight_sync import send_weights
+from dynarl.workers.torch.weight_sync import manifest_of, send_by_manifest
 from dynarl.workers.trainer import Array, LossFn
 
 logger = logging.getLogger(__name__)
@@ -311,6 +313,14 @@ class MegatronWorker(TrainerWorker):
         state.load_checkpoint(self._rank(), command.path)
         return self._done(started)
 
+    def _describe(self, command: DescribeWeights) -> Reply:
+        """The manifest of a sync: the HF model's parameters (names, dtypes, shapes)."""
+        self._rank()
+        manifest = manifest_of(
+            self._hf_model(), version=command.version, bucket_bytes=self.config.bucket_bytes
+        )
+        return WeightsDescribed(worker=self.worker, manifest=manifest)
+
     def _sync(self, command: SyncWeights) -> Reply:
         started = time.perf_counter()
         rank = self._rank()
@@ -319,17 +329,19 @@ class MegatronWorker(TrainerWorker):
             return self._done(started)
         if self.sync_group is None:
             raise WeightSyncError(f"worker {self.worker} is not in a weight-sync group")
+        model = self._hf_model()
+        state.copy_into(model, hf)
+        manifest = manifest_of(
+            model, version=command.version, bucket_bytes=self.config.bucket_bytes
+        )
+        sent = send_by_manifest(model, manifest, group=self.sync_group, staging=rank.staging)
+        return self._done(started, bytes_moved=sent)
+
+    def _hf_model(self) -> torch.nn.Module:
+        """The HF-layout copy a sync sends from (built once, on the sender)."""
         if self._hf is None:
             self._hf = self.spec.hf_model(device=self.device)
-        state.copy_into(self._hf, hf)
-        sent = send_weights(
-            self._hf,
-            version=command.version,
-            group=self.sync_group,
-            bucket_bytes=self.config.bucket_bytes,
-            staging=rank.staging,
-        )
-        return self._done(started, bytes_moved=sent)
+        return self._hf
 
     # -- helpers --------------------------------------------------------------------
 
