@@ -14,6 +14,8 @@ What differs is what a layout of replicas needs:
   per shard position, bucketed broadcasts). A worker keeps its state when it holds the
   same shard in both layouts; nothing else moves. The switch happens at commit; an
   abort drops the new groups and the received state, and the old layout trains on;
+- *a reshard* (a change of tp or pp) gathers the source replica's state in the HF
+  layout to its leader, which cuts each new member's shard and sends it that alone;
 - *checkpoints and weight sync* gather replica 0's shards to its leader in the HF
   layout (:mod:`~dynarl.workers.megatron.state`).
 """
