@@ -47,9 +47,11 @@ class MegatronBackend:
         seed: int,
         workers: Sequence[WorkerChannel],
         num_threads: int,
+        rendezvous_host: str = "127.0.0.1",
     ) -> TorchTrainer:
         """An elastic (dp, tp, pp) trainer over ``workers`` (started by the launcher
-        with :func:`megatron_trainer_main`)."""
+        with :func:`megatron_trainer_main`), rendezvousing at worker 0's
+        ``rendezvous_host``."""
         spec = ModelSpec(model=model, tp=actor.tp, pp=actor.pp, seed=seed)
         spec.architecture()  # refuses a model or split it cannot build, before any start
         config = TrainerConfig(
@@ -60,7 +62,9 @@ class MegatronBackend:
             seed=seed,
             num_threads=num_threads,
         )
-        pool = MegatronPool(config, workers=workers, model_factory=spec, loss_fn=loss)
+        pool = MegatronPool(
+            config, workers=workers, model_factory=spec, loss_fn=loss, host=rendezvous_host
+        )
         return TorchTrainer(pool)
 
     def warm_start(
