@@ -127,3 +127,47 @@ def test_completion_ordered_minibatches_need_whole_groups_per_minibatch() -> Non
             ],
         )
     assert info.value.field == "algorithm.minibatch_order"
+
+
+@pytest.mark.parametrize(
+    ("suffix", "text", "says"),
+    [
+        (
+            ".yaml",
+            "scheduler:\n  mode: dynamic\nrun:\n  seed: 1\nscheduler:\n  u_low: 0.3\n",
+            ["'scheduler'", "lines 1 and 5"],
+        ),
+        (".yaml", "run:\n  seed: 1\n  seed: 2\n", ["'seed'", "lines 2 and 3"]),
+        (".json", '{"run": {"seed": 1}, "run": {"seed": 2}}', ["'run'"]),
+        (".toml", "[run]\nseed = 1\n[run]\nseed = 2\n", ["('run',)", "twice"]),
+    ],
+)
+def test_a_file_that_repeats_a_section_is_an_error_naming_the_key(
+    tmp_path, suffix: str, text: str, says: list[str]
+) -> None:
+    path = tmp_path / f"run{suffix}"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert all(s in str(caught.value) for s in [str(path), *says]), str(caught.value)
+
+
+def test_every_bad_field_of_a_file_is_reported_in_one_error(tmp_path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "scheduler:\n  mode: fast\n  u_low: 2\nrun:\n  num_iterations: three\nrollout:\n  tpp: 1\n"
+    )
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    message = str(caught.value)
+    assert message.startswith("4 config errors:")
+    for field in ("scheduler.mode", "scheduler.u_low", "run.num_iterations", "'rollout.tpp'"):
+        assert field in message, message
+    assert caught.value.field == "scheduler.mode"
+
+
+def test_one_bad_field_keeps_its_plain_message_and_rules_between_fields_still_hold() -> None:
+    with pytest.raises(ConfigError, match=r"^invalid config value for scheduler.u_low"):
+        apply_overrides(DynaRLConfig(), ["scheduler.u_low=2"])
+    with pytest.raises(ConfigError, match="64 samples"):
+        apply_overrides(DynaRLConfig(), ["algorithm.n_minibatches=3", "run.seed=1"])

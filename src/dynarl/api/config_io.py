@@ -3,7 +3,9 @@
 Files (YAML, TOML, JSON) and dotted overrides (``scheduler.u_low=0.3``) go through one
 path: a tree of builtins, converted to :class:`DynaRLConfig` with type validation. Every
 failure is a :class:`~dynarl.ConfigError` naming the field, the value and what is
-allowed; unknown keys are errors, never ignored.
+allowed; unknown keys are errors, never ignored, and so is a key a file repeats (YAML
+and JSON would keep the last one silently). A tree with several bad fields is reported
+in one error that lists each of them.
 """
 
 import json
@@ -30,13 +32,62 @@ _SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json"}
 
 
 def convert(raw: Mapping[str, Any], cls: type[T] = DynaRLConfig) -> T:  # type: ignore[assignment]
-    """Validate a tree of builtins into config type ``cls``."""
+    """Validate a tree of builtins into config type ``cls``; every bad field is
+    reported, in one :class:`~dynarl.ConfigError`."""
     try:
         return msgspec.convert(raw, cls, strict=False)
     except msgspec.ValidationError as exc:
-        if isinstance(exc.__cause__, ConfigError):  # a cross-field rule: already explained
-            raise exc.__cause__ from None
-        raise _explain(exc, raw, cls) from None
+        first = _error_of(exc, raw, cls)
+    errors = _field_errors(raw, cls, raw, [])
+    if len(errors) <= 1:
+        raise first from None
+    lines = "\n".join(f"  - {e}" for e in errors)
+    raise ConfigError(f"{len(errors)} config errors:\n{lines}", field=errors[0].field) from None
+
+
+def _error_of(exc: msgspec.ValidationError, raw: Mapping[str, Any], cls: type) -> ConfigError:
+    if isinstance(exc.__cause__, ConfigError):  # a cross-field rule: already explained
+        return exc.__cause__
+    return _explain(exc, raw, cls)
+
+
+def _field_errors(
+    node: Mapping[str, Any], cls: type, root: Mapping[str, Any], keys: list[str]
+) -> list[ConfigError]:
+    """Each bad leaf under ``node`` (a section of type ``cls`` at ``keys``), found by
+    validating the section with that one field set: msgspec stops at the first error,
+    a user fixing a file wants them all. Cross-field rules are left to the whole."""
+    fields = _struct_fields(cls)
+    if fields is None:
+        return []
+    errors: list[ConfigError] = []
+    for key, value in node.items():
+        path = [*keys, key]
+        if key not in fields:
+            where = ".".join(keys) or "the config root"
+            errors.append(
+                ConfigError(
+                    f"unknown config key {'.'.join(path)!r}: {where} has no field {key!r}; "
+                    f"known fields: {', '.join(sorted(fields))}",
+                    field=".".join(path),
+                )
+            )
+            continue
+        child = _struct_type(fields[key])
+        if child is not None and isinstance(value, Mapping):
+            errors += _field_errors(value, child, root, path)
+            continue
+        try:
+            msgspec.convert({key: value}, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            if isinstance(exc.__cause__, ConfigError):
+                continue  # a rule between fields: the whole tree's check reports it
+            error = _explain(exc, {key: value}, cls)
+            field = ".".join(path)
+            message = str(error).replace(f"for {key}:", f"for {field}:", 1)
+            message = message.replace(f"key {key!r}", f"key {field!r}", 1)
+            errors.append(ConfigError(message, field=field))
+    return errors
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> DynaRLConfig:
@@ -58,17 +109,54 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
     try:
         if fmt == "yaml":
-            raw = yaml.safe_load(text) or {}
+            raw = yaml.load(text, Loader=_UniqueKeyLoader) or {}
         elif fmt == "toml":
-            raw = tomllib.loads(text)
+            raw = tomllib.loads(text)  # refuses a repeated key or table itself
         else:
-            raw = json.loads(text)
+            raw = json.loads(text, object_pairs_hook=_unique_pairs)
+    except _RepeatedKeyError as exc:
+        raise ConfigError(
+            f"{str(path)!r} repeats {exc}; keep one of them (a repeated section or key "
+            "would silently replace the first)",
+            field=exc.key,
+        ) from None
     except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{str(path)!r} is not valid {fmt}: {exc}") from None
     if not isinstance(raw, dict):
         kind = type(raw).__name__
         raise ConfigError(f"{str(path)!r} must hold a mapping of sections, not a {kind}")
     return raw
+
+
+class _RepeatedKeyError(ValueError):
+    """A mapping in a config file holds the same key twice."""
+
+    def __init__(self, key: str, where: str) -> None:
+        super().__init__(f"key {key!r} {where}")
+        self.key = key
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that repeats a key."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _RepeatedKeyError(str(key), f"(lines {seen[key]} and {line})")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _RepeatedKeyError(key, "twice in one object")
+        out[key] = value
+    return out
 
 
 @typing.overload
