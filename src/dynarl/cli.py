@@ -16,7 +16,6 @@ import importlib
 import inspect
 import logging
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -201,69 +200,17 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     """``dynarl run``: a real run of the config (or ``--resume`` of a run directory),
-    with a progress display."""
-    from dynarl.api.checkpoint import latest_checkpoint
+    with a progress display; Ctrl-C as :mod:`dynarl.cli_run` says."""
     from dynarl.api.facade import DynaRL
-    from dynarl.cli_display import RunDisplay
+    from dynarl.cli_run import resume_run, run_command
 
+    if args.checkpoint is not None and args.resume is None:
+        raise ConfigError("--checkpoint picks a checkpoint of --resume RUN_DIR; pass both")
     if args.resume is not None:
-        if args.config is not None:
-            raise ConfigError(
-                f"--resume {args.resume} continues with the config saved there; drop "
-                f"{args.config!r} (change values with --set)"
-            )
-        if args.out is not None:
-            raise ConfigError(f"--resume {args.resume} goes on writing there; drop --out")
-        rl = DynaRL.resume(args.resume, args.set)
-        done = latest_checkpoint(args.resume).state.num_iterations
-        if done >= rl.cfg.run.num_iterations:
-            raise ConfigError(
-                f"{args.resume} already ran {done} iterations (run.num_iterations="
-                f"{rl.cfg.run.num_iterations}); continue it with --set run.num_iterations=N "
-                f"for some N > {done}",
-                field="run.num_iterations",
-            )
+        rl = resume_run(args)
     else:
         rl = DynaRL(resolve_config(args.config, args.set), run_dir=args.out)
-    cfg = rl.cfg
-    display = RunDisplay(
-        live=not args.quiet and sys.stdout.isatty(), num_iterations=cfg.run.num_iterations
-    )
-    rl.on_progress = display.progress
-    display.allocation = rl.allocation
-
-    async def main() -> None:
-        started = time.perf_counter()
-        with display:
-            async with rl:
-                done = len(rl.history)
-                display.print(
-                    f"dynarl run: {cfg.scheduler.mode}, {cfg.cluster.num_devices} devices, "
-                    f"run directory {rl.run_dir}"
-                    + (f", resumed after {done} iterations" if args.resume else "")
-                    + f" (started in {time.perf_counter() - started:.1f} s)"
-                )
-                for host, names in rl.worker_hosts().items():
-                    display.print(f"  workers on {host}: {', '.join(names)}")
-                async for stats in rl.iterations():
-                    display.iteration(stats)
-                display.set_status("saving the final checkpoint and timeline")
-                path = await rl.save_checkpoint()
-        print(
-            f"done in {time.perf_counter() - started:.1f} s; checkpoint {path}; "
-            f"timeline {rl.run_dir / 'timeline.png'}"
-        )
-
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        print(
-            f"interrupted; continue with `dynarl run --resume {rl.run_dir}` (from its last "
-            "checkpoint)",
-            file=sys.stderr,
-        )
-        return 130
-    return 0
+    return run_command(args, rl)
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -329,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="continue RUN_DIR from its last checkpoint with the config saved there "
         "(--set still applies, e.g. run.num_iterations=40)",
+    )
+    run.add_argument(
+        "--checkpoint",
+        type=int,
+        metavar="N",
+        help="with --resume: continue from the checkpoint after N iterations instead of "
+        "the last one",
     )
     run.set_defaults(func=_run)
     config = sub.add_parser("config", help="print the resolved configuration")

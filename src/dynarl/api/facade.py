@@ -27,7 +27,14 @@ from typing import TYPE_CHECKING, Self
 import anyio
 import msgspec
 
-from dynarl.api.checkpoint import RunState, trainer_path, write_state
+from dynarl.api.checkpoint import (
+    Checkpoint,
+    RunState,
+    checkpoints,
+    fingerprint,
+    trainer_path,
+    write_state,
+)
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import dump_config
 from dynarl.api.host import RunFailedError, RunHost
@@ -48,6 +55,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class IterationInterruptedError(DynaRLError):
+    """The running iteration was stopped by :meth:`DynaRL.request_stop` before it
+    finished; it is not in the history and a resumed run runs it again."""
+
+
 class DynaRL:
     """A run of ``cfg``: ``async with`` it, then :meth:`run` or :meth:`iterations`.
 
@@ -59,6 +71,8 @@ class DynaRL:
         resume_from: a run directory to continue from its last checkpoint (the run
             goes on writing there); ``cfg`` should be the configuration saved there,
             see :meth:`resume`.
+        resume_at: with ``resume_from``, continue from the checkpoint after this many
+            iterations instead of the last one (e.g. when the last one is damaged).
         environment: the multi-turn environment whose episodes the run trains on
             (:mod:`dynarl.envs`); default: the built-in one ``cfg.env.name`` names, or
             the single-turn bracket task.
@@ -72,7 +86,10 @@ class DynaRL:
         on_progress: "Callable[[Progress], None] | None" = None,
         resume_from: str | Path | None = None,
         environment: "EnvironmentSpec | None" = None,
+        resume_at: int | None = None,
     ) -> None:
+        if resume_at is not None and resume_from is None:
+            raise ConfigError("resume_at picks a checkpoint of resume_from; pass both")
         if resume_from is not None:
             if run_dir is not None and Path(run_dir).resolve() != Path(resume_from).resolve():
                 raise ConfigError(
@@ -85,6 +102,7 @@ class DynaRL:
         self.run_dir = Path(run_dir if run_dir is not None else cfg.run.run_dir)
         self.on_progress = on_progress
         self.resume_from = None if resume_from is None else Path(resume_from)
+        self.resume_at = resume_at
         self._files = RunDirectory(self.run_dir)
         self._recorder: TimelineRecorder | None = None
         self._timeline_before: list[TimelineLine] = []  # a resumed run's predecessors'
@@ -100,6 +118,10 @@ class DynaRL:
         self._sampler: PromptSampler | None = None
         self._meter: DeviceMeter | None = None
         self._metrics: MetricsWriter | None = None
+        self._step_scope: anyio.CancelScope | None = None
+        self._stop_requested = False
+        self._interrupted = False  # a step was stopped before it finished
+        self._consistent = True  # the trainer holds the state after len(history) iterations
 
     @classmethod
     def resume(
@@ -108,13 +130,16 @@ class DynaRL:
         overrides: Iterable[str] = (),
         *,
         on_progress: "Callable[[Progress], None] | None" = None,
+        checkpoint: int | None = None,
     ) -> "DynaRL":
-        """A run that continues ``run_dir`` from its last checkpoint, with the config
-        saved there plus ``overrides`` (e.g. ``["run.num_iterations=40"]``): the same
-        prompts, trainer state and weight version, so it ends as an uninterrupted run
-        would; ``metrics.jsonl`` and ``timeline.jsonl`` go on where they stopped."""
+        """A run that continues ``run_dir`` from its last checkpoint (or the one after
+        ``checkpoint`` iterations), with the config saved there plus ``overrides``
+        (e.g. ``["run.num_iterations=40"]``): the same prompts, trainer state and
+        weight version, so it ends as an uninterrupted run would; ``metrics.jsonl`` and
+        ``timeline.jsonl`` go on where they stopped. The checkpoint is checked whole
+        when the run opens, before anything starts or is written."""
         cfg = RunDirectory(run_dir).load_config(overrides)
-        return cls(cfg, on_progress=on_progress, resume_from=run_dir)
+        return cls(cfg, on_progress=on_progress, resume_from=run_dir, resume_at=checkpoint)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -151,7 +176,13 @@ class DynaRL:
 
         check_backends(self.cfg)
         environment = environment_of(self.cfg, self.environment)
-        resumed = None if self.resume_from is None else self._files.resume_point(self.cfg)
+        if self.resume_from is not None:  # before the directory is locked or written
+            self._files.checkpoint(self.resume_at)
+        # Held until the run closes: a second run cannot write into this directory.
+        stack.enter_context(self._files.lock())
+        resumed = (
+            None if self.resume_from is None else self._files.resume_point(self.cfg, self.resume_at)
+        )
         from dynarl.api.assembly import assemble
 
         cfg = self.cfg
@@ -191,8 +222,11 @@ class DynaRL:
         if self._host is None or self._pipeline is None:
             raise DynaRLError("the run is not open; use `async with DynaRL(cfg) as rl:`")
         total = self.cfg.run.num_iterations if num_iterations is None else num_iterations
-        while len(self.history) < total:
-            stats = await self.step()
+        while len(self.history) < total and not self._stop_requested:
+            try:
+                stats = await self.step()
+            except IterationInterruptedError:
+                return
             yield stats
 
     async def step(self) -> IterationStats:
@@ -205,10 +239,29 @@ class DynaRL:
             or self.controller is None
         ):
             raise DynaRLError("the run is not open; use `async with DynaRL(cfg) as rl:`")
+        if self._interrupted:
+            raise DynaRLError(
+                "an iteration of this run was interrupted and left the pipeline "
+                "mid-flight; save_checkpoint() if `checkpointable`, close the run and "
+                "resume it (DynaRL.resume)"
+            )
         index = len(self.history)
         self._meter.take(self.controller.clock.now())  # count this iteration only
-        with self._host.call():
-            stats = await self._pipeline.run(index)
+        sampler = self._sampler.state_dict() if self._sampler is not None else None
+        scope = self._step_scope = anyio.CancelScope()
+        try:
+            with self._host.call(), scope:
+                stats = await self._pipeline.run(index)
+        except BaseException:
+            self._note_interrupted(sampler)
+            raise
+        finally:
+            self._step_scope = None
+        if scope.cancelled_caught:
+            self._note_interrupted(sampler)
+            raise IterationInterruptedError(
+                f"iteration {index} was stopped before it finished (request_stop)"
+            )
         device_s, migrations = self._meter.take(self.controller.clock.now())
         stats = msgspec.structs.replace(
             stats,
@@ -222,6 +275,54 @@ class DynaRL:
         if every and (index + 1) % every == 0:
             await self.save_checkpoint()
         return stats
+
+    def request_stop(self, *, now: bool = False) -> bool:
+        """Stop the run at the earliest point that loses no finished iteration:
+        :meth:`iterations` ends after the running iteration, or at once when the
+        trainer has not stepped in it yet (the iteration is dropped: a resumed run
+        runs it again). With ``now`` the running iteration stops at once regardless
+        (then the run is :attr:`checkpointable` only if its trainer had not stepped).
+        Safe to call from a signal handler on the run's loop. Returns whether the
+        running iteration (if any) is being stopped now."""
+        self._stop_requested = True
+        scope = self._step_scope
+        if scope is None:
+            return False
+        world = self._world
+        if now or world is None or not world.trainer_ahead:
+            scope.cancel()
+            return True
+        return False
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether :meth:`request_stop` was called."""
+        return self._stop_requested
+
+    @property
+    def checkpointable(self) -> bool:
+        """Whether :meth:`save_checkpoint` can save the run now: the trainer holds the
+        state after the finished iterations (false after an iteration was stopped once
+        its trainer had stepped)."""
+        return self._consistent
+
+    def last_checkpoint(self) -> Checkpoint | None:
+        """The newest complete checkpoint in the run directory, if any."""
+        try:
+            found = checkpoints(self.run_dir)
+        except DynaRLError:
+            return None
+        return found[-1] if found else None
+
+    def _note_interrupted(self, sampler: dict[str, int] | None) -> None:
+        """A step ended before its iteration finished: the prompts it drew go back
+        (a resume draws them again), and whether the trainer stepped decides whether
+        the run can still be checkpointed."""
+        self._interrupted = True
+        if sampler is not None and self._sampler is not None:
+            self._sampler.load_state_dict(sampler)
+        if self._world is not None and self._world.trainer_ahead:
+            self._consistent = False
 
     async def run(self, num_iterations: int | None = None) -> list[IterationStats]:
         """Run to ``num_iterations`` iterations (default ``cfg.run.num_iterations``),
@@ -244,6 +345,17 @@ class DynaRL:
             or self._recorder is None
         ):
             raise DynaRLError("the run is not open; use `async with DynaRL(cfg) as rl:`")
+        if not self._consistent:
+            last = self.last_checkpoint()
+            where = (
+                f"the last checkpoint is {last.trainer_path}"
+                if last is not None
+                else "no checkpoint exists"
+            )
+            raise DynaRLError(
+                f"iteration {len(self.history)} was interrupted after its trainer stepped: "
+                f"the trainer no longer holds a finished iteration's state; {where}"
+            )
         done = len(self.history)
         path = trainer_path(self.run_dir, done)
         if self._saved_at == done:
@@ -255,9 +367,12 @@ class DynaRL:
             async with trainer.between_steps():
                 await trainer.save_checkpoint(str(path))
         lines = self._timeline_lines()
+        size, sha256 = await anyio.to_thread.run_sync(fingerprint, path)
         write_state(
             self.run_dir,
             RunState(
+                trainer_bytes=size,
+                trainer_sha256=sha256,
                 num_iterations=done,
                 weight_version=self.history[-1].weight_version if self.history else 0,
                 seed=self.cfg.run.seed,

@@ -44,13 +44,17 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         slot: how each slot runs (torch threads, preloading, ...).
         name_prefix: slot ``i`` is named ``f"{name_prefix}-{i}"``.
         start_timeout_s: most time for every slot to say hello.
-        stop_timeout_s: most time for each shutdown step (retire, terminate, kill).
+        retire_timeout_s: most time for the graceful shutdown step (every worker
+            hands back what it holds and is retired; one busy in a collective or a
+            role switch cannot answer), after which stragglers are terminated.
+        stop_timeout_s: most time for each forceful shutdown step (terminate, kill).
     """
 
     num_slots: int = 1
     slot: SlotConfig = msgspec.field(default_factory=SlotConfig)
     name_prefix: str = "slot"
     start_timeout_s: float = 120.0
+    retire_timeout_s: float = 3.0
     stop_timeout_s: float = 10.0
 
 
@@ -176,22 +180,39 @@ class LocalLauncher:
         return [worker.handle for worker in started]
 
     async def aclose(self) -> None:
-        """Stop every slot and worker: retire it, then terminate, then kill what is
-        left. Idempotent; never raises for a process that is already gone."""
+        """Stop every slot and worker: retire them all at once, then terminate, then
+        kill what is left, each step bounded by ``stop_timeout_s`` and taken for every
+        straggler together (a slot stuck in a collective costs one timeout, not one
+        per slot). Idempotent; never raises for a process that is already gone."""
         slots, self.slots = [*self.slots, *self.workers], []
         self.workers = []
         timeout_s = self.config.stop_timeout_s
-        for slot in slots:
+        grace_s = self.config.retire_timeout_s
+
+        async def retire(slot: Slot) -> None:
             if slot.process.is_alive():
-                with anyio.move_on_after(timeout_s), contextlib.suppress(DataPlaneError):
+                with anyio.move_on_after(grace_s), contextlib.suppress(DataPlaneError):
                     await self.router.drain(slot.handle.instance)
                     await self.router.retire(slot.handle.instance, reason="shutdown")
-        for slot in slots:
-            for stop in (None, BaseProcess.terminate, BaseProcess.kill):
-                if stop is not None and slot.process.is_alive():
-                    logger.warning("slot %s did not exit; %s it", slot.name, stop.__name__)
+
+        async with anyio.create_task_group() as tg:
+            for slot in slots:
+                tg.start_soon(retire, slot)
+        for stop in (None, BaseProcess.terminate, BaseProcess.kill):
+            alive = [slot for slot in slots if slot.process.is_alive()]
+            if not alive:
+                break
+            if stop is not None:
+                logger.info(
+                    "%s did not exit; %s them",
+                    ", ".join(slot.name for slot in alive),
+                    stop.__name__,
+                )
+                for slot in alive:
                     stop(slot.process)
-                await anyio.to_thread.run_sync(slot.process.join, timeout_s)
-                if not slot.process.is_alive():
-                    break
+            wait_s = grace_s if stop is None else timeout_s
+            async with anyio.create_task_group() as tg:
+                for slot in alive:
+                    tg.start_soon(anyio.to_thread.run_sync, slot.process.join, wait_s)
+        for slot in slots:
             slot.process.close()
