@@ -127,6 +127,7 @@ class Controller:
         self._rejected: Counter[str] = Counter()
         self._decision_s: deque[float] = deque(maxlen=4096)
         self._tg: TaskGroup | None = None
+        self._stopped = False  # run() ended: plans from late events are dropped
         # Moves that failed recently, by (src, dst, kind): (retry not before, failures).
         self._backoff: dict[tuple[str | None, str | None, str], tuple[float, int]] = {}
         # Per stage: (items completed, work completed, occupied instance-seconds,
@@ -152,6 +153,7 @@ class Controller:
                         self.handle(event)
             finally:
                 self._tg = None
+                self._stopped = True
                 tg.cancel_scope.cancel()
 
     def handle(self, event: ev.Event) -> None:
@@ -236,6 +238,11 @@ class Controller:
         return True
 
     def _commit(self, plan: Plan) -> None:
+        if self._tg is None and self._stopped:
+            # A migration that failed as the run closed reports it after the loop
+            # ended: nothing carries a plan out any more, and the run is closing.
+            logger.info("plan dropped (the controller has stopped): %s", plan.reason)
+            return
         if self._tg is None:
             raise RuntimeError("the controller is not running: start Controller.run first")
         now = self.clock.now()

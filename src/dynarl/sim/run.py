@@ -31,6 +31,7 @@ from dynarl.sim.bound import work_conserving_bound
 from dynarl.sim.cluster import ClusterModel, sim_profile
 from dynarl.sim.config import SimulatedRun
 from dynarl.sim.errors import SimError
+from dynarl.sim.faults import SimFaults
 from dynarl.sim.metrics import IterationRecord
 from dynarl.sim.world import SimWorld
 
@@ -82,6 +83,7 @@ async def simulate(
     name: str | None = None,
     on_event: Callable[[ev.Event], None] | None = None,
     cluster: ClusterModel | None = None,
+    faults: SimFaults | None = None,
 ) -> tuple[ModeResult, TimelineRecorder]:
     """Simulate ``run`` (its job's ``scheduler.mode``) on the running loop, a
     :class:`~dynarl.core.virtual_time.VirtualTimeLoop`.
@@ -92,6 +94,8 @@ async def simulate(
         name: the run's name in the timeline (default: the mode).
         on_event: also called with every applied event.
         cluster: the cost models and workload (default: built from ``run``).
+        faults: failed moves and killed workers to inject (default: none); its
+            records say what happened and how long recovery took.
 
     Returns:
         the measured result and the allocation timeline.
@@ -125,6 +129,9 @@ async def simulate(
         controller.handle(event)  # bound below: the controller needs the world first
 
     world = SimWorld(graph, handle, clock, run, cluster=cluster)
+    if faults is not None:
+        faults.install(world)
+        listeners.append(faults.on_event)
     controller = Controller(
         graph,
         policy,
@@ -137,9 +144,20 @@ async def simulate(
     )
     wall0 = time.perf_counter()
     send, receive = anyio.create_memory_object_stream[ev.Event](0)
+    kills = anyio.CancelScope()
+
+    async def kill_loop() -> None:
+        with kills:
+            if faults is not None:
+                await faults.kill_loop()
+
     async with anyio.create_task_group() as tg, send:
         await tg.start(controller.run, receive)
+        tg.start_soon(kill_loop)
         await world.run()
+        kills.cancel()
+    if faults is not None:
+        faults.close(clock.now())
     wall_s = time.perf_counter() - wall0
     recorder.close(clock.now())
     result = _summarise(run, world, recorder, controller, wall_s)
