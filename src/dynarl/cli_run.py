@@ -14,6 +14,7 @@ exit).
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -126,6 +127,15 @@ def _interrupted_line(rl: DynaRL, *, saved: Path | None, starting: bool) -> str:
     return f"interrupted; the last checkpoint is after {n} iterations{lost}: continue with {resume}"
 
 
+def quiet_shutdown() -> None:
+    """After Ctrl-C the user asked for the run to end: workers cut off on the way
+    out (connection lost, terminated) are expected, not news; unless a more verbose
+    ``--log-level`` was asked for, only errors are logged from now on."""
+    root = logging.getLogger("dynarl")
+    if logging.getLogger().getEffectiveLevel() >= logging.WARNING:
+        root.setLevel(logging.ERROR)
+
+
 class _Interrupts:
     """What each Ctrl-C does (see the module docstring)."""
 
@@ -139,6 +149,7 @@ class _Interrupts:
 
     def on_sigint(self) -> None:
         self.count += 1
+        quiet_shutdown()
         if self.count >= 3:
             print("interrupted three times: leaving now", file=sys.stderr, flush=True)
             os._exit(EXIT_INTERRUPTED)

@@ -1,9 +1,13 @@
-"""A real run's outputs and its resumption: a run stopped after one iteration and
-resumed with `dynarl run --resume` ends exactly as an uninterrupted run; the running
-object draws its timeline and returns its metrics as flat records."""
+"""A real run's outputs and its resumption: a run stopped after one iteration, or
+whose controller is killed (SIGKILL) mid-iteration, and resumed with `dynarl run
+--resume` ends exactly as an uninterrupted run; the running object draws its timeline
+and returns its metrics as flat records."""
 
 import itertools
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import anyio
@@ -21,6 +25,21 @@ from .test_facade import SMALL, config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
+CLI = [sys.executable, "-m", "dynarl.cli", "run", "--quiet"]
+
+
+def sets(*overrides: str) -> list[str]:
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted 3-iteration run (checkpoints after each), by the CLI."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    args = sets(*SMALL, "run.num_iterations=3", "run.checkpoint_every=1")
+    subprocess.run([*CLI, "--out", str(out), *args], check=True, capture_output=True, timeout=240)
+    return out
+
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = torch.load(path, weights_only=True)["model"]
@@ -28,10 +47,8 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(300)
-async def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path: Path) -> None:
-    async with DynaRL(config(tmp_path / "whole", *SMALL, "run.num_iterations=2")) as rl:
-        whole = await rl.run()
-
+async def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path: Path, whole: Path) -> None:
+    first_two = read_metrics(whole / "metrics.jsonl")[:2]
     async with DynaRL(config(tmp_path / "part", *SMALL, "run.num_iterations=1")) as rl:
         await rl.run()
         # What a notebook user sees of the running object.
@@ -59,13 +76,13 @@ async def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path: Path) -> Non
 
     resumed = read_metrics(run_dir / "metrics.jsonl")  # appended to, not overwritten
     assert [s.iteration for s in resumed] == [0, 1]
-    assert [s.mean_reward for s in resumed] == [s.mean_reward for s in whole]
-    assert [s.gen_tokens for s in resumed] == [s.gen_tokens for s in whole]
-    np.testing.assert_allclose([s.loss for s in resumed], [s.loss for s in whole], rtol=1e-5)
-    assert resumed[-1].weight_version == whole[-1].weight_version == 2
+    assert [s.mean_reward for s in resumed] == [s.mean_reward for s in first_two]
+    assert [s.gen_tokens for s in resumed] == [s.gen_tokens for s in first_two]
+    np.testing.assert_allclose([s.loss for s in resumed], [s.loss for s in first_two], rtol=1e-5)
+    assert resumed[-1].weight_version == first_two[-1].weight_version == 2
 
     ours = weights(run_dir / "checkpoints" / "iter_0002.pt")
-    theirs = weights(tmp_path / "whole" / "run" / "checkpoints" / "iter_0002.pt")
+    theirs = weights(whole / "checkpoints" / "iter_0002.pt")
     for name, value in theirs.items():
         torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-7, msg=name)
 
@@ -89,3 +106,57 @@ async def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path: Path) -> Non
     (run_dir / "timeline.png").unlink()
     assert main(["plot", str(run_dir)]) == 0  # `dynarl plot RUN_DIR` redraws it
     assert (run_dir / "timeline.png").stat().st_size > 0
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(400)
+def test_a_run_whose_controller_is_killed_resumes_to_the_uninterrupted_result(
+    tmp_path: Path, whole: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    args = sets(*SMALL, "run.num_iterations=3", "run.checkpoint_every=1")
+    with subprocess.Popen(
+        [*CLI, "--out", str(run_dir), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    ) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("iter   1"):  # its checkpoint is written; iteration 2 runs
+                break
+        time.sleep(0.3)
+        process.kill()  # the controller only: its workers must notice and exit
+        process.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while group_alive(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not group_alive(process.pid), "a worker outlived its killed controller"
+
+    # The killed run's lock went with it; the resume picks up its last checkpoint.
+    result = subprocess.run(
+        [*CLI[:-1], "--resume", str(run_dir)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stderr
+    resumed = read_metrics(run_dir / "metrics.jsonl")
+    expected = read_metrics(whole / "metrics.jsonl")
+    assert [s.iteration for s in resumed] == [0, 1, 2]
+    assert [s.mean_reward for s in resumed] == [s.mean_reward for s in expected]
+    assert [s.gen_tokens for s in resumed] == [s.gen_tokens for s in expected]
+    np.testing.assert_allclose([s.loss for s in resumed], [s.loss for s in expected], rtol=1e-5)
+    ours = weights(run_dir / "checkpoints" / "iter_0003.pt")
+    theirs = weights(whole / "checkpoints" / "iter_0003.pt")
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-7, msg=name)

@@ -11,8 +11,11 @@
   (:meth:`~dynarl.workers.trainer.Trainer.resize`); a trainer left with
   no device is parked and resumes from its keeper. Slots on the devices involved
   release or assume their roles around it, so one process holds a device at a time.
-- **reboot** is not carried out on real workers: it raises, the controller records
-  ``MigrationFailed`` and the old placement keeps running.
+- **reboot** (a crashed device, from the free pool): a slot whose process died is
+  started again by the launcher (when it can: :class:`~dynarl.launch.launcher.RestartsSlots`),
+  then the device joins its component as in a move (a trainer worker that survived
+  its slot takes the actor's share directly). A reboot of a live instance raises: the
+  controller records ``MigrationFailed`` and the old placement keeps running.
 
 Failures are reported by raising, as the :class:`~dynarl.control.controller.Executor`
 protocol asks.
@@ -66,7 +69,17 @@ class WorldExecutor:
         Returns the seconds waited for an optimizer-step boundary."""
         src, dst = migration.src, migration.dst
         supported = (src in _SLOT_ROLES or src == ACTOR) and (dst in _SLOT_ROLES or dst == ACTOR)
-        if migration.kind == "reboot" or not supported:
+        lost = self._lost_devices(migration)
+        if lost and not self.world.can_restart_slots:
+            raise MigrationNotSupportedError(
+                f"migration {migration.id} needs devices {lost}, whose slot died, and "
+                "the launcher cannot restart a slot"
+            )
+        for device in lost:  # the reboot: a new process on the crashed device
+            await self.world.restart_slot(DeviceId(device))
+        # A reboot from the free pool is a move once dead slots are restarted.
+        rebootable = migration.kind != "reboot" or src is None
+        if not (supported and rebootable):
             raise MigrationNotSupportedError(
                 f"migration {migration.id} ({migration.kind}, {src} -> {dst}) is not "
                 "supported on real workers; the old placement keeps running"
@@ -80,6 +93,16 @@ class WorldExecutor:
             await self._create(migration)
         logger.info("migration %d done: %s -> %s", migration.id, src, dst)
         return waited
+
+    def _lost_devices(self, migration: Migration) -> list[int]:
+        """Devices of ``migration``'s new instances whose slot process died."""
+        world = self.world
+        if migration.dst not in (ROLLOUT, INFERENCE):
+            return []  # the actor's ranks are trainer workers, not slots
+        devices = [d for spec in migration.create for d in spec.devices]
+        return [
+            int(d) for d in devices if d in world.slot_devices and world.slot(d).name in world.lost
+        ]
 
     async def _reshard(self, migration: Migration) -> float:
         world = self.world

@@ -60,6 +60,32 @@ class IterationInterruptedError(DynaRLError):
     finished; it is not in the history and a resumed run runs it again."""
 
 
+class TrainerRankLostError(DynaRLError):
+    """A trainer worker died (or stopped answering) during an iteration. The trainer
+    cannot rebuild its process groups around a lost rank yet (torch.distributed's
+    ``new_group`` is collective over the whole world), so the run stops; it resumes
+    from its last checkpoint."""
+
+
+def _trainer_failure(error: BaseException) -> BaseException | None:
+    """The trainer worker's failure inside ``error`` (a task group's exception group
+    included), if that is what it is."""
+    from dynarl.workers.errors import TrainerError
+
+    if isinstance(error, TrainerError) and (
+        error.worker >= 0 or "did not answer" in str(error) or "lost track" in str(error)
+    ):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            found = _trainer_failure(inner)
+            if found is not None:
+                return found
+    if error.__cause__ is not None:
+        return _trainer_failure(error.__cause__)
+    return None
+
+
 class DynaRL:
     """A run of ``cfg``: ``async with`` it, then :meth:`run` or :meth:`iterations`.
 
@@ -252,9 +278,23 @@ class DynaRL:
         try:
             with self._host.call(), scope:
                 stats = await self._pipeline.run(index)
-        except BaseException:
+        except BaseException as error:
             self._note_interrupted(sampler)
-            raise
+            failure = _trainer_failure(error)
+            if failure is None:
+                raise
+            last = self.last_checkpoint()
+            where = (
+                f"continue from its last checkpoint (after {last.state.num_iterations} "
+                f"iterations) with `dynarl run --resume {self.run_dir}`"
+                if last is not None
+                else "no checkpoint exists yet: start it again"
+            )
+            raise TrainerRankLostError(
+                f"iteration {index} failed: {failure}. A trainer cannot go on without a "
+                f"lost rank yet (its process groups are collective over every worker); "
+                f"the run stops: {where}"
+            ) from error
         finally:
             self._step_scope = None
         if scope.cancelled_caught:

@@ -36,8 +36,9 @@ from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
 from dynarl.core.ids import ComponentId, DeviceId, InstanceId
 from dynarl.data.router import Router
-from dynarl.launch.launcher import Launcher, build_launcher
+from dynarl.launch.launcher import Launcher, RestartsSlots, build_launcher
 from dynarl.workers import backends, sync_group
+from dynarl.workers.errors import LaunchError
 from dynarl.workers.handles import CallChannel, SlotHandle
 from dynarl.workers.protocol import InferenceRole, RoleKind, RolloutRole
 from dynarl.workers.slot import SlotConfig
@@ -105,7 +106,8 @@ class RealWorld:
         # (slot, role) pairs known to hold weight_version.
         self._current: set[tuple[str, str | None]] = set()
         self._connected = False  # whether a weight-sync group exists
-        self._failed: set[str] = set()  # slots whose process is gone
+        self.lost: set[str] = set()
+        """Names of slots whose worker died."""
         self._sync_lock = anyio.Lock()
 
     @property
@@ -284,22 +286,49 @@ class RealWorld:
             await slot.release_memory(host_backup=True)
         return slot
 
-    def forget(self, instance: InstanceId) -> None:
-        """``instance``'s worker failed (its process is gone; the router routed its
-        items elsewhere): its slot serves nothing from now on, and the weight-sync
-        group is rebuilt without it at the next sync (the live members leave the old
-        group; the dead one cannot)."""
-        slot = self._serving.pop(instance, None)
-        if slot is not None:
-            self._failed.add(slot.name)
-            logger.warning("slot %s (%s) is gone; the run goes on without it", slot.name, instance)
-
     async def restore(self, instance: InstanceId, slot: SlotHandle) -> None:
         """Undo :meth:`release` (the move it was part of failed): the slot resumes the
         role's memory and the router routes to ``instance`` again."""
         await slot.resume_memory()
         self._serving[instance] = slot
         self.router.reactivate(instance)
+
+    def forget(self, instance: InstanceId) -> None:
+        """``instance``'s worker died (the router reported it; its items were routed
+        elsewhere): forget its slot. The weight-sync group it was in is abandoned, not
+        left (leaving is collective and would wait on the dead member until the
+        group's timeout): the next sync builds a new group of the survivors, whose
+        members replace their old group by joining it."""
+        slot = self._serving.pop(instance, None)
+        if slot is None:
+            return
+        self.lost.add(slot.name)
+        if any(s.name == slot.name for s in self._sync_members):
+            self._sync_members = [s for s in self._sync_members if s.name != slot.name]
+            self._connected = False
+            for member in self._sync_members:
+                member.in_weight_sync = False
+        logger.warning("slot %s (%s) died; the run goes on without it", slot.name, instance)
+
+    @property
+    def can_restart_slots(self) -> bool:
+        """Whether the launcher can start a dead slot's process again."""
+        return isinstance(self.launcher, RestartsSlots)
+
+    async def restart_slot(self, device: DeviceId) -> SlotHandle:
+        """Start ``device``'s dead slot again (the reboot of a crashed device): a new
+        process, free, holding the seed's weights until it assumes a role (then it is
+        brought to the engines' version like any slot taking a role)."""
+        launcher = self.launcher
+        if not isinstance(launcher, RestartsSlots):
+            raise LaunchError(
+                f"the {type(launcher).__name__} cannot restart a slot; device {device} "
+                "serves the actor only"
+            )
+        handle = await launcher.restart_slot(self.slot_devices.index(device))
+        self.lost.discard(handle.name)
+        self._current = {(name, role) for name, role in self._current if name != handle.name}
+        return handle
 
     # ------------------------------------------------------------------ the actor
 
@@ -378,7 +407,7 @@ class RealWorld:
         await sync_group.connect(
             trainer,
             members,
-            leaving=[s for s in self._sync_members if s.name not in self._failed],
+            leaving=[s for s in self._sync_members if s.name not in self.lost],
             connected=self._connected,
             host=self._sender_host(trainer),
         )

@@ -9,7 +9,7 @@ names, refusing one whose packages are missing or that is not built yet.
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
@@ -58,6 +58,17 @@ class Launcher(Protocol):
     async def aclose(self) -> None:
         """Stop every slot and worker (gracefully, then by force); idempotent, and
         finishes even when cancelled."""
+        ...
+
+
+@runtime_checkable
+class RestartsSlots(Protocol):
+    """A launcher that can start a dead slot's process again (the reboot of a device
+    whose slot died); a launcher without it leaves the device to the actor."""
+
+    async def restart_slot(self, index: int) -> SlotHandle:
+        """Start slot ``index`` again (its process died) and wait until it has said
+        hello as a free slot; returns its new handle."""
         ...
 
 

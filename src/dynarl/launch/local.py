@@ -137,20 +137,37 @@ class LocalLauncher:
         context = multiprocessing.get_context("spawn")
         cfg = self.config
         for i in range(cfg.num_slots):
-            name = f"{cfg.name_prefix}-{i}"
-            process = context.Process(
-                target=slot_main,
-                args=(self.endpoint, name, cfg.slot),
-                name=f"dynarl-{name}",
-                daemon=True,
-            )
-            process.start()
-            handle = SlotHandle(self.router, name, pid=process.pid, alive=process.is_alive)
-            self.slots.append(Slot(name, process, handle))
+            self.slots.append(self._spawn_slot(context, f"{cfg.name_prefix}-{i}"))
         logger.info("started %d slots; waiting for their hello", len(self.slots))
         with anyio.fail_after(cfg.start_timeout_s):
             for slot in self.slots:
                 await slot.handle.wait_connected(cfg.start_timeout_s)
+
+    def _spawn_slot(self, context: multiprocessing.context.BaseContext, name: str) -> Slot:
+        process = context.Process(  # type: ignore[attr-defined]
+            target=slot_main,
+            args=(self.endpoint, name, self.config.slot),
+            name=f"dynarl-{name}",
+            daemon=True,
+        )
+        process.start()
+        handle = SlotHandle(self.router, name, pid=process.pid, alive=process.is_alive)
+        return Slot(name, process, handle)
+
+    async def restart_slot(self, index: int) -> SlotHandle:
+        """Start slot ``index`` again after its process died (the reboot of its
+        device) and wait until it has said hello as a free slot; returns its new
+        handle. Raises :class:`LaunchError` if the old process still runs."""
+        old = self.slots[index]
+        if old.process.is_alive():
+            raise LaunchError(f"slot {old.name} still runs; it needs no restart")
+        await anyio.to_thread.run_sync(old.process.join, self.config.stop_timeout_s)
+        old.process.close()
+        slot = self._spawn_slot(multiprocessing.get_context("spawn"), old.name)
+        self.slots[index] = slot
+        logger.info("restarted slot %s (pid %d)", slot.name, slot.pid)
+        await slot.handle.wait_connected(self.config.start_timeout_s)
+        return slot.handle
 
     async def start_workers(
         self, entry: WorkerEntry, names: Sequence[str], *, num_threads: int

@@ -1,0 +1,145 @@
+"""Fault injection into a real run: kill a chosen worker process at a chosen point.
+
+A test fixture for real runs (off unless a test attaches one): a :class:`FaultInjector`
+attached to an open :class:`~dynarl.api.facade.DynaRL` run watches the run's progress
+and the controller's events and ``SIGKILL``\\ s the worker a :class:`WorkerKill` names
+(the ``index``-th rollout slot, inference slot or trainer worker) when its point is
+reached:
+
+- ``rollout``: once half of the iteration's responses are done;
+- ``scoring``: when a sample is routed to an inference instance;
+- ``optimizer_step``: when the iteration's first optimizer step starts;
+- ``migration``: when the controller starts a migration;
+- ``weight_sync``: when the iteration's closing weight sync starts.
+
+It also counts what the controller hears: every item each edge completes, per
+iteration (:meth:`FaultInjector.completions`), so a test can check that no sample was
+lost or duplicated, and records each kill with its time (:attr:`FaultInjector.kills`).
+"""
+
+import collections
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal
+
+import msgspec
+
+from dynarl.control import events as ev
+from dynarl.core.errors import DynaRLError
+
+if TYPE_CHECKING:
+    from dynarl.api.facade import DynaRL
+    from dynarl.rl.pipeline import Progress
+
+Target = Literal["rollout", "inference", "trainer"]
+"""Which kind of worker to kill."""
+
+Point = Literal["rollout", "scoring", "optimizer_step", "migration", "weight_sync"]
+"""When to kill it."""
+
+
+class WorkerKill(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Kill the ``index``-th worker of kind ``target`` (in slot or worker order, among
+    those serving that role now) at ``point`` of iteration ``iteration``."""
+
+    target: Target
+    point: Point
+    iteration: int = 0
+    index: int = 0
+
+
+class KillRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """A kill that happened: what, whom (its name and pid), and when (wall clock)."""
+
+    kill: WorkerKill
+    worker: str
+    pid: int
+    time_s: float
+
+
+class FaultInjector:
+    """Kills workers of ``rl`` as ``kills`` say; call :meth:`attach` once the run is
+    open.
+
+    Args:
+        rl: the run (opened before :meth:`attach`).
+        kills: what to kill, and when; each fires at most once.
+    """
+
+    def __init__(self, rl: "DynaRL", kills: list[WorkerKill]) -> None:
+        self.rl = rl
+        self.pending = list(kills)
+        self.kills: list[KillRecord] = []
+        self.iteration = -1
+        self._completed: collections.Counter[tuple[int, str, str]] = collections.Counter()
+        self._on_progress: Callable[[Progress], None] | None = None
+
+    def attach(self) -> None:
+        """Start watching the open run's progress and its controller's events."""
+        controller = self.rl.controller
+        if controller is None:
+            raise DynaRLError("open the run first: `async with DynaRL(cfg) as rl:`")
+        controller.listeners.append(self._on_event)
+        self._on_progress = self.rl.on_progress
+        self.rl.on_progress = self._progress
+
+    def completions(self) -> dict[tuple[int, str], collections.Counter[str]]:
+        """Per (iteration, edge): how many times each item completed it."""
+        out: dict[tuple[int, str], collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
+        for (iteration, edge, item), n in self._completed.items():
+            out[(iteration, edge)][item] += n
+        return dict(out)
+
+    # ------------------------------------------------------------------ triggers
+
+    def _progress(self, p: "Progress") -> None:
+        if self._on_progress is not None:
+            self._on_progress(p)
+        if p.stage == "rollout" and p.total and 2 * p.done >= p.total:
+            self._fire("rollout")
+        elif p.stage == "train":
+            self._fire("optimizer_step")
+        elif p.stage == "sync":
+            self._fire("weight_sync")
+
+    def _on_event(self, event: ev.Event) -> None:
+        if isinstance(event, ev.IterationStarted):
+            self.iteration = event.iteration
+        elif isinstance(event, ev.ItemCompleted):
+            self._completed[(self.iteration, event.edge, event.item)] += 1
+        elif isinstance(event, ev.MigrationStarted):
+            self._fire("migration")
+        elif isinstance(event, ev.ItemRouted) and event.edge == "to_inference":
+            self._fire("scoring")
+
+    def _fire(self, point: Point) -> None:
+        for kill in list(self.pending):
+            if kill.point == point and kill.iteration == self.iteration:
+                self.pending.remove(kill)
+                self._kill(kill)
+
+    def _kill(self, kill: WorkerKill) -> None:
+        name, pid = self._victim(kill)
+        os.kill(pid, signal.SIGKILL)
+        self.kills.append(KillRecord(kill=kill, worker=name, pid=pid, time_s=time.monotonic()))
+
+    def _victim(self, kill: WorkerKill) -> tuple[str, int]:
+        world = self.rl._world
+        if world is None:
+            raise DynaRLError("the run is not open")
+        if kill.target == "trainer":
+            handles = list(world.trainer_workers)
+        else:
+            handles = [h for h in world.serving_slots if h.role == kill.target]
+        if not 0 <= kill.index < len(handles):
+            raise DynaRLError(
+                f"no {kill.target} worker {kill.index} to kill at {kill.point}: "
+                f"{len(handles)} serve now"
+            )
+        handle = handles[kill.index]
+        assert handle.pid is not None, "a started worker has a pid"
+        return handle.name, handle.pid
