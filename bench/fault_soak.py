@@ -4,7 +4,8 @@ killed at random; the real controller recovers, the hypergraph's invariants are
 checked after every event, and every item is counted.
 
 Prints a table per fault kind (injected, recovered, items requeued, recovery time in
-virtual seconds, measured from the events) and one JSON line.
+virtual seconds, measured from the events), the mean iteration time beside a
+fault-free run of the same job, and one JSON line.
 """
 
 import argparse
@@ -39,6 +40,8 @@ def main() -> None:
     )
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
         summary, _ = runner.run(soak(run, plan))
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        clean, _ = runner.run(soak(run, FaultPlan()))
     r = summary.result
     print(
         f"{args.mode}: {summary.iterations}/{args.iterations} iterations, samples "
@@ -59,6 +62,11 @@ def main() -> None:
             f"{kind:<20} {k.injected:>8} {k.recovered:>9} {k.items_requeued:>8} "
             f"{median:>13} {worst:>10} {k.devices_rebooted:>8} {down:>13}"
         )
+    base = clean.result.mean_iteration_s
+    print(
+        f"mean iteration {r.mean_iteration_s:.2f} s with faults, {base:.2f} s without "
+        f"({r.mean_iteration_s / base:.2f}x); fault-free run lost {clean.lost}"
+    )
     out = {
         "bench": "fault_soak",
         "mode": args.mode,
@@ -69,6 +77,7 @@ def main() -> None:
         "duplicated": summary.duplicated,
         "kinds": msgspec.to_builtins(summary.kinds),
         "mean_iteration_s": round(r.mean_iteration_s, 2),
+        "fault_free_mean_iteration_s": round(base, 2),
         "wall_s": round(r.wall_s, 1),
     }
     print(json.dumps(out))

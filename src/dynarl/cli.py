@@ -300,7 +300,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DynaRLError as exc:
         print(f"dynarl: error: {exc}", file=sys.stderr)
         return 2
+    except BaseExceptionGroup as group:  # a task group's: say its first error in words
+        error = _first_dynarl_error(group)
+        if error is None:
+            raise
+        print(f"dynarl: error: {error}", file=sys.stderr)
+        return 2
     return code
+
+
+def _first_dynarl_error(error: BaseException) -> DynaRLError | None:
+    if isinstance(error, DynaRLError):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            found = _first_dynarl_error(inner)
+            if found is not None:
+                return found
+    return None
 
 
 if __name__ == "__main__":

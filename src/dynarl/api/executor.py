@@ -37,6 +37,26 @@ logger = logging.getLogger(__name__)
 _SLOT_ROLES = (ROLLOUT, INFERENCE, None)
 
 
+def trainer_rank_loss(error: BaseException) -> BaseException | None:
+    """The trainer worker's death (or silence) inside ``error`` (an exception group's
+    leaves and causes included), if that is what ``error`` is: a trainer cannot go on
+    without a rank yet."""
+    from dynarl.workers.errors import TrainerError
+
+    if isinstance(error, TrainerError) and (
+        error.worker >= 0 or "did not answer" in str(error) or "lost track" in str(error)
+    ):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            found = trainer_rank_loss(inner)
+            if found is not None:
+                return found
+    if error.__cause__ is not None:
+        return trainer_rank_loss(error.__cause__)
+    return None
+
+
 class MigrationNotSupportedError(DynaRLError):
     """The real executor cannot carry out this kind of migration."""
 
@@ -85,7 +105,13 @@ class WorldExecutor:
                 "supported on real workers; the old placement keeps running"
             )
         if ACTOR in (src, dst):
-            waited = await self._reshard(migration)
+            try:
+                waited = await self._reshard(migration)
+            except Exception as error:
+                rank_loss = trainer_rank_loss(error)
+                if rank_loss is not None:
+                    self.world.fail(rank_loss)  # the run cannot go on: stop it
+                raise
         else:
             waited = None
             for instance in migration.drain:

@@ -67,25 +67,6 @@ class TrainerRankLostError(DynaRLError):
     from its last checkpoint."""
 
 
-def _trainer_failure(error: BaseException) -> BaseException | None:
-    """The trainer worker's failure inside ``error`` (a task group's exception group
-    included), if that is what it is."""
-    from dynarl.workers.errors import TrainerError
-
-    if isinstance(error, TrainerError) and (
-        error.worker >= 0 or "did not answer" in str(error) or "lost track" in str(error)
-    ):
-        return error
-    if isinstance(error, BaseExceptionGroup):
-        for inner in error.exceptions:
-            found = _trainer_failure(inner)
-            if found is not None:
-                return found
-    if error.__cause__ is not None:
-        return _trainer_failure(error.__cause__)
-    return None
-
-
 class DynaRL:
     """A run of ``cfg``: ``async with`` it, then :meth:`run` or :meth:`iterations`.
 
@@ -231,6 +212,7 @@ class DynaRL:
             before_controller=functools.partial(stack.callback, self._write_timeline_at_exit),
         )
         self.controller, self._world, self._pipeline = run.controller, run.world, run.pipeline
+        run.world.on_failure = self._world_failed
         self._meter, self._recorder, self._sampler = run.meter, run.recorder, run.sampler
         self._closed_s = None
         logger.info(
@@ -280,23 +262,17 @@ class DynaRL:
                 stats = await self._pipeline.run(index)
         except BaseException as error:
             self._note_interrupted(sampler)
-            failure = _trainer_failure(error)
+            from dynarl.api.executor import trainer_rank_loss
+
+            failure = trainer_rank_loss(error)
             if failure is None:
                 raise
-            last = self.last_checkpoint()
-            where = (
-                f"continue from its last checkpoint (after {last.state.num_iterations} "
-                f"iterations) with `dynarl run --resume {self.run_dir}`"
-                if last is not None
-                else "no checkpoint exists yet: start it again"
-            )
-            raise TrainerRankLostError(
-                f"iteration {index} failed: {failure}. A trainer cannot go on without a "
-                f"lost rank yet (its process groups are collective over every worker); "
-                f"the run stops: {where}"
-            ) from error
+            raise self._rank_lost(index, failure) from error
         finally:
             self._step_scope = None
+        if scope.cancelled_caught and self._world is not None and self._world.failure:
+            self._note_interrupted(sampler)
+            raise self._rank_lost(index, self._world.failure)
         if scope.cancelled_caught:
             self._note_interrupted(sampler)
             raise IterationInterruptedError(
@@ -315,6 +291,27 @@ class DynaRL:
         if every and (index + 1) % every == 0:
             await self.save_checkpoint()
         return stats
+
+    def _rank_lost(self, index: int, failure: BaseException) -> "TrainerRankLostError":
+        last = self.last_checkpoint()
+        where = (
+            f"continue from its last checkpoint (after {last.state.num_iterations} "
+            f"iterations) with `dynarl run --resume {self.run_dir}`"
+            if last is not None
+            else "no checkpoint exists yet: start it again"
+        )
+        error = TrainerRankLostError(
+            f"iteration {index} failed: {failure}. A trainer cannot go on without a "
+            f"lost rank yet (its process groups are collective over every worker); "
+            f"the run stops: {where}"
+        )
+        error.__cause__ = failure
+        return error
+
+    def _world_failed(self, error: BaseException) -> None:
+        """The world cannot go on: stop the running iteration (it raises why)."""
+        if self._step_scope is not None:
+            self._step_scope.cancel()
 
     def request_stop(self, *, now: bool = False) -> bool:
         """Stop the run at the earliest point that loses no finished iteration:

@@ -26,7 +26,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import anyio
@@ -108,6 +108,10 @@ class RealWorld:
         self._connected = False  # whether a weight-sync group exists
         self.lost: set[str] = set()
         """Names of slots whose worker died."""
+        self.on_failure: Callable[[BaseException], None] | None = None
+        """Called when the world cannot go on (a trainer rank died): the run stops."""
+        self.failure: BaseException | None = None
+        """Why the world cannot go on, once it cannot."""
         self._sync_lock = anyio.Lock()
 
     @property
@@ -305,10 +309,17 @@ class RealWorld:
         self.lost.add(slot.name)
         if any(s.name == slot.name for s in self._sync_members):
             self._sync_members = [s for s in self._sync_members if s.name != slot.name]
-            self._connected = False
-            for member in self._sync_members:
-                member.in_weight_sync = False
+            self._abandon_group()
         logger.warning("slot %s (%s) died; the run goes on without it", slot.name, instance)
+
+    def fail(self, error: BaseException) -> None:
+        """The world cannot go on (``error``: a trainer rank died); tell the run once."""
+        if self.failure is not None:
+            return
+        self.failure = error
+        logger.error("the run cannot go on: %s", error)
+        if self.on_failure is not None:
+            self.on_failure(error)
 
     @property
     def can_restart_slots(self) -> bool:
@@ -366,7 +377,38 @@ class RealWorld:
 
     async def sync_weights(self, version: int) -> int:
         """Broadcast the actor's weights as ``version`` to every serving slot (the
-        group is rebuilt first if its members changed); returns the bytes sent."""
+        group is rebuilt first if its members changed); returns the bytes sent.
+
+        A broadcast that fails (a member died under it: gloo reports the reset
+        connection) is retried with exponential back-off, up to :attr:`SYNC_ATTEMPTS`
+        times, on a group rebuilt from the members alive then (the router reports the
+        dead one meanwhile); the trainer keeps its weights throughout."""
+        assert self.trainer is not None, "start the world first"
+        delay_s = self.SYNC_BACKOFF_S
+        for attempt in range(1, self.SYNC_ATTEMPTS + 1):
+            try:
+                return await self._sync_once(version)
+            except Exception as error:
+                if attempt == self.SYNC_ATTEMPTS:
+                    raise
+                logger.warning(
+                    "weight sync of version %d failed (%s); rebuilding the group and "
+                    "retrying in %.1f s",
+                    version,
+                    _first_line(error),
+                    delay_s,
+                )
+                self._abandon_group()
+                await anyio.sleep(delay_s)
+                delay_s *= 2
+        raise AssertionError("unreachable")
+
+    SYNC_ATTEMPTS = 4
+    """Tries of one weight sync (the first and its retries)."""
+    SYNC_BACKOFF_S = 0.5
+    """The wait before the first retry of a weight sync (doubled each time)."""
+
+    async def _sync_once(self, version: int) -> int:
         assert self.trainer is not None, "start the world first"
         async with self._sync_lock:
             members = self.serving_slots
@@ -376,6 +418,14 @@ class RealWorld:
             self.trainer_ahead = False
             self._current = {(s.name, s.role) for s in members}
             return sent
+
+    def _abandon_group(self) -> None:
+        """Forget the weight-sync group without leaving it (a collective its broken or
+        dead members cannot take part in); the next sync builds a new one, whose
+        members replace their old group by joining it."""
+        self._connected = False
+        for member in self._sync_members:
+            member.in_weight_sync = False
 
     async def _bring_up_to_date(self, slots: Sequence[SlotHandle]) -> None:
         """Give ``slots`` (which just built or resumed a role) the weights the engines
@@ -417,3 +467,11 @@ class RealWorld:
             slot.in_weight_sync = True
         self._connected = True
         self._sync_members = list(members)
+
+
+def _first_line(error: BaseException) -> str:
+    """``error``'s message in one line (an exception group's first leaf)."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    text = str(error).splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
