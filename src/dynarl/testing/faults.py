@@ -50,13 +50,19 @@ class WorkerKill(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     index: int = 0
 
 
-class KillRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """A kill that happened: what, whom (its name and pid), and when (wall clock)."""
+class KillRecord(msgspec.Struct, kw_only=True):
+    """A kill that happened: what, whom (its name and pid), when (``time.monotonic``),
+    when the controller heard of the death (``detected_s``: its ``WorkerFailed``; a
+    trainer worker is not an instance and is not reported so) and when the iteration
+    it hit completed (``iteration_done_s``)."""
 
     kill: WorkerKill
     worker: str
     pid: int
     time_s: float
+    instance: str = ""
+    detected_s: float | None = None
+    iteration_done_s: float | None = None
 
 
 class FaultInjector:
@@ -111,6 +117,14 @@ class FaultInjector:
             self.iteration = event.iteration
         elif isinstance(event, ev.ItemCompleted):
             self._completed[(self.iteration, event.edge, event.item)] += 1
+        elif isinstance(event, ev.WorkerFailed):
+            for record in self.kills:
+                if record.instance == event.instance and record.detected_s is None:
+                    record.detected_s = time.monotonic()
+        elif isinstance(event, ev.IterationDone):
+            for record in self.kills:
+                if record.kill.iteration == event.iteration and record.iteration_done_s is None:
+                    record.iteration_done_s = time.monotonic()
         elif isinstance(event, ev.MigrationStarted):
             self._fire("migration")
         elif isinstance(event, ev.ItemRouted) and event.edge == "to_inference":
@@ -123,11 +137,13 @@ class FaultInjector:
                 self._kill(kill)
 
     def _kill(self, kill: WorkerKill) -> None:
-        name, pid = self._victim(kill)
+        name, pid, instance = self._victim(kill)
         os.kill(pid, signal.SIGKILL)
-        self.kills.append(KillRecord(kill=kill, worker=name, pid=pid, time_s=time.monotonic()))
+        self.kills.append(
+            KillRecord(kill=kill, worker=name, pid=pid, time_s=time.monotonic(), instance=instance)
+        )
 
-    def _victim(self, kill: WorkerKill) -> tuple[str, int]:
+    def _victim(self, kill: WorkerKill) -> tuple[str, int, str]:
         world = self.rl._world
         if world is None:
             raise DynaRLError("the run is not open")
@@ -142,4 +158,4 @@ class FaultInjector:
             )
         handle = handles[kill.index]
         assert handle.pid is not None, "a started worker has a pid"
-        return handle.name, handle.pid
+        return handle.name, handle.pid, str(handle.instance)
