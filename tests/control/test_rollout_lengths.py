@@ -5,6 +5,7 @@ the longest remaining response."""
 import pytest
 
 from dynarl.control import events as ev
+from dynarl.control.estimates import Estimates
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.rollout_lengths import (
     completion_order,
@@ -216,20 +217,32 @@ def test_during_the_first_iteration_the_longest_runs_from_the_least_progress() -
     assert expected_longest_remaining(g, ROLLOUT) == pytest.approx(3500.0)
 
 
-def test_the_longest_is_refreshed_each_second_or_when_the_pending_count_moves() -> None:
+def test_kept_estimates_answer_as_fresh_ones_and_are_computed_once_per_state() -> None:
     g = sized_graph()
     g.max_tokens_per_request = 4000.0
     ids = enqueue(g, [f"r{k}" for k in range(10)])
     for item in ids:
         g.apply(ev.ItemRouted(edge=PROMPTS, item=item, instance=E0))
+    kept = Estimates()
     progress_to(g, 1000.0, 10, t0=0.0)
-    assert expected_longest_remaining(g, ROLLOUT) == pytest.approx(3000.0)
-    report(g, 10, 10 * 500.0 / 0.5, 1.5)
-    assert expected_longest_remaining(g, ROLLOUT) == pytest.approx(3000.0)  # 0.5 s later
+    assert expected_longest_remaining(g, ROLLOUT, kept) == pytest.approx(3000.0)
+    report(g, 10, 10 * 500.0 / 0.5, 1.5)  # any event: the next answer is read afresh
+    assert expected_longest_remaining(g, ROLLOUT, kept) == pytest.approx(2500.0)
     g.apply(ev.ItemCompleted(edge=PROMPTS, item=ids[0], instance=E0, num_tokens=1500, time_s=1.5))
-    assert expected_longest_remaining(g, ROLLOUT) == pytest.approx(2500.0)  # 10% fewer pending
+    assert expected_longest_remaining(g, ROLLOUT, kept) == pytest.approx(2500.0)
     progress_to(g, 100.0, 9, t0=2.0)
-    assert expected_longest_remaining(g, ROLLOUT) == pytest.approx(2400.0)  # a second later
+    assert expected_longest_remaining(g, ROLLOUT, kept) == pytest.approx(2400.0)
+    assert expected_longest_remaining(g, ROLLOUT, kept) == expected_longest_remaining(g, ROLLOUT)
+    calls: list[int] = []
+
+    def count() -> int:
+        calls.append(1)
+        return len(calls)
+
+    assert kept.get(g, "probe", count) == kept.get(g, "probe", count) == 1
+    report(g, 9, 0.0, 4.0)
+    assert kept.get(g, "probe", count) == 2  # a new state of the graph: computed again
+    assert kept.get(sized_graph(), "probe", count) == 3  # another graph
 
 
 def test_requests_queued_inside_an_engine_make_no_progress_and_the_sum_is_what_it_reported() -> (

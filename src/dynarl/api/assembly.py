@@ -149,6 +149,7 @@ async def assemble(
     play (else the single-turn bracket task); ``run_dir``: the run directory (workers on
     other nodes copy their output to its ``workers/``)."""
     from dynarl.api.executor import WorldExecutor
+    from dynarl.control.estimates import Estimates
     from dynarl.control.modes import make_hold, make_policy
     from dynarl.control.predictor import Predictor
     from dynarl.data import RouterConfig
@@ -214,15 +215,16 @@ async def assemble(
 
     gate = StepGate(graph, ACTOR)
     executor = WorldExecutor(world)
+    estimates = Estimates()  # what the policy and the hold read from the graph, shared
     controller = Controller(
         graph,
-        make_policy(cfg.scheduler, predictor, baseline),
+        make_policy(cfg.scheduler, predictor, baseline, estimates),
         executor,
         clock=clock,
         predictor=predictor,
         tick_s=cfg.scheduler.tick_s,
         listeners=[executor.on_event, meter, recorder, gate],
-        hold=make_hold(cfg.scheduler, predictor),
+        hold=make_hold(cfg.scheduler, predictor, estimates),
     )
     before_controller()
     tg = await stack.enter_async_context(anyio.create_task_group())

@@ -14,26 +14,15 @@ their remaining lengths.
 
 import bisect
 import math
-import weakref
 
 from dynarl.control.elements import TOOL
+from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.core.ids import ComponentId
 
 _BUCKETS = 32  # progress quantiles the longest-remaining estimate works on
-# The longest-remaining estimate costs O(pending requests): it is recomputed once a
-# second of model time, or sooner when the pending count moved by more than this share.
-_LONGEST_PERIOD_S = 1.0
-_LONGEST_PENDING_CHANGE = 0.02
-_progress_memo: "weakref.WeakKeyDictionary[Hypergraph, tuple[int, ComponentId, list[float]]]"
-_progress_memo = weakref.WeakKeyDictionary()
-# graph -> (component, iteration, time, pending count, estimate)
-_longest_memo: "weakref.WeakKeyDictionary[Hypergraph, tuple[ComponentId, int, float, int, float]]"
-_longest_memo = weakref.WeakKeyDictionary()
 _ORDER_BUCKETS = 16  # equal-count buckets of :func:`completion_order`
 _ORDER_POINTS = 32  # survivor lengths drawn per progress bucket
-_OrderMemo = tuple[ComponentId, int, float, int, "Completions"]
-_order_memo: "weakref.WeakKeyDictionary[Hypergraph, _OrderMemo]" = weakref.WeakKeyDictionary()
 
 
 class Completions:
@@ -61,12 +50,17 @@ def mean_progress(graph: Hypergraph, component: ComponentId) -> float:
     return max(0.0, parked + held) / pending
 
 
-def pending_progress(graph: Hypergraph, component: ComponentId) -> list[float]:
+def pending_progress(
+    graph: Hypergraph, component: ComponentId, estimates: Estimates | None = None
+) -> list[float]:
     """Tokens each pending request of a rollout component has generated, ascending
-    (computed once per event applied)."""
-    memo = _progress_memo.get(graph)
-    if memo is not None and memo[0] == graph.events_applied and memo[1] == component:
-        return memo[2]
+    (once per state of the hypergraph, with ``estimates``)."""
+    return or_fresh(estimates).get(
+        graph, ("progress", component), lambda: _pending_progress(graph, component)
+    )
+
+
+def _pending_progress(graph: Hypergraph, component: ComponentId) -> list[float]:
     out: list[float] = []
     for edge in graph.edges_into(component):
         for st in edge.items.values():
@@ -76,7 +70,6 @@ def pending_progress(graph: Hypergraph, component: ComponentId) -> list[float]:
             else:
                 out.append(graph.instances[owner].progress_of(st))
     out.sort()
-    _progress_memo[graph] = (graph.events_applied, component, out)
     return out
 
 
@@ -106,7 +99,9 @@ def expected_remaining_tokens(graph: Hypergraph, component: ComponentId) -> floa
     return max(mean, progress)
 
 
-def expected_longest_remaining(graph: Hypergraph, component: ComponentId) -> float:
+def expected_longest_remaining(
+    graph: Hypergraph, component: ComponentId, estimates: Estimates | None = None
+) -> float:
     """Tokens the longest pending request of a rollout component still generates.
     The rollout cannot end sooner, however many devices it has.
 
@@ -115,18 +110,17 @@ def expected_longest_remaining(graph: Hypergraph, component: ComponentId) -> flo
     During the first, the longest response seen (or the cap, before any) less the
     least progress: that request may be as long as the longest.
 
-    It reads every pending request, so it is refreshed once a second of model time
-    (``_LONGEST_PERIOD_S``; a decode step is milliseconds, so the longest moves by a
-    few hundred tokens at most meanwhile) or when the pending count moved by more
-    than 2%, and is reused in between.
+    It reads every pending request: with ``estimates``, once per state of the
+    hypergraph.
     """
-    pending = graph.pending(component)
-    if not pending:
+    if not graph.pending(component):
         return 0.0
-    memo = _longest_memo.get(graph)
-    if memo is not None and _fresh(memo, graph, component, pending):
-        return memo[4]
-    progress = pending_progress(graph, component)
+    est = or_fresh(estimates)
+    return est.get(graph, ("longest", component), lambda: _longest(graph, component, est))
+
+
+def _longest(graph: Hypergraph, component: ComponentId, est: Estimates) -> float:
+    progress = pending_progress(graph, component, est)
     node = graph.components[component]
     mean = expected_remaining_tokens(graph, component)
     if node.lengths_prev:
@@ -136,7 +130,6 @@ def expected_longest_remaining(graph: Hypergraph, component: ComponentId) -> flo
         longest = max(
             mean, (node.max_tokens_completed or graph.max_tokens_per_request) - progress[0]
         )
-    _longest_memo[graph] = (component, graph.iteration, graph.now_s, pending, longest)
     return longest
 
 
@@ -170,25 +163,28 @@ def expected_context(graph: Hypergraph, component: ComponentId) -> float:
     return prompt + progress + max(half, 0.0)
 
 
-def completion_order(graph: Hypergraph, component: ComponentId) -> Completions | None:
+def completion_order(
+    graph: Hypergraph, component: ComponentId, estimates: Estimates | None = None
+) -> Completions | None:
     """When the pending requests of a rollout component complete, in order, and how
     long they are then (:class:`Completions`); ``None`` before a finished iteration.
 
     Each pending request's remainder is drawn from the survivors of the last finished
     iteration's lengths past its progress (independently); the mixture over requests,
     cut into equal-count buckets, is the completion order: the short remainders first,
-    the requests that reach the longest lengths last. Like the longest remaining, it is
-    refreshed once a second of model time or on a >2% change in the pending count.
+    the requests that reach the longest lengths last. Like the longest remaining, it
+    reads every pending request: with ``estimates``, once per state of the hypergraph.
     """
     node = graph.components[component]
-    pending = graph.pending(component)
-    if not node.lengths_prev or not pending:
+    if not node.lengths_prev or not graph.pending(component):
         return None
-    memo = _order_memo.get(graph)
-    if memo is not None and _fresh(memo, graph, component, pending):
-        return memo[4]
-    lengths = node.lengths_prev
-    progress = pending_progress(graph, component)
+    est = or_fresh(estimates)
+    return est.get(graph, ("order", component), lambda: _completion_order(graph, component, est))
+
+
+def _completion_order(graph: Hypergraph, component: ComponentId, est: Estimates) -> Completions:
+    lengths = graph.components[component].lengths_prev
+    progress = pending_progress(graph, component, est)
     n = len(progress)
     size = max(1, math.ceil(n / _BUCKETS))
     points: list[tuple[float, float, float]] = []  # (remainder, weight, final length)
@@ -204,7 +200,7 @@ def completion_order(graph: Hypergraph, component: ComponentId) -> Completions |
             final = float(lengths[k + (2 * j + 1) * left // (2 * draws)])
             points.append((final - p, count / draws, final))
     points.sort()
-    longest = max(expected_longest_remaining(graph, component), 1.0)
+    longest = max(expected_longest_remaining(graph, component, est), 1.0)
     total = sum(w for _, w, _ in points)
     times: list[float] = []
     means: list[float] = []
@@ -222,9 +218,7 @@ def completion_order(graph: Hypergraph, component: ComponentId) -> Completions |
         times.append(min(1.0, points[-1][0] / longest))
         means.append(tokens / mass if mass > 0 else (means[-1] if means else 0.0))
         mass = tokens = 0.0
-    out = Completions(tuple(times), tuple(means))
-    _order_memo[graph] = (component, graph.iteration, graph.now_s, pending, out)
-    return out
+    return Completions(tuple(times), tuple(means))
 
 
 def expected_output_work(graph: Hypergraph, component: ComponentId) -> float:
@@ -238,22 +232,6 @@ def expected_output_work(graph: Hypergraph, component: ComponentId) -> float:
     prompts = sum(e.tokens_pending for e in graph.edges_into(component))
     so_far = mean_progress(graph, component) * pending
     return prompts + so_far + pending * expected_remaining_tokens(graph, component)
-
-
-def _fresh(
-    memo: tuple[ComponentId, int, float, int, object],
-    graph: Hypergraph,
-    component: ComponentId,
-    pending: int,
-) -> bool:
-    """Whether a memo ``(component, iteration, time, pending count, value)`` still
-    serves: same component and iteration, under a second of model time old, and the
-    pending count within 2% of its own."""
-    return (
-        memo[:2] == (component, graph.iteration)
-        and graph.now_s - memo[2] < _LONGEST_PERIOD_S
-        and abs(pending - memo[3]) <= _LONGEST_PENDING_CHANGE * memo[3]
-    )
 
 
 def _median_of_max(lengths: list[int], progress: list[float], cap: float) -> float:

@@ -29,21 +29,24 @@ where the plan sends them (or as the planner would) before scoring.
 
 import heapq
 import math
-import weakref
 from collections.abc import Iterable, Mapping
 
 from dynarl.control import rollout_lengths
 from dynarl.control.demand import Demand, rate
 from dynarl.control.elements import Node
+from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import Plan
-from dynarl.control.predictor import Predictor, PrefillCost
+from dynarl.control.predictor import Predictor
 from dynarl.control.trainer_steps import actor_finish, steps_in_arrival_order
 from dynarl.core.ids import ComponentId, GroupId, InstanceId
 
 
-def demands(graph: Hypergraph, *, per_engine: bool = False) -> dict[ComponentId, Demand]:
-    """Remaining work of every component on devices.
+def demands(
+    graph: Hypergraph, *, per_engine: bool = False, estimates: Estimates | None = None
+) -> dict[ComponentId, Demand]:
+    """Remaining work of every component on devices (``estimates``: see
+    :mod:`~dynarl.control.estimates`).
 
     With ``per_engine``, a rollout's demand also holds its most loaded engine's work
     (``hottest``), which then bounds its predicted finish (see :func:`rate`). Policies
@@ -51,6 +54,7 @@ def demands(graph: Hypergraph, *, per_engine: bool = False) -> dict[ComponentId,
     since the concave fit's per-request cost ``b`` is learned largely at the tail (long
     contexts) and would make a busy engine's queue look several times slower than it is.
     """
+    est = or_fresh(estimates)
     items: dict[ComponentId, float] = {}  # items pending here or upstream
     flow: dict[ComponentId, float] = {}  # their work as samples (``item_work`` units)
     out: dict[ComponentId, Demand] = {}
@@ -68,7 +72,7 @@ def demands(graph: Hypergraph, *, per_engine: bool = False) -> dict[ComponentId,
             per_item = rollout_lengths.expected_remaining_tokens(graph, cid)
             in_tool = sum(e.num_in_tool for e in graph.edges_into(cid))
             load = max(own - in_tool, 0.0)
-            longest = rollout_lengths.expected_longest_remaining(graph, cid) if own else 0.0
+            longest = rollout_lengths.expected_longest_remaining(graph, cid, est) if own else 0.0
             hottest = 0
             if per_engine:
                 hottest = max((len(n.items) for n in node.active_instances()), default=0)
@@ -91,7 +95,7 @@ def demands(graph: Hypergraph, *, per_engine: bool = False) -> dict[ComponentId,
             steps: tuple[float, ...] = ()
             ready: tuple[float, ...] = ()
             if node.spec.steps_in_arrival_order and graph.sized and steps_left > 1:
-                steps, ready = steps_in_arrival_order(graph, cid, steps_left)
+                steps, ready = steps_in_arrival_order(graph, cid, steps_left, est)
             out[cid] = Demand(
                 work=work,
                 load=total,
@@ -116,6 +120,7 @@ def remaining_time(
     penalties: Mapping[ComponentId, float] | None = None,
     before: Mapping[ComponentId, int] | None = None,
     demand: Mapping[ComponentId, Demand] | None = None,
+    estimates: Estimates | None = None,
 ) -> float:
     """Predicted seconds until the iteration's last stage finishes (the latest of
     :func:`finish_times`)."""
@@ -127,6 +132,7 @@ def remaining_time(
         penalties=penalties,
         before=before,
         demand=demand,
+        estimates=estimates,
     )
     return max(finish.values(), default=0.0)
 
@@ -141,6 +147,7 @@ def finish_times(
     before: Mapping[ComponentId, int] | None = None,
     demand: Mapping[ComponentId, Demand] | None = None,
     waiting: set[ComponentId] | None = None,
+    estimates: Estimates | None = None,
 ) -> dict[ComponentId, float]:
     """Predicted seconds until each stage finishes this iteration's work.
 
@@ -156,8 +163,10 @@ def finish_times(
         waiting: if given, receives the trainers whose next step is predicted to wait
             for their predecessors' devices rather than start on their own (see
             :func:`~dynarl.control.trainer_steps.trainers_to_hold`).
+        estimates: what was already read from ``graph`` (see
+            :mod:`~dynarl.control.estimates`).
     """
-    demand = demands(graph) if demand is None else demand
+    demand = demands(graph, estimates=estimates) if demand is None else demand
     delays = delays or {}
     penalties = penalties or {}
     before = before or devices
@@ -227,6 +236,8 @@ def score_plan(
     plan: Plan,
     before: Mapping[ComponentId, int] | None = None,
     demand: Mapping[ComponentId, Demand] | None = None,
+    *,
+    estimates: Estimates | None = None,
 ) -> float:
     """Predicted remaining iteration seconds if ``plan`` is carried out now.
 
@@ -243,6 +254,7 @@ def score_plan(
     32B, where a long context takes seconds to prefill, the flat cost alone made
     moving engines mid-rollout look several times cheaper than it is.
     """
+    est = or_fresh(estimates)
     if before is None:
         before = {c: n.num_active_devices for c, n in graph.components.items()}
     after = dict(before)
@@ -259,14 +271,21 @@ def score_plan(
             if kind != "actor":
                 during[m.src] -= num_devices
             if any(n.items for n in drained):
-                stall = _reprefill_s(graph, predictor, m.src, drained, len(m.drain))
+                stall = _reprefill_s(graph, predictor, m.src, drained, len(m.drain), est=est)
                 penalties[m.src] = max(penalties.get(m.src, 0.0), cost, stall)
         if m.dst is not None:
             after[m.dst] += sum(len(s.devices) for s in m.create)
             delays[m.dst] = max(delays.get(m.dst, 0.0), cost)
-    demand = after_moves(graph, plan, demands(graph) if demand is None else demand)
+    demand = after_moves(graph, plan, demands(graph, estimates=est) if demand is None else demand)
     return remaining_time(
-        graph, predictor, after, delays=delays, penalties=penalties, before=during, demand=demand
+        graph,
+        predictor,
+        after,
+        delays=delays,
+        penalties=penalties,
+        before=during,
+        demand=demand,
+        estimates=est,
     )
 
 
@@ -276,39 +295,31 @@ def _reprefill_s(
     cid: ComponentId,
     drained: list[Node],
     num_drained: int,
+    *,
+    est: Estimates,
 ) -> float:
     """Seconds each engine ``cid`` keeps stalls re-prefilling the requests of its
-    ``drained`` engines (0 without a measured prefill cost)."""
+    ``drained`` engines (0 without a measured prefill cost). The candidates of every
+    decision drain the same engines over and over: each engine's sum is kept in
+    ``est`` while its state stays."""
     cost = predictor.prefill_cost(cid)
     keep = graph.components[cid].num_active - num_drained
     if cost is None or keep <= 0:
         return 0.0
-    memo = _prefill_memo.get(graph)
-    if memo is None or memo[0] is not cost:
-        memo = (cost, {})
-        _prefill_memo[graph] = memo
-    per_engine = memo[1]
     total = 0.0
     for n in drained:
-        # An engine's sum changes only when it reports (progress) or its requests change.
-        key = (n.last_stats_s, len(n.items), n.progress_base, n.tokens_per_request)
-        known = per_engine.get(n.id)
-        if known is None or known[0] != key:
-            seconds = 0.0
+
+        def seconds(n: Node = n) -> float:
+            out = 0.0
             for item, edge in n.items.items():
                 st = graph.edges[edge].items[item]
-                seconds += cost.seconds(max(st.tokens + n.progress_of(st), st.prefix_tokens))
-            known = (key, seconds)
-            per_engine[n.id] = known
-        total += known[1]
+                out += cost.seconds(max(st.tokens + n.progress_of(st), st.prefix_tokens))
+            return out
+
+        # An engine's sum changes only when it reports (progress) or its requests change.
+        state = (n.last_stats_s, len(n.items), n.progress_base, n.tokens_per_request)
+        total += est.reprefill_s(graph, n.id, state, cost, seconds)
     return total / keep
-
-
-# graph -> (the prefill cost used, per engine: (its state then, re-prefill seconds)):
-# the candidates of every decision drain the same engines over and over.
-_EngineState = tuple[float, int, float, float]
-_PrefillMemo = tuple[PrefillCost, dict[InstanceId, tuple[_EngineState, float]]]
-_prefill_memo: "weakref.WeakKeyDictionary[Hypergraph, _PrefillMemo]" = weakref.WeakKeyDictionary()
 
 
 def after_moves(

@@ -28,26 +28,21 @@ holds them at their step boundary.
 """
 
 import math
-import weakref
 from collections.abc import Mapping
 
 from dynarl.control import rollout_lengths
 from dynarl.control.demand import Demand, rate
+from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.predictor import Predictor
 from dynarl.core.ids import ComponentId, GroupId
 
-# The step plan reads every pending sample: refreshed once a second of model time, or
-# sooner when the pending samples moved by more than this share.
-_STEPS_PERIOD_S = 1.0
-_STEPS_PENDING_CHANGE = 0.02
-_StepsMemo = tuple[ComponentId, int, int, float, int, tuple[tuple[float, ...], tuple[float, ...]]]
-_steps_memo: "weakref.WeakKeyDictionary[Hypergraph, _StepsMemo]" = weakref.WeakKeyDictionary()
+StepPlan = tuple[tuple[float, ...], tuple[float, ...]]
 
 
 def steps_in_arrival_order(
-    graph: Hypergraph, cid: ComponentId, steps_left: int
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    graph: Hypergraph, cid: ComponentId, steps_left: int, estimates: Estimates | None = None
+) -> StepPlan:
     """The work of each of a trainer's ``steps_left`` remaining steps when each trains
     the next minibatch of whole groups in the order the groups complete (streamed
     minibatches), and when each step's last group completes, as a share of the time
@@ -65,12 +60,16 @@ def steps_in_arrival_order(
     holds the longest responses, and a step can wait long for its last group even
     with many samples here.
 
-    The result is refreshed once a second of model time, or sooner when the pending
-    samples moved by more than 2%.
-    :func:`~dynarl.control.scoring.demands` stores it as the actor's
+    It reads every pending sample: with ``estimates``, once per state of the
+    hypergraph. :func:`~dynarl.control.scoring.demands` stores it as the actor's
     :attr:`Demand.steps <dynarl.control.demand.Demand.steps>` and ``ready`` (only for a
     trainer with ``steps_in_arrival_order``, sized items and more than one step left),
     which :func:`actor_finish` then plays out."""
+    est = or_fresh(estimates)
+    return est.get(graph, ("steps", cid, steps_left), lambda: _steps(graph, cid, steps_left, est))
+
+
+def _steps(graph: Hypergraph, cid: ComponentId, steps_left: int, est: Estimates) -> StepPlan:
     chain: list[ComponentId] = []
     stage: ComponentId | None = cid
     while stage is not None:
@@ -79,15 +78,6 @@ def steps_in_arrival_order(
             break
         preds = [p for p in graph.spec.predecessors(stage) if graph.spec.component(p).on_devices]
         stage = max(preds, key=graph.pending, default=None)
-    pending = sum(graph.pending(c) for c in chain)
-    memo = _steps_memo.get(graph)
-    if (
-        memo is not None
-        and memo[:3] == (cid, graph.iteration, steps_left)
-        and graph.now_s - memo[3] < _STEPS_PERIOD_S
-        and abs(pending - memo[4]) <= _STEPS_PENDING_CHANGE * memo[4]
-    ):
-        return memo[5]
     # group -> [samples, work, ready share, requests in rollout, their prompt tokens]
     groups: dict[GroupId, list[float]] = {}
     between: list[tuple[GroupId, float]] = []  # samples between rollout and trainer
@@ -107,7 +97,7 @@ def steps_in_arrival_order(
                     if stage != cid:
                         between.append((st.group, graph.item_work(st)))
     if rollout is not None:
-        _rollout_groups(graph, rollout, groups)
+        _rollout_groups(graph, rollout, groups, est)
     upstream = sum(g[1] for g in groups.values()) - graph.work_pending(cid)
     arrived = 0.0
     for group, work in between:  # chain order: nearest the trainer first
@@ -128,17 +118,15 @@ def steps_in_arrival_order(
     if count > 0:
         steps.append(work)
         ready.append(last)
-    out = (tuple(steps), tuple(ready))
-    _steps_memo[graph] = (cid, graph.iteration, steps_left, graph.now_s, pending, out)
-    return out
+    return tuple(steps), tuple(ready)
 
 
 def _rollout_groups(
-    graph: Hypergraph, rollout: ComponentId, groups: dict[GroupId, list[float]]
+    graph: Hypergraph, rollout: ComponentId, groups: dict[GroupId, list[float]], est: Estimates
 ) -> None:
     """Fill in, for the groups with requests in ``rollout``, when their last request
     completes (share of the rollout's remaining time) and their requests' work."""
-    order = rollout_lengths.completion_order(graph, rollout)
+    order = rollout_lengths.completion_order(graph, rollout, est)
     if order is None:  # no lengths yet: completions uniform in time, each of the mean
         length = rollout_lengths.mean_progress(graph, rollout)
         length += rollout_lengths.expected_remaining_tokens(graph, rollout)
@@ -242,7 +230,9 @@ def actor_finish(
     return t, waits
 
 
-def trainers_to_hold(graph: Hypergraph, predictor: Predictor) -> set[ComponentId]:
+def trainers_to_hold(
+    graph: Hypergraph, predictor: Predictor, estimates: Estimates | None = None
+) -> set[ComponentId]:
     """Trainers that should not start their next step yet: the placement as it is
     finishes sooner if that step waits for the devices their predecessors free when
     they finish (a step runs to its end on the devices it started on: started on a
@@ -253,5 +243,5 @@ def trainers_to_hold(graph: Hypergraph, predictor: Predictor) -> set[ComponentId
 
     devices = {c: n.num_active_devices for c, n in graph.components.items()}
     waiting: set[ComponentId] = set()
-    finish_times(graph, predictor, devices, waiting=waiting)
+    finish_times(graph, predictor, devices, waiting=waiting, estimates=estimates)
     return waiting

@@ -21,6 +21,7 @@ import numpy as np
 
 from dynarl.control import events as ev
 from dynarl.control.controller import Controller
+from dynarl.control.estimates import Estimates
 from dynarl.control.modes import make_hold, make_policy
 from dynarl.control.pipeline import build_hypergraph
 from dynarl.control.predictor import Predictor
@@ -116,7 +117,8 @@ async def simulate(
         profile=profile,
         devices_per_instance={c: n.spec.devices_per_instance for c, n in graph.components.items()},
     )
-    policy = make_policy(cfg.scheduler, predictor, baseline)
+    estimates = Estimates()  # shared by the policy and the hold
+    policy = make_policy(cfg.scheduler, predictor, baseline, estimates)
     recorder = TimelineRecorder(graph, run=name or cfg.scheduler.mode)
     listeners: list[Callable[[ev.Event], None]] = []
     if check:
@@ -140,7 +142,7 @@ async def simulate(
         predictor=predictor,
         tick_s=cfg.scheduler.tick_s,
         listeners=listeners,
-        hold=make_hold(cfg.scheduler, predictor),
+        hold=make_hold(cfg.scheduler, predictor, estimates),
     )
     wall0 = time.perf_counter()
     send, receive = anyio.create_memory_object_stream[ev.Event](0)

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 from dynarl.control.config import SchedulerConfig
 from dynarl.control.demand import Demand, rate
+from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
 from dynarl.control.planner import PlanBuilder
@@ -40,9 +41,12 @@ class BottleneckPolicy:
 
     name = "bottleneck"
 
-    def __init__(self, cfg: SchedulerConfig, predictor: Predictor) -> None:
+    def __init__(
+        self, cfg: SchedulerConfig, predictor: Predictor, estimates: Estimates | None = None
+    ) -> None:
         self.cfg = cfg
         self.predictor = predictor
+        self.estimates = or_fresh(estimates)
 
     def donatable(self, graph: Hypergraph, cid: ComponentId, demand: Demand, now_s: float) -> int:
         """How many instances ``cid`` can give up now (0 if it is not a donor).
@@ -68,7 +72,7 @@ class BottleneckPolicy:
         if graph.migrations or trigger.kind == "iteration_end":
             return EMPTY_PLAN
         now = trigger.time_s
-        demand = demands(graph)
+        demand = demands(graph, estimates=self.estimates)
         order = graph.spec.stage_order()
         before = {c: graph.components[c].num_active_devices for c in order}
         donors: list[tuple[ComponentId | None, int]] = [
@@ -112,7 +116,9 @@ class BottleneckPolicy:
             if signature in seen:
                 continue  # another amount that snapped to the same valid size
             seen.add(signature)
-            score = score_plan(graph, self.predictor, candidate, before, demand)
+            score = score_plan(
+                graph, self.predictor, candidate, before, demand, estimates=self.estimates
+            )
             if best is None or score < best[0]:
                 best = (score, (src, dst, amount))
         if best is None or not best[0] < base * (1.0 - self.cfg.min_gain):

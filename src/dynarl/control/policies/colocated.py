@@ -6,6 +6,7 @@ move only at these stage boundaries (and a boundary move that failed is retried 
 the placement changes).
 """
 
+from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
 from dynarl.control.planner import PlanBuilder
@@ -17,6 +18,9 @@ class ColocatedPolicy:
     """All devices to the current stage, at stage boundaries only."""
 
     name = "colocated"
+
+    def __init__(self, estimates: Estimates | None = None) -> None:
+        self.estimates = or_fresh(estimates)
 
     def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
         """Move every device to the current stage on ``iteration_start`` and
@@ -31,7 +35,7 @@ class ColocatedPolicy:
         if trigger.kind == "iteration_start":
             stage = order[0]
         else:
-            demand = demands(graph)
+            demand = demands(graph, estimates=self.estimates)
             pending = [c for c in order if demand[c].work > 0]
             if not pending:
                 return EMPTY_PLAN

@@ -16,6 +16,7 @@ devices for 69 s while inference was the bottleneck.
 
 import msgspec
 
+from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
 from dynarl.control.predictor import Predictor
@@ -27,8 +28,14 @@ class PredictorGate:
     """Wraps a policy; passes its plans on only when they strictly improve."""
 
     def __init__(
-        self, policy: Policy, predictor: Predictor, min_gain: float, rival: Policy | None = None
+        self,
+        policy: Policy,
+        predictor: Predictor,
+        min_gain: float,
+        rival: Policy | None = None,
+        estimates: Estimates | None = None,
     ) -> None:
+        self.estimates = or_fresh(estimates)
         self.policy = policy
         self.predictor = predictor
         self.min_gain = min_gain
@@ -42,13 +49,14 @@ class PredictorGate:
         if not plan:
             return plan
         before = {c: n.num_active_devices for c, n in graph.components.items()}
-        base = remaining_time(graph, self.predictor, before)
-        after = score_plan(graph, self.predictor, plan, before)
+        est = self.estimates
+        base = remaining_time(graph, self.predictor, before, estimates=est)
+        after = score_plan(graph, self.predictor, plan, before, estimates=est)
         if not after < base * (1.0 - self.min_gain):
             return EMPTY_PLAN
         if self.rival is not None:
             other = self.rival.decide(graph, trigger)
-            if other and score_plan(graph, self.predictor, other, before) < after:
+            if other and score_plan(graph, self.predictor, other, before, estimates=est) < after:
                 # Committed here: returning nothing would let the policies between
                 # this rule and its rival decide instead.
                 return other

@@ -10,6 +10,7 @@ re-decided after every scheduling decision and lifts by itself once nothing is l
 upstream (then no device is on its way).
 """
 
+from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.predictor import Predictor
 from dynarl.control.trainer_steps import trainers_to_hold
@@ -19,12 +20,13 @@ from dynarl.core.ids import ComponentId
 class HoldForDevices:
     """Hold trainers whose next step would finish sooner on devices still to come."""
 
-    def __init__(self, predictor: Predictor) -> None:
+    def __init__(self, predictor: Predictor, estimates: Estimates | None = None) -> None:
         self.predictor = predictor
+        self.estimates = or_fresh(estimates)
 
     def holds(self, graph: Hypergraph) -> frozenset[ComponentId]:
         """Trainers to hold: those the predictor's schedule has wait for devices."""
         if graph.migrations:
             # A move is under way: its devices are already counted where they go.
             return frozenset(c for c, n in graph.components.items() if n.hold_steps)
-        return frozenset(trainers_to_hold(graph, self.predictor))
+        return frozenset(trainers_to_hold(graph, self.predictor, self.estimates))

@@ -15,6 +15,7 @@
 from typing import Literal
 
 from dynarl.control.config import SchedulerConfig
+from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
 from dynarl.control.planner import PlanBuilder
@@ -94,6 +95,9 @@ class ActorTakesCluster:
 
     name = "actor-takes-cluster"
 
+    def __init__(self, estimates: Estimates | None = None) -> None:
+        self.estimates = or_fresh(estimates)
+
     def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
         """Grow the actor once it is the only stage with work left."""
         if graph.migrations or trigger.kind == "tick":
@@ -102,7 +106,7 @@ class ActorTakesCluster:
         if len(actors) != 1:
             return EMPTY_PLAN
         actor = actors[0]
-        demand = demands(graph)
+        demand = demands(graph, estimates=self.estimates)
         if demand[actor].work <= 0:
             return EMPTY_PLAN
         if any(d.work > 0 for c, d in demand.items() if c != actor):

@@ -26,6 +26,7 @@ on 128 simulated 1.5B engines that churned 64 engines every 3.5 s for 170 s.
 import math
 
 from dynarl.control.config import SchedulerConfig
+from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
 from dynarl.control.planner import PlanBuilder
@@ -39,9 +40,12 @@ class RebalanceTail:
 
     name = "rebalance-tail"
 
-    def __init__(self, cfg: SchedulerConfig, predictor: Predictor) -> None:
+    def __init__(
+        self, cfg: SchedulerConfig, predictor: Predictor, estimates: Estimates | None = None
+    ) -> None:
         self.cfg = cfg
         self.predictor = predictor
+        self.estimates = or_fresh(estimates)
 
     def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
         """The best strictly improving spread of hot engines, or nothing."""
@@ -64,14 +68,16 @@ class RebalanceTail:
             hot = [n for n in engines if len(n.items) > mean]
             if not hot:
                 continue
-            demand = demands(graph, per_engine=True) if demand is None else demand
-            base = remaining_time(graph, self.predictor, before, demand=demand)
+            est = self.estimates
+            if demand is None:
+                demand = demands(graph, per_engine=True, estimates=est)
+            base = remaining_time(graph, self.predictor, before, demand=demand, estimates=est)
             # No spread can beat a perfectly even load (and none is free): if even that
             # bound does not gain ``min_gain``, build no candidate. Cheap, and most
             # ticks end here.
             even = dict(demand)
             even[cid] = demand[cid].with_hottest(math.ceil(mean))
-            bound = remaining_time(graph, self.predictor, before, demand=even)
+            bound = remaining_time(graph, self.predictor, before, demand=even, estimates=est)
             if not bound < base * (1.0 - self.cfg.min_gain):
                 continue
             best: tuple[float, Plan] | None = None
@@ -87,7 +93,7 @@ class RebalanceTail:
                 hottest = moved.hottest / moved.per_item if moved.per_item > 0 else 0.0
                 if hottest >= sum(len(n.items) for n in hot[:k]) / k:
                     continue  # it only moves the load, it does not spread it
-                score = score_plan(graph, self.predictor, plan, before, demand)
+                score = score_plan(graph, self.predictor, plan, before, demand, estimates=est)
                 if best is None or score < best[0]:
                     best = (score, plan)
             if best is not None and best[0] < base * (1.0 - self.cfg.min_gain):

@@ -16,6 +16,7 @@ still on their way to it: its predecessors' devices flow down to it as they fini
 nothing is on its way, the floor holds as for any stage.
 """
 
+from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
 from dynarl.control.planner import PlanBuilder
@@ -28,6 +29,9 @@ class StarvedStage:
 
     name = "starved-stage"
 
+    def __init__(self, estimates: Estimates | None = None) -> None:
+        self.estimates = or_fresh(estimates)
+
     def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
         """A plan giving the first starved stage (pipeline order) its smallest valid
         size; nothing when no stage is starved or a move is under way."""
@@ -37,7 +41,10 @@ class StarvedStage:
             node = graph.components[stage]
             if node.num_active or not graph.pending(stage):
                 continue
-            if node.spec.interruptible_at == "optimizer_step" and demands(graph)[stage].upstream:
+            if (
+                node.spec.interruptible_at == "optimizer_step"
+                and demands(graph, estimates=self.estimates)[stage].upstream
+            ):
                 continue  # devices flow down to it as its predecessors finish
             sizes = range(1, min(node.spec.max_instances, graph.num_devices) + 1)
             target = next((k for k in sizes if node.spec.is_valid_size(k)), None)
