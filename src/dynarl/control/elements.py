@@ -215,6 +215,11 @@ class HyperNode:
         self.hold_steps = False
         # Instance-seconds its instances spent holding items (finished spans only).
         self.occupied_s = 0.0
+        # Rollout, multi-turn sessions: of the sessions that went out on a tool call
+        # after their k-th turn (index k), how many came back for another turn and how
+        # many their environment ended there (see rollout_lengths.returning_sessions).
+        self.tool_returns: list[int] = []
+        self.tool_ends: list[int] = []
 
     @property
     def id(self) -> ComponentId:
@@ -255,6 +260,8 @@ class HyperEdge:
         self.items: dict[ItemId, ItemState] = {}
         self.queue: dict[ItemId, None] = {}
         self.num_in_tool = 0
+        # Sessions out on a tool call by the turns they have done (>= 1).
+        self.in_tool_turns: dict[int, int] = {}
         self.num_enqueued = 0
         self.enqueued_this_iteration = 0
         self.num_routed = 0

@@ -293,6 +293,7 @@ class Hypergraph:
             edge.num_in_tool -= 1
             edge.progress_parked -= st.generated
             component = edge.spec.consumers[0]  # its engine may have left meanwhile
+            _count(self.components[component].tool_ends, _leave_tool(edge, st))
         elif st.owner != e.instance:
             raise EventError(f"{e.instance!r} completed {e.item!r} but {st.owner!r} holds it")
         else:
@@ -327,6 +328,8 @@ class Hypergraph:
         edge.progress_parked += st.generated
         st.prefix_tokens = e.prefix_tokens
         edge.num_in_tool += 1
+        turns = st.tool_calls + 1
+        edge.in_tool_turns[turns] = edge.in_tool_turns.get(turns, 0) + 1
 
     def _take(self, node: Node, st: ItemState, time_s: float) -> None:
         """Remove ``st`` from ``node``; close its occupied span if it holds no more."""
@@ -343,6 +346,7 @@ class Hypergraph:
         if st.owner != TOOL:
             raise EventError(f"tool call finished for {e.item!r}, which is not in a tool")
         st.owner = None
+        _count(self.components[edge.spec.consumers[0]].tool_returns, _leave_tool(edge, st))
         st.tool_calls += 1
         edge.queue[e.item] = None
         edge.num_in_tool -= 1
@@ -406,3 +410,21 @@ class Hypergraph:
         See :func:`dynarl.control.invariants.check_invariants`.
         """
         check_invariants(self)
+
+
+def _leave_tool(edge: HyperEdge, st: ItemState) -> int:
+    """Take ``st`` off ``edge``'s sessions in a tool; the turns it had done."""
+    turns = st.tool_calls + 1
+    left = edge.in_tool_turns[turns] - 1
+    if left:
+        edge.in_tool_turns[turns] = left
+    else:
+        del edge.in_tool_turns[turns]
+    return turns
+
+
+def _count(counts: list[int], k: int) -> None:
+    """Add one at index ``k`` of ``counts``, growing it as needed."""
+    if len(counts) <= k:
+        counts.extend([0] * (k + 1 - len(counts)))
+    counts[k] += 1

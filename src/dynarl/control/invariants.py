@@ -62,12 +62,14 @@ def check_invariants(graph: "Hypergraph") -> None:
                 raise InvariantError(f"{node.id} holds {item!r}, which it does not own")
     for edge in graph.edges.values():
         in_tool = 0
+        turns: dict[int, int] = {}
         for st in edge.items.values():
             if st.owner is None:
                 if st.id not in edge.queue:
                     raise InvariantError(f"{st.id!r} on {edge.id} is owned by nobody")
             elif st.owner == TOOL:
                 in_tool += 1
+                turns[st.tool_calls + 1] = turns.get(st.tool_calls + 1, 0) + 1
             else:
                 holder = graph.instances.get(st.owner)
                 if holder is None or holder.items.get(st.id) != edge.id:
@@ -80,6 +82,8 @@ def check_invariants(graph: "Hypergraph") -> None:
             raise InvariantError(f"{edge.id} queue holds completed items")
         if in_tool != edge.num_in_tool:
             raise InvariantError(f"{edge.id}: num_in_tool {edge.num_in_tool} != {in_tool}")
+        if turns != edge.in_tool_turns:
+            raise InvariantError(f"{edge.id}: in_tool_turns {edge.in_tool_turns} != {turns}")
         if edge.num_enqueued != edge.num_completed + len(edge.items):
             raise InvariantError(f"{edge.id}: enqueued != completed + pending")
         sizes = sum(max(st.tokens, 1) for st in edge.items.values())

@@ -50,6 +50,33 @@ def mean_progress(graph: Hypergraph, component: ComponentId) -> float:
     return max(0.0, parked + held) / pending
 
 
+def returning_sessions(graph: Hypergraph, component: ComponentId) -> float:
+    """How many of a rollout component's sessions now out on a tool call are expected
+    to come back for another turn.
+
+    A multi-turn session leaves its engine after every turn that calls a tool; its
+    environment then either sends it back for the next turn or ends it there (a
+    session whose last turn is handed back like the others ends in the tool). Of the
+    sessions that left after their ``k``-th turn so far, the share that came back is
+    the chance one out after ``k`` turns comes back, ``(returned_k + q) / (left_k +
+    1)``, with ``q`` the share over every turn count (``(returned + 1) / (left + 1)``:
+    before anything is seen, every session comes back). Counted as ended, a session
+    out on a tool would read as finished rollout work, and the scheduler would give
+    away the engines it returns to.
+    """
+    node = graph.components[component]
+    returns, ends = node.tool_returns, node.tool_ends
+    total_returns, total_ends = sum(returns), sum(ends)
+    pooled = (total_returns + 1) / (total_returns + total_ends + 1)
+    out = 0.0
+    for edge in graph.edges_into(component):
+        for k, count in edge.in_tool_turns.items():
+            back = returns[k] if k < len(returns) else 0
+            left = back + (ends[k] if k < len(ends) else 0)
+            out += count * (back + pooled) / (left + 1)
+    return out
+
+
 def pending_progress(
     graph: Hypergraph, component: ComponentId, estimates: Estimates | None = None
 ) -> list[float]:

@@ -3,9 +3,11 @@
 A component's remaining work is what it still has to do this iteration: its own pending
 items plus what its predecessors have not yet handed it (items flow through every
 stage). Rollout work is measured in tokens it still generates (pending requests times
-their expected remaining length); the other stages' in the tokens of the samples they
-score or train (what a sample costs them grows with its length: a trainer's minibatch of
-long responses takes many times one of short ones), or in items when the items carry no
+their expected remaining length; a session out on a tool call counts as the chance it
+comes back for another turn: :func:`~dynarl.control.rollout_lengths.returning_sessions`);
+the other stages' in the tokens of the samples they score or train (what a sample costs
+them grows with its length: a trainer's minibatch of long responses takes many times
+one of short ones), or in items when the items carry no
 sizes (:meth:`~dynarl.control.hypergraph.Hypergraph.item_work`). Its finish time is the
 later of "all its work at its predicted throughput" and "its last input arrives, plus
 the time to process one chunk of it" -- or, if sooner, "its last input arrives, then its
@@ -70,14 +72,16 @@ def demands(
         if kind == "rollout":
             flow[cid] = rollout_lengths.expected_output_work(graph, cid) + upstream_work
             per_item = rollout_lengths.expected_remaining_tokens(graph, cid)
+            # Requests that need an engine: those at one or waiting for one, and the
+            # sessions out on a tool call expected back for another turn.
             in_tool = sum(e.num_in_tool for e in graph.edges_into(cid))
-            load = max(own - in_tool, 0.0)
+            load = max(own - in_tool, 0.0) + rollout_lengths.returning_sessions(graph, cid)
             longest = rollout_lengths.expected_longest_remaining(graph, cid, est) if own else 0.0
             hottest = 0
             if per_engine:
                 hottest = max((len(n.items) for n in node.active_instances()), default=0)
             out[cid] = Demand(
-                work=total * per_item,
+                work=(load + upstream) * per_item,
                 load=load,
                 tail=0.0,
                 upstream=upstream,

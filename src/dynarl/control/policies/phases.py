@@ -110,9 +110,9 @@ class ActorTakesCluster:
         if demand[actor].work <= 0:
             return EMPTY_PLAN
         if any(d.work > 0 for c, d in demand.items() if c != actor):
+            # (Sessions out on a tool call that may come back for another turn are
+            # rollout work: rollout_lengths.returning_sessions.)
             return EMPTY_PLAN
-        if any(e.num_in_tool for e in graph.edges.values()):
-            return EMPTY_PLAN  # sessions out on tool calls come back for more turns
         idle = [c for c in demand if c != actor and graph.components[c].num_active]
         spare = len(graph.free_devices) + sum(graph.components[c].num_active_devices for c in idle)
         now = graph.components[actor].num_active
