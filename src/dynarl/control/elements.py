@@ -262,6 +262,8 @@ class HyperEdge:
         self.num_in_tool = 0
         # Sessions out on a tool call by the turns they have done (>= 1).
         self.in_tool_turns: dict[int, int] = {}
+        # Pending items per group: [count, sizes (ItemRef.tokens, 1 at least)].
+        self.groups: dict[GroupId, list[int]] = {}
         self.num_enqueued = 0
         self.enqueued_this_iteration = 0
         self.num_routed = 0

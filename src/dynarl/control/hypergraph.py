@@ -234,6 +234,9 @@ class Hypergraph:
             edge.items[ref.id] = ItemState(ref.id, ref.group, e.time_s, ref.tokens)
             edge.queue[ref.id] = None
             edge.tokens_pending += max(ref.tokens, 1)
+            group = edge.groups.setdefault(ref.group, [0, 0])
+            group[0] += 1
+            group[1] += max(ref.tokens, 1)
             self.sized = self.sized or ref.tokens > 0
         edge.num_enqueued += len(e.items)
         edge.enqueued_this_iteration += len(e.items)
@@ -303,6 +306,12 @@ class Hypergraph:
                 node.settle(st, e.num_tokens)
             self._take(node, st, e.time_s)
         del edge.items[e.item]
+        group = edge.groups[st.group]
+        if group[0] == 1:
+            del edge.groups[st.group]
+        else:
+            group[0] -= 1
+            group[1] -= max(st.tokens, 1)
         edge.num_completed += 1
         edge.tokens_completed += e.num_tokens
         edge.tokens_pending -= max(st.tokens, 1)

@@ -86,6 +86,13 @@ def check_invariants(graph: "Hypergraph") -> None:
             raise InvariantError(f"{edge.id}: in_tool_turns {edge.in_tool_turns} != {turns}")
         if edge.num_enqueued != edge.num_completed + len(edge.items):
             raise InvariantError(f"{edge.id}: enqueued != completed + pending")
+        groups: dict[object, list[int]] = {}
+        for st in edge.items.values():
+            g = groups.setdefault(st.group, [0, 0])
+            g[0] += 1
+            g[1] += max(st.tokens, 1)
+        if groups != edge.groups:
+            raise InvariantError(f"{edge.id}: per-group counts out of date")
         sizes = sum(max(st.tokens, 1) for st in edge.items.values())
         if edge.tokens_pending != sizes:
             raise InvariantError(f"{edge.id}: tokens_pending {edge.tokens_pending} != {sizes}")

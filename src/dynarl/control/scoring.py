@@ -55,8 +55,15 @@ def demands(
     that move requests between engines ask for it; device moves are scored without it,
     since the concave fit's per-request cost ``b`` is learned largely at the tail (long
     contexts) and would make a busy engine's queue look several times slower than it is.
+
+    The result is shared (with ``estimates``, once per state of the hypergraph): copy
+    it before changing it.
     """
     est = or_fresh(estimates)
+    return est.get(graph, ("demands", per_engine), lambda: _demands(graph, per_engine, est))
+
+
+def _demands(graph: Hypergraph, per_engine: bool, est: Estimates) -> dict[ComponentId, Demand]:
     items: dict[ComponentId, float] = {}  # items pending here or upstream
     flow: dict[ComponentId, float] = {}  # their work as samples (``item_work`` units)
     out: dict[ComponentId, Demand] = {}

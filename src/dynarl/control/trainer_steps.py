@@ -85,17 +85,24 @@ def _steps(graph: Hypergraph, cid: ComponentId, steps_left: int, est: Estimates)
     for stage in chain:
         kind = graph.components[stage].spec.kind
         for edge in graph.edges_into(stage):
+            if kind == "rollout" or stage == cid:
+                # Only the order of the samples between the two matters: here the
+                # edge's counts per group serve (O(groups), not O(items)).
+                for group, (num, size) in edge.groups.items():
+                    g = groups.setdefault(group, [0.0, 0.0, 0.0, 0.0, 0.0])
+                    g[0] += num
+                    if kind == "rollout":
+                        rollout = stage
+                        g[3] += num
+                        g[4] += size
+                    else:
+                        g[1] += size if graph.sized else num
+                continue
             for st in edge.items.values():
                 g = groups.setdefault(st.group, [0.0, 0.0, 0.0, 0.0, 0.0])
                 g[0] += 1
-                if kind == "rollout":
-                    rollout = stage
-                    g[3] += 1
-                    g[4] += max(st.tokens, 1)
-                else:
-                    g[1] += graph.item_work(st)
-                    if stage != cid:
-                        between.append((st.group, graph.item_work(st)))
+                g[1] += graph.item_work(st)
+                between.append((st.group, graph.item_work(st)))
     if rollout is not None:
         _rollout_groups(graph, rollout, groups, est)
     upstream = sum(g[1] for g in groups.values()) - graph.work_pending(cid)
