@@ -1,17 +1,27 @@
 """The reference tables in the simulator: math and agentic RL, 1.5B/7B/32B, 64 and 128
-H100s, every scheduling mode on the same workload and seed.
+H100s, every scheduling mode on the same workloads, over several seeds.
 
-For each setting it prints the throughput of each mode (tokens/s for math, requests/s
-for agentic), dynamic's speedup over the better static mode beside the reference
-system's range, and how far each mode stays above the work-conserving bound; then one
-JSON line: ``{"bench": "sim_paper", "rows": [...]}``.
-Takes a few minutes; ``--quick`` runs the 64-device math rows only.
+For each setting it prints, per mode, the mean iteration time over the seeds with its
+spread (min-max), the throughput (tokens/s for math, requests/s for agentic), how far
+the mode stays above the setting's **lower bound** (the larger of the work-conserving
+bound and the critical path: the longest request decoded alone, then scored and
+trained, then the weight sync) and the scheduler's online overhead (wall-clock
+seconds deciding over simulated seconds); then dynamic's speedup over the better
+static mode beside the reference system's range, and on how many seeds dynamic is
+ahead. Last, one JSON line: ``{"bench": "sim_paper", "rows": [...]}``, each row's
+throughputs and iteration times the means over the seeds.
+
+``--rows math-1.5b-64,agentic-7b-128`` picks rows, ``--quick`` the 64-device math
+rows, ``--seeds`` the number of seeds (3), ``--jobs`` runs that many simulations at
+once.
 """
 
 import argparse
 import asyncio
 import json
+import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Literal
 
 from recipes.paper import SIZES, Size, paper_setting
@@ -30,71 +40,124 @@ REFERENCE = {
 }
 MATH_MODES = ("dynamic", "static-colocated", "static-disaggregated", "rlhfuse")
 AGENTIC_MODES = ("dynamic", "dynamic+priority", "static-colocated", "static-disaggregated")
+STATIC = ("static-colocated", "static-disaggregated")
+Workload = Literal["math", "agentic"]
 
 
 def run_one(
-    workload: Literal["math", "agentic"], size: Size, devices: int, mode: str, iterations: int
+    workload: Workload, size: Size, devices: int, mode: str, *, iterations: int, seed: int
 ) -> ModeResult:
+    """One simulation: ``mode`` (``dynamic+priority``: dynamic, priority order) on a
+    reference setting, with ``seed`` added to the recipe's seed."""
     base, _, extra = mode.partition("+")
     cfg = paper_setting(workload, size, devices, mode=base, num_iterations=iterations)  # type: ignore[arg-type]
+    overrides = [f"run.seed={cfg.job.run.seed + seed}"]
     if extra == "priority":
-        cfg = simulated_run(cfg, ["sim.request_order=priority"])
+        overrides.append("sim.request_order=priority")
+    cfg = simulated_run(cfg, overrides)
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
         result, _ = runner.run(simulate(cfg, name=mode))
     return result
 
 
+def _job(args: tuple[Workload, Size, int, str, int, int]) -> ModeResult:
+    w, s, n, mode, iterations, seed = args
+    return run_one(w, s, n, mode, iterations=iterations, seed=seed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iterations", type=int, default=2, help="per run, the first is warm-up")
+    parser.add_argument("--seeds", type=int, default=3, help="workload seeds per mode")
     parser.add_argument("--quick", action="store_true", help="64-device math rows only")
     parser.add_argument("--sizes", default=",".join(SIZES), help="model sizes, e.g. 1.5b,7b")
+    parser.add_argument("--rows", default="", help="rows by name, e.g. math-1.5b-64,agentic-7b-128")
+    parser.add_argument("--jobs", type=int, default=1, help="simulations run at once")
     args = parser.parse_args()
-    settings: list[tuple[Literal["math", "agentic"], Size, int]] = [
+    settings: list[tuple[Workload, Size, int]] = [
         (w, s, n)
         for w in (("math",) if args.quick else ("math", "agentic"))
         for n in ((64,) if args.quick else (64, 128))
         for s in SIZES
         if s in args.sizes.split(",")
     ]
-    rows = []
+    if args.rows:
+        wanted = set(args.rows.split(","))
+        settings = [x for x in settings if f"{x[0]}-{x[1]}-{x[2]}" in wanted]
+        if not settings:
+            parser.error(f"no row named {args.rows!r} (rows look like math-1.5b-64)")
+    seeds = range(args.seeds)
+    jobs = [
+        (w, s, n, m, args.iterations, k)
+        for w, s, n in settings
+        for m in (MATH_MODES if w == "math" else AGENTIC_MODES)
+        for k in seeds
+    ]
     t0 = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        done = dict(zip(jobs, pool.map(_job, jobs), strict=True))
     header = (
-        f"{'setting':<16} {'mode':<22} {'throughput':>12} {'iter s':>8} {'bound s':>8} "
-        f"{'gap':>6} {'migr':>5}"
+        f"{'setting':<16} {'mode':<22} {'throughput':>12} {'iter s':>8} {'spread s':>13} "
+        f"{'lower s':>8} {'gap':>6} {'migr':>5} {'overhead':>9}"
     )
     print(header)
-    for workload, size, devices in settings:
-        modes = MATH_MODES if workload == "math" else AGENTIC_MODES
-        name = f"{workload}-{size}-{devices}"
-        results = {m: run_one(workload, size, devices, m, args.iterations) for m in modes}
-        for m, r in results.items():
+    rows = []
+    for w, s, n in settings:
+        name = f"{w}-{s}-{n}"
+        modes = MATH_MODES if w == "math" else AGENTIC_MODES
+        runs = {m: [done[(w, s, n, m, args.iterations, k)] for k in seeds] for m in modes}
+        lower = statistics.fmean(r.lower_bound_s for r in runs["dynamic"])
+        bound = statistics.fmean(r.bound_s for r in runs["dynamic"])
+        mean_s = {m: statistics.fmean(r.mean_iteration_s for r in rs) for m, rs in runs.items()}
+        tput = {m: statistics.fmean(r.throughput for r in rs) for m, rs in runs.items()}
+        for m, rs in runs.items():
+            lo, hi = min(r.mean_iteration_s for r in rs), max(r.mean_iteration_s for r in rs)
             print(
-                f"{name:<16} {m:<22} {r.throughput:>12.1f} {r.mean_iteration_s:>8.1f} "
-                f"{r.bound_s:>8.1f} {r.bound_gap:>6.2f} {r.num_migrations:>5}"
+                f"{name:<16} {m:<22} {tput[m]:>12.1f} {mean_s[m]:>8.1f} "
+                f"{f'{lo:.1f}-{hi:.1f}':>13} {lower:>8.1f} {mean_s[m] / lower - 1:>6.0%} "
+                f"{statistics.fmean(r.num_migrations for r in rs):>5.0f} "
+                f"{statistics.fmean(r.overhead for r in rs):>9.2%}"
             )
-        best_static = max(
-            results["static-colocated"].throughput, results["static-disaggregated"].throughput
-        )
-        ratio = results["dynamic"].throughput / best_static
+
+        per_seed = [
+            runs["dynamic"][k].throughput / max(runs[st][k].throughput for st in STATIC)
+            for k in seeds
+        ]
+        best_static = max(tput[st] for st in STATIC)
+        ratio = tput["dynamic"] / best_static
+        ahead = sum(x > 1.0 for x in per_seed)
         line = f"{'':<16} dynamic / best static = {ratio:.2f}x"
-        if workload == "math":
-            fuse = results["dynamic"].throughput / results["rlhfuse"].throughput
-            line += f"; dynamic / rlhfuse = {fuse:.2f}x"
+        line += f" (ahead on {ahead}/{len(per_seed)} seeds)"
+        if w == "math":
+            line += f"; dynamic / rlhfuse = {tput['dynamic'] / tput['rlhfuse']:.2f}x"
         else:
-            prio = results["dynamic+priority"].throughput / best_static
+            prio = tput["dynamic+priority"] / best_static
             line += f"; dynamic+priority / best static = {prio:.2f}x"
-        print(f"{line}   (reference {REFERENCE[(workload, size)]})")
+        print(f"{line}   (reference {REFERENCE[(w, s)]})")
         rows.append(
             {
                 "setting": name,
-                "unit": results["dynamic"].unit,
-                "throughput": {m: round(r.throughput, 3) for m, r in results.items()},
-                "mean_iteration_s": {m: round(r.mean_iteration_s, 2) for m, r in results.items()},
-                "bound_s": round(results["dynamic"].bound_s, 2),
-                "bound_gap": {m: round(r.bound_gap, 3) for m, r in results.items()},
+                "unit": runs["dynamic"][0].unit,
+                "throughput": {m: round(v, 3) for m, v in tput.items()},
+                "mean_iteration_s": {m: round(v, 2) for m, v in mean_s.items()},
+                "bound_s": round(bound, 2),
+                "bound_gap": {m: round(v / bound - 1, 3) for m, v in mean_s.items()},
+                "lower_bound_s": round(lower, 2),
+                "lower_bound_gap": {m: round(v / lower - 1, 3) for m, v in mean_s.items()},
+                "seeds": len(per_seed),
+                "iteration_s_range": {
+                    m: [
+                        round(min(r.mean_iteration_s for r in rs), 2),
+                        round(max(r.mean_iteration_s for r in rs), 2),
+                    ]
+                    for m, rs in runs.items()
+                },
                 "speedup_vs_best_static": round(ratio, 3),
-                "reference": REFERENCE[(workload, size)],
+                "speedup_per_seed": [round(x, 3) for x in per_seed],
+                "overhead": {
+                    m: round(statistics.fmean(r.overhead for r in rs), 5) for m, rs in runs.items()
+                },
+                "reference": REFERENCE[(w, s)],
             }
         )
     print(f"# {time.perf_counter() - t0:.0f} s wall")

@@ -62,6 +62,8 @@ class ControllerStats(msgspec.Struct, kw_only=True):
     """Plans not committed because one of their moves failed recently (back-off)."""
     decision_s: list[float] = msgspec.field(default_factory=list)
     """Wall-clock seconds of the most recent decisions (up to 4096)."""
+    decision_total_s: float = 0.0
+    """Wall-clock seconds of every decision so far."""
 
 
 _TRIGGERS: dict[type[ev.Event], TriggerKind] = {
@@ -194,7 +196,9 @@ class Controller:
             self._commit(plan)
         if self.hold is not None:
             self._update_holds(self.hold.holds(self.graph))
-        self._decision_s.append(time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        self._decision_s.append(took)
+        self._stats.decision_total_s += took
         self._stats.decisions += 1
         return plan
 
@@ -219,6 +223,7 @@ class Controller:
             migrations_failed=s.migrations_failed,
             plans_held_back=s.plans_held_back,
             decision_s=list(self._decision_s),
+            decision_total_s=s.decision_total_s,
         )
 
     # ------------------------------------------------------------------ internals

@@ -25,6 +25,7 @@ class Demand:
         "longest",
         "per_item",
         "ready",
+        "running_since",
         "steps",
         "tail",
         "upstream",
@@ -44,6 +45,7 @@ class Demand:
         steps: tuple[float, ...] = (),
         context: float = 0.0,
         ready: tuple[float, ...] = (),
+        running_since: float | None = None,
     ) -> None:
         self.work = work  # units still to process
         self.longest = longest  # rollout: tokens of the longest remaining response
@@ -59,6 +61,8 @@ class Demand:
         # actor: when each remaining step's last sample arrives, as a share of the time
         # until its predecessors finish (empty: the samples arrive evenly)
         self.ready = ready
+        # actor: when the step it is running began (None: no step is running)
+        self.running_since = running_since
 
     def with_hottest(self, num_items: int) -> "Demand":
         """The same demand with ``num_items`` items on the most loaded engine."""
@@ -73,6 +77,7 @@ class Demand:
             steps=self.steps,
             context=self.context,
             ready=self.ready,
+            running_since=self.running_since,
         )
 
 

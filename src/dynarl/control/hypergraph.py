@@ -74,6 +74,21 @@ class Hypergraph:
             c.id: HyperNode(c, rate_tau_s=rate_tau_s) for c in spec.components
         }
         self.edges: dict[EdgeId, HyperEdge] = {e.id: HyperEdge(e) for e in spec.edges}
+        # The pipeline's shape, asked for on every scoring: computed once.
+        self.stage_order: tuple[ComponentId, ...] = spec.stage_order()
+        """Components on devices in dataflow order."""
+        self.predecessors: dict[ComponentId, tuple[ComponentId, ...]] = {
+            c.id: spec.predecessors(c.id) for c in spec.components
+        }
+        """Components feeding each component."""
+        self.ancestors: dict[ComponentId, frozenset[ComponentId]] = {
+            c.id: frozenset(spec.ancestors(c.id)) for c in spec.components
+        }
+        """Components feeding each component, directly or through others."""
+        self._edges_into: dict[ComponentId, list[HyperEdge]] = {
+            c.id: [e for e in self.edges.values() if c.id in e.spec.consumers]
+            for c in spec.components
+        }
         self.instances: dict[InstanceId, Node] = {}
         self.device_owner: dict[DeviceId, InstanceId | MigrationId] = {}
         self.free_devices: set[DeviceId] = set(DeviceId(d) for d in range(num_devices))
@@ -119,8 +134,11 @@ class Hypergraph:
         return self.components[self.instances[instance].component]
 
     def edges_into(self, component: ComponentId) -> list[HyperEdge]:
-        """Edges ``component`` consumes."""
-        return [e for e in self.edges.values() if component in e.spec.consumers]
+        """Edges ``component`` consumes (do not change the list)."""
+        edges = self._edges_into.get(component)
+        if edges is None:
+            return [e for e in self.edges.values() if component in e.spec.consumers]
+        return edges
 
     def queue_depth(self, component: ComponentId) -> int:
         """Items waiting in the queues of the edges ``component`` consumes."""

@@ -140,6 +140,8 @@ class _Fit:
         self.context_sum = 0.0  # forgetting-weighted, as ``weight``
         self.count = 0
         self.coef: np.ndarray | None = None
+        self._coef_list: list[float] | None = None  # coef as floats, for predict
+        self._rel_std: float | None = None
 
     @property
     def context(self) -> float:
@@ -170,6 +172,8 @@ class _Fit:
         self.context_sum = self.forget * self.context_sum + max(context, 0.0)
         self.count += 1
         self.coef = None
+        self._coef_list = None
+        self._rel_std = None
 
     def solve(self) -> np.ndarray | None:
         if self.coef is None and self.count >= 2:
@@ -201,6 +205,11 @@ class _Fit:
         return self.coef
 
     def rel_std(self) -> float:
+        if self._rel_std is None:
+            self._rel_std = self._compute_rel_std()
+        return self._rel_std
+
+    def _compute_rel_std(self) -> float:
         coef = self.solve()
         k = len(self.xty)
         if coef is None or self.weight <= k:
@@ -215,14 +224,22 @@ class _Fit:
         return min(1.0, std)  # log space: std is the relative error
 
     def predict(self, devices: float, load: float, context: float | None) -> float | None:
-        coef = self.solve()
-        x = self.features(devices, load, self.context if context is None else context)
-        if coef is None or x is None:
+        # Plain floats: this runs for every candidate plan, and a 3-vector numpy dot
+        # costs more than the arithmetic.
+        if self._coef_list is None:
+            coef = self.solve()
+            if coef is None:
+                return None
+            self._coef_list = [float(v) for v in coef]
+        if devices <= 0 or load <= 0:
             return None
-        y = float(coef @ x)
+        c = self._coef_list
         if self.scaling == "concave":
+            busy = busy_devices(devices, load, self.unit)
+            ctx = max(self.context if context is None else context, 0.0)
+            y = c[0] / load + c[1] / busy + c[2] * ctx / busy
             return 1.0 / y if y > 0 else None
-        return math.exp(y)
+        return math.exp(c[0] + c[1] * math.log(min(devices, load)))
 
 
 class Predictor:

@@ -67,9 +67,9 @@ def _demands(graph: Hypergraph, per_engine: bool, est: Estimates) -> dict[Compon
     items: dict[ComponentId, float] = {}  # items pending here or upstream
     flow: dict[ComponentId, float] = {}  # their work as samples (``item_work`` units)
     out: dict[ComponentId, Demand] = {}
-    for cid in graph.spec.stage_order():
+    for cid in graph.stage_order:
         node = graph.components[cid]
-        preds = graph.spec.predecessors(cid)
+        preds = graph.predecessors[cid]
         upstream = max((items.get(p, 0.0) for p in preds), default=0.0)
         upstream_work = max((flow.get(p, 0.0) for p in preds), default=0.0)
         own = float(graph.pending(cid))
@@ -107,6 +107,14 @@ def _demands(graph: Hypergraph, per_engine: bool, est: Estimates) -> dict[Compon
             ready: tuple[float, ...] = ()
             if node.spec.steps_in_arrival_order and graph.sized and steps_left > 1:
                 steps, ready = steps_in_arrival_order(graph, cid, steps_left, est)
+            running_since = None
+            if node.num_in_flight():
+                # The step in progress began when the trainer's instances took its
+                # samples.
+                running_since = min(
+                    (n.held_since_s for n in node.active_instances() if n.held_since_s is not None),
+                    default=graph.now_s,
+                )
             out[cid] = Demand(
                 work=work,
                 load=total,
@@ -114,6 +122,7 @@ def _demands(graph: Hypergraph, per_engine: bool, est: Estimates) -> dict[Compon
                 upstream=upstream_work,
                 steps=steps,
                 ready=ready,
+                running_since=running_since,
             )
         else:
             # After its last input arrives, it still processes that input (one item).
@@ -182,21 +191,21 @@ def finish_times(
     penalties = penalties or {}
     before = before or devices
     finish: dict[ComponentId, float] = {}
-    for cid in graph.spec.stage_order():
+    for cid in graph.stage_order:
         d = demand[cid]
         if d.work <= 0:
             finish[cid] = 0.0
             continue
         n_new = devices.get(cid, 0)
         n_old = before.get(cid, n_new)
-        preds = graph.spec.predecessors(cid)
+        preds = graph.predecessors[cid]
         arrival = max((finish.get(p, 0.0) for p in preds), default=0.0)
         if n_new == 0 and d.upstream > 0:
             # Its inputs are still coming: devices flow downstream as stages finish,
             # so count those its predecessors hold, arriving after a migration; all
             # its work waits until then. (With no input still coming, zero devices
             # is a stall: infinitely slow.)
-            upstream = sum(devices.get(p, 0) for p in graph.spec.ancestors(cid))
+            upstream = sum(devices.get(p, 0) for p in graph.ancestors[cid])
             unit = graph.components[cid].spec.devices_per_instance
             later = rate(graph, predictor, cid, max(unit, upstream - upstream % unit), d)
             cost = predictor.migration_cost("workload")
@@ -229,7 +238,7 @@ def finish_times(
             # fed by others need not hold now the devices it will need at the end.
             spec = graph.components[cid].spec
             unit = spec.devices_per_instance
-            pooled = n_new + sum(devices.get(p, 0) for p in graph.spec.ancestors(cid))
+            pooled = n_new + sum(devices.get(p, 0) for p in graph.ancestors[cid])
             pooled -= pooled % unit
             if pooled > n_new:
                 done = min(max(d.work - d.tail, 0.0), new * arrival)

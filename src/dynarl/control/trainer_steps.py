@@ -76,7 +76,7 @@ def _steps(graph: Hypergraph, cid: ComponentId, steps_left: int, est: Estimates)
         chain.append(stage)
         if graph.components[stage].spec.kind == "rollout":
             break
-        preds = [p for p in graph.spec.predecessors(stage) if graph.spec.component(p).on_devices]
+        preds = [p for p in graph.predecessors[stage] if graph.spec.component(p).on_devices]
         stage = max(preds, key=graph.pending, default=None)
     # group -> [samples, work, ready share, requests in rollout, their prompt tokens]
     groups: dict[GroupId, list[float]] = {}
@@ -193,7 +193,7 @@ def actor_finish(
     own = max(d.work - d.upstream, 0.0)
     node = graph.components[cid]
     unit = node.spec.devices_per_instance
-    pooled = n_new + sum(devices.get(p, 0) for p in graph.spec.ancestors(cid))
+    pooled = n_new + sum(devices.get(p, 0) for p in graph.ancestors[cid])
     pooled -= pooled % unit
     join = arrival + predictor.migration_cost("reshard") if arrival > 0 else math.inf
     rates: dict[int, float] = {}
@@ -205,15 +205,11 @@ def actor_finish(
 
     t, first = 0.0, 1
     resized = delay > 0 and n_new != n_old
-    if node.num_in_flight():
+    if d.running_since is not None:
         # The step in progress ends its predicted length after it started (when the
         # trainer's instances took its samples), not a whole step from now: counted
         # from now, a hold for the devices on their way was seen too late to matter.
-        began = min(
-            (n.held_since_s for n in node.active_instances() if n.held_since_s is not None),
-            default=graph.now_s,
-        )
-        t, first = max(step_s(1, n_old) - (graph.now_s - began), 0.0), 2
+        t, first = max(step_s(1, n_old) - (graph.now_s - d.running_since), 0.0), 2
     ready_new = t + delay if resized else 0.0
     n = n_new
     need = 0.0 - own

@@ -8,25 +8,39 @@ spread over all devices plus the weight sync, which nothing overlaps. No schedul
 beat it; how far a mode stays above it is the waste left to reclaim. The rollout's
 critical path (the longest request decoded alone) is reported beside it: when it
 exceeds the bound, no schedule can reach the bound either.
+
+The **lower bound** of an iteration is the larger of the work-conserving bound and the
+iteration's critical path (:func:`critical_path_s`): the longest request decoded alone,
+then scored, then trained in a last optimizer step, then the weight sync. No schedule
+beats either, so none beats the larger.
 """
 
 from collections.abc import Sequence
 
 import msgspec
 
-from dynarl.sim.cluster import ClusterModel, longest_decode_s
+from dynarl.sim.cluster import ClusterModel, decode_alone_s, longest_decode_s
 from dynarl.sim.costs import attended_context
 from dynarl.sim.workloads import Request
 
 
 class Bound(msgspec.Struct, frozen=True, kw_only=True):
-    """Useful device-seconds per component, the bound on the iteration time and the
-    rollout's critical path."""
+    """Useful device-seconds per component, the work-conserving bound on the iteration
+    time (``iteration_s``), the rollout's critical path (``critical_path_s``: the
+    longest request decoded alone), the iteration's (``path_s``: that request also
+    scored and trained, and the weight sync) and the lower bound, the larger of
+    ``iteration_s`` and ``path_s``."""
 
     device_s: dict[str, float]
     serial_s: float
     iteration_s: float
     critical_path_s: float
+    path_s: float
+
+    @property
+    def lower_bound_s(self) -> float:
+        """No schedule's iteration is shorter: the larger of the two bounds."""
+        return max(self.iteration_s, self.path_s)
 
 
 def work_device_s(cluster: ClusterModel, requests: Sequence[Request]) -> dict[str, float]:
@@ -77,4 +91,35 @@ def work_conserving_bound(
         serial_s=serial,
         iteration_s=sum(work.values()) / num_devices + serial,
         critical_path_s=longest_decode_s(cluster, requests),
+        path_s=critical_path_s(cluster, requests, num_devices),
     )
+
+
+def critical_path_s(cluster: ClusterModel, requests: Sequence[Request], num_devices: int) -> float:
+    """The iteration's critical path: the longest chain of work no device count
+    shortens. A request is decoded alone (every step pays the engine's fixed cost;
+    its tool calls included), then scored on one inference replica, then trained in
+    an optimizer step that cannot start before it is scored -- at least a minibatch's
+    worth of samples (it and the shortest others), on every device -- and then the
+    weights are synced. The longest such chain over the requests."""
+    if not requests:
+        return 0.0
+    inf, actor = cluster.inference, cluster.actor
+    unit = actor.replica_devices
+    devices = max(unit, num_devices - num_devices % unit)
+    per_step = max(1, len(requests) // actor.n_minibatches)
+    # The step holds r and the per_step - 1 shortest others: the per_step shortest
+    # if r is among them, else those less the longest of them, plus r.
+    head = sorted(r.total_tokens for r in requests)[:per_step]
+    total, squares, last = sum(head), sum(n * n for n in head), head[-1]
+    sync = cluster.weight_sync.time_s(cluster.model)
+    worst = 0.0
+    for r in requests:
+        n = r.total_tokens
+        tokens, sq = total, squares
+        if n > last:
+            tokens, sq = total - last + n, squares - last * last + n * n
+        train = actor.step_time_s(tokens, devices, sq / (2 * tokens) if tokens else 0.0)
+        score = inf.time_s(n, inf.tp, n / 2)
+        worst = max(worst, decode_alone_s(cluster, r) + score + train)
+    return worst + sync

@@ -187,13 +187,16 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
 def longest_decode_s(cluster: ClusterModel, requests: Sequence[Request]) -> float:
     """The rollout's critical path: the longest request decoded alone (every step
     pays the engine's fixed cost), whatever the device count."""
-    a, b = cluster.engine.step_coefficients()
-    worst = 0.0
-    for r in requests:
-        context, total = float(r.prompt_tokens), 0.0
-        for k, n in enumerate(r.output_tokens):
-            total += n * a + b * (n * context + n * (n - 1) / 2)
-            context += n + (r.tool_output_tokens[k] if k < r.num_tool_calls else 0)
-        total += sum(r.tool_latency_s)
-        worst = max(worst, total)
+    worst = max((decode_alone_s(cluster, r) for r in requests), default=0.0)
     return worst if math.isfinite(worst) else 0.0
+
+
+def decode_alone_s(cluster: ClusterModel, r: Request) -> float:
+    """Seconds to decode ``r`` alone on one engine (every step pays the engine's
+    fixed cost), its tool calls included."""
+    a, b = cluster.engine.step_coefficients()
+    context, total = float(r.prompt_tokens), 0.0
+    for k, n in enumerate(r.output_tokens):
+        total += n * a + b * (n * context + n * (n - 1) / 2)
+        context += n + (r.tool_output_tokens[k] if k < r.num_tool_calls else 0)
+    return total + sum(r.tool_latency_s)

@@ -54,7 +54,11 @@ class ModeResult(msgspec.Struct, frozen=True, kw_only=True):
 
     ``throughput`` is generated tokens/s (math) or finished requests/s (agentic);
     ``bound_s`` the work-conserving bound of the same iterations and ``bound_gap``
-    how far above it the run is (0.25: 25% slower than the bound).
+    how far above it the run is (0.25: 25% slower than the bound);
+    ``critical_path_s`` the longest request decoded alone; ``lower_bound_s`` the mean
+    over the iterations of the larger of the work-conserving bound and the iteration's
+    critical path (that request also scored and trained, and the weight sync), and
+    ``lower_bound_gap`` how far above it the run is.
     """
 
     mode: str
@@ -64,11 +68,16 @@ class ModeResult(msgspec.Struct, frozen=True, kw_only=True):
     bound_s: float
     bound_gap: float
     critical_path_s: float
+    lower_bound_s: float
+    lower_bound_gap: float
     devices: dict[str, ComponentTime]
     migration_device_s: float
     free_device_s: float
     num_migrations: int
     decision_p99_ms: float
+    overhead: float
+    """Wall-clock seconds the controller spent deciding over the simulated seconds
+    (every iteration): the scheduler's online overhead, on this machine."""
     events_rejected: dict[str, int]
     iterations: list[IterationRecord]
     generated_tokens: int
@@ -234,6 +243,7 @@ def _summarise(
         work_conserving_bound(world.cluster, world.workloads[r.iteration], n) for r in measured
     ]
     bound_s = sum(b.iteration_s for b in bounds) / len(bounds)
+    lower_s = sum(b.lower_bound_s for b in bounds) / len(bounds)
     mean_s = total_s / len(measured)
     held: dict[str, float] = {}
     for r in measured:
@@ -256,11 +266,14 @@ def _summarise(
         bound_s=bound_s,
         bound_gap=mean_s / bound_s - 1.0,
         critical_path_s=max(b.critical_path_s for b in bounds),
+        lower_bound_s=lower_s,
+        lower_bound_gap=mean_s / lower_s - 1.0,
         devices=devices,
         migration_device_s=held.get("migrating", 0.0),
         free_device_s=held.get("free", 0.0),
         num_migrations=stats.migrations_done + stats.migrations_failed,
         decision_p99_ms=decisions[min(len(decisions) - 1, int(0.99 * len(decisions)))] * 1e3,
+        overhead=stats.decision_total_s / max(sum(r.duration_s for r in world.iterations), 1e-9),
         events_rejected=stats.events_rejected,
         iterations=world.iterations,
         generated_tokens=world.totals.generated_tokens,

@@ -73,7 +73,7 @@ class BottleneckPolicy:
             return EMPTY_PLAN
         now = trigger.time_s
         demand = demands(graph, estimates=self.estimates)
-        order = graph.spec.stage_order()
+        order = graph.stage_order
         before = {c: graph.components[c].num_active_devices for c in order}
         donors: list[tuple[ComponentId | None, int]] = [
             (c, k) for c in order if (k := self.donatable(graph, c, demand[c], now)) > 0

@@ -31,7 +31,7 @@ class ColocatedPolicy:
             "placement_changed",
         ):
             return EMPTY_PLAN
-        order = graph.spec.stage_order()
+        order = graph.stage_order
         if trigger.kind == "iteration_start":
             stage = order[0]
         else:

@@ -37,7 +37,7 @@ class StarvedStage:
         size; nothing when no stage is starved or a move is under way."""
         if graph.migrations:
             return EMPTY_PLAN
-        for stage in graph.spec.stage_order():
+        for stage in graph.stage_order:
             node = graph.components[stage]
             if node.num_active or not graph.pending(stage):
                 continue
