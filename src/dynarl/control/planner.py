@@ -175,7 +175,9 @@ class PlanBuilder:
         """Drain the engines ``hot`` and restart each on its own devices, spreading
         their requests one by one over the remaining instances, each to the least
         loaded (requests split from their groups: a hot engine is hot because its
-        groups are long). Returns ``None`` when that moves no request."""
+        groups are long). Returns ``None`` when that moves no request. A builder made
+        with ``reassign=False`` leaves the destinations out (a candidate to score:
+        :func:`spread_peak` says how loaded the engines end up)."""
         hot = [n for n in hot if n.id not in self._drained and n.state == "active"]
         leaving = {n.id for n in hot}
         loads = {n.id: len(n.items) for n in self.drainable(component) if n.id not in leaving}
@@ -185,7 +187,7 @@ class PlanBuilder:
         heapq.heapify(heap)
         reassign: list[tuple[ItemId, InstanceId]] = []
         # Round-robin over the hot engines, so each destination gets a mix of them.
-        queues = [sorted(n.items) for n in hot]
+        queues = [sorted(n.items) for n in hot] if self.reassign else [[]]
         for k in range(max(len(q) for q in queues)):
             for q in queues:
                 if k < len(q):
@@ -268,3 +270,23 @@ class PlanBuilder:
             score_before=score_before,
             score_after=score_after,
         )
+
+
+def spread_peak(loads: Sequence[int], moved: int) -> int:
+    """The most loaded engine after ``moved`` requests go one by one to the least
+    loaded of engines with ``loads`` (as :meth:`PlanBuilder.spread` sends them): the
+    least level ``h`` they fill up to, ``sum(max(0, h - load)) >= moved``, or the
+    most loaded engine's own load if higher."""
+    if not loads:
+        return 0
+    top = max(loads)
+    if moved <= 0:
+        return top
+    ordered = sorted(loads)
+    filled = 0  # requests that raise the first i engines to ordered[i]
+    for i in range(1, len(ordered)):
+        room = (ordered[i] - ordered[i - 1]) * i
+        if filled + room >= moved:
+            return max(top, ordered[i - 1] + -(-(moved - filled) // i))
+        filled += room
+    return max(top, ordered[-1] + -(-(moved - filled) // len(ordered)))

@@ -258,8 +258,11 @@ def score_plan(
     demand: Mapping[ComponentId, Demand] | None = None,
     *,
     estimates: Estimates | None = None,
+    placed: bool = False,
 ) -> float:
-    """Predicted remaining iteration seconds if ``plan`` is carried out now.
+    """Predicted remaining iteration seconds if ``plan`` is carried out now
+    (``placed``: ``demand`` already holds each rollout's most loaded engine as the
+    plan leaves it; else :func:`after_moves` places the moved requests).
 
     A receiver's new devices arrive after its migration's cost; a donor whose drained
     instances hold requests loses that cost too (they re-prefill elsewhere). A donor's
@@ -296,7 +299,9 @@ def score_plan(
         if m.dst is not None:
             after[m.dst] += sum(len(s.devices) for s in m.create)
             delays[m.dst] = max(delays.get(m.dst, 0.0), cost)
-    demand = after_moves(graph, plan, demands(graph, estimates=est) if demand is None else demand)
+    demand = demands(graph, estimates=est) if demand is None else demand
+    if not placed:
+        demand = after_moves(graph, plan, demand)
     return remaining_time(
         graph,
         predictor,

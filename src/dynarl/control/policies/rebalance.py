@@ -29,10 +29,10 @@ from dynarl.control.config import SchedulerConfig
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
-from dynarl.control.planner import PlanBuilder
+from dynarl.control.planner import PlanBuilder, spread_peak
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Trigger
-from dynarl.control.scoring import after_moves, demands, remaining_time, score_plan
+from dynarl.control.scoring import demands, remaining_time, score_plan
 
 
 class RebalanceTail:
@@ -80,24 +80,33 @@ class RebalanceTail:
             bound = remaining_time(graph, self.predictor, before, demand=even, estimates=est)
             if not bound < base * (1.0 - self.cfg.min_gain):
                 continue
-            best: tuple[float, Plan] | None = None
+            best: tuple[float, int] | None = None
             for k in _counts(len(hot), len(engines) // 2, self.cfg.num_candidates):
-                builder = PlanBuilder(graph)
+                # Scored without the requests' destinations: they go one by one to
+                # the least loaded engine, and only the peak load matters here.
+                builder = PlanBuilder(graph, reassign=False)
                 if builder.spread(cid, hot[:k]) is None:
                     continue
+                moved = sum(len(n.items) for n in hot[:k])
+                peak = spread_peak([len(n.items) for n in engines[k:]], moved)
+                if peak >= moved / k:
+                    continue  # it only moves the load, it does not spread it
+                spread = dict(demand)
+                spread[cid] = demand[cid].with_hottest(peak)
+                candidate = builder.build("spread")
+                score = score_plan(
+                    graph, self.predictor, candidate, before, spread, estimates=est, placed=True
+                )
+                if best is None or score < best[0]:
+                    best = (score, k)
+            if best is not None and best[0] < base * (1.0 - self.cfg.min_gain):
+                score, k = best
+                builder = PlanBuilder(graph)
+                builder.spread(cid, hot[:k])
                 plan = builder.build(
                     f"rollout tail: spread the {k} most loaded engines "
                     f"({len(hot[0].items)} requests at most, {mean:.1f} mean)"
                 )
-                moved = after_moves(graph, plan, demand)[cid]
-                hottest = moved.hottest / moved.per_item if moved.per_item > 0 else 0.0
-                if hottest >= sum(len(n.items) for n in hot[:k]) / k:
-                    continue  # it only moves the load, it does not spread it
-                score = score_plan(graph, self.predictor, plan, before, demand, estimates=est)
-                if best is None or score < best[0]:
-                    best = (score, plan)
-            if best is not None and best[0] < base * (1.0 - self.cfg.min_gain):
-                score, plan = best
                 return Plan(
                     migrations=plan.migrations,
                     reason=f"{plan.reason}: predicted {base:.1f}s -> {score:.1f}s",
