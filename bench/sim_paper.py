@@ -94,18 +94,20 @@ def main() -> None:
         for k in seeds
     ]
     t0 = time.perf_counter()
-    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        done = dict(zip(jobs, pool.map(_job, jobs), strict=True))
+    pool = ProcessPoolExecutor(max_workers=args.jobs)
+    futures = {job: pool.submit(_job, job) for job in jobs}
     header = (
         f"{'setting':<16} {'mode':<22} {'throughput':>12} {'iter s':>8} {'spread s':>13} "
         f"{'lower s':>8} {'gap':>6} {'migr':>5} {'overhead':>9}"
     )
-    print(header)
+    print(header, flush=True)
     rows = []
     for w, s, n in settings:
         name = f"{w}-{s}-{n}"
         modes = MATH_MODES if w == "math" else AGENTIC_MODES
-        runs = {m: [done[(w, s, n, m, args.iterations, k)] for k in seeds] for m in modes}
+        runs = {
+            m: [futures[(w, s, n, m, args.iterations, k)].result() for k in seeds] for m in modes
+        }
         lower = statistics.fmean(r.lower_bound_s for r in runs["dynamic"])
         bound = statistics.fmean(r.bound_s for r in runs["dynamic"])
         mean_s = {m: statistics.fmean(r.mean_iteration_s for r in rs) for m, rs in runs.items()}
@@ -133,7 +135,7 @@ def main() -> None:
         else:
             prio = tput["dynamic+priority"] / best_static
             line += f"; dynamic+priority / best static = {prio:.2f}x"
-        print(f"{line}   (reference {REFERENCE[(w, s)]})")
+        print(f"{line}   (reference {REFERENCE[(w, s)]})", flush=True)
         rows.append(
             {
                 "setting": name,
@@ -160,6 +162,7 @@ def main() -> None:
                 "reference": REFERENCE[(w, s)],
             }
         )
+    pool.shutdown()
     print(f"# {time.perf_counter() - t0:.0f} s wall")
     print(json.dumps({"bench": "sim_paper", "rows": rows}))
 
