@@ -56,14 +56,21 @@ def redistribute(
 class PlanBuilder:
     """Accumulates migrations for one decision against one hypergraph snapshot."""
 
-    def __init__(self, graph: Hypergraph, *, reassign: bool = True) -> None:
+    def __init__(
+        self,
+        graph: Hypergraph,
+        *,
+        reassign: bool = True,
+        orders: dict[ComponentId, list[Node]] | None = None,
+    ) -> None:
         self.graph = graph
         self.reassign = reassign  # candidates being scored can skip it: O(items)
         self.migrations: list[Migration] = []
         self._used_devices: set[DeviceId] = set()
         self._drained: set[InstanceId] = set()
         self._num_drained: dict[ComponentId, int] = defaultdict(int)
-        self._order: dict[ComponentId, list[Node]] = {}
+        # Each component's drain order; builders of one decision may share it.
+        self._order: dict[ComponentId, list[Node]] = {} if orders is None else orders
         self._created: dict[ComponentId, int] = defaultdict(int)
         self._free = sorted(graph.free_devices)
 
@@ -90,14 +97,23 @@ class PlanBuilder:
         """Instance counts ``component`` may shrink to, largest first."""
         spec = self.graph.components[component].spec
         now = self.instances(component)
+        if spec.valid_sizes:  # only those (and 0) can be valid
+            sizes = sorted({*spec.valid_sizes, 0}, reverse=True)
+            return [k for k in sizes if k < now and spec.is_valid_size(k)]
         return [k for k in range(now - 1, -1, -1) if spec.is_valid_size(k)]
 
     def grow_target(self, component: ComponentId, extra_devices: int) -> int:
         """The largest valid instance count reachable with ``extra_devices`` more."""
         spec = self.graph.components[component].spec
         now = self.instances(component)
+        top = now + extra_devices // spec.devices_per_instance
+        if spec.valid_sizes:  # only those can be valid
+            return max(
+                (k for k in spec.valid_sizes if now < k <= top and spec.is_valid_size(k)),
+                default=now,
+            )
         best = now
-        for k in range(now + 1, now + extra_devices // spec.devices_per_instance + 1):
+        for k in range(now + 1, top + 1):
             if spec.is_valid_size(k):
                 best = k
         return best
@@ -122,7 +138,8 @@ class PlanBuilder:
         if isinstance(take_free, int):
             free = self.free_devices()[:take_free]
         else:
-            free = [d for d in take_free if d in set(self.free_devices())]
+            available = set(self.free_devices())
+            free = [d for d in take_free if d in available]
         devices = sorted({d for n in drained for d in n.devices} | set(free))
         if not devices:
             return None

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 from dynarl.control.config import SchedulerConfig
 from dynarl.control.demand import Demand, rate
+from dynarl.control.elements import Node
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
@@ -106,10 +107,11 @@ class BottleneckPolicy:
         ]
         best: tuple[float, tuple[ComponentId | None, ComponentId, int]] | None = None
         seen: set[tuple[object, ...]] = set()
+        orders: dict[ComponentId, list[Node]] = {}  # drain orders, shared by the candidates
         for src, dst, amount in _round_robin(per_receiver):
             if len(seen) >= self.cfg.num_candidates * len(receivers):
                 break
-            candidate = self._candidate(graph, src, dst, amount, reassign=False)
+            candidate = self._candidate(graph, src, dst, amount, reassign=False, orders=orders)
             if candidate is None:
                 continue
             signature = tuple((m.src, m.dst, m.drain, m.devices) for m in candidate.migrations)
@@ -165,8 +167,9 @@ class BottleneckPolicy:
         amount: int,
         *,
         reassign: bool,
+        orders: dict[ComponentId, list[Node]] | None = None,
     ) -> Plan | None:
-        builder = PlanBuilder(graph, reassign=reassign)
+        builder = PlanBuilder(graph, reassign=reassign, orders=orders)
         if src is None:
             free = builder.free_devices()[:amount]
             unit = graph.components[dst].spec.devices_per_instance
