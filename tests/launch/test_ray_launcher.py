@@ -151,9 +151,12 @@ async def test_workers_run_as_actors_a_tp_group_per_node_and_a_killed_actor_fail
         await launcher.aclose()  # closing twice is harmless
 
         assert not [p for p in pids if p is not None and alive(p)]
-        # Every worker's output reached the log folder.
+        # Every live worker's output reached the log folder (a killed actor's is copied
+        # through that actor every 0.5 s: what it printed after the last copy is lost
+        # with it, and here it may die before the first).
         for name in names:
-            assert f"{name} serving" in (c.log_dir / f"{name}.log").read_text()
+            if name != "w-2":
+                assert f"{name} serving" in (c.log_dir / f"{name}.log").read_text()
         table = ray.util.placement_group_table()
         assert all(pg["state"] == "REMOVED" for pg in table.values())
 

@@ -60,11 +60,15 @@ class WorkerHandle:
     Args:
         router: the data router the worker is connected to.
         instance: the instance the worker runs.
+        weight_sync_ranks: ranks its engine takes in the weight-sync group (its
+            tensor-parallel size).
     """
 
-    def __init__(self, router: Router, instance: InstanceId) -> None:
+    def __init__(self, router: Router, instance: InstanceId, *, weight_sync_ranks: int = 1) -> None:
         self._router = router
         self.instance = instance
+        self.weight_sync_ranks = weight_sync_ranks
+        """Ranks its engine takes in the weight-sync group."""
         self.state: LifecycleState = "ready"
         """The lifecycle state the worker last reported."""
 
@@ -217,8 +221,6 @@ class SlotHandle(WorkerHandle):
         self.pid = pid
         self.role: p.RoleKind | None = None
         """The role it holds."""
-        self.weight_sync_ranks = 1
-        """Ranks its role takes in the weight-sync group (its tensor-parallel size)."""
         self.in_weight_sync = False
         """Whether its role holds the slot's place in the weight-sync group (a role it
         takes may not carry over the previous role's)."""
@@ -279,9 +281,10 @@ class SlotHandle(WorkerHandle):
         await self._router.retire(self.instance, reason=f"{self.name} becomes {instance}")
         self.instance = instance
         await self.wait_connected(timeout_s)
+        ranks = self.weight_sync_ranks
         if self.role == "rollout":
-            return RolloutHandle(self._router, instance)
-        return InferenceHandle(self._router, instance)
+            return RolloutHandle(self._router, instance, weight_sync_ranks=ranks)
+        return InferenceHandle(self._router, instance, weight_sync_ranks=ranks)
 
     async def wait_connected(self, timeout_s: float) -> None:
         """Wait until the slot has said hello as its current instance.
