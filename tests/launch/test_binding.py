@@ -10,7 +10,7 @@ import pytest
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
 from dynarl.core.errors import ConfigError
-from dynarl.data.endpoint import node_address, rendezvous_port
+from dynarl.data.endpoint import node_address
 from dynarl.launch.binding import bind_controller
 from dynarl.launch.config import ClusterConfig, RayConfig
 from dynarl.launch.ray_placement import DevicePlacement, device_groups
@@ -91,10 +91,3 @@ def test_devices_are_grouped_in_consecutive_blocks_each_asking_half_a_bundle() -
     assert placement.worker_resources() == {"num_cpus": 2.0, "num_gpus": 0.5}
     cpu_only = DevicePlacement([0], group_size=1, bundle={"CPU": 1.0, "GPU": 0.0})
     assert cpu_only.bundle == {"CPU": 1.0}
-
-
-def test_a_rendezvous_port_for_another_nodes_address_is_one_free_here() -> None:
-    port = rendezvous_port("198.51.100.254")  # TEST-NET-2: not an address of this machine
-    with socket.socket() as s:
-        s.bind(("", port))  # free here
-    assert 0 < rendezvous_port("127.0.0.1") < 65536

@@ -8,7 +8,6 @@ group training, and weights reach a stand-in rollout engine with their version.
 """
 
 import functools
-import socket
 from collections.abc import AsyncIterator, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -236,13 +235,6 @@ def _engine_standin(port: int, conn: Connection) -> None:
     conn.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.mark.timeout(60)
 async def test_weight_sync_delivers_weights_and_version_to_an_engine(
     pool: TrainerPool, tmp_path: Path
@@ -251,13 +243,13 @@ async def test_weight_sync_delivers_weights_and_version_to_an_engine(
 
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
-    port = _free_port()
-    engine = context.Process(target=_engine_standin, args=(port, theirs), daemon=True)
     batches = minibatches(2)
+    await pool.start_training([1, 2])
+    port = await pool.open_weight_sync("127.0.0.1", world_size=2)
+    engine = context.Process(target=_engine_standin, args=(port, theirs), daemon=True)
     try:
         engine.start()
         theirs.close()
-        await pool.start_training([1, 2])
         await pool.connect_weight_sync("127.0.0.1", port, world_size=2)
         for version in (1, 2):
             await pool.train_step(next(batches))

@@ -86,17 +86,3 @@ def node_address() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-def rendezvous_port(host: str) -> int:
-    """A TCP port for a rendezvous that a process at ``host`` will listen on (a
-    torch.distributed store): one free at ``host`` if that address is this machine's;
-    for another node's address, one free on this machine, which is free there too
-    unless that node happens to use it (a clash fails the rendezvous, naming it)."""
-    with socket.socket() as probe:
-        try:
-            probe.bind((host, 0))
-        except OSError:  # not an address of this machine
-            probe.bind(("", 0))
-        port: int = probe.getsockname()[1]
-        return port

@@ -8,7 +8,6 @@ from typing import Protocol
 
 import anyio
 
-from dynarl.data.endpoint import rendezvous_port
 from dynarl.workers.errors import WorkerCallError
 from dynarl.workers.trainer import Trainer
 from dynarl.workers.weights import WeightManifest, WeightSyncGroup
@@ -44,9 +43,10 @@ async def connect(
     host: str = "127.0.0.1",
     timeout_s: float = 120.0,
 ) -> None:
-    """Build the weight-sync group: the trainer's sender (group rank 0, hosting the
-    store on a free port of ``host``) and ``engines`` (ranks 1.., in order, each
-    taking as many consecutive ranks as it has tensor-parallel ranks).
+    """Build the weight-sync group: the trainer's sender (group rank 0, which opens
+    the store on a free port of ``host`` before anyone joins) and ``engines`` (ranks
+    1.., in order, each taking as many consecutive ranks as it has tensor-parallel
+    ranks).
 
     With ``connected``, a group exists: ``leaving`` (its engines) and its sender leave
     it together first (no sync is in flight then: each broadcast returned on every
@@ -57,8 +57,8 @@ async def connect(
             for engine in leaving:
                 tg.start_soon(engine.leave_weight_sync)
             await trainer.leave_weight_sync()
-    port = rendezvous_port(host)
     world_size = 1 + sum(engine.weight_sync_ranks for engine in engines)
+    port = await trainer.host_weight_sync(host, world_size, timeout_s)
     async with anyio.create_task_group() as tg:
         rank = 1
         for engine in engines:

@@ -171,9 +171,16 @@ class Trainer(Protocol):
         """Whether the sender of the weight-sync group is still the trainer's rank 0."""
         ...
 
+    async def host_weight_sync(self, host: str, world_size: int, timeout_s: float) -> int:
+        """Make rank 0 open the store of a weight-sync group of ``world_size`` on a
+        port of ``host`` the operating system picks, and return that port (the group
+        is then joined at it, see :meth:`join_weight_sync`)."""
+        ...
+
     async def join_weight_sync(self, group: WeightSyncGroup) -> None:
-        """Make rank 0 the sender (group rank 0, hosting the store) of ``group``;
-        the engines join at the same time."""
+        """Make rank 0 the sender (group rank 0, hosting the store
+        :meth:`host_weight_sync` opened) of ``group``; the engines join at the same
+        time."""
         ...
 
     async def weight_manifest(self, version: int) -> WeightManifest:

@@ -5,7 +5,6 @@ the old layout trains on; a TP=2 trainer sends its weights in the
 HF layout a torch engine loads, with their version."""
 
 import functools
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -113,9 +112,7 @@ async def test_a_tensor_parallel_trainer_sends_hf_weights_with_their_version(
     saved = tmp_path / "now.pt"
     await pool.save_checkpoint(saved)
     engine = build_model(MODEL, seed=99)  # other weights: they must all be replaced
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = await pool.open_weight_sync("127.0.0.1", 2)
 
     groups: list[object] = []
 

@@ -35,6 +35,7 @@ from dynarl.workers.megatron.layout import Layout, RankGroups, build_groups
 from dynarl.workers.megatron.rank import MegatronRank
 from dynarl.workers.megatron.spec import ModelSpec
 from dynarl.workers.torch import reshard
+from dynarl.workers.torch.rendezvous import TCPStore
 from dynarl.workers.torch.train_batch import to_tensors
 from dynarl.workers.torch.trainer_commands import (
     AbortResize,
@@ -60,9 +61,9 @@ from dynarl.workers.trainer import Array, LossFn
 logger = logging.getLogger(__name__)
 
 
-def join(command: Join) -> "MegatronWorker":
+def join(command: Join, store: TCPStore | None) -> "MegatronWorker":
     """Join the world group and build the worker (the serving loop's ``join``)."""
-    device, spec, loss_fn = join_world(command)
+    device, spec, loss_fn = join_world(command, store)
     if not isinstance(spec, ModelSpec):
         raise TrainerError(f"a megatron worker needs a ModelSpec, got {type(spec).__name__}")
     return MegatronWorker(

@@ -99,6 +99,13 @@ class TorchTrainer:
         pool = self.pool
         return pool.sync_sender is not None and pool.sync_sender == pool.holder
 
+    async def host_weight_sync(self, host: str, world_size: int, timeout_s: float) -> int:
+        """Rank 0 opens the store of a weight-sync group of ``world_size`` on a free
+        port of ``host``; returns the port."""
+        return await self._run(
+            lambda: self.pool.open_weight_sync(host, world_size, timeout_s=timeout_s)
+        )
+
     async def join_weight_sync(self, group: WeightSyncGroup) -> None:
         """Rank 0 joins ``group`` as its sender."""
         await self._run(

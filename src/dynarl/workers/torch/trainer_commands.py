@@ -6,7 +6,7 @@ body of a typed call (the workers are the router's peers, as device slots are). 
 state never rides them: weights and optimizer state move over torch.distributed.
 """
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -28,10 +28,28 @@ class _Command(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     """Base of the commands a worker accepts."""
 
 
+class OpenStore(_Command, frozen=True, kw_only=True):
+    """One worker: open a torch.distributed store as its master, on a port of ``host``
+    the operating system picks (answered with :class:`StoreOpened`), for the group of
+    ``world_size`` that ``purpose`` names; the worker's next :class:`Join`
+    (``"world"``, sent to worker 0 before any ``Join``) or :class:`ConnectWeightSync`
+    (``"weight_sync"``, to the sender) rendezvouses there.
+
+    The port is bound before anyone is told it: choosing a free port first and binding
+    it later races every other process on the machine for it."""
+
+    worker: int
+    purpose: Literal["world", "weight_sync"]
+    host: str
+    world_size: int
+    timeout_s: float
+
+
 class Join(_Command, frozen=True, kw_only=True):
     """Every worker, first: join the trainer's world process group as rank ``worker``
-    of ``num_workers``, rendezvousing at ``host:port`` (rank 0 hosts the store there),
-    and keep ``config`` and the model factory and loss it trains with.
+    of ``num_workers``, rendezvousing at ``host:port`` (the store worker 0 opened
+    there, see :class:`OpenStore`), and keep ``config`` and the model factory and loss
+    it trains with.
 
     ``code`` is the pickled ``(model_factory, loss_fn)`` pair: callables cross to the
     workers as torch.multiprocessing and Ray ship them, from the controller only."""
@@ -119,7 +137,8 @@ class LoadCheckpoint(_Command, frozen=True, kw_only=True):
 
 class ConnectWeightSync(_Command, frozen=True, kw_only=True):
     """One member: join the weight-sync group at ``host:port`` as its rank 0 (hosting
-    the group's store), beside ``world_size - 1`` rollout engines."""
+    the group's store: the one :class:`OpenStore` opened, or one it binds at ``port``
+    now), beside ``world_size - 1`` rollout engines."""
 
     host: str
     port: int
@@ -151,7 +170,8 @@ class Shutdown(_Command, frozen=True, kw_only=True):
 
 
 Command = (
-    Join
+    OpenStore
+    | Join
     | StartTraining
     | TrainStep
     | TrainOnItems
@@ -191,6 +211,12 @@ class StepDone(_Reply, frozen=True, kw_only=True):
     elapsed_s: float
 
 
+class StoreOpened(_Reply, frozen=True, kw_only=True):
+    """The store :class:`OpenStore` asked for listens on ``port``."""
+
+    port: int
+
+
 class WeightsDescribed(_Reply, frozen=True, kw_only=True):
     """What a weight sync broadcasts (the answer to :class:`DescribeWeights`)."""
 
@@ -204,5 +230,5 @@ class Failed(_Reply, frozen=True, kw_only=True):
     message: str
 
 
-Reply = Done | StepDone | WeightsDescribed | Failed
+Reply = Done | StepDone | StoreOpened | WeightsDescribed | Failed
 """Everything a worker answers."""

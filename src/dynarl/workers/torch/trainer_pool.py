@@ -18,12 +18,11 @@ import pickle
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import anyio
 import msgspec
 
-from dynarl.data.endpoint import rendezvous_port
 from dynarl.data.errors import DataPlaneError
 from dynarl.workers.errors import ReshardError, TrainerError, WeightSyncError
 from dynarl.workers.torch.trainer_commands import (
@@ -37,6 +36,7 @@ from dynarl.workers.torch.trainer_commands import (
     Join,
     LeaveWeightSync,
     LoadCheckpoint,
+    OpenStore,
     PrepareResize,
     Reply,
     ReshardFault,
@@ -44,6 +44,7 @@ from dynarl.workers.torch.trainer_commands import (
     Shutdown,
     StartTraining,
     StepDone,
+    StoreOpened,
     SyncWeights,
     TrainOnItems,
     TrainStep,
@@ -140,9 +141,9 @@ class TrainerPool:
         """Join every worker to the world group (worker 0 hosts it at ``host``)."""
         if self._started:
             raise TrainerError("the pool is already started")
-        port = rendezvous_port(self.host)
         code = pickle.dumps((self._model_factory, self._loss_fn))
         self._started = True
+        port = await self._open_store(0, "world", self.host, self.num_workers, None)
         replies = await self._call_each(
             range(self.num_workers),
             lambda w: Join(
@@ -285,11 +286,42 @@ class TrainerPool:
             raise TrainerError("the trainer has no members yet; call start_training first")
         self._check(await self._call(self._members, LoadCheckpoint(path=str(path))))
 
+    async def open_weight_sync(
+        self, host: str, world_size: int, *, timeout_s: float | None = None
+    ) -> int:
+        """Open the store of a weight-sync group of ``world_size`` at the trainer's rank
+        0, on a free port of ``host``; returns the port, for
+        :meth:`connect_weight_sync` and the engines."""
+        worker = self.holder
+        if worker is None:
+            raise WeightSyncError("the trainer has no members yet; call start_training first")
+        return await self._open_store(worker, "weight_sync", host, world_size, timeout_s)
+
+    async def _open_store(
+        self,
+        worker: int,
+        purpose: Literal["world", "weight_sync"],
+        host: str,
+        world_size: int,
+        timeout_s: float | None,
+    ) -> int:
+        command = OpenStore(
+            worker=worker,
+            purpose=purpose,
+            host=host,
+            world_size=world_size,
+            timeout_s=timeout_s if timeout_s is not None else self.config.timeout_s,
+        )
+        [reply] = self._check(await self._call([worker], command))
+        assert isinstance(reply, StoreOpened)
+        return reply.port
+
     async def connect_weight_sync(
         self, host: str, port: int, world_size: int, *, timeout_s: float | None = None
     ) -> None:
-        """Make the trainer's rank 0 the sender (rank 0, store host at ``host:port``) of
-        a weight-sync group of ``world_size``; the engines join it at the same time."""
+        """Make the trainer's rank 0 the sender (rank 0, store host at ``host:port``,
+        opened by :meth:`open_weight_sync`) of a weight-sync group of ``world_size``;
+        the engines join it at the same time."""
         worker = self.holder
         if worker is None:
             raise WeightSyncError("the trainer has no members yet; call start_training first")

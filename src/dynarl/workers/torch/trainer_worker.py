@@ -5,9 +5,10 @@ It is a peer of the controller's data router, as a device slot is: it says hello
 serves its pool's commands as typed calls (one msgpack command in, one reply out,
 dispatched by a table keyed on the command type), each run in a thread so the link
 keeps answering pings. Its first command, ``Join``, makes it a rank of the world
-process group (gloo on CPU, NCCL on GPU) with a TCP rendezvous, so a launcher may place
-it on any node. A command that raises is answered with
-:class:`~dynarl.workers.torch.trainer_commands.Failed` and the worker keeps serving.
+process group (gloo on CPU, NCCL on GPU) with a TCP rendezvous at the store worker 0
+opened before (``OpenStore``), so a launcher may place it on any node. A command that
+raises is answered with :class:`~dynarl.workers.torch.trainer_commands.Failed` and the
+worker keeps serving.
 """
 
 import datetime
@@ -31,6 +32,7 @@ from dynarl.data.worker_link import WorkerLink, open_worker_link
 from dynarl.workers.errors import TrainerError, WeightSyncError
 from dynarl.workers.torch import reshard
 from dynarl.workers.torch.buckets import Group
+from dynarl.workers.torch.rendezvous import TCPStore, connect_store, open_store
 from dynarl.workers.torch.train_batch import to_tensors
 from dynarl.workers.torch.trainer import ElasticTrainer, ModelFactory
 from dynarl.workers.torch.trainer_commands import (
@@ -44,12 +46,14 @@ from dynarl.workers.torch.trainer_commands import (
     Join,
     LeaveWeightSync,
     LoadCheckpoint,
+    OpenStore,
     PrepareResize,
     Reply,
     SaveCheckpoint,
     Shutdown,
     StartTraining,
     StepDone,
+    StoreOpened,
     SyncWeights,
     TrainOnItems,
     TrainStep,
@@ -75,9 +79,12 @@ samples to them (each to the rank whose shard holds it)."""
 _CAPACITY = 1 << 20  # samples a worker may hold: a step's shard arrives before the step
 
 
-async def serve(
-    endpoint: str, name: str, join: "Callable[[Join], TrainerWorker] | None" = None
-) -> None:
+Joiner = Callable[[Join, TCPStore | None], "TrainerWorker"]
+"""Builds the worker from its ``Join`` command and the world store it opened (worker
+0; ``None`` elsewhere), see :func:`join_world`."""
+
+
+async def serve(endpoint: str, name: str, join: Joiner | None = None) -> None:
     """Serve the pool's commands as ``name`` until retired or cut off. ``join`` builds
     the worker from its ``Join`` command (default: this backend's; another trainer
     backend passes its own subclass of :class:`TrainerWorker`)."""
@@ -87,6 +94,7 @@ async def serve(
     address, token = split_endpoint(endpoint)
     transport = ZmqTransport.connect(address)
     server: TrainerWorker | None = None
+    world_store: TCPStore | None = None  # worker 0's, from OpenStore until Join
     inbox: dict[str, wire.Item] = {}  # samples routed here, until a step takes them
     try:
         async with open_worker_link(
@@ -101,9 +109,16 @@ async def serve(
                 command: Command | None = None
                 try:
                     command = _DECODER.decode(call.body)
-                    if isinstance(command, Join):
-                        server = await anyio.to_thread.run_sync(join, command)
-                        reply: Reply = Done(worker=command.worker, elapsed_s=0.0)
+                    reply: Reply
+                    if isinstance(command, OpenStore) and command.purpose == "world":
+                        world_store = open_store(
+                            command.host, command.world_size, command.timeout_s
+                        )
+                        reply = StoreOpened(worker=command.worker, port=world_store.port)
+                    elif isinstance(command, Join):
+                        store, world_store = world_store, None  # the world group keeps it
+                        server = await anyio.to_thread.run_sync(join, command, store)
+                        reply = Done(worker=command.worker, elapsed_s=0.0)
                     elif server is None:
                         raise TrainerError(f"{name} got {type(command).__name__} before Join")
                     elif isinstance(command, TrainOnItems):
@@ -150,9 +165,9 @@ def _leave(server: "TrainerWorker") -> None:
     dist.destroy_process_group()
 
 
-def _join(command: Join) -> "TrainerWorker":
+def _join(command: Join, store: TCPStore | None) -> "TrainerWorker":
     """Join the world group (blocks until every worker joined) and build the worker."""
-    device, model_factory, loss_fn = join_world(command)
+    device, model_factory, loss_fn = join_world(command, store)
     return TrainerWorker(
         command.worker,
         config=command.config,
@@ -162,8 +177,9 @@ def _join(command: Join) -> "TrainerWorker":
     )
 
 
-def join_world(command: Join) -> tuple[torch.device, Any, Any]:
-    """Join the trainer's world process group as ``command`` says (blocks until every
+def join_world(command: Join, store: TCPStore | None) -> tuple[torch.device, Any, Any]:
+    """Join the trainer's world process group as ``command`` says, at ``store`` (worker
+    0's, which it opened) or by connecting to ``command.host:port`` (blocks until every
     worker joined); returns this worker's device and the unpickled model factory and
     loss."""
     config = command.config
@@ -172,9 +188,11 @@ def join_world(command: Join) -> tuple[torch.device, Any, Any]:
         device = torch.device("cuda", command.worker % torch.cuda.device_count())
         torch.cuda.set_device(device)
     model_factory, loss_fn = pickle.loads(command.code)
+    if store is None:
+        store = connect_store(command.host, command.port, command.num_workers, config.timeout_s)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"tcp://{command.host}:{command.port}",
+        store=store,
         rank=command.worker,
         world_size=command.num_workers,
         timeout=datetime.timedelta(seconds=config.timeout_s),
@@ -203,6 +221,7 @@ class TrainerWorker:
         self.trainer: ElasticTrainer | None = None
         self.pending: reshard.PendingResize | None = None
         self.sync_group: Group | None = None
+        self.sync_store: TCPStore | None = None  # opened for the next ConnectWeightSync
         self._handlers: dict[type, Callable[[Any], Reply]] = {
             StartTraining: self._start,
             TrainStep: self._train_step,
@@ -215,6 +234,7 @@ class TrainerWorker:
             DescribeWeights: self._describe,
             SyncWeights: self._sync,
             LeaveWeightSync: self._leave,
+            OpenStore: self._open_store,
             Shutdown: lambda _: self._done(time.perf_counter()),
         }
 
@@ -320,9 +340,17 @@ class TrainerWorker:
         trainer.load_checkpoint(state)
         return self._done(started)
 
+    def _open_store(self, command: OpenStore) -> Reply:
+        if command.purpose != "weight_sync":
+            raise TrainerError(f"worker {self.worker} joined its world already")
+        self.sync_store = open_store(command.host, command.world_size, command.timeout_s)
+        return StoreOpened(worker=self.worker, port=self.sync_store.port)
+
     def _connect(self, command: ConnectWeightSync) -> Reply:
         started = time.perf_counter()
+        store, self.sync_store = self.sync_store, None
         self.sync_group = join_weight_sync_group(
+            store=store if store is not None and store.port == command.port else None,
             host=command.host,
             port=command.port,
             rank=0,

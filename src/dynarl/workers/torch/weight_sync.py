@@ -42,6 +42,7 @@ _HEADER_FIELDS = 5  # version, num_tensors, num_elements, layout checksum, bucke
 
 def join_weight_sync_group(
     *,
+    store: TCPStore | None = None,
     host: str,
     port: int,
     rank: int,
@@ -50,10 +51,12 @@ def join_weight_sync_group(
     timeout_s: float,
 ) -> Group:
     """Join the weight-sync group at ``host:port`` as ``rank`` (rank 0, the trainer,
-    hosts the store). Blocks until all ``world_size`` members joined. Gloo on CPU,
-    NCCL on CUDA; the group is independent of any default process group."""
+    hosts the store: ``store``, opened beforehand on that port, else one it binds
+    now). Blocks until all ``world_size`` members joined. Gloo on CPU, NCCL on CUDA;
+    the group is independent of any default process group."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    if store is None:
+        store = TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     prefixed = group_store(store, device_type=device.type)
     group: Group
     if device.type == "cuda":
