@@ -13,13 +13,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dynarl.workers.errors import ReshardError, TrainerError, WeightSyncError
+from dynarl.workers.errors import TrainerError, WeightSyncError
 from dynarl.workers.megatron.layout import Layout
 from dynarl.workers.torch.trainer_commands import (
-    AbortResize,
-    CommitResize,
     Done,
-    Failed,
     PrepareReshard,
     ReshardFault,
     SaveCheckpoint,
@@ -27,7 +24,7 @@ from dynarl.workers.torch.trainer_commands import (
     SyncWeights,
     TrainOnItems,
 )
-from dynarl.workers.torch.trainer_pool import TrainerPool, _describe
+from dynarl.workers.torch.trainer_pool import TrainerPool
 from dynarl.workers.trainer import ResizeResult, StepMetrics
 
 
@@ -104,16 +101,11 @@ class MegatronPool(TrainerPool):
         prepare = PrepareReshard(
             epoch=self._epoch, old_members=old, new_members=new, source=source, tp=tp, pp=pp
         )
-        replies = await self._call(range(self.num_workers), prepare)
-        failures = [r for r in replies if isinstance(r, Failed)]
-        if failures:
-            self._check(await self._call(range(self.num_workers), AbortResize(epoch=self._epoch)))
-            raise ReshardError(
-                f"reshard {old} -> {new} (tp={tp}, pp={pp}) failed and was rolled back; the "
-                f"old layout keeps training. {_describe(failures)}",
-                worker=failures[0].worker,
-            )
-        self._check(await self._call(range(self.num_workers), CommitResize(epoch=self._epoch)))
+        replies = await self._two_phase(
+            prepare,
+            f"reshard {old} -> {new} (tp={tp}, pp={pp}) failed and was rolled back; the old "
+            "layout keeps training",
+        )
         self._members = new
         self._model_factory = spec
         moved = sum(r.bytes_moved for r in replies if isinstance(r, Done))

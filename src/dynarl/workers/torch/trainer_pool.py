@@ -229,16 +229,10 @@ class TrainerPool:
         prepare = PrepareResize(
             epoch=self._epoch, old_members=old, new_members=new, source=source, fault=fault
         )
-        replies = await self._call(range(self.num_workers), prepare)
-        failures = [r for r in replies if isinstance(r, Failed)]
-        if failures:
-            self._check(await self._call(range(self.num_workers), AbortResize(epoch=self._epoch)))
-            raise ReshardError(
-                f"resize {old} -> {new} failed and was rolled back; the old group keeps "
-                f"training. {_describe(failures)}",
-                worker=failures[0].worker,
-            )
-        self._check(await self._call(range(self.num_workers), CommitResize(epoch=self._epoch)))
+        replies = await self._two_phase(
+            prepare,
+            f"resize {old} -> {new} failed and was rolled back; the old group keeps training",
+        )
         self._members = new
         was_parked, self._parked = self._parked, False
         moved = sum(r.bytes_moved for r in replies if isinstance(r, Done) and r.worker == source)
@@ -251,6 +245,18 @@ class TrainerPool:
         )
         logger.info("resized %s -> %s in %.3f s", old, new, result.elapsed_s)
         return result
+
+    async def _two_phase(self, prepare: Command, failed: str) -> list[Reply]:
+        """Send ``prepare`` to every worker; if any fails, every worker drops what it
+        prepared and :class:`ReshardError` says ``failed`` and why; else every worker
+        commits. Returns the prepare replies."""
+        replies = await self._call(range(self.num_workers), prepare)
+        failures = [r for r in replies if isinstance(r, Failed)]
+        if failures:
+            self._check(await self._call(range(self.num_workers), AbortResize(epoch=self._epoch)))
+            raise ReshardError(f"{failed}. {_describe(failures)}", worker=failures[0].worker)
+        self._check(await self._call(range(self.num_workers), CommitResize(epoch=self._epoch)))
+        return replies
 
     async def park(self) -> ResizeResult:
         """Give up every device: the trainer's state stays with one worker (rank 0,
