@@ -39,10 +39,12 @@ _SLOT_ROLES = (ROLLOUT, INFERENCE, None)
 
 def trainer_rank_loss(error: BaseException) -> BaseException | None:
     """The trainer worker's death (or silence) inside ``error`` (an exception group's
-    leaves and causes included), if that is what ``error`` is: a trainer cannot go on
-    without a rank yet."""
-    from dynarl.workers.errors import TrainerError
+    leaves and causes included), if that is what ``error`` is and the trainer could not
+    rebuild itself from the survivors (the run cannot go on)."""
+    from dynarl.workers.errors import TrainerError, TrainerRecoveredError
 
+    if isinstance(error, TrainerRecoveredError):
+        return None  # the trainer rebuilt itself from the survivors: it goes on
     if isinstance(error, TrainerError) and (
         error.worker >= 0 or "did not answer" in str(error) or "lost track" in str(error)
     ):

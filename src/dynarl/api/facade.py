@@ -61,10 +61,11 @@ class IterationInterruptedError(DynaRLError):
 
 
 class TrainerRankLostError(DynaRLError):
-    """A trainer worker died (or stopped answering) during an iteration. The trainer
-    cannot rebuild its process groups around a lost rank yet (torch.distributed's
-    ``new_group`` is collective over the whole world), so the run stops; it resumes
-    from its last checkpoint."""
+    """A trainer worker died (or stopped answering) during an iteration and the trainer
+    could not rebuild itself from the survivors: no rank survived with the state, a
+    worker stopped answering (a hung collective, ended by its timeout), or the backend
+    cannot (Megatron: a replica's shards die with any of its workers). The run stops;
+    it resumes from its last checkpoint."""
 
 
 class DynaRL:
@@ -301,9 +302,8 @@ class DynaRL:
             else "no checkpoint exists yet: start it again"
         )
         error = TrainerRankLostError(
-            f"iteration {index} failed: {failure}. A trainer cannot go on without a "
-            f"lost rank yet (its process groups are collective over every worker); "
-            f"the run stops: {where}"
+            f"iteration {index} failed: {failure}. The trainer could not rebuild itself "
+            f"from the surviving workers; the run stops: {where}"
         )
         error.__cause__ = failure
         return error

@@ -214,6 +214,7 @@ class RealWorld:
         self.trainer = trainer
         actor = sorted(self.graph.components[ACTOR].active_instances(), key=lambda n: n.id)
         await trainer.start(tuple(self.trainer_members([d for n in actor for d in n.devices])))
+        self._route_to_ranks()
         # Every role starts from the seed's weights, as the trainer does: version 0.
         self._current = {(h.name, k) for h in self.launcher.handles for k in _ROLES}
         async with anyio.create_task_group() as tg:
@@ -363,10 +364,26 @@ class RealWorld:
         gone = set(self.trainer_members(leaving))
         staying = [m for m in trainer.members if m not in gone]
         members = staying + [m for m in self.trainer_members(joining) if m not in staying]
-        if members:
-            await trainer.resize(tuple(members))
-        elif not trainer.parked:
-            await trainer.park()
+        try:
+            if members:
+                await trainer.resize(tuple(members))
+            elif not trainer.parked:
+                await trainer.park()
+        finally:
+            self._route_to_ranks()
+
+    def _route_to_ranks(self) -> None:
+        """Only the trainer's ranks take the actor's samples: the router holds the
+        other trainer workers, so the samples of a rank that dies go to the surviving
+        ranks (they re-run its step) and never to a worker that is not training."""
+        assert self.trainer is not None, "start the world first"
+        ranks = set(self.trainer.rank_instances())
+        connected = set(self.router.instances)
+        for name in map(InstanceId, self._trainer_names):
+            if name in ranks and name in connected:
+                self.router.reactivate(name)
+            elif name in connected:
+                self.router.hold(name)
 
     # ------------------------------------------------------------------ weights
 

@@ -251,6 +251,10 @@ class RequestQueue(Generic[T]):
             except anyio.WouldBlock:
                 await self._wait(self._getters)
 
+    def queued(self) -> list[T]:
+        """Every queued request, oldest first (a snapshot; nothing is taken)."""
+        return [e.item for e in self._arrivals if not e.taken]
+
     def take_all(self) -> list[T]:
         """Remove and return every queued request, oldest first (to route them
         elsewhere). Not counted as served."""

@@ -314,6 +314,17 @@ class Router:
         finally:
             calls.close(corr)
 
+    def holders(self, item_ids: Iterable[ItemId]) -> dict[ItemId, InstanceId]:
+        """The instance holding each of ``item_ids`` now (queued or in flight there);
+        items in no instance (in the backlog, out on a tool call, done) are absent."""
+        wanted = set(item_ids)
+        found: dict[ItemId, InstanceId] = {}
+        for w in self._placement.workers.values():
+            for item_id in [*w.in_flight, *(i.id for i in w.queue.queued())]:
+                if item_id in wanted:
+                    found[item_id] = w.instance
+        return found
+
     def statistics(self) -> RouterStatistics:
         """Workers, items by state, counters, rejected input and per-queue statistics."""
         p = self._placement

@@ -63,10 +63,10 @@ from dynarl.rl.reporter import EventReporter
 from dynarl.rl.requests import group_requests, prompt_ids, response_text
 from dynarl.rl.samples import Rewarded, Samples, Scored
 from dynarl.workers.config import RolloutConfig
-from dynarl.workers.errors import BadRequestError
+from dynarl.workers.errors import BadRequestError, TrainerError, TrainerRecoveredError
 from dynarl.workers.inference import LogprobRequest, LogprobResult
 from dynarl.workers.rollout import Completion, GenerateRequest
-from dynarl.workers.trainer import Trainer
+from dynarl.workers.trainer import StepMetrics, Trainer
 from dynarl.workers.trainer_items import shard_items
 
 logger = logging.getLogger(__name__)
@@ -503,7 +503,7 @@ class _Iteration:
         self.training, self.trained = set(ids), anyio.Event()
         t0 = time.perf_counter()
         await p.router.submit(items)
-        metrics = await p.trainer.train_step(shards)
+        metrics = await self._train_step(shards, ids)
         await self.trained.wait()
         duration = time.perf_counter() - t0
         self.train_s += duration
@@ -518,6 +518,34 @@ class _Iteration:
                 duration_s=duration,
             )
         )
+
+    async def _train_step(
+        self, shards: list[tuple[str, ...]], ids: Sequence[ItemId]
+    ) -> StepMetrics:
+        """The trainer's step on ``shards``; if it loses a rank meanwhile it rebuilds
+        itself from the survivors, and the step is re-run on them (every sample the
+        router holds for the step, at the rank holding it: the lost rank's went to the
+        others), or only completed if the recovery found it applied."""
+        trainer = self.p.trainer
+        for _ in range(len(shards) + 1):
+            try:
+                return await trainer.train_step(shards)
+            except TrainerRecoveredError as recovered:
+                recovery = recovered.recovery
+                logger.warning("%s; the step runs again on the survivors", recovered)
+            where = self.p.router.holders(i for i in ids if i in self.training)
+            ranks = trainer.rank_instances()
+            strays = {i: at for i, at in where.items() if at not in ranks}
+            if strays or len(where) != len(self.training):
+                raise TrainerError(
+                    f"after the trainer lost a rank, samples of the step are not at its "
+                    f"ranks {ranks}: {strays or sorted(self.training - where.keys())}"
+                )
+            shards = [tuple(i for i in ids if where.get(i) == rank) for rank in ranks]
+            if recovery.step_applied and recovery.last_step is not None:
+                await trainer.finish_step(shards)
+                return recovery.last_step
+        raise TrainerError(f"the trainer lost {len(shards)} ranks in one step; giving up")
 
 
 def _split(

@@ -71,6 +71,13 @@ class EventReporter:
             return
         if isinstance(event, ev.EngineStats) and not self._known(event.instance):
             return
+        if isinstance(event, ev.WorkerFailed) and not self._known(event.instance):
+            # A trainer rank died: to the model, the replica it served is gone.
+            for replica_of in self._replicas.values():
+                replica = replica_of(event.instance)
+                if replica is not None:
+                    event = msgspec.structs.replace(event, instance=replica)
+                    break
         if isinstance(event, ev.ItemsEnqueued):
             fresh = []
             for ref in event.items:

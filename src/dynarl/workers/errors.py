@@ -1,7 +1,12 @@
 """Errors of worker processes, their lifecycle, typed handles and launchers; all derive
 from :class:`dynarl.core.errors.DynaRLError`."""
 
+from typing import TYPE_CHECKING
+
 from dynarl.core.errors import DynaRLError
+
+if TYPE_CHECKING:
+    from dynarl.workers.trainer import Recovery
 
 
 class WorkerError(DynaRLError):
@@ -48,6 +53,25 @@ class TrainerError(WorkerError):
     def __init__(self, message: str, *, worker: int = -1) -> None:
         super().__init__(message)
         self.worker = worker
+
+
+class RankLostError(TrainerError):
+    """A trainer worker died (``worker``); the pool rebuilds itself from the survivors
+    with ``recover()`` before it takes another command."""
+
+
+class TrainerRecoveredError(WorkerError):
+    """A trainer worker died during a call, and the trainer rebuilt itself from the
+    survivors (``recovery`` says how); the call did not happen, except a step that
+    ``recovery.step_applied`` says was. Not a :class:`TrainerError`: the trainer works.
+
+    Attributes:
+        recovery: the :class:`~dynarl.workers.trainer.Recovery`.
+    """
+
+    def __init__(self, message: str, *, recovery: "Recovery") -> None:
+        super().__init__(message)
+        self.recovery = recovery
 
 
 class ReshardError(TrainerError):

@@ -70,6 +70,31 @@ class ResizeResult(msgspec.Struct, frozen=True, kw_only=True):
     bytes_moved: int
 
 
+class Recovery(msgspec.Struct, frozen=True, kw_only=True):
+    """A trainer rebuilt around lost workers.
+
+    Attributes:
+        lost: the workers that died.
+        members: the surviving ranks, in data-parallel order.
+        source: the survivor whose state every rank continues from.
+        num_steps: optimizer steps in that state.
+        step_applied: whether the step the loss interrupted (the last one begun) is
+            in that state; if not, re-run it.
+        last_step: the metrics of the source's last applied step.
+        elapsed_s: wall time of the rebuild, seen from the pool.
+        bytes_moved: bytes the source sent to the other ranks.
+    """
+
+    lost: tuple[int, ...]
+    members: tuple[int, ...]
+    source: int
+    num_steps: int
+    step_applied: bool
+    last_step: StepMetrics | None
+    elapsed_s: float
+    bytes_moved: int
+
+
 class LossOutput(NamedTuple):
     """What a loss returns for one micro-batch.
 
@@ -145,7 +170,17 @@ class Trainer(Protocol):
     async def train_step(self, shards: Sequence[Sequence[str]]) -> StepMetrics:
         """One optimizer step on the samples the data router delivered to the ranks:
         ``shards[r]`` are rank ``r``'s item ids, in order. The ranks complete the
-        items (the router reports them done) as the step ends."""
+        items (the router reports them done) as the step ends.
+
+        If a rank dies meanwhile, a trainer that can rebuilds itself from the
+        survivors and raises :class:`~dynarl.workers.errors.TrainerRecoveredError`
+        (the items not completed stay with the ranks holding them: re-run the step
+        on them, or :meth:`finish_step` if the recovery found it applied)."""
+        ...
+
+    async def finish_step(self, shards: Sequence[Sequence[str]]) -> None:
+        """Complete the samples of a step a recovery found applied, without training:
+        ``shards[r]`` are rank ``r``'s item ids."""
         ...
 
     async def resize(self, members: tuple[int, ...]) -> ResizeResult:

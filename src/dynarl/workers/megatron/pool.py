@@ -20,7 +20,6 @@ from dynarl.workers.torch.trainer_commands import (
     PrepareReshard,
     ReshardFault,
     SaveCheckpoint,
-    StepDone,
     SyncWeights,
     TrainOnItems,
 )
@@ -51,9 +50,18 @@ class MegatronPool(TrainerPool):
             return []
         return [self.workers[w].name for w in self.layout().leaders()]
 
-    async def train_on_items(self, shards: Sequence[Sequence[str]]) -> StepMetrics:
+    @property
+    def can_recover(self) -> bool:
+        """No: a dead worker takes a shard of its replica's state with it, and the
+        Megatron workers' groups are built on fixed world ranks. The run stops and
+        resumes from its last checkpoint."""
+        return False
+
+    async def train_on_items(
+        self, shards: Sequence[Sequence[str]], *, apply: bool = True
+    ) -> StepMetrics | None:
         """One step: ``shards[r]`` are the items the router delivered to replica
-        ``r``'s leader."""
+        ``r``'s leader (without ``apply``, only completed)."""
         if self._parked:
             raise TrainerError("the trainer is parked (it holds no devices); resize it first")
         leaders = self.layout().leaders()
@@ -61,10 +69,11 @@ class MegatronPool(TrainerPool):
             raise TrainerError(f"{len(shards)} shards for {len(leaders)} data-parallel ranks")
         items = {leader: tuple(shard) for leader, shard in zip(leaders, shards, strict=True)}
         replies = self._check(
-            await self._call_each(self._members, lambda w: TrainOnItems(item_ids=items.get(w, ())))
+            await self._call_each(
+                self._members, lambda w: TrainOnItems(item_ids=items.get(w, ()), apply=apply)
+            )
         )
-        assert isinstance(replies[0], StepDone)
-        return replies[0].metrics
+        return self._stepped(replies) if apply else None
 
     async def resize(
         self,

@@ -18,7 +18,7 @@ scalars) as bytes, so a joiner checks it builds the same model before any tensor
 
 import datetime
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,22 +86,30 @@ class PendingResize:
     """A joiner's received trainer."""
 
 
-def create_groups(command: PrepareResize, *, worker: int, timeout_s: float) -> PendingResize:
+def create_groups(
+    command: PrepareResize,
+    *,
+    worker: int,
+    ranks: Callable[[Sequence[int]], list[int]],
+    timeout_s: float,
+) -> PendingResize:
     """Create the new data-parallel group and the transfer group. Collective over the
-    world: every worker calls it with the same command."""
+    world: every worker calls it with the same command (whose workers are pool
+    indices; ``ranks`` gives their world ranks)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     joiners = [m for m in command.new_members if m not in command.old_members]
-    group = dist.new_group(list(command.new_members), timeout=timeout)
+    group = dist.new_group(ranks(command.new_members), timeout=timeout)
     transfer = None
     if joiners:
-        transfer = dist.new_group([command.source, *joiners], timeout=timeout)
+        transfer = dist.new_group(ranks([command.source, *joiners]), timeout=timeout)
     in_transfer = worker == command.source or worker in joiners
+    transfer_ranks = ranks([command.source, *joiners])
     return PendingResize(
         epoch=command.epoch,
         members=command.new_members,
         group=group if worker in command.new_members else None,
         transfer_group=transfer if in_transfer else None,
-        source_rank=sorted([command.source, *joiners]).index(command.source),
+        source_rank=sorted(transfer_ranks).index(transfer_ranks[0]),
     )
 
 

@@ -14,6 +14,7 @@ import anyio
 import anyio.lowlevel
 
 from dynarl.core.ids import InstanceId
+from dynarl.workers.errors import RankLostError, TrainerRecoveredError
 from dynarl.workers.torch.trainer_pool import TrainerPool
 from dynarl.workers.trainer import ResizeResult, StepMetrics
 from dynarl.workers.weights import WeightManifest, WeightSyncGroup
@@ -75,7 +76,13 @@ class TorchTrainer:
     async def train_step(self, shards: Sequence[Sequence[str]]) -> StepMetrics:
         """One optimizer step on the samples routed to the ranks (``shards[r]``: rank
         ``r``'s item ids)."""
-        return await self._run(self.pool.train_on_items, shards)
+        metrics = await self._run(self.pool.train_on_items, shards)
+        assert metrics is not None, "an applied step has metrics"
+        return metrics
+
+    async def finish_step(self, shards: Sequence[Sequence[str]]) -> None:
+        """The ranks complete ``shards``' samples without training on them."""
+        await self._run(lambda: self.pool.train_on_items(shards, apply=False))
 
     async def resize(self, members: tuple[int, ...]) -> ResizeResult:
         """Make ``members`` the ranks (create-before-destroy)."""
@@ -129,6 +136,23 @@ class TorchTrainer:
 
     async def _run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         if self._holder is not None and self._holder == anyio.get_current_task():
-            return await fn(*args)
+            return await self._recovering(fn, *args)
         async with self._lock:
+            return await self._recovering(fn, *args)
+
+    async def _recovering(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``fn(*args)``; if a worker dies meanwhile, the pool rebuilds itself from the
+        survivors (when it can) and :class:`TrainerRecoveredError` says so."""
+        try:
             return await fn(*args)
+        except RankLostError as lost:
+            if not self.pool.can_recover:
+                raise
+            error = lost
+        with anyio.CancelScope(shield=True):  # a half-rebuilt world is worse than a wait
+            recovery = await self.pool.recover()
+        raise TrainerRecoveredError(
+            f"{error}; the trainer went on with workers {list(recovery.members)} after "
+            f"{recovery.elapsed_s:.2f} s",
+            recovery=recovery,
+        ) from error

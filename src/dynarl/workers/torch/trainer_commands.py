@@ -32,7 +32,8 @@ class OpenStore(_Command, frozen=True, kw_only=True):
     """One worker: open a torch.distributed store as its master, on a port of ``host``
     the operating system picks (answered with :class:`StoreOpened`), for the group of
     ``world_size`` that ``purpose`` names; the worker's next :class:`Join`
-    (``"world"``, sent to worker 0 before any ``Join``) or :class:`ConnectWeightSync`
+    (``"world"``, sent to worker 0 before any ``Join``), :class:`Rejoin` (``"world"``,
+    to the new world's first worker) or :class:`ConnectWeightSync`
     (``"weight_sync"``, to the sender) rendezvouses there.
 
     The port is bound before anyone is told it: choosing a free port first and binding
@@ -63,7 +64,7 @@ class Join(_Command, frozen=True, kw_only=True):
 
 
 class StartTraining(_Command, frozen=True, kw_only=True):
-    """Every worker: build the data-parallel group of ``members`` (world ranks, in DP
+    """Every worker: build the data-parallel group of ``members`` (pool indices, in DP
     rank order); members build the model from the seed."""
 
     members: tuple[int, ...]
@@ -79,9 +80,13 @@ class TrainStep(_Command, frozen=True, kw_only=True):
 class TrainOnItems(_Command, frozen=True, kw_only=True):
     """A member: one optimizer step (with the others) on the samples the data router
     delivered to it, ``item_ids`` in order (its data-parallel shard; each item's payload
-    is a :class:`~dynarl.workers.trainer.SampleRow`); it completes them afterwards."""
+    is a :class:`~dynarl.workers.trainer.SampleRow`); it completes them afterwards. A
+    step that fails keeps them, for a re-run. Without ``apply`` the step already
+    happened (a lost rank's recovery found it applied): the member only completes
+    them."""
 
     item_ids: tuple[str, ...]
+    apply: bool = True
 
 
 class PrepareResize(_Command, frozen=True, kw_only=True):
@@ -165,6 +170,32 @@ class LeaveWeightSync(_Command, frozen=True, kw_only=True):
     leave too)."""
 
 
+class LeaveWorld(_Command, frozen=True, kw_only=True):
+    """Every surviving worker, after a worker died: drop a prepared resize, leave the
+    world process group and every group built on it (a collective with the dead worker
+    cannot complete), keep the trainer state, and say how many optimizer steps it holds
+    (answered with :class:`Left`)."""
+
+
+class Rejoin(_Command, frozen=True, kw_only=True):
+    """Every surviving worker: form a new world process group of ``workers`` (pool
+    indices; world rank ``r`` is ``workers[r]``), rendezvousing at the store
+    ``workers[0]`` opened at ``host:port`` (see :class:`OpenStore`)."""
+
+    workers: tuple[int, ...]
+    host: str
+    port: int
+
+
+class Restore(_Command, frozen=True, kw_only=True):
+    """Every worker of the new world: build the data-parallel group of ``members``
+    (pool indices, in rank order); ``source`` (a member) sends its whole trainer state
+    to the others, so every rank continues from one consistent state."""
+
+    members: tuple[int, ...]
+    source: int
+
+
 class Shutdown(_Command, frozen=True, kw_only=True):
     """Every worker: tear down its process groups and exit."""
 
@@ -185,6 +216,9 @@ Command = (
     | DescribeWeights
     | SyncWeights
     | LeaveWeightSync
+    | LeaveWorld
+    | Rejoin
+    | Restore
     | Shutdown
 )
 """Everything a worker accepts."""
@@ -223,6 +257,17 @@ class WeightsDescribed(_Reply, frozen=True, kw_only=True):
     manifest: WeightManifest
 
 
+class Left(_Reply, frozen=True, kw_only=True):
+    """The worker left the world (the answer to :class:`LeaveWorld`): it holds a
+    trainer state of ``num_steps`` optimizer steps (``-1``: none), the last step it
+    began started from ``attempted`` steps (``-1``: none), and ``last`` is the metrics
+    of its last applied step."""
+
+    num_steps: int
+    attempted: int
+    last: StepMetrics | None = None
+
+
 class Failed(_Reply, frozen=True, kw_only=True):
     """The command raised ``error`` (exception type name) with ``message``."""
 
@@ -230,5 +275,5 @@ class Failed(_Reply, frozen=True, kw_only=True):
     message: str
 
 
-Reply = Done | StepDone | StoreOpened | WeightsDescribed | Failed
+Reply = Done | StepDone | StoreOpened | WeightsDescribed | Left | Failed
 """Everything a worker answers."""

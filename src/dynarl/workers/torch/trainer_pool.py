@@ -10,6 +10,10 @@ the joiners' state while the old group stays intact, and switches only when ever
 worker reported ready; otherwise it aborts and raises
 :class:`~dynarl.workers.errors.ReshardError` with the old group in place.
 
+A worker that dies makes the call that meets it raise :class:`RankLostError`; the pool
+then refuses every call but :meth:`TrainerPool.recover`, which rebuilds the world from
+the survivors and restores one consistent trainer state on them (see there).
+
 This module does not import torch; the workers do.
 """
 
@@ -24,7 +28,7 @@ import anyio
 import msgspec
 
 from dynarl.data.errors import DataPlaneError
-from dynarl.workers.errors import ReshardError, TrainerError, WeightSyncError
+from dynarl.workers.errors import RankLostError, ReshardError, TrainerError, WeightSyncError
 from dynarl.workers.torch.trainer_commands import (
     AbortResize,
     Command,
@@ -35,10 +39,14 @@ from dynarl.workers.torch.trainer_commands import (
     Failed,
     Join,
     LeaveWeightSync,
+    LeaveWorld,
+    Left,
     LoadCheckpoint,
     OpenStore,
     PrepareResize,
+    Rejoin,
     Reply,
+    Restore,
     ReshardFault,
     SaveCheckpoint,
     Shutdown,
@@ -51,7 +59,7 @@ from dynarl.workers.torch.trainer_commands import (
     WeightsDescribed,
 )
 from dynarl.workers.torch.trainer_config import TrainerConfig
-from dynarl.workers.trainer import Minibatch, ResizeResult, StepMetrics
+from dynarl.workers.trainer import Minibatch, Recovery, ResizeResult, StepMetrics
 from dynarl.workers.trainer_items import to_array
 from dynarl.workers.weights import WeightManifest
 
@@ -113,6 +121,11 @@ class TrainerPool:
         self._started = False
         self._sync_worker: int | None = None
         self._broken = False
+        self._world: tuple[int, ...] = tuple(range(len(self.workers)))
+        self._dead: set[int] = set()  # workers that died, for good
+        self._unrecovered: set[int] = set()  # dead workers still in the world
+        self._recovering = False
+        self._num_steps: int | None = None  # the trainer's optimizer steps, when known
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Reply)
 
@@ -136,6 +149,22 @@ class TrainerPool:
     def parked(self) -> bool:
         """Whether the trainer holds no devices (see :meth:`park`)."""
         return self._parked
+
+    @property
+    def dead(self) -> frozenset[int]:
+        """Workers that died (they never rejoin)."""
+        return frozenset(self._dead)
+
+    @property
+    def can_recover(self) -> bool:
+        """Whether :meth:`recover` can rebuild the trainer around a lost worker."""
+        return True
+
+    @property
+    def num_steps(self) -> int | None:
+        """Optimizer steps the trainer has taken, when the pool knows (it does from
+        the start and after every step; not right after a checkpoint is loaded)."""
+        return self._num_steps
 
     async def start(self) -> None:
         """Join every worker to the world group (worker 0 hosts it at ``host``)."""
@@ -162,9 +191,10 @@ class TrainerPool:
         """Make ``members`` the trainer's ranks, with fresh weights from the seed (a
         trainer already running is dropped: this is also a restart)."""
         members = self._valid_members(members)
-        self._check(await self._call(range(self.num_workers), StartTraining(members=members)))
+        self._check(await self._call(self._world, StartTraining(members=members)))
         self._members = members
         self._parked = False
+        self._num_steps = 0
 
     async def train_step(self, minibatch: Minibatch) -> StepMetrics:
         """One optimizer step on the global ``minibatch``, split over the members."""
@@ -173,6 +203,7 @@ class TrainerPool:
         arrays = {name: to_array(a) for name, a in minibatch.items()}
         replies = self._check(await self._call(self._members, TrainStep(minibatch=arrays)))
         assert isinstance(replies[0], StepDone)
+        self._num_steps = replies[0].metrics.num_steps
         return replies[0].metrics
 
     @property
@@ -180,10 +211,13 @@ class TrainerPool:
         """The data router's instance of each rank, in data-parallel order."""
         return [self.workers[m].name for m in self.members]
 
-    async def train_on_items(self, shards: Sequence[Sequence[str]]) -> StepMetrics:
+    async def train_on_items(
+        self, shards: Sequence[Sequence[str]], *, apply: bool = True
+    ) -> StepMetrics | None:
         """One optimizer step on the samples the data router delivered to the members:
         ``shards[r]`` are rank ``r``'s item ids, in order (each worker completes its
-        items afterwards)."""
+        items afterwards). Without ``apply`` the members only complete the items (the
+        step was applied before a rank was lost) and ``None`` is returned."""
         if self._parked:
             raise TrainerError("the trainer is parked (it holds no devices); resize it first")
         members = self._members
@@ -191,9 +225,15 @@ class TrainerPool:
             raise TrainerError(f"{len(shards)} shards for {len(members)} ranks")
         rank = {m: r for r, m in enumerate(members)}
         replies = self._check(
-            await self._call_each(members, lambda w: TrainOnItems(item_ids=tuple(shards[rank[w]])))
+            await self._call_each(
+                members, lambda w: TrainOnItems(item_ids=tuple(shards[rank[w]]), apply=apply)
+            )
         )
+        return self._stepped(replies) if apply else None
+
+    def _stepped(self, replies: list[Reply]) -> StepMetrics:
         assert isinstance(replies[0], StepDone)
+        self._num_steps = replies[0].metrics.num_steps
         return replies[0].metrics
 
     async def resize(
@@ -250,13 +290,91 @@ class TrainerPool:
         """Send ``prepare`` to every worker; if any fails, every worker drops what it
         prepared and :class:`ReshardError` says ``failed`` and why; else every worker
         commits. Returns the prepare replies."""
-        replies = await self._call(range(self.num_workers), prepare)
+        replies = await self._call(self._world, prepare)
         failures = [r for r in replies if isinstance(r, Failed)]
         if failures:
-            self._check(await self._call(range(self.num_workers), AbortResize(epoch=self._epoch)))
+            self._check(await self._call(self._world, AbortResize(epoch=self._epoch)))
             raise ReshardError(f"{failed}. {_describe(failures)}", worker=failures[0].worker)
-        self._check(await self._call(range(self.num_workers), CommitResize(epoch=self._epoch)))
+        self._check(await self._call(self._world, CommitResize(epoch=self._epoch)))
         return replies
+
+    async def recover(self) -> Recovery:
+        """Rebuild the trainer after workers died (a call raised :class:`RankLostError`).
+
+        Every survivor leaves the broken world (a survivor blocked in a collective with
+        the dead worker gets gloo's "connection closed" error at once, or its timeout)
+        and reports the optimizer steps its state holds; the survivors form a new world
+        with fresh ranks (a new store at the first survivor); the surviving members
+        become the data-parallel group and the one holding the most steps sends its
+        whole state to the others. A step the loss interrupted is thereby applied by
+        every survivor (if any survivor finished it: its all-reduce completed, so it
+        holds every rank's gradients) or by none; :attr:`Recovery.num_steps` says
+        which, the caller re-runs it if none. Raises :class:`TrainerError` (the pool
+        is then broken) if no member survived, or a survivor fails meanwhile.
+        """
+        if not self._unrecovered:
+            raise TrainerError("no trainer worker was lost; nothing to recover")
+        started = time.perf_counter()
+        lost = tuple(sorted(self._unrecovered))
+        survivors = tuple(w for w in self._world if w not in self._dead)
+        members = tuple(m for m in self._members if m not in self._dead)
+        if not members or not survivors:
+            self._broken = True
+            raise TrainerError(
+                f"every rank of the trainer ({self._members}) died with its state; only a "
+                "checkpoint can restore it",
+                worker=lost[0],
+            )
+        self._recovering = True
+        try:
+            left = self._check(await self._call(survivors, LeaveWorld()))
+            states = {r.worker: r for r in left if isinstance(r, Left)}
+            source = max(members, key=lambda m: states[m].num_steps)
+            steps = [states[m].num_steps for m in members]
+            if min(steps) < 0 or max(steps) - min(steps) > 1:
+                raise TrainerError(f"the surviving ranks {members} hold steps {steps}")
+            port = await self._open_store(survivors[0], "world", self.host, len(survivors), None)
+            self._check(
+                await self._call(survivors, Rejoin(workers=survivors, host=self.host, port=port))
+            )
+            self._world = survivors
+            restored = self._check(
+                await self._call(survivors, Restore(members=members, source=source))
+            )
+        except TrainerError:
+            self._broken = True
+            raise
+        finally:
+            self._recovering = False
+        self._unrecovered.clear()
+        self._members = members
+        self._epoch += 1
+        if self._sync_worker in self._dead:
+            self._sync_worker = None
+        before = self._num_steps
+        if before is None:  # the step count is not known: the one the members began
+            before = max(states[m].attempted for m in members)
+        self._num_steps = states[source].num_steps
+        recovery = Recovery(
+            lost=lost,
+            members=members,
+            source=source,
+            num_steps=states[source].num_steps,
+            step_applied=states[source].num_steps > before,
+            last_step=states[source].last,
+            elapsed_s=time.perf_counter() - started,
+            bytes_moved=sum(r.bytes_moved for r in restored if isinstance(r, Done)),
+        )
+        logger.warning(
+            "trainer workers %s died; the trainer goes on with %s from worker %d's state "
+            "(%d steps) after %.2f s",
+            list(lost),
+            list(members),
+            source,
+            recovery.num_steps,
+            recovery.elapsed_s,
+        )
+        return recovery
 
     async def park(self) -> ResizeResult:
         """Give up every device: the trainer's state stays with one worker (rank 0,
@@ -291,6 +409,7 @@ class TrainerPool:
         if not self._members:
             raise TrainerError("the trainer has no members yet; call start_training first")
         self._check(await self._call(self._members, LoadCheckpoint(path=str(path))))
+        self._num_steps = None
 
     async def open_weight_sync(
         self, host: str, world_size: int, *, timeout_s: float | None = None
@@ -386,7 +505,7 @@ class TrainerPool:
         if not self._broken:
             with anyio.move_on_after(_SHUTDOWN_GRACE_S):
                 try:
-                    await self._call(range(self.num_workers), Shutdown())
+                    await self._call(self._world, Shutdown())
                 except TrainerError as error:
                     logger.warning("trainer workers did not shut down cleanly: %s", error)
         self._members = ()
@@ -400,18 +519,25 @@ class TrainerPool:
     ) -> list[Reply]:
         """Send ``command(w)`` to each worker ``w`` at once and gather the replies.
 
-        Raises :class:`TrainerError` (and marks the pool broken: a collective may be
-        half done) if a worker is gone or does not answer within the timeout."""
+        Raises :class:`RankLostError` if a worker is gone (then every call but
+        :meth:`recover` is refused until it ran), and :class:`TrainerError` (marking
+        the pool broken: a collective may be half done) if one does not answer within
+        the timeout."""
         if self._broken:
             raise TrainerError("the pool lost track of a worker; close it and start a new one")
+        if self._unrecovered and not self._recovering:
+            raise RankLostError(
+                f"trainer workers {sorted(self._unrecovered)} died; recover() first",
+                worker=min(self._unrecovered),
+            )
         replies: dict[int, Reply] = {}
-        lost: list[TrainerError] = []
+        lost: list[RankLostError] = []
 
         async def one(w: int) -> None:
             try:
                 body = await self.workers[w].call(self._encoder.encode(command(w)))
             except DataPlaneError as error:
-                lost.append(TrainerError(f"trainer worker {w} died: {error}", worker=w))
+                lost.append(RankLostError(f"trainer worker {w} died: {error}", worker=w))
                 tg.cancel_scope.cancel()
                 return
             replies[w] = self._decoder.decode(body)
@@ -421,7 +547,11 @@ class TrainerPool:
                 for w in workers:
                     tg.start_soon(one, w)
         if lost:
-            self._broken = True
+            dead = {e.worker for e in lost}
+            self._dead |= dead
+            self._unrecovered |= dead
+            if self._recovering:
+                self._broken = True  # a second loss while rebuilding: give up
             raise lost[0]
         if deadline.cancelled_caught:
             self._broken = True
@@ -441,6 +571,9 @@ class TrainerPool:
             raise TrainerError(f"members {chosen} must be a non-empty list of distinct workers")
         if any(not 0 <= m < self.num_workers for m in chosen):
             raise TrainerError(f"members {chosen} must be workers 0..{self.num_workers - 1}")
+        dead = sorted(self._dead.intersection(chosen))
+        if dead:
+            raise TrainerError(f"members {chosen}: trainer workers {dead} died")
         return chosen
 
 

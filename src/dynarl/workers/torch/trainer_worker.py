@@ -16,7 +16,7 @@ import logging
 import os
 import pickle
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -45,10 +45,14 @@ from dynarl.workers.torch.trainer_commands import (
     Failed,
     Join,
     LeaveWeightSync,
+    LeaveWorld,
+    Left,
     LoadCheckpoint,
     OpenStore,
     PrepareResize,
+    Rejoin,
     Reply,
+    Restore,
     SaveCheckpoint,
     Shutdown,
     StartTraining,
@@ -66,7 +70,7 @@ from dynarl.workers.torch.weight_sync import (
     manifest_of,
     send_by_manifest,
 )
-from dynarl.workers.trainer import Array, LossFn
+from dynarl.workers.trainer import Array, LossFn, StepMetrics
 from dynarl.workers.trainer_items import stack_rows
 
 logger = logging.getLogger(__name__)
@@ -110,7 +114,11 @@ async def serve(endpoint: str, name: str, join: Joiner | None = None) -> None:
                 try:
                     command = _DECODER.decode(call.body)
                     reply: Reply
-                    if isinstance(command, OpenStore) and command.purpose == "world":
+                    if (
+                        isinstance(command, OpenStore)
+                        and command.purpose == "world"
+                        and server is None
+                    ):
                         world_store = open_store(
                             command.host, command.world_size, command.timeout_s
                         )
@@ -145,24 +153,28 @@ async def serve(endpoint: str, name: str, join: Joiner | None = None) -> None:
 async def _train_on_items(
     server: "TrainerWorker", link: WorkerLink, inbox: dict[str, wire.Item], command: TrainOnItems
 ) -> Reply:
-    """Wait until every sample of ``command`` has been routed here, train on them, and
-    complete them (whatever the step's outcome: the data router gets them back)."""
+    """Wait until every sample of ``command`` has been routed here, train on them (or
+    not: ``command.apply``), and complete them. A step that fails keeps them here: the
+    survivors of a lost rank re-run it on them."""
     with anyio.fail_after(server.config.timeout_s):
         while any(i not in inbox for i in command.item_ids):
             for item in await link.receive():
                 inbox[item.id] = item
-    items = [inbox.pop(i) for i in command.item_ids]
-    try:
+    items = [inbox[i] for i in command.item_ids]
+    reply: Reply = Done(worker=server.worker, elapsed_s=0.0)
+    if command.apply:
         shard = stack_rows([item.payload for item in items])
-        return await anyio.to_thread.run_sync(server.train_shard, shard)
-    finally:
-        for item in items:
-            link.complete(wire.ItemResult(item=item.id))
+        reply = await anyio.to_thread.run_sync(server.train_shard, shard)
+    for item in items:
+        del inbox[item.id]
+        link.complete(wire.ItemResult(item=item.id))
+    return reply
 
 
 def _leave(server: "TrainerWorker") -> None:
     server.close()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _join(command: Join, store: TCPStore | None) -> "TrainerWorker":
@@ -174,6 +186,7 @@ def _join(command: Join, store: TCPStore | None) -> "TrainerWorker":
         model_factory=model_factory,
         loss_fn=loss_fn,
         device=device,
+        world=tuple(range(command.num_workers)),
     )
 
 
@@ -202,7 +215,11 @@ def join_world(command: Join, store: TCPStore | None) -> tuple[torch.device, Any
 
 class TrainerWorker:
     """A worker's state between commands: its trainer (while it is a member), a
-    prepared resize, and its weight-sync group."""
+    prepared resize, and its weight-sync group.
+
+    ``worker`` is its index in the pool, for good; ``world`` lists the pool indices of
+    the world process group's ranks (rank ``r`` is ``world[r]``): every worker at
+    first, the survivors after a worker died (:class:`Rejoin`)."""
 
     def __init__(
         self,
@@ -212,8 +229,13 @@ class TrainerWorker:
         model_factory: ModelFactory,
         loss_fn: LossFn,
         device: torch.device,
+        world: tuple[int, ...] = (),
     ) -> None:
         self.worker = worker
+        self.world = world
+        self.world_store: TCPStore | None = None  # opened for the next Rejoin
+        self.attempted = -1  # the step count the last step began from
+        self.last_step: StepMetrics | None = None  # the last applied step's metrics
         self.config = config
         self.model_factory = model_factory
         self.loss_fn = loss_fn
@@ -235,6 +257,9 @@ class TrainerWorker:
             SyncWeights: self._sync,
             LeaveWeightSync: self._leave,
             OpenStore: self._open_store,
+            LeaveWorld: self._leave_world,
+            Rejoin: self._rejoin,
+            Restore: self._restore,
             Shutdown: lambda _: self._done(time.perf_counter()),
         }
 
@@ -264,7 +289,8 @@ class TrainerWorker:
             reshard.release_memory(self.trainer)
             self.trainer = None
         group = dist.new_group(
-            list(command.members), timeout=datetime.timedelta(seconds=self.config.timeout_s)
+            self.ranks(command.members),
+            timeout=datetime.timedelta(seconds=self.config.timeout_s),
         )
         if self.worker in command.members:
             self.trainer = ElasticTrainer.build(
@@ -285,7 +311,9 @@ class TrainerWorker:
         """One optimizer step (with the other ranks) on this rank's own ``shard``."""
         started = time.perf_counter()
         tensors = to_tensors(shard, self.device) if shard else {}
-        metrics = self._member().train_step(tensors, local=True)
+        trainer = self._member()
+        self.attempted = trainer.num_steps
+        metrics = self.last_step = trainer.train_step(tensors, local=True)
         return StepDone(worker=self.worker, metrics=metrics, elapsed_s=_since(started))
 
     def _prepare(self, command: PrepareResize) -> Reply:
@@ -293,7 +321,7 @@ class TrainerWorker:
         if self.pending is not None:
             raise TrainerError(f"resize {self.pending.epoch} is still pending; abort it first")
         self.pending = reshard.create_groups(
-            command, worker=self.worker, timeout_s=self.config.reshard_timeout_s
+            command, worker=self.worker, ranks=self.ranks, timeout_s=self.config.reshard_timeout_s
         )
         moved = reshard.transfer_state(
             self.pending,
@@ -341,10 +369,79 @@ class TrainerWorker:
         return self._done(started)
 
     def _open_store(self, command: OpenStore) -> Reply:
-        if command.purpose != "weight_sync":
-            raise TrainerError(f"worker {self.worker} joined its world already")
-        self.sync_store = open_store(command.host, command.world_size, command.timeout_s)
-        return StoreOpened(worker=self.worker, port=self.sync_store.port)
+        store = open_store(command.host, command.world_size, command.timeout_s)
+        if command.purpose == "world":  # for a Rejoin (the first Join's is opened by serve)
+            self.world_store = store
+        else:
+            self.sync_store = store
+        return StoreOpened(worker=self.worker, port=store.port)
+
+    def ranks(self, workers: Sequence[int]) -> list[int]:
+        """The world ranks of pool workers ``workers``."""
+        return [self.world.index(w) for w in workers]
+
+    def _leave_world(self, command: LeaveWorld) -> Reply:
+        if self.pending is not None:
+            reshard.abort_resize(self.pending)
+            self.pending = None
+        trainer = self.trainer
+        if trainer is not None:
+            trainer.group = None  # destroyed with the world below
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.world = ()
+        return Left(
+            worker=self.worker,
+            num_steps=-1 if trainer is None else trainer.num_steps,
+            attempted=self.attempted,
+            last=self.last_step,
+        )
+
+    def _rejoin(self, command: Rejoin) -> Reply:
+        started = time.perf_counter()
+        if dist.is_initialized():
+            raise TrainerError(f"worker {self.worker} did not leave its world first")
+        timeout_s = self.config.timeout_s
+        store, self.world_store = self.world_store, None
+        if store is None or store.port != command.port:
+            store = connect_store(command.host, command.port, len(command.workers), timeout_s)
+        dist.init_process_group(
+            "nccl" if self.device.type == "cuda" else "gloo",
+            store=store,
+            rank=command.workers.index(self.worker),
+            world_size=len(command.workers),
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self.world = command.workers
+        return self._done(started)
+
+    def _restore(self, command: Restore) -> Reply:
+        started = time.perf_counter()
+        members = list(command.members)
+        group = dist.new_group(
+            self.ranks(members), timeout=datetime.timedelta(seconds=self.config.timeout_s)
+        )
+        if self.worker not in members:
+            if self.trainer is not None:
+                reshard.release_memory(self.trainer)
+            self.trainer = None
+            return self._done(started)
+        # torch numbers a group's ranks in world-rank order.
+        src = sorted(self.ranks(members)).index(self.world.index(command.source))
+        bucket_bytes = self.config.bucket_bytes
+        if self.worker == command.source:
+            moved = reshard.send_state(
+                self._member(), group=group, src=src, bucket_bytes=bucket_bytes
+            )
+            self._member().group = group
+            return self._done(started, bytes_moved=moved)
+        if self.trainer is not None:
+            reshard.release_memory(self.trainer)
+        skeleton = self._skeleton()
+        reshard.receive_state(skeleton, group=group, src=src, bucket_bytes=bucket_bytes)
+        skeleton.group = group
+        self.trainer = skeleton
+        return self._done(started)
 
     def _connect(self, command: ConnectWeightSync) -> Reply:
         started = time.perf_counter()
