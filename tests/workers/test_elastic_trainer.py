@@ -118,10 +118,15 @@ def global_relative_error(actual: dict[str, Any], expected: dict[str, Any]) -> f
 NOISE_ONLY = ".self_attn.k_proj.bias"
 
 
+PIDS: dict[str, int | None] = {}
+"""The shared pool's worker processes, by name."""
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool() -> AsyncIterator[TrainerPool]:
     names = [f"trainer-{i}" for i in range(4)]
     async with LocalWorkers(trainer_main, names) as workers:
+        PIDS.update({h.name: h.pid for h in workers.handles})
         started = TrainerPool(
             CONFIG, workers=workers.channels, model_factory=TINY_QWEN2, loss_fn=weighted_nll
         )
@@ -306,3 +311,29 @@ async def test_loading_a_missing_checkpoint_says_which_file(
     with pytest.raises(TrainerError, match=r"cannot read the checkpoint .*missing\.pt"):
         await pool.load_checkpoint(tmp_path / "missing.pt")
     await pool.train_step(next(minibatches(4)))  # the worker keeps serving
+
+
+# Last in this module: it kills one of the shared pool's workers for good.
+@pytest.mark.timeout(90)
+async def test_a_trainer_that_loses_a_rank_goes_on_from_the_survivors(pool: TrainerPool) -> None:
+    import os
+    import signal
+
+    from dynarl.workers.errors import RankLostError
+
+    batches = [b for b, _ in zip(minibatches(3), range(4), strict=False)]
+    await pool.start_training([0, 1, 2, 3])
+    losses = [(await pool.train_step(batch)).loss for batch in batches[:2]]
+    pid = PIDS[pool.workers[1].name]
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RankLostError):
+        await pool.train_step(batches[2])  # met the dead rank: not applied anywhere
+    recovery = await pool.recover()
+    assert recovery.lost == (1,) and recovery.members == (0, 2, 3) == pool.members
+    assert recovery.num_steps == 2 and not recovery.step_applied
+    losses += [(await pool.train_step(batch)).loss for batch in batches[2:]]  # re-run
+    # The survivors' steps are the steps a single rank takes on the same minibatches.
+    np.testing.assert_allclose(losses, reference_run(batches)["losses"], rtol=1e-5)
+    with pytest.raises(TrainerError, match="died"):
+        await pool.resize([0, 1])

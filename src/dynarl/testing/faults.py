@@ -3,12 +3,13 @@
 A test fixture for real runs (off unless a test attaches one): a :class:`FaultInjector`
 attached to an open :class:`~dynarl.api.facade.DynaRL` run watches the run's progress
 and the controller's events and ``SIGKILL``\\ s the worker a :class:`WorkerKill` names
-(the ``index``-th rollout slot, inference slot or trainer worker) when its point is
+(the ``index``-th rollout slot, inference slot or trainer rank) when its point is
 reached:
 
 - ``rollout``: once half of the iteration's responses are done;
 - ``scoring``: when a sample is routed to an inference instance;
-- ``optimizer_step``: when the iteration's first optimizer step starts;
+- ``optimizer_step``: when an optimizer step of the iteration starts (for a trainer
+  rank: the first step with that many ranks);
 - ``migration``: when the controller starts a migration;
 - ``weight_sync``: when the iteration's closing weight sync starts.
 
@@ -41,8 +42,9 @@ Point = Literal["rollout", "scoring", "optimizer_step", "migration", "weight_syn
 
 
 class WorkerKill(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Kill the ``index``-th worker of kind ``target`` (in slot or worker order, among
-    those serving that role now) at ``point`` of iteration ``iteration``."""
+    """Kill the ``index``-th worker of kind ``target`` (in slot order among those
+    serving that role now; a trainer's in data-parallel rank order) at ``point`` of
+    iteration ``iteration``."""
 
     target: Target
     point: Point
@@ -133,8 +135,15 @@ class FaultInjector:
     def _fire(self, point: Point) -> None:
         for kill in list(self.pending):
             if kill.point == point and kill.iteration == self.iteration:
+                if point == "optimizer_step" and not self._has_rank(kill.index):
+                    continue  # not that many ranks yet: a later step of the iteration
                 self.pending.remove(kill)
                 self._kill(kill)
+
+    def _has_rank(self, index: int) -> bool:
+        world = self.rl._world
+        trainer = None if world is None else world.trainer
+        return trainer is not None and index < len(trainer.rank_instances())
 
     def _kill(self, kill: WorkerKill) -> None:
         name, pid, instance = self._victim(kill)
@@ -148,7 +157,9 @@ class FaultInjector:
         if world is None:
             raise DynaRLError("the run is not open")
         if kill.target == "trainer":
-            handles = list(world.trainer_workers)
+            assert world.trainer is not None, "an open run has a trainer"
+            by_name = {h.name: h for h in world.trainer_workers}
+            handles = [by_name[name] for name in world.trainer.rank_instances()]
         else:
             handles = [h for h in world.serving_slots if h.role == kill.target]
         if not 0 <= kill.index < len(handles):

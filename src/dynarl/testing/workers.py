@@ -91,9 +91,7 @@ class LocalWorkers:
             Router(transport, consumers=self.consumers, config=config)
         )
         self.router = router
-        launcher = await stack.enter_async_context(
-            LocalLauncher(router, LaunchConfig(num_slots=0))
-        )
+        launcher = await stack.enter_async_context(LocalLauncher(router, LaunchConfig(num_slots=0)))
         self.handles = await launcher.start_workers(
             self.entry, self.names, num_threads=self.num_threads
         )

@@ -63,9 +63,7 @@ class SGLangBackend:
             server = ServerProcess(command, url=f"http://{config.host}:{port}", env=SERVER_ENV)
             stop.callback(server.stop)
             server.start(timeout_s=config.startup_timeout_s)
-            return connect(
-                config, url=server.url, name=name, on_close=stop.close, order=role.order
-            )
+            return connect(config, url=server.url, name=name, on_close=stop.close, order=role.order)
         except BaseException:
             stop.close()
             raise

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 THROUGHPUT_WINDOW_S = 5.0
 """How far back :meth:`SGLangRollout.load` measures generation throughput."""
 
+
 class SGLangRollout:
     """A rollout engine served by the SGLang server behind ``client``.
 

@@ -85,7 +85,6 @@ class TorchBackend:
         )
         return TorchTrainer(pool)
 
-
     def warm_start(
         self,
         model: ModelConfig,

@@ -105,9 +105,7 @@ class Membership:
                 f"a torch engine takes one rank of the weight-sync group, not "
                 f"{group.num_ranks}; give its role tp=1"
             )
-        self.group = await anyio.to_thread.run_sync(
-            functools.partial(join, group, device=device)
-        )
+        self.group = await anyio.to_thread.run_sync(functools.partial(join, group, device=device))
 
     async def leave(self) -> None:
         """Leave the group; a no-op when in none."""
