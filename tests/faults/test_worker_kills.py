@@ -83,5 +83,3 @@ async def test_a_killed_trainer_rank_is_survived_and_its_step_rerun(tmp_path: Pa
     assert len(rewards) == 3
     for got, want in zip(rewards, FAULT_FREE_REWARDS[:3], strict=True):
         assert abs(got - want) < REWARD_NOISE, rewards
-    assert rl._world is not None and rl._world.trainer is not None
-    assert record.worker not in [str(i) for i in rl._world.trainer.rank_instances()]
