@@ -23,9 +23,11 @@ from dynarl.sim.costs import (
     attended_context,
 )
 from dynarl.sim.engine_config import EngineConfig
+from dynarl.sim.errors import SimError
 from dynarl.sim.hardware import GpuProfile, gpu
 from dynarl.sim.models import ModelProfile, model
 from dynarl.sim.replay import ReplayWorkload
+from dynarl.sim.traces import read_trace
 from dynarl.sim.workloads import AgenticWorkload, MathWorkload, Request, ToolLatency
 
 
@@ -57,26 +59,35 @@ class ClusterModel(msgspec.Struct, frozen=True, kw_only=True):
         sections: parallel sizes, batch caps, batch shape, length cap)."""
         from dynarl.sim.cpu_profile import cpu_cluster, cpu_profile
 
-        if cpu_profile(run.sim.gpu) is not None:
-            return cpu_cluster(run)
         cfg, sim, algo = run.job, run.sim, run.job.algorithm
+        replay = None if sim.trace is None else trace_workload(run)
+        if cpu_profile(sim.gpu) is not None:
+            return cpu_cluster(run, workload=replay)
         device, shape = gpu(sim.gpu), model(sim.model)
-        workload: MathWorkload | AgenticWorkload
-        if sim.workload == "math":
+        workload: MathWorkload | AgenticWorkload | ReplayWorkload
+        if replay is not None:
+            workload = replay
+        elif sim.workload == "math":
             workload = MathWorkload(
                 num_prompts=algo.num_prompts,
                 group_size=algo.group_size,
                 median_output_tokens=sim.median_output_tokens,
                 max_output_tokens=cfg.rollout.max_new_tokens,
+                lengths=sim.output_lengths,
             )
         else:
             workload = AgenticWorkload(
                 num_prompts=algo.num_prompts,
                 group_size=algo.group_size,
                 mean_tool_calls=sim.mean_tool_calls,
+                max_tool_calls=sim.max_tool_calls,
                 first_turn_median_tokens=sim.first_turn_median_tokens,
+                turn_decay=sim.turn_decay,
+                tool_output_median_tokens=sim.tool_output_median_tokens,
                 max_output_tokens=cfg.rollout.max_new_tokens,
-                tool=ToolLatency(mean_s=sim.tool_mean_s, timeout_s=sim.tool_timeout_s),
+                tool=ToolLatency(
+                    mean_s=sim.tool_mean_s, sigma=sim.tool_sigma, timeout_s=sim.tool_timeout_s
+                ),
             )
         return cls(
             gpu=device,
@@ -200,3 +211,40 @@ def decode_alone_s(cluster: ClusterModel, r: Request) -> float:
         total += n * a + b * (n * context + n * (n - 1) / 2)
         context += n + (r.tool_output_tokens[k] if k < r.num_tool_calls else 0)
     return total + sum(r.tool_latency_s)
+
+
+def trace_workload(run: SimulatedRun) -> ReplayWorkload:
+    """The replay of ``run.sim.trace``, checked against the job it runs in.
+
+    Raises:
+        SimError: the file is not a trace, or its batch shape, longest response or kind
+            (single-turn or agentic) disagrees with the job's; the message names the
+            field to set (``dynarl sim --workload FILE`` sets them from the trace).
+    """
+    sim, algo = run.sim, run.job.algorithm
+    assert sim.trace is not None, "only a run with a trace replays one"
+    replay = ReplayWorkload.of_requests(read_trace(sim.trace).requests, source=sim.trace)
+    shape = (replay.num_prompts, replay.group_size)
+    if shape != (algo.num_prompts, algo.group_size):
+        raise SimError(
+            f"sim.trace={sim.trace} holds {shape[0]} prompts x {shape[1]} samples per "
+            f"iteration and the job {algo.num_prompts} x {algo.group_size}: set "
+            f"algorithm.num_prompts={shape[0]} algorithm.group_size={shape[1]} "
+            "(`dynarl sim --workload FILE` does)"
+        )
+    cap = run.job.rollout.max_new_tokens
+    if replay.longest_output_tokens > cap:
+        raise SimError(
+            f"sim.trace={sim.trace} holds a request of {replay.longest_output_tokens} "
+            f"generated tokens, above rollout.max_new_tokens={cap}: set "
+            f"rollout.max_new_tokens={replay.longest_output_tokens} or more "
+            "(`dynarl sim --workload FILE` does)"
+        )
+    kind = "agentic" if replay.multi_turn else "math"
+    if sim.workload != kind:
+        raise SimError(
+            f"sim.trace={sim.trace} holds {'multi' if replay.multi_turn else 'single'}-turn "
+            f"requests, and sim.workload={sim.workload}: set sim.workload={kind} "
+            "(`dynarl sim --workload FILE` does)"
+        )
+    return msgspec.structs.replace(replay, max_output_tokens=cap)

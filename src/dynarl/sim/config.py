@@ -14,7 +14,9 @@ import msgspec
 
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
-from dynarl.core.config import PositiveFloat, PositiveInt, Section
+from dynarl.core.config import NonNegativeFloat, PositiveFloat, PositiveInt, Section
+from dynarl.core.errors import ConfigError
+from dynarl.sim.lengths import LengthDistribution
 
 
 class SimConfig(Section, frozen=True, kw_only=True):
@@ -26,15 +28,33 @@ class SimConfig(Section, frozen=True, kw_only=True):
     sequences make an iteration.
 
     Attributes:
-        gpu: device profile (``H100``, ``H200``, ``A100``).
-        model: model shape, e.g. ``R1-Distill-Qwen-7B`` (see ``dynarl.sim.MODELS``).
+        gpu: device profile: a built-in one (``H100``, ``H200``, ``A100``; ``cpu-1t``,
+            the reference CPU workers), or the path of a profile file ``dynarl profile``
+            measured (``dynarl sim --profile FILE``).
+        model: model shape, e.g. ``R1-Distill-Qwen-7B`` (see ``dynarl.sim.MODELS``);
+            with a CPU or measured profile, the job's ``model`` section is simulated.
         workload: ``math`` (single-turn reasoning) or ``agentic`` (multi-turn with a
-            code tool between turns).
+            code tool between turns); with a ``trace``, the kind its requests are
+            (``agentic`` when any makes a tool call).
+        trace: the path of a trace file (``trace.jsonl`` of a real run's directory, or
+            one written by hand) whose requests are replayed, iteration by iteration,
+            instead of drawn (``dynarl sim --workload FILE``); its batch shape must be
+            ``algorithm.num_prompts`` x ``algorithm.group_size``.
         median_output_tokens: (math) median response length before the cap.
+        output_lengths: (math) the response-length distribution, by ``kind``:
+            ``lognormal`` (``median_tokens``, ``group_sigma``, ``sample_sigma``),
+            ``mixture`` (``components``: lognormals, ``weights``) or ``histogram``
+            (``edges``, ``counts``, ``group_correlation``); unset: the lognormal of
+            ``median_output_tokens``.
         mean_tool_calls: (agentic) mean tool calls per trajectory (>= 1).
-        first_turn_median_tokens: (agentic) median tokens of a trajectory's first turn;
-            later turns are shorter.
+        max_tool_calls: (agentic) most tool calls a trajectory makes.
+        first_turn_median_tokens: (agentic) median tokens of a trajectory's first turn.
+        turn_decay: (agentic) turn ``k`` generates about ``turn_decay**k`` times the
+            first turn's tokens.
+        tool_output_median_tokens: (agentic) median tokens a tool call appends to the
+            context.
         tool_mean_s: (agentic) mean latency of one tool call.
+        tool_sigma: (agentic) spread of the tool latency's lognormal.
         tool_timeout_s: (agentic) a tool call returns, failed, after this long.
         request_order: order of the queue in front of each engine: ``fifo``, or
             ``priority`` (more completed tool calls first, then a longer cached
@@ -47,14 +67,42 @@ class SimConfig(Section, frozen=True, kw_only=True):
     gpu: str = "H100"
     model: str = "R1-Distill-Qwen-1.5B"
     workload: Literal["math", "agentic"] = "math"
+    trace: str | None = None
     median_output_tokens: PositiveInt = 2000
+    output_lengths: LengthDistribution | None = None
     mean_tool_calls: Annotated[float, msgspec.Meta(ge=1.0)] = 3.0
+    max_tool_calls: PositiveInt = 16
     first_turn_median_tokens: PositiveInt = 1200
+    turn_decay: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.6
+    tool_output_median_tokens: PositiveInt = 80
     tool_mean_s: PositiveFloat = 0.3
+    tool_sigma: NonNegativeFloat = 1.0
     tool_timeout_s: PositiveFloat = 4.0
     request_order: Literal["fifo", "priority"] = "fifo"
     warmup_iterations: Annotated[int, msgspec.Meta(ge=0)] = 1
     stats_period_s: PositiveFloat = 1.0
+
+    def __post_init__(self) -> None:
+        if self.output_lengths is not None and self.workload != "math":
+            raise ConfigError(
+                "sim.output_lengths shapes single-turn (math) responses; for "
+                "sim.workload=agentic set the turn statistics (sim.first_turn_median_tokens, "
+                "sim.turn_decay, sim.mean_tool_calls, ...) instead, or unset it",
+                field="sim.output_lengths",
+            )
+        if self.output_lengths is not None and self.median_output_tokens != 2000:
+            raise ConfigError(
+                "sim.median_output_tokens is the median of the default lognormal, which "
+                "sim.output_lengths replaces: set the median in sim.output_lengths "
+                "(kind: lognormal, median_tokens: ...) and drop sim.median_output_tokens",
+                field="sim.median_output_tokens",
+            )
+        if self.trace is not None and self.output_lengths is not None:
+            raise ConfigError(
+                f"sim.trace={self.trace} replays measured lengths, so sim.output_lengths "
+                "would be ignored: unset one of them",
+                field="sim.output_lengths",
+            )
 
 
 class SimulatedRun(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

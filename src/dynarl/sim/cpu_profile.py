@@ -76,6 +76,9 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
             rebuild).
         reboot_s: a worker restarted on its device.
         weight_sync_s: pushing the new weights to every engine after the last step.
+        transfer_bytes_per_s: bandwidth of moving state between two slots (weights,
+            optimizer state; gloo), on top of the setup times above; ``None``: the
+            setup times are the whole cost (the tiny model's bytes are negligible).
         iteration_overhead_s: per-iteration time outside the modelled stages (prompt
             encoding, routing round trips, reward, advantage and minibatch building).
     """
@@ -96,6 +99,7 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
     reshard_s: float
     reboot_s: float = 30.0
     weight_sync_s: float
+    transfer_bytes_per_s: float | None = None
     iteration_overhead_s: float = 0.0
 
 
@@ -128,7 +132,16 @@ CPU_PROFILES: Mapping[str, CpuProfile] = MappingProxyType({p.name: p for p in (C
 
 
 def cpu_profile(name: str) -> CpuProfile | None:
-    """The built-in CPU profile called ``name`` (case-insensitive), or ``None``."""
+    """The built-in CPU profile called ``name`` (case-insensitive), the measured one in
+    the profile file ``name`` names (a path: ``*.json`` or with a ``/``), or ``None``.
+
+    Raises:
+        SimError: ``name`` is a path and not a readable profile file.
+    """
+    from dynarl.sim.profile_file import is_profile_path, read_profile
+
+    if is_profile_path(name):
+        return read_profile(name).device
     for key, profile in CPU_PROFILES.items():
         if key.lower() == name.lower():
             return profile
@@ -255,6 +268,8 @@ def cpu_cluster(
             math workload only).
     """
     cfg, sim = run.job, run.sim
+    if profile is None:
+        _check_model_section(sim.gpu, cfg.model)
     profile = profile or cpu_profile(sim.gpu)
     if profile is None:
         raise SimError(
@@ -276,6 +291,7 @@ def cpu_cluster(
         min_prompt_tokens=2,
         max_prompt_tokens=cfg.model.max_seq_len // 4,
         min_output_tokens=1,
+        lengths=sim.output_lengths,
     )
     per_context = profile.decode_per_context_token_s + (
         profile.decode_per_request_s / _mean_decode_context(workload)
@@ -295,7 +311,8 @@ def cpu_cluster(
     weights_s = shape.weight_bytes / cfg.rollout.tp / bandwidth
     algo = cfg.algorithm
     efficiency = DataParallelEfficiency(alpha=profile.dp_alpha)
-    setup_only = 1e18  # migration costs are measured setup times; bytes are negligible
+    # Without a measured bandwidth, migration costs are the setup times alone.
+    bandwidth = profile.transfer_bytes_per_s or 1e18
     return ClusterModel(
         gpu=device,
         model=shape,
@@ -330,16 +347,36 @@ def cpu_cluster(
         ),
         migration=MigrationCostModel(
             workload=MigrationCost(
-                setup_s=profile.engine_acquire_s, bandwidth_bytes_per_s=setup_only
+                setup_s=profile.engine_acquire_s, bandwidth_bytes_per_s=bandwidth
             ),
-            reshard=MigrationCost(setup_s=profile.reshard_s, bandwidth_bytes_per_s=setup_only),
-            reboot=MigrationCost(setup_s=profile.reboot_s, bandwidth_bytes_per_s=setup_only),
+            reshard=MigrationCost(setup_s=profile.reshard_s, bandwidth_bytes_per_s=bandwidth),
+            reboot=MigrationCost(setup_s=profile.reboot_s, bandwidth_bytes_per_s=bandwidth),
         ),
         weight_sync=WeightSyncCost(
             setup_s=profile.weight_sync_s + profile.iteration_overhead_s,
-            bandwidth_bytes_per_s=setup_only,
+            bandwidth_bytes_per_s=bandwidth,
         ),
         workload=workload,
         padded_batches=True,
         train_after_rollout=cfg.algorithm.minibatch_order == "seeded",
     )
+
+
+def _check_model_section(name: str, model_section: ModelConfig) -> None:
+    """A profile file's costs hold for the model it was measured with only."""
+    from dynarl.sim.profile_file import is_profile_path, read_profile
+
+    if not is_profile_path(name):
+        return
+    measured = read_profile(name).model
+    if model_profile(measured) != model_profile(model_section) or (
+        measured.path != model_section.path
+    ):
+        shape = f"{measured.path or ''} {model_profile(measured).name} {measured.dtype}".strip()
+        raise SimError(
+            f"sim.gpu={name}: the profile was measured on the model {shape}, and the "
+            f"job's model section is {model_profile(model_section).name} "
+            f"{model_section.dtype}; simulate the profile's model (set the job's model "
+            "section to the file's `model`), or profile this one with "
+            "`dynarl profile --set model.<field>=<value>`"
+        )

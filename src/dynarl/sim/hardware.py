@@ -71,4 +71,8 @@ def gpu(name: str) -> GpuProfile:
     for key, profile in GPUS.items():
         if key.lower() == name.lower():
             return profile
-    raise SimError(f"unknown GPU {name!r}; known: {', '.join(GPUS)} (or build a GpuProfile)")
+    raise SimError(
+        f"unknown GPU {name!r}; known: {', '.join(GPUS)}, cpu-1t (the reference CPU "
+        "workers), or the path of a profile file `dynarl profile` wrote (or build a "
+        "GpuProfile)"
+    )

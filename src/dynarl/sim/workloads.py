@@ -13,6 +13,7 @@ import numpy as np
 
 from dynarl.core.ids import GroupId, ItemId
 from dynarl.sim.errors import SimError
+from dynarl.sim.lengths import LengthDistribution, Lognormal
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True):
@@ -21,7 +22,8 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     ``output_tokens[k]`` is what turn ``k`` generates; between turns ``k`` and ``k+1`` a
     tool runs for ``tool_latency_s[k]`` (``tool_ok[k]`` is False when it hit its
     timeout) and appends ``tool_output_tokens[k]`` to the context. A single-turn
-    request has no tool calls.
+    request has no tool calls. ``iteration`` is the iteration that asked for it (a
+    trace of several iterations replays them in turn).
     """
 
     id: ItemId
@@ -31,6 +33,7 @@ class Request(msgspec.Struct, frozen=True, kw_only=True):
     tool_latency_s: tuple[float, ...] = ()
     tool_output_tokens: tuple[int, ...] = ()
     tool_ok: tuple[bool, ...] = ()
+    iteration: int = 0
 
     def __post_init__(self) -> None:
         num_calls = len(self.output_tokens) - 1
@@ -98,9 +101,11 @@ class MathWorkload(msgspec.Struct, frozen=True, kw_only=True):
     ``median_output_tokens`` with spread ``group_sigma``, and each sample adds
     ``sample_sigma`` of its own (within-group correlation
     ``group_sigma² / (group_sigma² + sample_sigma²)``, 0.76 by default); lengths are
-    capped at ``max_output_tokens``. The defaults give, at 512 x 16 (seeds 0–2):
-    p99/median 14–16, 6–8% of sequences at the cap, mean ≈ 5.2–6K tokens; on 64 H100
-    engines (1.5B) 95–98% of sequences finish by 60% of the longest one's time.
+    capped at ``max_output_tokens``. ``lengths``, when given, replaces that lognormal
+    (and its three fields) with another distribution (a mixture, a histogram). The
+    defaults give, at 512 x 16 (seeds 0–2): p99/median 14–16, 6–8% of sequences at
+    the cap, mean ≈ 5.2–6K tokens; on 64 H100 engines (1.5B) 95–98% of sequences finish
+    by 60% of the longest one's time.
     """
 
     num_prompts: int = 512
@@ -114,6 +119,7 @@ class MathWorkload(msgspec.Struct, frozen=True, kw_only=True):
     sample_sigma: float = 0.9
     min_output_tokens: int = 16
     max_output_tokens: int = 28672
+    lengths: LengthDistribution | None = None
 
     def generate(self, rng: np.random.Generator, *, iteration: int = 0) -> tuple[Request, ...]:
         """One iteration's requests, grouped (a group's samples are adjacent); ids are
@@ -127,9 +133,13 @@ class MathWorkload(msgspec.Struct, frozen=True, kw_only=True):
             lo=self.min_prompt_tokens,
             hi=self.max_prompt_tokens,
         )
-        log_median = math.log(self.median_output_tokens) + self.group_sigma * rng.standard_normal(n)
-        log_len = log_median[:, None] + self.sample_sigma * rng.standard_normal((n, g))
-        lengths = np.clip(np.rint(np.exp(log_len)), self.min_output_tokens, self.max_output_tokens)
+        distribution = self.lengths or Lognormal(
+            median_tokens=self.median_output_tokens,
+            group_sigma=self.group_sigma,
+            sample_sigma=self.sample_sigma,
+        )
+        drawn = distribution.sample(rng, n, g)
+        lengths = np.clip(np.rint(drawn), self.min_output_tokens, self.max_output_tokens)
         groups, items = _item_ids(iteration, n, g)
         flat = lengths.astype(np.int64).ravel().tolist()
         prompt_list = prompts.tolist()
@@ -139,6 +149,7 @@ class MathWorkload(msgspec.Struct, frozen=True, kw_only=True):
                 group=GroupId(groups[i // g]),
                 prompt_tokens=prompt_list[i // g],
                 output_tokens=(flat[i],),
+                iteration=iteration,
             )
             for i in range(n * g)
         )
@@ -233,6 +244,7 @@ class AgenticWorkload(msgspec.Struct, frozen=True, kw_only=True):
                     tool_latency_s=tuple(latency.tolist()),
                     tool_output_tokens=tuple(tool_out.tolist()),
                     tool_ok=tuple(ok.tolist()),
+                    iteration=iteration,
                 )
             )
         return tuple(requests)

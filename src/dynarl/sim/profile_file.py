@@ -1,0 +1,79 @@
+"""A measured device profile as a file: what ``dynarl profile`` writes and
+``dynarl sim --profile FILE`` (``sim.gpu=FILE``) reads.
+
+The file is one JSON object, :class:`ProfileFile`: a format version, the measured
+costs (a :class:`~dynarl.sim.cpu_profile.CpuProfile`: decode step against batch and
+context held, prefill, log-prob inference, the optimizer step, transfer bandwidth and
+the migration setup times), the model section the costs were measured with, and where
+they were measured. A simulation applies it only to the model it was measured on.
+"""
+
+from pathlib import Path
+
+import msgspec
+
+from dynarl.sim.cpu_profile import CpuProfile
+from dynarl.sim.errors import SimError
+from dynarl.workers.config import ModelConfig
+
+PROFILE_VERSION = 1
+"""Format version written in every profile file."""
+
+
+class ProfileFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A profile file's contents.
+
+    Attributes:
+        profile_version: the format version (:data:`PROFILE_VERSION`).
+        device: the measured costs of one device slot.
+        model: the model section the costs were measured with.
+        measured: which of ``device``'s fields were measured on this machine (the rest
+            are the built-in CPU profile's, e.g. migration setup times, which only a
+            whole run measures).
+        host: where they were measured (platform, cores, torch version, threads).
+    """
+
+    profile_version: int
+    device: CpuProfile
+    model: ModelConfig
+    measured: tuple[str, ...] = ()
+    host: str = ""
+
+
+def write_profile(path: str | Path, profile: ProfileFile) -> None:
+    """Write ``profile`` to ``path`` as indented JSON (overwriting it)."""
+    Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(profile)) + b"\n")
+
+
+def read_profile(path: str | Path) -> ProfileFile:
+    """Read a profile file written by :func:`write_profile` (``dynarl profile``).
+
+    Raises:
+        SimError: the file is missing, not JSON, of another format version, or a field
+            is missing or malformed; the message names the file, the field and the fix.
+    """
+    path = Path(path)
+    fix = f"write one with `dynarl profile --out {path}`"
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise SimError(f"profile file {path}: cannot read it ({exc.strerror}); {fix}") from None
+    try:
+        data = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise SimError(f"profile file {path} is not JSON ({exc}); {fix}") from None
+    version = data.get("profile_version") if isinstance(data, dict) else None
+    if version != PROFILE_VERSION:
+        raise SimError(
+            f"profile file {path}: profile_version={version!r}, this dynarl reads version "
+            f"{PROFILE_VERSION}; {fix}"
+        )
+    try:
+        return msgspec.convert(data, ProfileFile)
+    except msgspec.ValidationError as exc:
+        raise SimError(f"profile file {path}: {exc}; {fix}") from None
+
+
+def is_profile_path(name: str) -> bool:
+    """Whether ``sim.gpu=name`` names a profile file rather than a built-in profile."""
+    return name.lower().endswith(".json") or "/" in name

@@ -1,0 +1,299 @@
+"""A short profiling run of the reference torch workers on this machine: the costs the
+simulator needs to model it (``dynarl profile`` writes them to a profile file).
+
+One process with ``threads`` torch threads (one device slot), the run's model section:
+
+- rollout decode step time against batch and context held (``RolloutEngine``);
+- prefill time against prompt tokens;
+- log-prob inference time against micro-batch tokens (``InferenceWorker``);
+- one optimizer step against minibatch rows and width (``ElasticTrainer``, one rank);
+- transfer bandwidth between two slots: a tensor broadcast over gloo between two
+  processes, as weights and optimizer state move.
+
+Each cost is fitted by least squares; on a shared machine the figures drift with the
+other tenants' load, so every coefficient is the median of ``repeat`` rounds.
+"""
+
+import multiprocessing
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import torch
+
+from dynarl.api.config import DynaRLConfig
+from dynarl.rl.grpo import GrpoLoss
+from dynarl.sim.cpu_profile import CPU_1T, CpuProfile
+from dynarl.sim.profile_file import PROFILE_VERSION, ProfileFile
+from dynarl.workers.inference import LogprobRequest
+from dynarl.workers.rollout import GenerateRequest, SamplingParams
+from dynarl.workers.tokenizer import build_tokenizer
+from dynarl.workers.torch.engine import RolloutEngine
+from dynarl.workers.torch.inference import InferenceWorker
+from dynarl.workers.torch.model import build_model
+from dynarl.workers.torch.trainer import ElasticTrainer
+from dynarl.workers.torch.trainer_config import TrainerConfig
+
+MEASURED = (
+    "threads",
+    "decode_step_s",
+    "decode_per_request_s",
+    "decode_per_context_token_s",
+    "prefill_overhead_s",
+    "prefill_per_token_s",
+    "inference_overhead_s",
+    "inference_per_token_s",
+    "train_overhead_s",
+    "train_per_token_s",
+    "transfer_bytes_per_s",
+)
+"""The :class:`~dynarl.sim.cpu_profile.CpuProfile` fields a profiling run measures;
+the others (migration setup times, data-parallel efficiency) are the built-in CPU
+profile's."""
+
+
+def _fit(rows: list[tuple[float, ...]], ys: list[float]) -> list[float]:
+    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
+    return [float(c) for c in coef]
+
+
+def _median_s(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def decode(cfg: DynaRLConfig) -> dict[str, float]:
+    """Decode step ``= a + per_request * batch + per_context * context held``."""
+    rows, ys = [], []
+    for batch in (1, 4, 16, 64):
+        for prompt in (8, 64):
+            engine = RolloutEngine.from_config(cfg.model, cfg.rollout)
+            steps = 48
+            for i in range(batch):
+                engine.add_request(
+                    GenerateRequest(
+                        request_id=f"r{i}",
+                        prompt_ids=(2,) + (5,) * (prompt - 1),
+                        sampling=SamplingParams(max_new_tokens=steps, ignore_eos=True, seed=i),
+                    )
+                )
+            engine.step()  # prefill
+            engine.step()
+            for k in range(steps - 4):
+                t0 = time.perf_counter()
+                engine.step()
+                dt = time.perf_counter() - t0
+                context = batch * (prompt + 2 + k)
+                if k % 4 == 0:
+                    rows.append((1.0, float(batch), float(context)))
+                    ys.append(dt)
+    a, per_request, per_context = _fit(rows, ys)
+    return {
+        "decode_a_s": a,
+        "decode_per_request_s": per_request,
+        "decode_per_context_s": per_context,
+    }
+
+
+def prefill(cfg: DynaRLConfig) -> dict[str, float]:
+    """Prefill of one batch ``= overhead + per_token * padded tokens``."""
+    rows, ys = [], []
+    for batch in (1, 8, 32):
+        for prompt in (8, 32, 96):
+            engine = RolloutEngine.from_config(cfg.model, cfg.rollout)
+
+            def run(
+                engine: RolloutEngine = engine, batch: int = batch, prompt: int = prompt
+            ) -> None:
+                for i in range(batch):
+                    engine.add_request(
+                        GenerateRequest(
+                            request_id=f"p{time.perf_counter_ns()}-{i}",
+                            prompt_ids=(2,) + (5,) * (prompt - 1),
+                            sampling=SamplingParams(max_new_tokens=1, ignore_eos=True, seed=i),
+                        )
+                    )
+                engine.step()
+
+            run()
+            rows.append((1.0, float(batch * prompt)))
+            ys.append(_median_s(run, 5))
+    overhead, per_token = _fit(rows, ys)
+    return {"prefill_overhead_s": overhead, "prefill_per_token_s": per_token}
+
+
+def inference(cfg: DynaRLConfig) -> dict[str, float]:
+    """One micro-batch forward ``= overhead + per_token * padded tokens``."""
+    worker = InferenceWorker.from_config(cfg.model, cfg.inference)
+    rows, ys = [], []
+    for batch in (1, 4, 16):
+        for length in (16, 64, 200):
+            reqs = [
+                LogprobRequest(
+                    item_id=f"i{i}",
+                    token_ids=(2,) + (5,) * (length - 1),
+                    response_start=length // 2,
+                )
+                for i in range(batch)
+            ]
+
+            def run(reqs: list[LogprobRequest] = reqs) -> None:
+                worker.submit(reqs)
+                worker.run()
+
+            run()
+            rows.append((1.0, float(batch * length)))
+            ys.append(_median_s(run, 5))
+    overhead, per_token = _fit(rows, ys)
+    return {"inference_overhead_s": overhead, "inference_per_token_s": per_token}
+
+
+def train(cfg: DynaRLConfig) -> dict[str, float]:
+    """One optimizer step on one rank ``= overhead + per_micro_batch * micro-batches +
+    per_token * padded tokens``."""
+    tc = TrainerConfig(
+        micro_batch_size=cfg.actor.micro_batch_size, seed=0, num_threads=torch.get_num_threads()
+    )
+    trainer = ElasticTrainer.build(
+        lambda: build_model(cfg.model, seed=0, tokenizer=build_tokenizer()),
+        loss_fn=GrpoLoss.from_config(cfg.algorithm),
+        config=tc,
+        device=torch.device("cpu"),
+        group=None,
+    )
+    rows, ys = [], []
+    for num in (8, 32, 64):
+        for width in (16, 64, 200):
+            batch = {
+                "input_ids": torch.full((num, width), 5, dtype=torch.long),
+                "attention_mask": torch.ones((num, width), dtype=torch.long),
+                "loss_mask": torch.ones((num, width), dtype=torch.float32),
+                "old_logprobs": torch.full((num, width), -4.0),
+                "advantages": torch.linspace(-1, 1, num),
+            }
+
+            def run(batch: dict[str, torch.Tensor] = batch) -> None:
+                trainer.train_step(batch)
+
+            run()
+            micro = -(-num // tc.micro_batch_size)
+            rows.append((1.0, float(micro), float(num * width)))
+            ys.append(_median_s(run, 3))
+    overhead, per_micro, per_token = _fit(rows, ys)
+    return {
+        "train_overhead_s": overhead,
+        "train_per_micro_batch_s": per_micro,
+        "train_per_token_s": per_token,
+    }
+
+
+def _broadcast_peer(store: str, num_bytes: int, rounds: int) -> None:
+    """Rank 1 of :func:`transfer`: receive the broadcasts."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=1, world_size=2)
+    try:
+        buffer = torch.empty(num_bytes, dtype=torch.uint8)
+        for _ in range(rounds + 1):
+            dist.broadcast(buffer, src=0)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def transfer(num_bytes: int = 64 * 2**20, rounds: int = 5) -> dict[str, float]:
+    """Bandwidth of a ``num_bytes`` broadcast over gloo between two processes (the
+    median of ``rounds``, after one warm-up), in bytes per second."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # this process already belongs to a group: measure nothing
+        raise RuntimeError("profile transfers from a process outside torch.distributed")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = str(Path(tmp) / "store")
+        context = multiprocessing.get_context("spawn")
+        peer = context.Process(target=_broadcast_peer, args=(store, num_bytes, rounds))
+        peer.start()
+        try:
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=2)
+            try:
+                payload = torch.ones(num_bytes, dtype=torch.uint8)
+                dist.broadcast(payload, src=0)  # warm-up: connection setup
+                times = []
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    dist.broadcast(payload, src=0)
+                    times.append(time.perf_counter() - t0)
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
+        finally:
+            peer.join(timeout=60)
+            if peer.is_alive():
+                peer.kill()
+    return {"transfer_bytes_per_s": num_bytes / statistics.median(times)}
+
+
+PARTS: tuple[Callable[[DynaRLConfig], dict[str, float]], ...] = (decode, prefill, inference, train)
+
+
+def measure(cfg: DynaRLConfig, *, repeat: int = 3, threads: int = 1) -> dict[str, float]:
+    """Every compute coefficient, the median over ``repeat`` rounds (a shared machine's
+    speed drifts over minutes; the median of interleaved rounds is steadier)."""
+    torch.set_num_threads(threads)
+    rounds = [{k: v for part in PARTS for k, v in part(cfg).items()} for _ in range(repeat)]
+    return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+
+
+def profile_from(
+    measured: dict[str, float], *, name: str = "cpu-measured", threads: int = 1
+) -> CpuProfile:
+    """A :class:`CpuProfile` with the measured costs (fitted terms clipped at zero) and
+    :data:`CPU_1T`'s migration and sync setup times."""
+    m = {k: max(0.0, v) for k, v in measured.items()}
+    return msgspec.structs.replace(
+        CPU_1T,
+        name=name,
+        threads=threads,
+        decode_step_s=m["decode_a_s"],
+        decode_per_request_s=m["decode_per_request_s"],
+        decode_per_context_token_s=m["decode_per_context_s"],
+        prefill_overhead_s=m["prefill_overhead_s"],
+        prefill_per_token_s=m["prefill_per_token_s"],
+        inference_overhead_s=m["inference_overhead_s"],
+        inference_per_token_s=m["inference_per_token_s"],
+        train_overhead_s=m["train_overhead_s"] + m["train_per_micro_batch_s"],
+        train_per_token_s=m["train_per_token_s"],
+        transfer_bytes_per_s=m.get("transfer_bytes_per_s") or None,
+    )
+
+
+def profile_machine(
+    cfg: DynaRLConfig, *, repeat: int = 3, threads: int = 1, name: str = ""
+) -> ProfileFile:
+    """Profile this machine running ``cfg``'s model on slots of ``threads`` threads:
+    what ``dynarl profile`` writes."""
+    measured = measure(cfg, repeat=repeat, threads=threads)
+    measured.update(transfer())
+    host = (
+        f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, {threads} thread(s) per slot"
+    )
+    device = profile_from(measured, name=name or f"{platform.node()}-{threads}t", threads=threads)
+    return ProfileFile(
+        profile_version=PROFILE_VERSION,
+        device=device,
+        model=cfg.model,
+        measured=MEASURED,
+        host=host,
+    )
