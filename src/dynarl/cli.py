@@ -6,7 +6,8 @@ in-process fake pipeline on virtual time and prints what each mode did;
 several modes and writes a run directory (metrics, allocation timeline and its
 picture); ``dynarl run`` trains for real (or ``--resume``s a run directory) with a
 progress display; ``dynarl plot`` redraws a run directory's picture;
-``dynarl config`` prints a resolved configuration. The CLI is the application: it may
+``dynarl config`` prints a resolved configuration; ``dynarl profile`` measures
+this machine into a profile file ``dynarl sim --profile`` reads. The CLI is the application: it may
 print and start event loops; the library never does.
 """
 
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import importlib
 import inspect
+import json
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -128,6 +130,13 @@ def _sim(args: argparse.Namespace) -> int:
     if isinstance(base, msgspec.Struct) and not isinstance(base, DynaRLConfig | SimulatedRun):
         raise ConfigError(f"{args.config!r} is neither a run's nor a simulated run's config")
     sim_run = simulated_run(base, args.set)
+    if args.profile:
+        from dynarl.sim.profile_file import read_profile
+
+        read_profile(args.profile)  # a bad file is refused before anything runs
+        sim_run = simulated_run(sim_run, [f"sim.gpu={json.dumps(args.profile)}"])
+    if args.workload:
+        sim_run = simulated_run(sim_run, _workload_overrides(args.workload, sim_run))
     cfg, sim = sim_run.job, sim_run.sim
     modes = args.modes.split(",") if args.modes else [cfg.scheduler.mode]
     if args.compare:
@@ -143,8 +152,12 @@ def _sim(args: argparse.Namespace) -> int:
     if cpu_profile(sim.gpu) is not None:
         m = cfg.model  # the CPU profile runs the model section's shape
         model = m.path or f"{m.arch} {m.num_layers}x{m.hidden_size} (model section)"
+    device = sim.gpu
+    if sim.gpu.lower().endswith(".json") or "/" in sim.gpu:
+        device = f"{cpu_profile(sim.gpu).name} (profile {sim.gpu})"  # type: ignore[union-attr]
+    workload = sim.workload if sim.trace is None else f"{sim.workload} trace {sim.trace}"
     print(
-        f"simulating {sim.workload} on {cfg.cluster.num_devices} x {sim.gpu}, "
+        f"simulating {workload} on {cfg.cluster.num_devices} x {device}, "
         f"{model}, {algo.samples_per_iteration} sequences/iteration, "
         f"{cfg.run.num_iterations} iterations ({sim.warmup_iterations} warm-up)"
     )
@@ -153,6 +166,7 @@ def _sim(args: argparse.Namespace) -> int:
         f"{'above bound':>11} {'migrations':>10} {'crit. path s':>12}"
     )
     recorders = []
+    results = []
     with (run_dir / "metrics.jsonl").open("wb") as metrics:
         for mode in modes:
             mode_name, _, extra = mode.partition("+")
@@ -162,6 +176,7 @@ def _sim(args: argparse.Namespace) -> int:
             with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
                 result, recorder = runner.run(simulate(mode_run, name=mode))
             recorders.append(recorder)
+            results.append(result)
             metrics.write(msgspec.json.encode({"run": mode, "result": result}) + b"\n")
             print(
                 f"{mode:<22} {result.throughput:>10.1f} {result.unit.split('/')[0][:3]}/s "
@@ -173,10 +188,76 @@ def _sim(args: argparse.Namespace) -> int:
                 f"{c} {t.busy:.0f}/{t.held:.0f}" for c, t in result.devices.items() if t.held
             )
             print(f"{'':<22} busy/held device-s: {busy}")
+    _print_bound(results)
     write_timeline(run_dir / "timeline.jsonl", recorders)
-    title = f"{sim.workload} {sim.model} on {cfg.cluster.num_devices} x {sim.gpu}"
-    plot_timeline(read_timeline(run_dir / "timeline.jsonl"), run_dir / "timeline.png", title=title)
-    print(f"wrote {run_dir}/: config.yaml, metrics.jsonl, timeline.jsonl, timeline.png")
+    title = f"{sim.workload} {model} on {cfg.cluster.num_devices} x {device}"
+    lines = read_timeline(run_dir / "timeline.jsonl")
+    plot_timeline(lines, run_dir / "timeline.png", title=title)
+    pictures = ["timeline.png"]
+    if len(modes) > 1:  # and one picture per mode, on its own time axis
+        for mode in modes:
+            name = f"timeline-{mode.replace('+', '-')}.png"
+            mine = [line for line in lines if line.run == mode]
+            plot_timeline(mine, run_dir / name, title=f"{mode}: {title}")
+            pictures.append(name)
+    print(f"wrote {run_dir}/: config.yaml, metrics.jsonl, timeline.jsonl, {', '.join(pictures)}")
+    return 0
+
+
+def _print_bound(results: Sequence[Any]) -> None:
+    """The row of the bound under the modes' table: the same iterations at the larger
+    of the work-conserving bound and the critical path (the modes share the workload,
+    so they share it; its throughput is the best any mode could reach)."""
+    if not results:
+        return
+    r = results[0]
+    work_per_iteration = r.throughput * r.mean_iteration_s
+    throughput = work_per_iteration / r.lower_bound_s if r.lower_bound_s > 0 else 0.0
+    print(
+        f"{'lower bound':<22} {throughput:>10.1f} {r.unit.split('/')[0][:3]}/s "
+        f"{r.lower_bound_s:>11.1f} {r.bound_s:>8.1f} {'':>11} {'':>10} "
+        f"{r.critical_path_s:>12.1f}"
+    )
+
+
+def _workload_overrides(path: str, sim_run: Any) -> list[str]:
+    """What replaying the trace at ``path`` sets: ``sim.trace``, the batch shape, the
+    kind and (if the trace's longest request needs it) the length cap."""
+    from dynarl.sim.replay import ReplayWorkload
+    from dynarl.sim.traces import read_trace
+
+    replay = ReplayWorkload.of_requests(read_trace(path).requests, source=path)
+    cap = max(sim_run.job.rollout.max_new_tokens, replay.longest_output_tokens)
+    return [
+        f"sim.trace={json.dumps(path)}",
+        f"sim.workload={'agentic' if replay.multi_turn else 'math'}",
+        f"algorithm.num_prompts={replay.num_prompts}",
+        f"algorithm.group_size={replay.group_size}",
+        f"rollout.max_new_tokens={cap}",
+    ]
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from dynarl.sim.profile_file import read_profile, write_profile
+    from dynarl.workers.torch.profiling import profile_machine
+
+    cfg = resolve_config(args.config, args.set)
+    print(
+        f"profiling the reference workers on this machine: {args.threads} thread(s) per "
+        f"slot, model {cfg.model.arch} {cfg.model.num_layers}x{cfg.model.hidden_size} "
+        f"{cfg.model.dtype}, {args.repeat} round(s)"
+    )
+    profile = profile_machine(cfg, repeat=args.repeat, threads=args.threads, name=args.name)
+    write_profile(args.out, profile)
+    read_profile(args.out)  # what `dynarl sim --profile` will read
+    device = msgspec.structs.asdict(profile.device)
+    for field in profile.measured:
+        value = device[field]
+        if field == "transfer_bytes_per_s":
+            print(f"  {field:<28} {value / 1e9:10.3f} GB/s")
+        elif field.endswith("_s"):
+            print(f"  {field:<28} {value * 1e3:10.4f} ms")
+    print(f"wrote {args.out}: simulate with `dynarl sim --profile {args.out}`")
     return 0
 
 
@@ -257,8 +338,28 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--compare", action="store_true", help="every mode of the reference comparison"
     )
+    sim.add_argument(
+        "--workload",
+        metavar="FILE",
+        help="replay a trace (a run directory's trace.jsonl, or one written by hand); "
+        "sets sim.trace and the batch shape from it",
+    )
+    sim.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="simulate the device `dynarl profile` measured in FILE (sets sim.gpu=FILE)",
+    )
     sim.add_argument("--out", help="run directory (default: run.run_dir)")
     sim.set_defaults(func=_sim)
+    profile = sub.add_parser(
+        "profile", help="measure this machine for the simulator; write a profile file"
+    )
+    common(profile)
+    profile.add_argument("--out", default="profile.json", help="profile file to write")
+    profile.add_argument("--repeat", type=int, default=3, help="rounds (medians are kept)")
+    profile.add_argument("--threads", type=int, default=1, help="torch threads per slot")
+    profile.add_argument("--name", default="", help="the profile's name (default: host)")
+    profile.set_defaults(func=_profile)
     plot = sub.add_parser("plot", help="redraw a run directory's timeline.png")
     plot.add_argument("run_dir")
     plot.set_defaults(func=_plot)

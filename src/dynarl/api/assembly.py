@@ -35,6 +35,7 @@ from dynarl.envs.prompts import PromptSampler
 from dynarl.obs.metrics import DeviceMeter
 from dynarl.obs.timeline import TimelineRecorder
 from dynarl.rl.pipeline import Pipeline, Progress
+from dynarl.rl.trace import RunTrace
 
 
 class Run(NamedTuple):
@@ -147,7 +148,8 @@ async def assemble(
     called just before the controller starts (what it pushes on ``stack`` runs once the
     controller has stopped); ``environment``: the multi-turn environment the episodes
     play (else the single-turn bracket task); ``run_dir``: the run directory (workers on
-    other nodes copy their output to its ``workers/``)."""
+    other nodes copy their output to its ``workers/``; the pipeline records its
+    ``trace.jsonl``)."""
     from dynarl.api.executor import WorldExecutor
     from dynarl.control.estimates import Estimates
     from dynarl.control.modes import make_hold, make_policy
@@ -260,8 +262,30 @@ async def assemble(
         environment=environment,
         env=cfg.env,
         max_seq_len=cfg.model.max_seq_len,
+        trace=None if run_dir is None else _trace(cfg, run_dir, resumed, stack),
     )
     return Run(controller, world, pipeline, meter, recorder, sampler)
+
+
+def _trace(
+    cfg: DynaRLConfig,
+    run_dir: Path,
+    resumed: Checkpoint | None,
+    stack: contextlib.AsyncExitStack,
+) -> RunTrace:
+    """The run directory's ``trace.jsonl``: kept up to a resumed run's checkpoint."""
+    algo, m = cfg.algorithm, cfg.model
+    meta = {
+        "source": "dynarl run",
+        "model": m.path or f"{m.arch} {m.num_layers}x{m.hidden_size}",
+        "num_prompts": str(algo.num_prompts),
+        "group_size": str(algo.group_size),
+        "max_new_tokens": str(cfg.rollout.max_new_tokens),
+        "scheduler": cfg.scheduler.mode,
+        "seed": str(cfg.run.seed),
+    }
+    keep = None if resumed is None else resumed.state.num_iterations
+    return stack.enter_context(RunTrace(run_dir / "trace.jsonl", keep_before=keep, meta=meta))
 
 
 async def _restore(world: RealWorld, checkpoint: Checkpoint) -> None:

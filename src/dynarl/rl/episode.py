@@ -32,6 +32,10 @@ class Episode(msgspec.Struct, frozen=True, kw_only=True):
         end: how it ended.
         metrics: the environment's metrics, summed over the turns, and the episode's own
             (``turns``, ``env_s``).
+        turn_tokens: (an episode) tokens each turn sampled.
+        observation_tokens: (an episode) tokens each observation appended after its
+            turn (one per turn that a next turn followed).
+        step_latency_s: (an episode) seconds each of those environment steps took.
     """
 
     request_id: str
@@ -45,6 +49,9 @@ class Episode(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: FinishReason = "stop"
     end: EpisodeEnd = "done"
     metrics: dict[str, float] = msgspec.field(default_factory=dict)
+    turn_tokens: tuple[int, ...] = ()
+    observation_tokens: tuple[int, ...] = ()
+    step_latency_s: tuple[float, ...] = ()
 
     @classmethod
     def of_completion(cls, completion: Completion) -> "Episode":

@@ -67,6 +67,9 @@ class _Play:
         self.metrics: list[dict[str, float]] = []
         self.env_s = 0.0
         self.tool_calls = 0
+        self.turn_tokens: list[int] = []  # each turn's sampled tokens
+        self.observation_tokens: list[int] = []  # each observation a next turn followed
+        self.step_latency_s: list[float] = []  # the steps that produced them
 
 
 class EpisodeRunner:
@@ -141,6 +144,7 @@ class EpisodeRunner:
         transcript.add_turn(
             completion.output_ids, completion.output_logprobs, completion.weight_version
         )
+        play.turn_tokens.append(len(completion.output_ids))
         ids = list(completion.output_ids)
         assert play.renderer is not None, "a started episode has its renderer"
         ended = bool(ids) and ids[-1] == play.renderer.end_of_turn_id
@@ -185,6 +189,8 @@ class EpisodeRunner:
             await self._end(rid, "truncated")
             return
         transcript.add_observation(observation)
+        play.observation_tokens.append(len(observation))
+        play.step_latency_s.append(latency_s)
         await self.router.resume(
             routed.item.id, _ENCODER.encode(self._request(play)), latency_s=latency_s
         )
@@ -246,6 +252,9 @@ class EpisodeRunner:
             num_turns=t.num_turns,
             end=end,
             metrics=metrics,
+            turn_tokens=tuple(play.turn_tokens),
+            observation_tokens=tuple(play.observation_tokens),
+            step_latency_s=tuple(play.step_latency_s),
         )
         await self.finished.send(episode)
 

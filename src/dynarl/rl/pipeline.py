@@ -62,6 +62,8 @@ from dynarl.rl.gate import StepGate
 from dynarl.rl.reporter import EventReporter
 from dynarl.rl.requests import group_requests, prompt_ids, response_text
 from dynarl.rl.samples import Rewarded, Samples, Scored
+from dynarl.rl.trace import RunTrace, episode_request
+from dynarl.sim.workloads import Request
 from dynarl.workers.config import RolloutConfig
 from dynarl.workers.errors import BadRequestError, TrainerError, TrainerRecoveredError
 from dynarl.workers.inference import LogprobRequest, LogprobResult
@@ -131,6 +133,8 @@ class Pipeline:
             single-turn responses scored by ``verifier``).
         env: the episodes' limits (with ``environment``).
         max_seq_len: the model's longest context (with ``environment``).
+        trace: where each finished iteration's samples are recorded (the run
+            directory's ``trace.jsonl``); ``None``: not recorded.
     """
 
     def __init__(
@@ -152,6 +156,7 @@ class Pipeline:
         environment: EnvironmentSpec | None = None,
         env: EnvConfig | None = None,
         max_seq_len: int = 0,
+        trace: RunTrace | None = None,
     ) -> None:
         self.algorithm = algorithm
         self.rollout = rollout
@@ -169,6 +174,7 @@ class Pipeline:
         self.environment = environment
         self.env = env or EnvConfig()
         self.max_seq_len = max_seq_len
+        self.trace = trace
 
     async def run(self, iteration: int) -> IterationStats:
         """Run iteration ``iteration`` and return what it measured."""
@@ -262,6 +268,8 @@ class _Iteration:
         await p.weights.sync_weights(self.iteration + 1)
         self.stage_s["sync"] = time.perf_counter() - t0
         p.reporter(ev.IterationDone(iteration=self.iteration))
+        if p.trace is not None:
+            p.trace.record(self.iteration, self._trace_requests())
         return self._stats(time.perf_counter() - self.started)
 
     async def _start_episodes(self, runner: EpisodeRunner) -> list[Item]:
@@ -276,6 +284,15 @@ class _Iteration:
             for i, request in enumerate(self.requests):
                 tg.start_soon(start, i, request)
         return [item for item in first if item is not None]
+
+    def _trace_requests(self) -> list[Request]:
+        """The iteration's samples as trace lines, in request order."""
+        return [
+            episode_request(
+                self.samples.completions[rid], iteration=self.iteration, group=self.group_of[rid]
+            )
+            for rid in self.samples.ids
+        ]
 
     def _request_items(self) -> list[Item]:
         """The single-turn rollout requests as router items."""

@@ -20,7 +20,7 @@ import platform
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -58,7 +58,7 @@ the others (migration setup times, data-parallel efficiency) are the built-in CP
 profile's."""
 
 
-def _fit(rows: list[tuple[float, ...]], ys: list[float]) -> list[float]:
+def _fit(rows: Sequence[tuple[float, ...]], ys: Sequence[float]) -> list[float]:
     coef, *_ = np.linalg.lstsq(np.array(rows), np.array(ys), rcond=None)
     return [float(c) for c in coef]
 
