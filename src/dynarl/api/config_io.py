@@ -250,10 +250,10 @@ def _struct_fields(cls: type | None) -> dict[str, Any] | None:
 
 
 def _struct_type(tp: Any) -> type | None:
-    for t in _flatten(tp):
-        if isinstance(t, type) and issubclass(t, msgspec.Struct):
-            return t
-    return None
+    """The struct type ``tp`` holds; ``None`` for a union of several structs (a tagged
+    union: which member applies depends on the value, so it is checked as a whole)."""
+    structs = [t for t in _flatten(tp) if isinstance(t, type) and issubclass(t, msgspec.Struct)]
+    return structs[0] if len(structs) == 1 else None
 
 
 def _flatten(tp: Any) -> list[Any]:
