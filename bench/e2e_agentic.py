@@ -9,10 +9,15 @@ as in ``bench/e2e_cpu.py``. Every mode starts from the same weights: the recipe'
 warm start runs once and every mode loads it (``model.path``). Iteration 0 builds every
 role and is left out of the means (``--warmup``).
 
+Every variant takes its old log-probs from the same place (``--old-logprobs``: the
+engines' own, or recomputed on the inference stage), so every variant does the same
+work.
+
 Per mode: generated tokens/s, episodes/s, mean iteration time, stage times, migrations,
 and the reward and tool-call-rate curves. Ends with a table and one JSON line::
 
-    python bench/e2e_agentic.py [--iterations 5] [--set key=value ...]
+    python bench/e2e_agentic.py [--iterations 5] [--old-logprobs rollout|inference]
+        [--set key=value ...]
 """
 
 import argparse
@@ -37,12 +42,18 @@ VARIANTS: dict[str, list[str]] = {
     "dynamic": ["scheduler.mode=dynamic", "rollout.request_order=fifo"],
     "dynamic+priority": ["scheduler.mode=dynamic", "rollout.request_order=priority"],
     "static-colocated": ["scheduler.mode=static-colocated", "rollout.request_order=fifo"],
-    "static-disaggregated": [
-        "scheduler.mode=static-disaggregated",
-        "rollout.request_order=fifo",
-        "inference.initial_devices=0",
-    ],
+    "static-disaggregated": ["scheduler.mode=static-disaggregated", "rollout.request_order=fifo"],
 }
+
+OLD_LOGPROBS: dict[str, list[str]] = {
+    # The engines' own log-probs: no inference stage in any mode (the recipe's four
+    # slots start rollout 2, actor 1, one free; dynamic modes move it as they see fit).
+    "rollout": ["algorithm.old_logprobs=rollout", "inference.initial_devices=0"],
+    # Recomputed on the inference stage in every mode (the fixed split: rollout 2,
+    # inference 1, actor 1).
+    "inference": ["algorithm.old_logprobs=inference", "inference.initial_devices=1"],
+}
+"""Where old log-probs come from, the same in every variant (the work is the same)."""
 
 
 async def warm_start(args: argparse.Namespace, out: Path) -> Path:
@@ -67,6 +78,7 @@ def variant_config(name: str, args: argparse.Namespace, out: Path, warm: Path) -
         "model.tokenizer=chars",
         "env.warm_start_steps=0",
         *VARIANTS[name],
+        *OLD_LOGPROBS[args.old_logprobs],
     ]
     return apply_overrides(agentic_tiny(), [*sets, *args.set])
 
@@ -101,6 +113,12 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--out", default="runs/e2e_agentic", help="parent of the run directories")
     parser.add_argument("--iteration-limit-s", type=float, default=600.0)
+    parser.add_argument(
+        "--old-logprobs",
+        choices=list(OLD_LOGPROBS),
+        default="rollout",
+        help="where every variant's old log-probs come from (the same work in each)",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     logging.basicConfig(
@@ -137,6 +155,7 @@ def main() -> None:
     record = {
         "bench": "e2e_agentic",
         "iterations": args.iterations,
+        "old_logprobs": args.old_logprobs,
         "warmup": args.warmup,
         "episodes_per_s": {m: round(s["episodes_per_s"], 2) for m, s in ok.items()},
         "tokens_per_s": {m: round(s["tokens_per_s"], 1) for m, s in ok.items()},

@@ -32,7 +32,9 @@ def e2e_cpu(
 ) -> DynaRLConfig:
     """The ``bench/e2e_cpu.py`` setting under scheduling ``mode``: 32 prompts x 8
     samples, responses up to 384 tokens, two minibatches, on ``num_devices`` one-thread
-    CPU slots (half rollout and half actor to start; inference borrows devices)."""
+    CPU slots (half rollout and half actor). The actor trains on the engines' own
+    log-probs (no inference stage) in every mode, so every mode does the same work: a
+    fixed split of two slots has none to spare for inference."""
     rollout = max(1, num_devices // 2)
     return DynaRLConfig(
         cluster=ClusterConfig(num_devices=num_devices, threads_per_device=1),
@@ -43,9 +45,11 @@ def e2e_cpu(
             kv_capacity_tokens=32768,
             max_new_tokens=384,
         ),
-        inference=InferenceConfig(initial_devices=0, micro_batch_size=16),
+        inference=InferenceConfig(initial_devices=0),
         actor=ActorConfig(initial_devices=num_devices - rollout, micro_batch_size=32),
-        algorithm=AlgorithmConfig(num_prompts=32, group_size=8, n_minibatches=2),
+        algorithm=AlgorithmConfig(
+            num_prompts=32, group_size=8, n_minibatches=2, old_logprobs="rollout"
+        ),
         scheduler=SchedulerConfig(mode=mode),
         run=RunConfig(
             num_iterations=num_iterations,

@@ -65,6 +65,57 @@ def test_bad_values_name_the_field_the_value_and_what_is_allowed(
         assert text in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "field", "says"),
+    [
+        (
+            ["algorithm.old_logprobs=rollout"],
+            "inference.initial_devices",
+            ["idle", "inference.initial_devices=0"],
+        ),
+        (
+            [
+                "algorithm.old_logprobs=rollout",
+                "inference.initial_devices=0",
+                "inference.compute_ref_logprobs=true",
+            ],
+            "algorithm.old_logprobs",
+            ["algorithm.old_logprobs=inference"],
+        ),
+        (
+            ["scheduler.mode=static-disaggregated", "inference.initial_devices=0"],
+            "algorithm.old_logprobs",
+            ["give inference devices", "algorithm.old_logprobs=rollout"],
+        ),
+    ],
+)
+def test_old_logprobs_and_the_inference_devices_must_agree(
+    overrides: list[str], field: str, says: list[str]
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(DynaRLConfig(), overrides)
+    assert info.value.field == field
+    for text in says:
+        assert text in str(info.value)
+
+
+def test_the_engines_own_logprobs_leave_no_inference_stage() -> None:
+    from dynarl.control.pipeline import build_hypergraph
+    from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT, TO_ACTOR
+
+    recomputed = apply_overrides(DynaRLConfig(), [])
+    own = apply_overrides(
+        DynaRLConfig(), ["algorithm.old_logprobs=rollout", "inference.initial_devices=0"]
+    )
+    assert (recomputed.inference_forwards, own.inference_forwards) == (1, 0)
+    graph, baseline = build_hypergraph(recomputed.pipeline_layout())
+    assert INFERENCE in graph.components and graph.stage_order == (ROLLOUT, INFERENCE, ACTOR)
+    graph, baseline = build_hypergraph(own.pipeline_layout())
+    assert INFERENCE not in graph.components and INFERENCE not in baseline
+    assert graph.stage_order == (ROLLOUT, ACTOR)
+    assert [e.producer for e in graph.spec.edges if e.id == TO_ACTOR] == [ROLLOUT]
+
+
 def test_unknown_keys_in_files_are_errors_not_ignored(tmp_path) -> None:
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps({"rollout": {"tp": 1, "temprature": 0.7}}))

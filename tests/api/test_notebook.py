@@ -21,6 +21,7 @@ OVERRIDES = [
     "cluster.num_devices=2",
     "rollout.initial_devices=1",
     "inference.initial_devices=0",
+    "algorithm.old_logprobs=rollout",
     "algorithm.num_prompts=8",
     "run.num_iterations=1",
 ]

@@ -82,6 +82,7 @@ async def test_a_rollout_actor_killed_mid_iteration_is_handled_and_the_run_goes_
         "cluster.num_devices=3",
         "rollout.initial_devices=2",
         "inference.initial_devices=0",
+        "algorithm.old_logprobs=rollout",
         "run.num_iterations=3",
     )
     killed: list[int] = []

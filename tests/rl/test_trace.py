@@ -84,6 +84,7 @@ async def test_a_real_run_leaves_a_trace_the_simulator_replays(
             "cluster.num_devices=2",
             "rollout.initial_devices=1",
             "inference.initial_devices=0",
+            "algorithm.old_logprobs=rollout",
             "algorithm.num_prompts=8",
             "run.num_iterations=2",
             f"run.run_dir={run_dir}",

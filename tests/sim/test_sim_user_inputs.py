@@ -30,6 +30,8 @@ TINY = [
     "--set",
     "inference.initial_devices=0",
     "--set",
+    "algorithm.old_logprobs=rollout",
+    "--set",
     "run.num_iterations=2",
     "--set",
     "scheduler.mode=static-disaggregated",

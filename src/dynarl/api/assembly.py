@@ -175,11 +175,8 @@ async def assemble(
     graph, baseline = build_hypergraph(cfg.pipeline_layout(), now_s=clock.now())
     predictor = Predictor({c: n.spec.scaling for c, n in graph.components.items()})
     meter = DeviceMeter(graph, now_s=clock.now())
-    # Old log-probs come from inference instances, else (a fixed split without
-    # inference devices) from the engines' own.
-    uses_inference = bool(graph.components[INFERENCE].instances) or (
-        cfg.scheduler.mode != "static-disaggregated"
-    )
+    # Old log-probs come from inference instances, else from the engines' own.
+    uses_inference = INFERENCE in graph.components
     successors = {PROMPTS: TO_INFERENCE, TO_INFERENCE: TO_ACTOR}
     world: RealWorld | None = None
     reporter = EventReporter(

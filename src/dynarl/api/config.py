@@ -131,6 +131,7 @@ class DynaRLConfig(Section, frozen=True, kw_only=True):
                 "for the whole run; give inference devices or set algorithm.kl_coef=0",
                 field="inference.initial_devices",
             )
+        self._check_old_logprobs()
         if (
             self.scheduler.mode == "static-disaggregated"
             and min(self.rollout.initial_devices, self.actor.initial_devices) == 0
@@ -163,6 +164,46 @@ class DynaRLConfig(Section, frozen=True, kw_only=True):
                 field="env.warm_start_steps",
             )
 
+    def _check_old_logprobs(self) -> None:
+        """Where old log-probs come from decides whether the inference stage exists;
+        refuse devices or settings it would leave unused, and a stage with no way to
+        get devices."""
+        source = self.algorithm.old_logprobs
+        if source == "rollout" and self.inference.compute_ref_logprobs:
+            raise ConfigError(
+                "algorithm.old_logprobs=rollout skips the inference stage, but "
+                "inference.compute_ref_logprobs=true runs it for the reference log-probs; "
+                "recompute the old log-probs there too (algorithm.old_logprobs=inference)",
+                field="algorithm.old_logprobs",
+            )
+        if source == "rollout" and self.inference.initial_devices:
+            raise ConfigError(
+                f"algorithm.old_logprobs=rollout leaves no work for inference, which would "
+                f"hold inference.initial_devices={self.inference.initial_devices} devices "
+                "idle; set inference.initial_devices=0",
+                field="inference.initial_devices",
+            )
+        if (
+            source == "inference"
+            and self.scheduler.mode == "static-disaggregated"
+            and self.inference.initial_devices == 0
+        ):
+            raise ConfigError(
+                "algorithm.old_logprobs=inference recomputes old log-probs on inference "
+                "devices, and scheduler.mode=static-disaggregated keeps "
+                "inference.initial_devices=0 for the whole run; give inference devices, or "
+                "train on the engines' own log-probs (algorithm.old_logprobs=rollout)",
+                field="algorithm.old_logprobs",
+            )
+
+    @property
+    def inference_forwards(self) -> int:
+        """Forward passes the inference stage runs per sample: 0 (no inference stage:
+        old log-probs from the engines), 1 (old log-probs), 2 (and the reference's)."""
+        if self.algorithm.old_logprobs == "rollout":
+            return 0
+        return 2 if self.inference.compute_ref_logprobs else 1
+
     def pipeline_layout(self) -> PipelineLayout:
         """The pipeline the control plane models for this run: its components'
         instance sizes, initial devices and batch shape."""
@@ -182,4 +223,5 @@ class DynaRLConfig(Section, frozen=True, kw_only=True):
             samples_per_minibatch=algo.samples_per_minibatch,
             allow_uneven_micro_batches=self.actor.allow_uneven_micro_batches,
             u_low=self.scheduler.u_low,
+            uses_inference=self.inference_forwards > 0,
         )

@@ -219,6 +219,8 @@ class RealWorld:
         self._current = {(h.name, k) for h in self.launcher.handles for k in _ROLES}
         async with anyio.create_task_group() as tg:
             for component in (ROLLOUT, INFERENCE):
+                if component not in self.graph.components:
+                    continue  # no inference stage: the engines' own log-probs
                 nodes = self.graph.components[component].active_instances()
                 instances = [(n.devices[0], n.id) for n in nodes]
                 if instances:

@@ -23,6 +23,8 @@ class PipelineLayout(msgspec.Struct, frozen=True, kw_only=True):
         samples_per_minibatch: sequences per optimizer step.
         allow_uneven_micro_batches: any data-parallel size is valid.
         u_low: KV usage below which an engine counts as under-used.
+        uses_inference: whether the pipeline has an inference stage (else the actor
+            trains on the engines' own log-probs, and inference holds no devices).
     """
 
     num_devices: int
@@ -39,3 +41,4 @@ class PipelineLayout(msgspec.Struct, frozen=True, kw_only=True):
     samples_per_minibatch: int
     allow_uneven_micro_batches: bool
     u_low: float
+    uses_inference: bool = True

@@ -40,14 +40,17 @@ def build_pipeline(
             layout.num_devices // actor_unit,
             allow_uneven=layout.allow_uneven_micro_batches,
         ),
+        with_inference=layout.uses_inference,
     )
     placement: dict[ComponentId, list[InstanceSpec]] = {}
     next_device = 0
-    for cid, devices, unit in (
+    stages = [
         (ACTOR, layout.actor_initial_devices, actor_unit),
         (ROLLOUT, layout.rollout_initial_devices, layout.rollout_tp),
-        (INFERENCE, layout.inference_initial_devices, layout.inference_tp),
-    ):
+    ]
+    if layout.uses_inference:
+        stages.append((INFERENCE, layout.inference_initial_devices, layout.inference_tp))
+    for cid, devices, unit in stages:
         instances = []
         for i in range(devices // unit):
             ids = tuple(DeviceId(next_device + j) for j in range(unit))

@@ -177,13 +177,16 @@ def rl_pipeline(
     rollout_max_running: int = 0,
     actor_steps_per_iteration: int = 1,
     actor_steps_in_arrival_order: bool = False,
+    with_inference: bool = True,
 ) -> PipelineSpec:
     """The standard RL pipeline: prompts -> rollout -> (reward, inference) -> actor.
 
     Reward runs off the devices unless ``reward_on_devices`` (a reward model).
     ``actor_steps_in_arrival_order``: minibatches are formed as samples arrive.
+    Without ``with_inference`` (the actor trains on the engines' own log-probs) there
+    is no inference stage: rollout feeds the actor.
     """
-    components = (
+    components: tuple[ComponentSpec, ...] = (
         ComponentSpec(
             id=ROLLOUT,
             kind="rollout",
@@ -217,10 +220,13 @@ def rl_pipeline(
             steps_in_arrival_order=actor_steps_in_arrival_order,
         ),
     )
-    edges = (
+    edges: tuple[EdgeSpec, ...] = (
         EdgeSpec(id=PROMPTS, producer=None, consumers=(ROLLOUT,)),
         EdgeSpec(id=TO_REWARD, producer=ROLLOUT, consumers=(REWARD,)),
         EdgeSpec(id=TO_INFERENCE, producer=ROLLOUT, consumers=(INFERENCE,)),
         EdgeSpec(id=TO_ACTOR, producer=INFERENCE, consumers=(ACTOR,)),
     )
+    if not with_inference:
+        components = tuple(c for c in components if c.id != INFERENCE)
+        edges = (*edges[:2], EdgeSpec(id=TO_ACTOR, producer=ROLLOUT, consumers=(ACTOR,)))
     return PipelineSpec(components=components, edges=edges)

@@ -26,6 +26,11 @@ class AlgorithmConfig(Section, frozen=True, kw_only=True):
             first optimizer steps while the rollout tail still runs (PPO on the same
             behaviour policy, in another data order; needs ``num_prompts`` divisible
             by ``n_minibatches``).
+        old_logprobs: where the behaviour policy's log-probs (the PPO ratio's
+            denominator) come from: ``inference``: recomputed by the inference stage
+            with the trainer's numerics (needed when the engines' differ, as SGLang's
+            do from Megatron's); ``rollout``: the engines' own, as they sampled (no
+            inference stage: less work, as slime's and verl's rollout log-probs).
     """
 
     num_prompts: PositiveInt = 16
@@ -35,6 +40,7 @@ class AlgorithmConfig(Section, frozen=True, kw_only=True):
     kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
     minibatch_order: Literal["seeded", "completion"] = "seeded"
+    old_logprobs: Literal["inference", "rollout"] = "inference"
 
     def __post_init__(self) -> None:
         if self.minibatch_order == "completion" and self.num_prompts % self.n_minibatches:

@@ -64,7 +64,8 @@ def work_device_s(cluster: ClusterModel, requests: Sequence[Request]) -> dict[st
     rollout = decode * eng.tp + prefill
     inf = cluster.inference
     inference = sum(
-        inf.time_s(r.total_tokens, inf.tp, r.total_tokens / 2) * inf.tp for r in requests
+        inf.time_s(r.total_tokens, inf.tp, r.total_tokens / 2) * inf.tp
+        for r in (requests if inf.num_forwards else ())
     )
     actor = cluster.actor
     unit = actor.replica_devices
@@ -120,6 +121,6 @@ def critical_path_s(cluster: ClusterModel, requests: Sequence[Request], num_devi
         if n > last:
             tokens, sq = total - last + n, squares - last * last + n * n
         train = actor.step_time_s(tokens, devices, sq / (2 * tokens) if tokens else 0.0)
-        score = inf.time_s(n, inf.tp, n / 2)
+        score = inf.time_s(n, inf.tp, n / 2) if inf.num_forwards else 0.0
         worst = max(worst, decode_alone_s(cluster, r) + score + train)
     return worst + sync

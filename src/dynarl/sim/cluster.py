@@ -102,7 +102,7 @@ class ClusterModel(msgspec.Struct, frozen=True, kw_only=True):
                 gpu=device,
                 model=shape,
                 tp=cfg.inference.tp,
-                num_forwards=2 if cfg.inference.compute_ref_logprobs else 1,
+                num_forwards=cfg.inference_forwards,
             ),
             actor=ActorCost(
                 gpu=device,
@@ -162,7 +162,7 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
                     )
                 )
     unit = cluster.inference.tp
-    for n in range(unit, num_devices + 1, unit):
+    for n in range(unit, num_devices + 1, unit) if cluster.inference.num_forwards else ():
         per_item = cluster.inference.time_s(mean_tokens, unit, attended) / (n // unit)
         rows.append(
             ProfileRow(component=INFERENCE, devices=n, load=1024, throughput=mean_tokens / per_item)

@@ -330,7 +330,7 @@ def cpu_cluster(
             gpu=device,
             model=shape,
             tp=cfg.inference.tp,
-            num_forwards=2 if cfg.inference.compute_ref_logprobs else 1,
+            num_forwards=cfg.inference_forwards,
             efficiency=efficiency,
             overhead_s=profile.inference_overhead_s,
             per_token_s=profile.inference_per_token_s,

@@ -84,12 +84,9 @@ class SimWorld:
             self.cluster.inference, cfg.inference.micro_batch_size, self._tokens
         )
         self._inf_queue: dict[ItemId, None] = {}
-        # As the real loop: a disaggregated run without inference devices trains on
-        # the engines' own log-probs, so finished responses go straight to the actor.
-        skip = cfg.scheduler.mode == "static-disaggregated" and not (
-            INFERENCE in graph.components and graph.components[INFERENCE].instances
-        )
-        self._after_rollout = TO_ACTOR if skip else TO_INFERENCE
+        # As the real loop: without an inference stage the actor trains on the
+        # engines' own log-probs, so finished responses go straight to it.
+        self._after_rollout = TO_INFERENCE if INFERENCE in graph.components else TO_ACTOR
         self._t = clock.now()
         self._next_stats_s = self._t
         self._wake = anyio.Event()

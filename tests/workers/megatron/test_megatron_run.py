@@ -21,12 +21,12 @@ pytestmark = pytest.mark.slow
 
 SMALL = [
     "actor.backend=megatron",
-    "inference.backend=megatron",
     "scheduler.mode=static-disaggregated",
     "run.checkpoint_every=0",
     "cluster.num_devices=2",
     "rollout.initial_devices=1",
     "inference.initial_devices=0",
+    "algorithm.old_logprobs=rollout",
     "algorithm.num_prompts=8",
 ]
 
