@@ -10,7 +10,7 @@ from dynarl.control.topology import PROMPTS, TO_INFERENCE
 from dynarl.core.ids import GroupId, InstanceId, ItemId
 from dynarl.data import wire
 from dynarl.data.placement import RoutedResult
-from dynarl.rl.pipeline import _split
+from dynarl.rl.routed_results import split_results
 from dynarl.workers.errors import BadRequestError
 from dynarl.workers.rollout import GenerateRequest
 
@@ -28,7 +28,9 @@ def _request(*, multi_turn: bool) -> bytes:
 
 
 def test_a_refused_request_is_an_aborted_sample_with_its_prompt() -> None:
-    responses, turns, scored, trained = _split([_refused(PROMPTS, _request(multi_turn=False))])
+    responses, turns, scored, trained = split_results(
+        [_refused(PROMPTS, _request(multi_turn=False))]
+    )
     [episode] = responses
     assert (episode.request_id, episode.prompt_ids, episode.output_ids) == ("r0", (3, 4, 5), ())
     assert (episode.end, episode.num_turns) == ("aborted", 0)
@@ -37,10 +39,10 @@ def test_a_refused_request_is_an_aborted_sample_with_its_prompt() -> None:
 
 def test_a_refused_turn_goes_to_the_episode_runner() -> None:
     refused = _refused(PROMPTS, _request(multi_turn=True))
-    responses, turns, _, _ = _split([refused])
+    responses, turns, _, _ = split_results([refused])
     assert responses == [] and turns == [refused]
 
 
 def test_a_refused_logprob_sample_stops_the_run_with_the_reason() -> None:
     with pytest.raises(BadRequestError, match=r"inference refused sample r0 \(prompt too long\)"):
-        _split([_refused(TO_INFERENCE, b"")])
+        split_results([_refused(TO_INFERENCE, b"")])

@@ -61,22 +61,20 @@ from dynarl.rl.episode_runner import EpisodeRunner
 from dynarl.rl.gate import StepGate
 from dynarl.rl.reporter import EventReporter
 from dynarl.rl.requests import group_requests, prompt_ids, response_text
+from dynarl.rl.routed_results import split_results
 from dynarl.rl.samples import Rewarded, Samples, Scored
 from dynarl.rl.trace import RunTrace, episode_request
 from dynarl.sim.workloads import Request
 from dynarl.workers.config import RolloutConfig
-from dynarl.workers.errors import BadRequestError, TrainerError, TrainerRecoveredError
+from dynarl.workers.errors import TrainerError, TrainerRecoveredError
 from dynarl.workers.inference import LogprobRequest, LogprobResult
-from dynarl.workers.rollout import Completion, GenerateRequest
+from dynarl.workers.rollout import GenerateRequest
 from dynarl.workers.trainer import StepMetrics, Trainer
 from dynarl.workers.trainer_items import shard_items
 
 logger = logging.getLogger(__name__)
 
 _ENCODER = msgspec.msgpack.Encoder()
-_COMPLETION = msgspec.msgpack.Decoder(Completion)
-_LOGPROBS = msgspec.msgpack.Decoder(LogprobResult)
-_REQUEST = msgspec.msgpack.Decoder(GenerateRequest)
 
 _Inbound = list[RoutedResult] | Episode
 """What the result stage hears: a batch of the router's results, or an episode the
@@ -372,7 +370,7 @@ class _Iteration:
                     scored: list[LogprobResult] = []
                     trained: list[ItemId] = []
                 else:
-                    chunk, turns, scored, trained = _split(got)
+                    chunk, turns, scored, trained = split_results(got)
                 for turn in turns:
                     assert runner is not None, "only episodes' turns go to environments"
                     assert self.tg is not None
@@ -563,53 +561,3 @@ class _Iteration:
                 await trainer.finish_step(shards)
                 return recovery.last_step
         raise TrainerError(f"the trainer lost {len(shards)} ranks in one step; giving up")
-
-
-def _split(
-    done: Sequence[RoutedResult],
-) -> tuple[list[Episode], list[RoutedResult], list[LogprobResult], list[ItemId]]:
-    """The router's results by edge, decoded: responses, multi-turn sessions whose turn
-    ended, log-probs, trained samples."""
-    responses, turns, scored, trained = [], [], [], []
-    for d in done:
-        if d.item.edge == PROMPTS:
-            refused = d.refusal is not None
-            if d.result.status == "tool_call" or (refused and _is_turn(d.item)):
-                turns.append(d)  # the episode runner ends a refused turn's episode
-            elif refused:
-                responses.append(_refused_response(d))
-            else:
-                responses.append(Episode.of_completion(_COMPLETION.decode(d.result.payload)))
-        elif d.item.edge == TO_INFERENCE:
-            if d.refusal is not None:
-                raise BadRequestError(
-                    f"inference refused sample {d.item.id} ({d.refusal}); dynarl built it "
-                    "from a response the rollout engine accepted, so this is a bug: please "
-                    "report it with the run's log"
-                )
-            scored.append(_LOGPROBS.decode(d.result.payload))
-        elif d.item.edge == TO_ACTOR:
-            trained.append(d.item.id)
-        else:
-            logger.error("result of item %s on unexpected edge %s", d.item.id, d.item.edge)
-    return responses, turns, scored, trained
-
-
-def _refused_response(d: RoutedResult) -> Episode:
-    """The aborted sample of a single-turn request a rollout engine refused: it keeps
-    its row in the minibatch and is left out of the loss and its group's advantages."""
-    request = _REQUEST.decode(d.item.payload)
-    logger.error("request %s refused by %s: %s; not trained", d.item.id, d.instance, d.refusal)
-    return Episode(
-        request_id=str(d.item.id),
-        prompt_ids=request.prompt_ids,
-        output_ids=(),
-        output_logprobs=(),
-        num_turns=0,
-        end="aborted",
-    )
-
-
-def _is_turn(item: Item) -> bool:
-    """Whether ``item`` is a turn of a multi-turn episode."""
-    return _REQUEST.decode(item.payload).multi_turn
