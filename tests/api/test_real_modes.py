@@ -19,6 +19,7 @@ pytest.importorskip("torch")
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
 from dynarl.api.facade import DynaRL
+from dynarl.control.topology import INFERENCE, ROLLOUT
 from dynarl.obs.metrics import IterationStats
 
 pytestmark = pytest.mark.slow
@@ -41,12 +42,28 @@ async def run(
         [*SMALL, f"scheduler.mode={mode}", f"run.run_dir={tmp_path / mode}", *extra],
     )
     async with DynaRL(cfg) as rl:
+        if mode != "static-disaggregated":
+            await assert_roles_prebuilt(rl)
         history = [s async for s in rl.iterations()]
         assert rl.controller is not None
         stats = rl.controller.statistics()
         rl.controller.graph.check()
     assert multiprocessing.active_children() == []
     return history, stats.events_rejected
+
+
+async def assert_roles_prebuilt(rl: DynaRL) -> None:
+    """A mode that moves devices builds, at start, the roles of every slot that starts
+    without one, and parks them: the first move onto the slot resumes a role."""
+    world = rl._world
+    assert world is not None
+    placed = {n.devices[0] for n in world.graph.components[ROLLOUT].active_instances()}
+    unplaced = [d for d in world.slot_devices if d not in placed]
+    assert unplaced
+    last = "inference" if INFERENCE in world.graph.components else "rollout"  # built last
+    for device in unplaced:
+        stats = await world.slot(device).stats()
+        assert (stats.role, stats.state) == (last, "released"), stats
 
 
 @pytest.mark.timeout(240)

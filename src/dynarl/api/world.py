@@ -212,6 +212,7 @@ class RealWorld:
             rendezvous_host=self.host_of(names[0]),
         )
         self.trainer = trainer
+        await self._prebuild_roles()
         actor = sorted(self.graph.components[ACTOR].active_instances(), key=lambda n: n.id)
         await trainer.start(tuple(self.trainer_members([d for n in actor for d in n.devices])))
         self._route_to_ranks()
@@ -231,6 +232,34 @@ class RealWorld:
             len(self.launcher.handles),
             len(self.trainer_devices),
         )
+
+    async def _prebuild_roles(self) -> None:
+        """In a mode that moves devices, build the roles each slot may take later and
+        park them (memory released, a host copy kept), before the trainer loads its
+        state: the first move onto a slot then resumes a role instead of building one
+        (seconds on CPU; a server launch with SGLang). Slots that start with a role
+        build it next, as the initial placement says."""
+        if self.cfg.scheduler.mode == "static-disaggregated":
+            return
+        placed = {
+            n.devices[0]
+            for c in (ROLLOUT, INFERENCE)
+            if c in self.graph.components
+            for n in self.graph.components[c].active_instances()
+        }
+        roles: list[RolloutRole | InferenceRole] = [self.rollout_role]
+        if INFERENCE in self.graph.components:
+            roles.append(self.inference_role)
+
+        async def prebuild(slot: SlotHandle) -> None:
+            for role in roles:
+                await slot.build_role(role, instance=InstanceId(slot.name))
+                await slot.release_memory(host_backup=True)
+
+        async with anyio.create_task_group() as tg:
+            for device in self.slot_devices:
+                if device not in placed:
+                    tg.start_soon(prebuild, self.slot(device))
 
     async def aclose(self) -> None:
         """Stop the trainer, then the slots; idempotent, and finishes even when
