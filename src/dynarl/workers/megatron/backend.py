@@ -17,8 +17,8 @@ from dynarl.workers.megatron.pool import MegatronPool
 from dynarl.workers.megatron.spec import ModelSpec
 from dynarl.workers.protocol import InferenceRole
 from dynarl.workers.torch.torch_trainer import TorchTrainer
+from dynarl.workers.torch.trainer_calls import WorkerChannel
 from dynarl.workers.torch.trainer_config import TrainerConfig
-from dynarl.workers.torch.trainer_pool import WorkerChannel
 from dynarl.workers.torch.warm_start import warm_start
 from dynarl.workers.trainer import LossFn
 

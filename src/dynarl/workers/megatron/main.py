@@ -22,7 +22,7 @@ def megatron_trainer_main(endpoint: str, name: str, num_threads: int) -> None:
     import torch
 
     from dynarl.workers.megatron.worker import join
-    from dynarl.workers.torch.trainer_worker import serve
+    from dynarl.workers.torch.trainer_serve import serve
 
     torch.set_num_threads(num_threads)
     code = 0

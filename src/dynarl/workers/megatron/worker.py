@@ -54,7 +54,8 @@ from dynarl.workers.torch.trainer_commands import (
     WeightsDescribed,
 )
 from dynarl.workers.torch.trainer_config import TrainerConfig
-from dynarl.workers.torch.trainer_worker import TrainerWorker, join_world
+from dynarl.workers.torch.trainer_worker import TrainerWorker
+from dynarl.workers.torch.trainer_world import join_world
 from dynarl.workers.torch.weight_sync import manifest_of, send_by_manifest
 from dynarl.workers.trainer import Array, LossFn
 

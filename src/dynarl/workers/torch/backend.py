@@ -23,9 +23,10 @@ from dynarl.workers.torch.model import build_model
 from dynarl.workers.torch.rollout_server import TorchRollout
 from dynarl.workers.torch.sequence import Sequence as EngineSequence
 from dynarl.workers.torch.torch_trainer import TorchTrainer
+from dynarl.workers.torch.trainer_calls import WorkerChannel
 from dynarl.workers.torch.trainer_config import TrainerConfig
 from dynarl.workers.torch.trainer_main import trainer_main
-from dynarl.workers.torch.trainer_pool import TrainerPool, WorkerChannel
+from dynarl.workers.torch.trainer_pool import TrainerPool
 from dynarl.workers.torch.warm_start import warm_start
 from dynarl.workers.trainer import LossFn
 

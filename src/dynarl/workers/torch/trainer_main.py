@@ -1,5 +1,5 @@
 """The trainer worker process's entry, light to import: it sets the thread count
-before torch loads, then serves (:mod:`dynarl.workers.torch.trainer_worker`)."""
+before torch loads, then serves (:mod:`dynarl.workers.torch.trainer_serve`)."""
 
 import logging
 import os
@@ -21,7 +21,7 @@ def trainer_main(endpoint: str, name: str, num_threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(num_threads)  # before torch is imported
     import torch
 
-    from dynarl.workers.torch.trainer_worker import serve
+    from dynarl.workers.torch.trainer_serve import serve
 
     torch.set_num_threads(num_threads)
     code = 0

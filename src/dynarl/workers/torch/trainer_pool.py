@@ -22,13 +22,13 @@ import pickle
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import anyio
-import msgspec
 
-from dynarl.data.errors import DataPlaneError
-from dynarl.workers.errors import RankLostError, ReshardError, TrainerError, WeightSyncError
+from dynarl.workers.errors import ReshardError, TrainerError, WeightSyncError
+from dynarl.workers.torch import trainer_recovery
+from dynarl.workers.torch.trainer_calls import WorkerCalls, WorkerChannel, check, describe
 from dynarl.workers.torch.trainer_commands import (
     AbortResize,
     Command,
@@ -39,15 +39,12 @@ from dynarl.workers.torch.trainer_commands import (
     Failed,
     Join,
     LeaveWeightSync,
-    LeaveWorld,
-    Left,
     LoadCheckpoint,
     OpenStore,
+    PrepareReshard,
     PrepareResize,
-    Rejoin,
     Reply,
     ReshardFault,
-    Restore,
     SaveCheckpoint,
     Shutdown,
     StartTraining,
@@ -66,20 +63,6 @@ from dynarl.workers.weights import WeightManifest
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN_GRACE_S = 10.0
-
-
-class WorkerChannel(Protocol):
-    """One trainer worker, as the pool reaches it."""
-
-    @property
-    def name(self) -> str:
-        """The worker's name (its instance id at the data router)."""
-        ...
-
-    async def call(self, body: bytes) -> bytes:
-        """Send a command's bytes and return the reply's; raises
-        :class:`~dynarl.data.errors.DataPlaneError` if the worker is gone."""
-        ...
 
 
 class TrainerPool:
@@ -120,14 +103,9 @@ class TrainerPool:
         self._epoch = 0
         self._started = False
         self._sync_worker: int | None = None
-        self._broken = False
         self._world: tuple[int, ...] = tuple(range(len(self.workers)))
-        self._dead: set[int] = set()  # workers that died, for good
-        self._unrecovered: set[int] = set()  # dead workers still in the world
-        self._recovering = False
+        self._calls = WorkerCalls(self.workers, timeout_s=config.timeout_s)
         self._num_steps: int | None = None  # the trainer's optimizer steps, when known
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(Reply)
 
     @property
     def num_workers(self) -> int:
@@ -153,7 +131,7 @@ class TrainerPool:
     @property
     def dead(self) -> frozenset[int]:
         """Workers that died (they never rejoin)."""
-        return frozenset(self._dead)
+        return frozenset(self._calls.casualties.dead)
 
     @property
     def can_recover(self) -> bool:
@@ -286,7 +264,7 @@ class TrainerPool:
         logger.info("resized %s -> %s in %.3f s", old, new, result.elapsed_s)
         return result
 
-    async def _two_phase(self, prepare: Command, failed: str) -> list[Reply]:
+    async def _two_phase(self, prepare: PrepareResize | PrepareReshard, failed: str) -> list[Reply]:
         """Send ``prepare`` to every worker; if any fails, every worker drops what it
         prepared and :class:`ReshardError` says ``failed`` and why; else every worker
         commits. Returns the prepare replies."""
@@ -294,87 +272,58 @@ class TrainerPool:
         failures = [r for r in replies if isinstance(r, Failed)]
         if failures:
             self._check(await self._call(self._world, AbortResize(epoch=self._epoch)))
-            raise ReshardError(f"{failed}. {_describe(failures)}", worker=failures[0].worker)
+            raise ReshardError(f"{failed}. {describe(failures)}", worker=failures[0].worker)
         self._check(await self._call(self._world, CommitResize(epoch=self._epoch)))
         return replies
 
     async def recover(self) -> Recovery:
-        """Rebuild the trainer after workers died (a call raised :class:`RankLostError`).
-
-        Every survivor leaves the broken world (a survivor blocked in a collective with
-        the dead worker gets gloo's "connection closed" error at once, or its timeout)
-        and reports the optimizer steps its state holds; the survivors form a new world
-        with fresh ranks (a new store at the first survivor); the surviving members
-        become the data-parallel group and the one holding the most steps sends its
-        whole state to the others. A step the loss interrupted is thereby applied by
-        every survivor (if any survivor finished it: its all-reduce completed, so it
-        holds every rank's gradients) or by none; :attr:`Recovery.num_steps` says
-        which, the caller re-runs it if none. Raises :class:`TrainerError` (the pool
-        is then broken) if no member survived, or a survivor fails meanwhile.
+        """Rebuild the trainer after workers died (a call raised :class:`RankLostError`):
+        the survivors leave the broken world, form a new one, and continue from the
+        most advanced surviving state (see :mod:`~dynarl.workers.torch.trainer_recovery`).
+        A step the loss interrupted is applied by every rank or by none
+        (:attr:`Recovery.step_applied` says which; the caller re-runs it if none).
+        Raises :class:`TrainerError` (the pool is
+        then broken) if no rank survived, or a survivor fails meanwhile.
         """
-        if not self._unrecovered:
-            raise TrainerError("no trainer worker was lost; nothing to recover")
-        started = time.perf_counter()
-        lost = tuple(sorted(self._unrecovered))
-        survivors = tuple(w for w in self._world if w not in self._dead)
-        members = tuple(m for m in self._members if m not in self._dead)
-        if not members or not survivors:
-            self._broken = True
-            raise TrainerError(
-                f"every rank of the trainer ({self._members}) died with its state; only a "
-                "checkpoint can restore it",
-                worker=lost[0],
-            )
-        self._recovering = True
         try:
-            left = self._check(await self._call(survivors, LeaveWorld()))
-            states = {r.worker: r for r in left if isinstance(r, Left)}
-            source = max(members, key=lambda m: states[m].num_steps)
-            steps = [states[m].num_steps for m in members]
-            if min(steps) < 0 or max(steps) - min(steps) > 1:
-                raise TrainerError(f"the surviving ranks {members} hold steps {steps}")
-            port = await self._open_store(survivors[0], "world", self.host, len(survivors), None)
-            self._check(
-                await self._call(survivors, Rejoin(workers=survivors, host=self.host, port=port))
-            )
-            self._world = survivors
-            restored = self._check(
-                await self._call(survivors, Restore(members=members, source=source))
+            rebuilt = await trainer_recovery.rebuild(
+                self,
+                self._calls.casualties,
+                world=self._world,
+                members=self._members,
+                known_steps=self._num_steps,
+                host=self.host,
             )
         except TrainerError:
-            self._broken = True
+            self._calls.broken = True
             raise
-        finally:
-            self._recovering = False
-        self._unrecovered.clear()
-        self._members = members
+        recovery = rebuilt.recovery
+        self._world = rebuilt.world
+        self._members = recovery.members
         self._epoch += 1
-        if self._sync_worker in self._dead:
+        if self._sync_worker in self._calls.casualties.dead:
             self._sync_worker = None
-        before = self._num_steps
-        if before is None:  # the step count is not known: the one the members began
-            before = max(states[m].attempted for m in members)
-        self._num_steps = states[source].num_steps
-        recovery = Recovery(
-            lost=lost,
-            members=members,
-            source=source,
-            num_steps=states[source].num_steps,
-            step_applied=states[source].num_steps > before,
-            last_step=states[source].last,
-            elapsed_s=time.perf_counter() - started,
-            bytes_moved=sum(r.bytes_moved for r in restored if isinstance(r, Done)),
-        )
+        self._num_steps = recovery.num_steps
         logger.warning(
             "trainer workers %s died; the trainer goes on with %s from worker %d's state "
             "(%d steps) after %.2f s",
-            list(lost),
-            list(members),
-            source,
+            list(recovery.lost),
+            list(recovery.members),
+            recovery.source,
             recovery.num_steps,
             recovery.elapsed_s,
         )
         return recovery
+
+    async def call_checked(self, workers: Sequence[int], command: Command) -> list[Reply]:
+        """Send ``command`` to ``workers`` at once; their replies, or
+        :class:`TrainerError` if one failed (for :mod:`trainer_recovery`)."""
+        return self._check(await self._call(workers, command))
+
+    async def open_world_store(self, worker: int, world_size: int) -> int:
+        """Make ``worker`` open the store of a world of ``world_size`` at :attr:`host`;
+        returns its port."""
+        return await self._open_store(worker, "world", self.host, world_size, None)
 
     async def park(self) -> ResizeResult:
         """Give up every device: the trainer's state stays with one worker (rank 0,
@@ -502,7 +451,7 @@ class TrainerPool:
         if not self._started:
             return
         self._started = False
-        if not self._broken:
+        if not self._calls.broken:
             with anyio.move_on_after(_SHUTDOWN_GRACE_S):
                 try:
                     await self._call(self._world, Shutdown())
@@ -512,58 +461,17 @@ class TrainerPool:
 
     async def _call(self, workers: Sequence[int] | range, command: Command) -> list[Reply]:
         """Send ``command`` to ``workers`` at once and gather one reply from each."""
-        return await self._call_each(workers, lambda _: command)
+        return await self._calls.call(workers, command)
 
     async def _call_each(
         self, workers: Sequence[int] | range, command: Callable[[int], Command]
     ) -> list[Reply]:
-        """Send ``command(w)`` to each worker ``w`` at once and gather the replies.
-
-        Raises :class:`RankLostError` if a worker is gone (then every call but
-        :meth:`recover` is refused until it ran), and :class:`TrainerError` (marking
-        the pool broken: a collective may be half done) if one does not answer within
-        the timeout."""
-        if self._broken:
-            raise TrainerError("the pool lost track of a worker; close it and start a new one")
-        if self._unrecovered and not self._recovering:
-            raise RankLostError(
-                f"trainer workers {sorted(self._unrecovered)} died; recover() first",
-                worker=min(self._unrecovered),
-            )
-        replies: dict[int, Reply] = {}
-        lost: list[RankLostError] = []
-
-        async def one(w: int) -> None:
-            try:
-                body = await self.workers[w].call(self._encoder.encode(command(w)))
-            except DataPlaneError as error:
-                lost.append(RankLostError(f"trainer worker {w} died: {error}", worker=w))
-                tg.cancel_scope.cancel()
-                return
-            replies[w] = self._decoder.decode(body)
-
-        with anyio.move_on_after(self.config.timeout_s) as deadline:
-            async with anyio.create_task_group() as tg:
-                for w in workers:
-                    tg.start_soon(one, w)
-        if lost:
-            dead = {e.worker for e in lost}
-            self._dead |= dead
-            self._unrecovered |= dead
-            if self._recovering:
-                self._broken = True  # a second loss while rebuilding: give up
-            raise lost[0]
-        if deadline.cancelled_caught:
-            self._broken = True
-            waiting = sorted(set(workers) - replies.keys())
-            raise TrainerError(f"trainer workers {waiting} did not answer in time")
-        return [replies[w] for w in workers]
+        """Send ``command(w)`` to each worker ``w`` at once and gather the replies (see
+        :meth:`WorkerCalls.call_each`)."""
+        return await self._calls.call_each(workers, command)
 
     def _check(self, replies: list[Reply]) -> list[Reply]:
-        failures = [r for r in replies if isinstance(r, Failed)]
-        if failures:
-            raise TrainerError(_describe(failures), worker=failures[0].worker)
-        return replies
+        return check(replies)
 
     def _valid_members(self, members: Sequence[int]) -> tuple[int, ...]:
         chosen = tuple(int(m) for m in members)
@@ -571,11 +479,7 @@ class TrainerPool:
             raise TrainerError(f"members {chosen} must be a non-empty list of distinct workers")
         if any(not 0 <= m < self.num_workers for m in chosen):
             raise TrainerError(f"members {chosen} must be workers 0..{self.num_workers - 1}")
-        dead = sorted(self._dead.intersection(chosen))
+        dead = sorted(self._calls.casualties.dead.intersection(chosen))
         if dead:
             raise TrainerError(f"members {chosen}: trainer workers {dead} died")
         return chosen
-
-
-def _describe(failures: list[Failed]) -> str:
-    return "; ".join(f"worker {f.worker}: {f.error}: {f.message}" for f in failures)

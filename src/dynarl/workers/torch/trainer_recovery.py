@@ -1,0 +1,143 @@
+"""The pool's side of surviving a dead trainer worker: which workers died, and the
+rebuild of the trainer from the survivors.
+
+A worker that dies makes the pool's call that meets it raise :class:`RankLostError`
+(the data router reports the closed connection at once). :class:`Casualties` records
+it; the pool then refuses every call but its ``recover()``, which runs
+:func:`rebuild`:
+
+1. every survivor leaves the broken world (``LeaveWorld``; a survivor still blocked
+   in a collective with the dead worker gets gloo's "connection closed" error at once,
+   or its timeout) and reports the optimizer steps its state
+   holds (``-1``: none);
+2. the survivors form a new world with fresh ranks (``Rejoin``, at a store the first
+   survivor opens);
+3. the surviving ranks become the data-parallel group, and the one holding
+   the most steps sends its whole state to the others (``Restore``).
+
+A step the loss interrupted is thereby applied by every rank (if any survivor finished
+it: its all-reduce completed, so it holds every rank's gradients) or by none.
+"""
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+
+from dynarl.workers.errors import RankLostError, TrainerError
+from dynarl.workers.torch.trainer_commands import (
+    Command,
+    Done,
+    LeaveWorld,
+    Left,
+    Rejoin,
+    Reply,
+    Restore,
+)
+from dynarl.workers.trainer import Recovery
+
+
+class Casualties:
+    """The pool's dead workers: every one that died (:attr:`dead`, for good), and those
+    still in the world until a rebuild removed them (:attr:`unrecovered`)."""
+
+    def __init__(self) -> None:
+        self.dead: set[int] = set()
+        self.unrecovered: set[int] = set()
+        self.rebuilding = False
+
+    def refuse(self) -> None:
+        """Raise :class:`RankLostError` while dead workers are still in the world
+        (outside a rebuild)."""
+        if self.unrecovered and not self.rebuilding:
+            raise RankLostError(
+                f"trainer workers {sorted(self.unrecovered)} died; recover() first",
+                worker=min(self.unrecovered),
+            )
+
+    def record(self, workers: set[int]) -> None:
+        """``workers`` died."""
+        self.dead |= workers
+        self.unrecovered |= workers
+
+
+class PoolCalls(Protocol):
+    """What a rebuild needs of the pool: typed calls to its workers."""
+
+    async def call_checked(self, workers: Sequence[int], command: Command) -> list[Reply]:
+        """Send ``command`` to ``workers`` at once; their replies, or
+        :class:`TrainerError` if one failed."""
+        ...
+
+    async def open_world_store(self, worker: int, world_size: int) -> int:
+        """Make ``worker`` open the store of a world of ``world_size`` at the pool's
+        rendezvous host; returns its port."""
+        ...
+
+
+class Rebuilt(msgspec.Struct, frozen=True, kw_only=True):
+    """A trainer rebuilt from the survivors: the new world (pool indices, in rank
+    order), the ranks and how they got there."""
+
+    world: tuple[int, ...]
+    recovery: Recovery
+
+
+async def rebuild(
+    pool: PoolCalls,
+    casualties: Casualties,
+    *,
+    world: Sequence[int],
+    members: Sequence[int],
+    known_steps: int | None,
+    host: str,
+) -> Rebuilt:
+    """Rebuild the trainer of ``members`` (the pool's ranks) in ``world`` without the
+    dead workers (see the module). ``known_steps`` is the trainer's step count before
+    the loss, if the pool knows it; the survivors rendezvous at ``host`` (the first
+    survivor's node). Raises :class:`TrainerError` if no rank survived or a survivor
+    fails meanwhile."""
+    if not casualties.unrecovered:
+        raise TrainerError("no trainer worker was lost; nothing to recover")
+    started = time.perf_counter()
+    lost = tuple(sorted(casualties.unrecovered))
+    survivors = tuple(w for w in world if w not in casualties.dead)
+    if not survivors:
+        raise TrainerError("every trainer worker died", worker=lost[0])
+    casualties.rebuilding = True
+    try:
+        left = await pool.call_checked(survivors, LeaveWorld())
+        states = {r.worker: r for r in left if isinstance(r, Left)}
+        ranks = tuple(m for m in members if m in states)
+        if not ranks:
+            raise TrainerError(
+                f"every rank of the trainer ({tuple(members)}) died with its state; only "
+                "a checkpoint can restore it",
+                worker=lost[0],
+            )
+        steps = [states[m].num_steps for m in ranks]
+        if min(steps) < 0 or max(steps) - min(steps) > 1:
+            raise TrainerError(f"the surviving ranks {ranks} hold steps {steps}")
+        source = max(ranks, key=lambda m: states[m].num_steps)
+        port = await pool.open_world_store(survivors[0], len(survivors))
+        await pool.call_checked(survivors, Rejoin(workers=survivors, host=host, port=port))
+        restored = await pool.call_checked(survivors, Restore(members=ranks, source=source))
+    finally:
+        casualties.rebuilding = False
+    casualties.unrecovered.clear()
+    before = known_steps
+    if before is None:  # the step count is not known: the one the ranks began
+        before = max(states[m].attempted for m in ranks)
+    num_steps = states[source].num_steps
+    recovery = Recovery(
+        lost=lost,
+        members=ranks,
+        source=source,
+        num_steps=num_steps,
+        step_applied=num_steps > before,
+        last_step=states[source].last,
+        elapsed_s=time.perf_counter() - started,
+        bytes_moved=sum(r.bytes_moved for r in restored if isinstance(r, Done)),
+    )
+    return Rebuilt(world=survivors, recovery=recovery)
