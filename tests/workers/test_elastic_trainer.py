@@ -337,3 +337,38 @@ async def test_a_trainer_that_loses_a_rank_goes_on_from_the_survivors(pool: Trai
     np.testing.assert_allclose(losses, reference_run(batches)["losses"], rtol=1e-5)
     with pytest.raises(TrainerError, match="died"):
         await pool.resize([0, 1])
+
+
+@pytest.mark.timeout(120)
+async def test_a_worker_killed_mid_resize_leaves_the_old_group_training(pool: TrainerPool) -> None:
+    """After the previous test the pool has workers 0, 2 and 3. Worker 3 dies as a
+    resize that it joins starts: the survivors may be blocked with it in ``new_group``,
+    are interrupted, and the resize is rolled back onto the old ranks, whose steps go
+    on as a single rank's would."""
+    import os
+    import signal
+
+    from dynarl.workers.errors import RankLostError
+
+    assert pool.dead == {1}, "runs after test_a_trainer_that_loses_a_rank_goes_on..."
+    batches = [b for b, _ in zip(minibatches(4), range(3), strict=False)]
+    await pool.start_training([0, 2])
+    losses = [(await pool.train_step(batches[0])).loss]
+
+    def kill_the_joiner(_: object) -> None:
+        pid = PIDS[pool.workers[3].name]
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+
+    pool.resize_listeners.append(kill_the_joiner)
+    try:
+        with pytest.raises(RankLostError):
+            await pool.resize([0, 2, 3])
+    finally:
+        pool.resize_listeners.remove(kill_the_joiner)
+    recovery = await pool.recover()
+    print(f"\nkilled mid-resize: rebuilt in {recovery.elapsed_s:.2f} s")
+    assert recovery.lost == (3,) and recovery.members == (0, 2) == pool.members
+    assert recovery.num_steps == 1 and not recovery.step_applied
+    losses += [(await pool.train_step(batch)).loss for batch in batches[1:]]
+    np.testing.assert_allclose(losses, reference_run(batches)["losses"], rtol=1e-5)

@@ -11,6 +11,9 @@ reached:
 - ``optimizer_step``: when an optimizer step of the iteration starts (for a trainer
   rank: the first step with that many ranks);
 - ``migration``: when the controller starts a migration;
+- ``reshard``: when the trainer starts a resize (its prepare goes to every trainer
+  worker: a rank killed there dies while the others build the resize's groups with
+  it); for a trainer rank, the first resize of the iteration from that many ranks;
 - ``weight_sync``: when the iteration's closing weight sync starts.
 
 It also counts what the controller hears: every item each edge completes, per
@@ -37,7 +40,7 @@ if TYPE_CHECKING:
 Target = Literal["rollout", "inference", "trainer"]
 """Which kind of worker to kill."""
 
-Point = Literal["rollout", "scoring", "optimizer_step", "migration", "weight_sync"]
+Point = Literal["rollout", "scoring", "optimizer_step", "migration", "reshard", "weight_sync"]
 """When to kill it."""
 
 
@@ -92,6 +95,11 @@ class FaultInjector:
         controller.listeners.append(self._on_event)
         self._on_progress = self.rl.on_progress
         self.rl.on_progress = self._progress
+        from dynarl.workers.torch.torch_trainer import TorchTrainer
+
+        world = self.rl._world
+        if world is not None and isinstance(world.trainer, TorchTrainer):
+            world.trainer.pool.resize_listeners.append(lambda _: self._fire("reshard"))
 
     def completions(self) -> dict[tuple[int, str], collections.Counter[str]]:
         """Per (iteration, edge): how many times each item completed it."""
@@ -135,8 +143,11 @@ class FaultInjector:
     def _fire(self, point: Point) -> None:
         for kill in list(self.pending):
             if kill.point == point and kill.iteration == self.iteration:
-                if point == "optimizer_step" and not self._has_rank(kill.index):
-                    continue  # not that many ranks yet: a later step of the iteration
+                ranked = point == "optimizer_step" or (
+                    point == "reshard" and kill.target == "trainer"
+                )
+                if ranked and not self._has_rank(kill.index):
+                    continue  # not that many ranks yet: a later step or resize
                 self.pending.remove(kill)
                 self._kill(kill)
 

@@ -105,6 +105,10 @@ class TrainerPool:
         self._sync_worker: int | None = None
         self._world: tuple[int, ...] = tuple(range(len(self.workers)))
         self._calls = WorkerCalls(self.workers, timeout_s=config.timeout_s)
+        self._resizing_to: tuple[int, ...] | None = None  # the members a resize prepares
+        self.resize_listeners: list[Callable[[PrepareResize | PrepareReshard], None]] = []
+        """Called as a resize starts, with the prepare command every worker is sent
+        (a fault injector kills a worker there)."""
         self._num_steps: int | None = None  # the trainer's optimizer steps, when known
 
     @property
@@ -267,13 +271,22 @@ class TrainerPool:
     async def _two_phase(self, prepare: PrepareResize | PrepareReshard, failed: str) -> list[Reply]:
         """Send ``prepare`` to every worker; if any fails, every worker drops what it
         prepared and :class:`ReshardError` says ``failed`` and why; else every worker
-        commits. Returns the prepare replies."""
+        commits. Returns the prepare replies.
+
+        A worker that dies meanwhile raises :class:`RankLostError` at once (the
+        survivors may still be blocked with it in ``new_group``); :meth:`recover` then
+        rolls the resize back on the survivors."""
+        self._resizing_to = prepare.new_members
+        for listener in self.resize_listeners:
+            listener(prepare)
         replies = await self._call(self._world, prepare)
         failures = [r for r in replies if isinstance(r, Failed)]
         if failures:
             self._check(await self._call(self._world, AbortResize(epoch=self._epoch)))
+            self._resizing_to = None
             raise ReshardError(f"{failed}. {describe(failures)}", worker=failures[0].worker)
         self._check(await self._call(self._world, CommitResize(epoch=self._epoch)))
+        self._resizing_to = None
         return replies
 
     async def recover(self) -> Recovery:
@@ -281,9 +294,10 @@ class TrainerPool:
         the survivors leave the broken world, form a new one, and continue from the
         most advanced surviving state (see :mod:`~dynarl.workers.torch.trainer_recovery`).
         A step the loss interrupted is applied by every rank or by none
-        (:attr:`Recovery.step_applied` says which; the caller re-runs it if none).
-        Raises :class:`TrainerError` (the pool is
-        then broken) if no rank survived, or a survivor fails meanwhile.
+        (:attr:`Recovery.step_applied` says which; the caller re-runs it if none); a
+        resize it interrupted is rolled back. Raises :class:`TrainerError` (the pool is
+        then broken) if no rank survived with the trainer's state, or a survivor fails
+        meanwhile.
         """
         try:
             rebuilt = await trainer_recovery.rebuild(
@@ -291,6 +305,7 @@ class TrainerPool:
                 self._calls.casualties,
                 world=self._world,
                 members=self._members,
+                resizing_to=self._resizing_to,
                 known_steps=self._num_steps,
                 host=self.host,
             )
@@ -300,6 +315,7 @@ class TrainerPool:
         recovery = rebuilt.recovery
         self._world = rebuilt.world
         self._members = recovery.members
+        self._resizing_to = None
         self._epoch += 1
         if self._sync_worker in self._calls.casualties.dead:
             self._sync_worker = None

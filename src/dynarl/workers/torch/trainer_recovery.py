@@ -7,16 +7,19 @@ it; the pool then refuses every call but its ``recover()``, which runs
 :func:`rebuild`:
 
 1. every survivor leaves the broken world (``LeaveWorld``; a survivor still blocked
-   in a collective with the dead worker gets gloo's "connection closed" error at once,
-   or its timeout) and reports the optimizer steps its state
+   with the dead worker in a resize's ``new_group`` or transfer is interrupted, see
+   :mod:`~dynarl.workers.torch.trainer_serve`) and reports the optimizer steps its state
    holds (``-1``: none);
 2. the survivors form a new world with fresh ranks (``Rejoin``, at a store the first
    survivor opens);
-3. the surviving ranks become the data-parallel group, and the one holding
+3. the trainer's ranks become the survivors that hold its state, and the one holding
    the most steps sends its whole state to the others (``Restore``).
 
 A step the loss interrupted is thereby applied by every rank (if any survivor finished
-it: its all-reduce completed, so it holds every rank's gradients) or by none.
+it: its all-reduce completed, so it holds every rank's gradients) or by none. A resize
+the loss interrupted is rolled back: the ranks are the surviving old members (a
+survivor drops what it prepared when it leaves the world); if it had already
+committed on the survivors, those of them that kept the state (else the new members).
 """
 
 import time
@@ -90,14 +93,16 @@ async def rebuild(
     *,
     world: Sequence[int],
     members: Sequence[int],
+    resizing_to: Sequence[int] | None,
     known_steps: int | None,
     host: str,
 ) -> Rebuilt:
-    """Rebuild the trainer of ``members`` (the pool's ranks) in ``world`` without the
-    dead workers (see the module). ``known_steps`` is the trainer's step count before
-    the loss, if the pool knows it; the survivors rendezvous at ``host`` (the first
-    survivor's node). Raises :class:`TrainerError` if no rank survived or a survivor
-    fails meanwhile."""
+    """Rebuild the trainer of ``members`` (the pool's ranks; during a resize to
+    ``resizing_to``, its old ranks) in ``world`` without the dead workers (see the
+    module). ``known_steps`` is the trainer's step count before the loss, if the pool
+    knows it; the survivors rendezvous at ``host`` (the first survivor's node). Raises
+    :class:`TrainerError` if no survivor holds the trainer's state or a survivor fails
+    meanwhile."""
     if not casualties.unrecovered:
         raise TrainerError("no trainer worker was lost; nothing to recover")
     started = time.perf_counter()
@@ -109,7 +114,7 @@ async def rebuild(
     try:
         left = await pool.call_checked(survivors, LeaveWorld())
         states = {r.worker: r for r in left if isinstance(r, Left)}
-        ranks = tuple(m for m in members if m in states)
+        ranks = _ranks(states, members=members, resizing_to=resizing_to)
         if not ranks:
             raise TrainerError(
                 f"every rank of the trainer ({tuple(members)}) died with its state; only "
@@ -117,7 +122,7 @@ async def rebuild(
                 worker=lost[0],
             )
         steps = [states[m].num_steps for m in ranks]
-        if min(steps) < 0 or max(steps) - min(steps) > 1:
+        if max(steps) - min(steps) > 1:
             raise TrainerError(f"the surviving ranks {ranks} hold steps {steps}")
         source = max(ranks, key=lambda m: states[m].num_steps)
         port = await pool.open_world_store(survivors[0], len(survivors))
@@ -141,3 +146,15 @@ async def rebuild(
         bytes_moved=sum(r.bytes_moved for r in restored if isinstance(r, Done)),
     )
     return Rebuilt(world=survivors, recovery=recovery)
+
+
+def _ranks(
+    states: dict[int, Left], *, members: Sequence[int], resizing_to: Sequence[int] | None
+) -> tuple[int, ...]:
+    """The survivors the trainer continues on: the surviving ``members`` that still hold
+    its state (all of them, unless a resize to ``resizing_to`` committed on the
+    survivors and a leaver released it), else the surviving new members that hold it
+    (an interrupted resize onto other workers that committed)."""
+    holds = {w for w, s in states.items() if s.num_steps >= 0}
+    old = tuple(m for m in members if m in holds)
+    return old or tuple(m for m in resizing_to or () if m in holds)

@@ -7,6 +7,17 @@ reply out), each run in a thread so the link keeps answering pings. Its first co
 TCP rendezvous at the store worker 0 opened before (``OpenStore``), so a launcher may
 place it on any node. A command that raises is answered with
 :class:`~dynarl.workers.torch.trainer_commands.Failed` and the worker keeps serving.
+
+Commands run one at a time, in arrival order, but the loop keeps receiving while one
+runs: the pool sends a worker a new command while the last one still runs only after it
+gave up on that one because a peer died. ``LeaveWorld`` then *interrupts* it: it is
+answered ``Failed`` (``Interrupted``) at once and its thread, which may be blocked in
+gloo with the dead peer (a ``new_group`` waits for it up to several times the group's
+timeout), is abandoned; it cannot install what it built (see
+:class:`~dynarl.workers.torch.trainer_world.WorldGroup`'s generations). Only a resize's
+prepare is interrupted so: a train step ends at once when a peer dies (gloo reports the
+closed connection) and must not be abandoned halfway through its optimizer update.
+Any other command waits for the running one.
 """
 
 import logging
@@ -31,7 +42,9 @@ from dynarl.workers.torch.trainer_commands import (
     Done,
     Failed,
     Join,
+    LeaveWorld,
     OpenStore,
+    PrepareResize,
     Reply,
     Shutdown,
     StoreOpened,
@@ -113,7 +126,8 @@ class _CommandLoop:
         self._running: _Running | None = None
 
     async def accept(self, call: wire.Call, tg: TaskGroup) -> None:
-        """Start ``call``'s command once the running one ended."""
+        """Start ``call``'s command once the running one ended (interrupting it for a
+        ``LeaveWorld``)."""
         try:
             command = _DECODER.decode(call.body)
         except msgspec.DecodeError as error:
@@ -121,6 +135,13 @@ class _CommandLoop:
             return
         running = self._running
         if running is not None:
+            if isinstance(command, LeaveWorld) and isinstance(running.command, _INTERRUPTIBLE):
+                logger.warning(
+                    "%s: %s interrupted to leave the world (a peer died)",
+                    self.name,
+                    type(running.command).__name__,
+                )
+                running.scope.cancel()
             await running.done.wait()
         self._running = _Running(command)
         tg.start_soon(self._run, call, self._running)
@@ -178,8 +199,9 @@ class _CommandLoop:
 
 
 async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a worker thread."""
-    return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=False)
+    """``fn(*args)`` in a worker thread; an interrupt abandons the thread (see the
+    module)."""
+    return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
 
 
 async def _train_on_items(
@@ -220,6 +242,9 @@ def _join(command: Join, store: TCPStore | None) -> TrainerWorker:
         device=device,
     )
 
+
+_INTERRUPTIBLE = (PrepareResize,)
+"""Commands that ``LeaveWorld`` interrupts (see the module)."""
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Command)

@@ -8,6 +8,7 @@ A command that raises is answered with
 import datetime
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -90,6 +91,7 @@ class TrainerWorker:
         self.pending: reshard.PendingResize | None = None
         self.sync_group: Group | None = None
         self.sync_store: TCPStore | None = None  # opened for the next ConnectWeightSync
+        self._leaving = threading.Lock()  # a prepare installs its groups, or the world goes
         self._handlers: dict[type, Callable[[Any], Reply]] = {
             StartTraining: self._start,
             TrainStep: self._train_step,
@@ -166,11 +168,18 @@ class TrainerWorker:
         started = time.perf_counter()
         if self.pending is not None:
             raise TrainerError(f"resize {self.pending.epoch} is still pending; abort it first")
-        self.pending = reshard.create_groups(
+        generation = self.world.generation
+        pending = reshard.create_groups(
             command, worker=self.worker, ranks=self.ranks, timeout_s=self.config.reshard_timeout_s
         )
+        with self._leaving:
+            # An interrupted prepare (see trainer_serve) may return after the worker
+            # left the world it began in: what it built belongs to that world.
+            if self.world.generation != generation:
+                raise TrainerError(f"worker {self.worker} left the world during the resize")
+            self.pending = pending
         moved = reshard.transfer_state(
-            self.pending,
+            pending,
             command,
             worker=self.worker,
             trainer=self.trainer,
@@ -227,13 +236,14 @@ class TrainerWorker:
         return self.world.ranks(workers)
 
     def _leave_world(self, command: LeaveWorld) -> Reply:
-        if self.pending is not None:
-            reshard.abort_resize(self.pending)
-            self.pending = None
-        trainer = self.trainer
-        if trainer is not None:
-            trainer.group = None  # destroyed with the world below
-        self.world.leave()
+        with self._leaving:
+            if self.pending is not None:
+                reshard.abort_resize(self.pending)
+                self.pending = None
+            trainer = self.trainer
+            if trainer is not None:
+                trainer.group = None  # destroyed with the world below
+            self.world.leave()
         return Left(
             worker=self.worker,
             num_steps=-1 if trainer is None else trainer.num_steps,

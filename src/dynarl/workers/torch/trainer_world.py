@@ -5,7 +5,9 @@ consistent trainer state from the survivor the pool names.
 The world group (gloo on CPU, NCCL on GPU) is what every other group of the trainer is
 built on: the data-parallel group, a resize's groups, the groups of a restore. A worker
 joins it first with ``Join`` (at the store worker 0 opened) and, after a peer died, again
-with ``Rejoin`` (at a store the first survivor opened), with fresh ranks.
+with ``Rejoin`` (at a store the first survivor opened), with fresh ranks. Each leave
+starts a new *generation*: work begun in an earlier world (a resize interrupted by the
+leave, whose thread may still be blocked in gloo) must not install what it built.
 """
 
 import datetime
@@ -64,6 +66,7 @@ class WorldGroup:
         self.device = device
         self.timeout_s = timeout_s
         self.workers = workers
+        self.generation = 0
         self.store: TCPStore | None = None  # opened for the next rejoin (first survivor)
 
     def ranks(self, workers: Sequence[int]) -> list[int]:
@@ -72,7 +75,8 @@ class WorldGroup:
 
     def leave(self) -> None:
         """Leave the world and every group built on it (a collective with a dead peer
-        cannot complete); the trainer state stays in memory."""
+        cannot complete); the trainer state stays in memory. Starts a new generation."""
+        self.generation += 1
         if dist.is_initialized():
             dist.destroy_process_group()
         self.workers = ()
