@@ -135,6 +135,7 @@ class WorldExecutor:
     async def _reshard(self, migration: Migration) -> float:
         world = self.world
         graph = world.graph
+        leaving: list[DeviceId] = []
         async with world.actor_boundary() as waited:
             if migration.src == ACTOR:
                 leaving = [
@@ -157,7 +158,17 @@ class WorldExecutor:
                                 await world.restore(instance, slot)
                     raise
         if migration.dst != ACTOR:
-            await self._create(migration)
+            try:
+                await self._create(migration)
+            except BaseException:
+                if leaving:
+                    # The move fails as a whole (a slot died taking its role): the actor
+                    # takes its devices back, so the placement the controller restores
+                    # is the one that runs.
+                    with anyio.CancelScope(shield=True):
+                        async with world.actor_boundary():
+                            await world.resize_actor(joining=leaving)
+                raise
         return waited
 
     async def _create(self, migration: Migration) -> None:

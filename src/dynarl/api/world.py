@@ -109,6 +109,8 @@ class RealWorld:
         self.lost: set[str] = set()
         """Names of slots whose worker died."""
         self.on_failure: Callable[[BaseException], None] | None = None
+        self.switch_listeners: list[Callable[[ComponentId, list[SlotHandle]], None]] = []
+        """Called as slots start to assume a role (a fault injector kills one there)."""
         """Called when the world cannot go on (a trainer rank died): the run stops."""
         self.failure: BaseException | None = None
         """Why the world cannot go on, once it cannot."""
@@ -291,6 +293,27 @@ class RealWorld:
         else:
             raise ValueError(f"slots serve rollout or inference, not {component}")
         slots = [(self.slot(device), instance) for device, instance in instances]
+        for listener in self.switch_listeners:
+            listener(component, [slot for slot, _ in slots])
+        try:
+            await self._assume(role, slots, hold=hold)
+        except BaseException:
+            # A slot that died taking the role is not serving, so the router's report
+            # of it forgets nothing: record it, so the next move onto its device
+            # reboots it (starts a new slot process) instead of failing there again.
+            for slot, _ in slots:
+                if not slot.alive and slot.name not in self.lost:
+                    self.lost.add(slot.name)
+                    logger.warning("slot %s died taking the %s role", slot.name, component)
+            raise
+
+    async def _assume(
+        self,
+        role: RolloutRole | InferenceRole,
+        slots: list[tuple[SlotHandle, InstanceId]],
+        *,
+        hold: bool,
+    ) -> None:
         # One at a time with other membership changes of the weight-sync group: a slot
         # must not be reconnecting while the group is rebuilt around it.
         async with self._sync_lock:

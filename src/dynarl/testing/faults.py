@@ -14,6 +14,9 @@ reached:
 - ``reshard``: when the trainer starts a resize (its prepare goes to every trainer
   worker: a rank killed there dies while the others build the resize's groups with
   it); for a trainer rank, the first resize of the iteration from that many ranks;
+- ``role_switch``: when slots start to assume a role (rollout or inference, as
+  ``target`` says): the victim is the ``index``-th of those slots, killed while it
+  builds the role and catches up on weights;
 - ``weight_sync``: when the iteration's closing weight sync starts.
 
 It also counts what the controller hears: every item each edge completes, per
@@ -36,11 +39,14 @@ from dynarl.core.errors import DynaRLError
 if TYPE_CHECKING:
     from dynarl.api.facade import DynaRL
     from dynarl.rl.pipeline import Progress
+    from dynarl.workers.handles import SlotHandle
 
 Target = Literal["rollout", "inference", "trainer"]
 """Which kind of worker to kill."""
 
-Point = Literal["rollout", "scoring", "optimizer_step", "migration", "reshard", "weight_sync"]
+Point = Literal[
+    "rollout", "scoring", "optimizer_step", "migration", "reshard", "role_switch", "weight_sync"
+]
 """When to kill it."""
 
 
@@ -86,6 +92,7 @@ class FaultInjector:
         self.iteration = -1
         self._completed: collections.Counter[tuple[int, str, str]] = collections.Counter()
         self._on_progress: Callable[[Progress], None] | None = None
+        self._switch: tuple[str, list[SlotHandle]] | None = None  # slots taking a role now
 
     def attach(self) -> None:
         """Start watching the open run's progress and its controller's events."""
@@ -98,8 +105,10 @@ class FaultInjector:
         from dynarl.workers.torch.torch_trainer import TorchTrainer
 
         world = self.rl._world
-        if world is not None and isinstance(world.trainer, TorchTrainer):
+        assert world is not None, "an open run has a world"
+        if isinstance(world.trainer, TorchTrainer):
             world.trainer.pool.resize_listeners.append(lambda _: self._fire("reshard"))
+        world.switch_listeners.append(self._switching)
 
     def completions(self) -> dict[tuple[int, str], collections.Counter[str]]:
         """Per (iteration, edge): how many times each item completed it."""
@@ -140,16 +149,31 @@ class FaultInjector:
         elif isinstance(event, ev.ItemRouted) and event.edge == "to_inference":
             self._fire("scoring")
 
+    def _switching(self, role: str, slots: "list[SlotHandle]") -> None:
+        self._switch = (role, slots)
+        try:
+            self._fire("role_switch")
+        finally:
+            self._switch = None
+
     def _fire(self, point: Point) -> None:
         for kill in list(self.pending):
             if kill.point == point and kill.iteration == self.iteration:
                 ranked = point == "optimizer_step" or (
                     point == "reshard" and kill.target == "trainer"
                 )
+                if point == "role_switch" and not self._switching_slot(kill):
+                    continue  # not enough slots take that role in this switch
                 if ranked and not self._has_rank(kill.index):
                     continue  # not that many ranks yet: a later step or resize
                 self.pending.remove(kill)
                 self._kill(kill)
+
+    def _switching_slot(self, kill: WorkerKill) -> "SlotHandle | None":
+        if self._switch is None or self._switch[0] != kill.target:
+            return None
+        slots = self._switch[1]
+        return slots[kill.index] if 0 <= kill.index < len(slots) else None
 
     def _has_rank(self, index: int) -> bool:
         world = self.rl._world
@@ -167,6 +191,10 @@ class FaultInjector:
         world = self.rl._world
         if world is None:
             raise DynaRLError("the run is not open")
+        switching = self._switching_slot(kill) if kill.point == "role_switch" else None
+        if switching is not None:
+            assert switching.pid is not None, "a started slot has a pid"
+            return switching.name, switching.pid, str(switching.instance)
         if kill.target == "trainer":
             assert world.trainer is not None, "an open run has a trainer"
             by_name = {h.name: h for h in world.trainer_workers}

@@ -227,6 +227,11 @@ class SlotHandle(WorkerHandle):
         self._next: InstanceId | None = None
         self._alive = alive or (lambda: True)
 
+    @property
+    def alive(self) -> bool:
+        """Whether its process still runs (as far as its launcher knows)."""
+        return self._alive()
+
     @overload
     async def assume_role(
         self, role: p.RolloutRole, *, instance: InstanceId, timeout_s: float = ...
