@@ -247,7 +247,9 @@ def _profile(args: argparse.Namespace) -> int:
         f"slot, model {cfg.model.arch} {cfg.model.num_layers}x{cfg.model.hidden_size} "
         f"{cfg.model.dtype}, {args.repeat} round(s)"
     )
-    profile = profile_machine(cfg, repeat=args.repeat, threads=args.threads, name=args.name)
+    profile = profile_machine(
+        cfg, repeat=args.repeat, threads=args.threads, name=args.name, host_slots=args.host_slots
+    )
     write_profile(args.out, profile)
     read_profile(args.out)  # what `dynarl sim --profile` will read
     device = msgspec.structs.asdict(profile.device)
@@ -257,6 +259,9 @@ def _profile(args: argparse.Namespace) -> int:
             print(f"  {field:<28} {value / 1e9:10.3f} GB/s")
         elif field.endswith("_s"):
             print(f"  {field:<28} {value * 1e3:10.4f} ms")
+        elif field == "host_slowdown":
+            curve = ", ".join(f"{n} busy x{f:.2f}" for n, f in enumerate(value, start=1))
+            print(f"  {field:<28} {curve}")
     print(f"wrote {args.out}: simulate with `dynarl sim --profile {args.out}`")
     return 0
 
@@ -359,6 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--repeat", type=int, default=3, help="rounds (medians are kept)")
     profile.add_argument("--threads", type=int, default=1, help="torch threads per slot")
     profile.add_argument("--name", default="", help="the profile's name (default: host)")
+    profile.add_argument(
+        "--host-slots",
+        type=int,
+        help="measure how up to N slots busy at once on this host slow each other down "
+        "(default: cluster.num_devices; 0: do not, the simulated slots are independent)",
+    )
     profile.set_defaults(func=_profile)
     plot = sub.add_parser("plot", help="redraw a run directory's timeline.png")
     plot.add_argument("run_dir")

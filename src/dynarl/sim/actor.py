@@ -60,6 +60,7 @@ class SimActor:
         self._step: ActorStep | None = None
         self._step_ended = anyio.Event()
         self.steps_done = 0
+        self.slowdown = 1.0  # the host's: a step takes this many times its alone time
 
     def arrived(self, item: ItemId, group: GroupId) -> None:
         """``item`` is ready to train; its group joins the minibatch queue once whole."""
@@ -107,7 +108,18 @@ class SimActor:
         tokens = [self.tokens(i) for i in batch]
         total = len(tokens) * max(tokens) if self.cluster.padded_batches else sum(tokens)
         step_s = self.cluster.actor.step_time_s(total, devices, attended_context(tokens))
-        self._step = ActorStep(routed, now, now + step_s, devices)
+        self._step = ActorStep(routed, now, now + step_s * self.slowdown, devices)
+
+    def set_slowdown(self, factor: float, now: float) -> None:
+        """From ``now`` on, optimizer steps take ``factor`` times their alone time (the
+        running one, for what is left of it)."""
+        if self._step is not None:
+            self._step.stretch(factor / self.slowdown, now)
+        self.slowdown = factor
+
+    def busy_devices(self) -> int:
+        """Devices the running optimizer step computes on (0 if none runs)."""
+        return self._step.devices if self._step is not None else 0
 
     def _step_done(self) -> None:
         step = self._step

@@ -25,6 +25,7 @@ from dynarl.sim.costs import (
 from dynarl.sim.engine_config import EngineConfig
 from dynarl.sim.errors import SimError
 from dynarl.sim.hardware import GpuProfile, gpu
+from dynarl.sim.host import HostSharing
 from dynarl.sim.models import ModelProfile, model
 from dynarl.sim.replay import ReplayWorkload
 from dynarl.sim.traces import read_trace
@@ -39,7 +40,9 @@ class ClusterModel(msgspec.Struct, frozen=True, kw_only=True):
     first optimizer step waits for the whole iteration to be scored
     (``algorithm.minibatch_order=seeded``: minibatches are split at random over the
     whole iteration), instead of starting on the first complete minibatch of groups
-    (``completion``, as the reference system trains).
+    (``completion``, as the reference system trains). ``host``: the devices are slots
+    sharing one host's cores and slow each other down by this measured curve; ``None``
+    (every GPU profile): devices are independent.
     """
 
     gpu: GpuProfile
@@ -52,6 +55,7 @@ class ClusterModel(msgspec.Struct, frozen=True, kw_only=True):
     workload: MathWorkload | AgenticWorkload | ReplayWorkload
     padded_batches: bool = False
     train_after_rollout: bool = False
+    host: HostSharing | None = None
 
     @classmethod
     def from_config(cls, run: SimulatedRun) -> "ClusterModel":

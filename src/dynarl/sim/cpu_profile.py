@@ -41,6 +41,7 @@ from dynarl.sim.costs import (
 from dynarl.sim.engine_config import EngineConfig
 from dynarl.sim.errors import SimError
 from dynarl.sim.hardware import GpuProfile
+from dynarl.sim.host import HostSharing
 from dynarl.sim.models import ModelProfile
 from dynarl.sim.replay import ReplayWorkload
 from dynarl.sim.workloads import MathWorkload, Request
@@ -81,6 +82,11 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
             setup times are the whole cost (the tiny model's bytes are negligible).
         iteration_overhead_s: per-iteration time outside the modelled stages (prompt
             encoding, routing round trips, reward, advantage and minibatch building).
+        host_slowdown: how the slots of one host slow each other down: element
+            ``n - 1`` is how many times longer a slot's work takes while ``n`` slots
+            compute at once than alone (``1.0`` first;
+            :class:`~dynarl.sim.host.HostSharing`). Empty: not measured, and the
+            simulated slots are independent (as if each had cores of its own).
     """
 
     name: str
@@ -101,6 +107,11 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
     weight_sync_s: float
     transfer_bytes_per_s: float | None = None
     iteration_overhead_s: float = 0.0
+    host_slowdown: tuple[float, ...] = ()
+
+    def host_sharing(self) -> HostSharing | None:
+        """The host-sharing model of :attr:`host_slowdown` (``None`` if not measured)."""
+        return HostSharing(slowdown=self.host_slowdown) if self.host_slowdown else None
 
 
 CPU_1T = CpuProfile(
@@ -359,6 +370,7 @@ def cpu_cluster(
         workload=workload,
         padded_batches=True,
         train_after_rollout=cfg.algorithm.minibatch_order == "seeded",
+        host=profile.host_sharing(),
     )
 
 

@@ -78,3 +78,4 @@ class SimExecutor:
                 world.assign_inference(target, item)
         for target, items in moved.items():
             world.assign_rollout(target, items, now)
+        world.share_host(now)

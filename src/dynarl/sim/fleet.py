@@ -71,15 +71,38 @@ class EngineFleet:
         self._tools: list[tuple[float, int, ItemId]] = []
         self._tool_seq = 0
         self._touched: dict[InstanceId, None] = {}
+        self.slowdown = 1.0  # the host's: engines' work takes this many times its alone time
 
     def sync(self, now: float) -> None:
         """Create modelled engines for active rollout instances that have none."""
         for node in self.graph.components[ROLLOUT].active_instances():
             if node.id not in self.engines:
                 sim = SimEngine(self.cluster.engine, instance=node.id, start_s=now)
+                sim.set_slowdown(self.slowdown)
                 self.engines[node.id] = EngineSlot(sim)
                 self._room[node.id] = None
                 self._touched[node.id] = None
+
+    def set_slowdown(self, factor: float, now: float) -> None:
+        """From ``now`` on, every engine's work takes ``factor`` times its alone time
+        (what is left of a running step or prefill included)."""
+        self.slowdown = factor
+        for iid, e in self.engines.items():
+            if e.sim.next_event_time() == math.inf:
+                e.sim.set_slowdown(factor)
+                continue
+            done = e.sim.advance_to(max(now, e.sim.now))
+            if done:  # due within the clock's tolerance: handle them first
+                self._completed(iid, e, done)
+            e.sim.set_slowdown(factor)
+            if done:
+                self._schedule(iid, e, now)
+            elif (t := e.sim.next_event_time()) < math.inf:
+                heapq.heappush(self._eheap, (t, iid))
+
+    def busy(self) -> list[InstanceId]:
+        """The engines with a request running or prefilling."""
+        return [iid for iid, e in self.engines.items() if e.busy_since is not None]
 
     def next_time(self) -> float:
         """When the next engine event or tool return is due (``inf`` if none)."""

@@ -3,8 +3,9 @@
 
 The file is one JSON object, :class:`ProfileFile`: a format version, the measured
 costs (a :class:`~dynarl.sim.cpu_profile.CpuProfile`: decode step against batch and
-context held, prefill, log-prob inference, the optimizer step, transfer bandwidth and
-the migration setup times), the model section the costs were measured with, and where
+context held, prefill, log-prob inference, the optimizer step, transfer bandwidth, the
+migration setup times and, from version 2, how the host's slots slow each other down),
+the model section the costs were measured with, and where
 they were measured. A simulation applies it only to the model it was measured on.
 """
 
@@ -16,8 +17,14 @@ from dynarl.sim.cpu_profile import CpuProfile
 from dynarl.sim.errors import SimError
 from dynarl.workers.config import ModelConfig
 
-PROFILE_VERSION = 1
-"""Format version written in every profile file."""
+PROFILE_VERSION = 2
+"""Format version written in every profile file. Version 2 added the host-sharing
+curve (``device.host_slowdown``); a version 1 file reads as one without it (the
+simulated slots are independent), while a dynarl that reads version 1 only refuses a
+version 2 file rather than ignore the curve."""
+
+READABLE_VERSIONS = (1, 2)
+"""Format versions :func:`read_profile` reads."""
 
 
 class ProfileFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -63,10 +70,15 @@ def read_profile(path: str | Path) -> ProfileFile:
     except msgspec.DecodeError as exc:
         raise SimError(f"profile file {path} is not JSON ({exc}); {fix}") from None
     version = data.get("profile_version") if isinstance(data, dict) else None
-    if version != PROFILE_VERSION:
+    if version not in READABLE_VERSIONS:
         raise SimError(
-            f"profile file {path}: profile_version={version!r}, this dynarl reads version "
-            f"{PROFILE_VERSION}; {fix}"
+            f"profile file {path}: profile_version={version!r}, this dynarl reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}; {fix}"
+        )
+    if version == 1 and isinstance(data.get("device"), dict) and "host_slowdown" in data["device"]:
+        raise SimError(
+            f"profile file {path}: device.host_slowdown is a version 2 field; set "
+            f"profile_version to 2, or {fix}"
         )
     try:
         return msgspec.convert(data, ProfileFile)

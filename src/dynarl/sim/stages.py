@@ -47,6 +47,7 @@ class InferenceStage:
         self.tokens = tokens
         self.replicas: dict[InstanceId, _Replica] = {}
         self.busy_device_s = 0.0
+        self.slowdown = 1.0  # the host's: a micro-batch takes this many times its alone time
 
     def add(self, iid: InstanceId) -> None:
         """A new replica."""
@@ -70,7 +71,20 @@ class InferenceStage:
                 total = sum(lengths)
                 mean_context = attended_context(lengths)
                 r.started_s = now_s
-                r.done_s = now_s + self.cost.time_s(total, self.cost.tp, mean_context)
+                alone_s = self.cost.time_s(total, self.cost.tp, mean_context)
+                r.done_s = now_s + alone_s * self.slowdown
+
+    def set_slowdown(self, factor: float, now_s: float) -> None:
+        """From ``now_s`` on, micro-batches take ``factor`` times their alone time
+        (the running ones, for what is left of them)."""
+        for r in self.replicas.values():
+            if r.done_s is not None:
+                r.done_s = now_s + (r.done_s - now_s) * factor / self.slowdown
+        self.slowdown = factor
+
+    def busy(self) -> list[InstanceId]:
+        """The replicas running a micro-batch."""
+        return [iid for iid, r in self.replicas.items() if r.done_s is not None]
 
     def next_time(self) -> float:
         """When the next micro-batch finishes (``inf`` if none runs)."""
@@ -111,6 +125,10 @@ class ActorStep:
         self.start_s = start_s
         self.end_s = end_s
         self.devices = devices
+
+    def stretch(self, ratio: float, now_s: float) -> None:
+        """What is left of the step after ``now_s`` takes ``ratio`` times as long."""
+        self.end_s = now_s + (self.end_s - now_s) * ratio
 
     @property
     def device_s(self) -> float:

@@ -17,6 +17,10 @@ controller's migrations.
 * **Time.** Nothing steps at a fixed ``dt``: the world sleeps (on the virtual clock)
   until the next engine event, tool return, micro-batch or optimizer-step end, or the
   next periodic stats report, and is woken early when a migration finishes.
+* **Shared hosts.** Where the cluster's slots share a host's cores (a CPU profile with
+  a measured :class:`~dynarl.sim.host.HostSharing` curve), every worker runs at the
+  speed the number of busy slots allows, reset whenever that number changes; devices
+  are otherwise independent.
 * **Migrations.** The executor drains instances through :meth:`SimWorld.remove_engine`
   and the inference stage, and routes their work with :meth:`SimWorld.assign_rollout`
   and :meth:`SimWorld.assign_inference`; a finished migration wakes the world.
@@ -115,6 +119,7 @@ class SimWorld:
         self.iterations: list[IterationRecord] = []
         self.workloads: list[tuple[Request, ...]] = []
         self.executor = SimExecutor(self)
+        self.slowdown = 1.0  # the host's, shared by every worker (see share_host)
 
     # ------------------------------------------------------------------ driving
 
@@ -208,6 +213,7 @@ class SimWorld:
         self.fleet.route(now)
         self._route_inference(now)
         self.actor.start(now)
+        self._share_host(now)
         report_all = now + _EPS >= self._next_stats_s
         if report_all:
             self._next_stats_s = now + self.run_config.sim.stats_period_s
@@ -220,6 +226,27 @@ class SimWorld:
         if INFERENCE in self.graph.components:
             for node in self.graph.components[INFERENCE].active_instances():
                 self.inference.add(node.id)
+
+    def _share_host(self, now: float) -> bool:
+        """Set every worker's speed from the number of busy slots (a cluster whose
+        slots share a host's cores, :class:`~dynarl.sim.host.HostSharing`); return
+        whether it changed."""
+        host = self.cluster.host
+        if host is None:
+            return False
+        busy = (
+            len(self.fleet.busy()) * self.cluster.engine.tp
+            + len(self.inference.busy()) * self.cluster.inference.tp
+            + self.actor.busy_devices()
+        )
+        factor = host.factor(busy)
+        if factor == self.slowdown:
+            return False
+        self.slowdown = factor
+        self.fleet.set_slowdown(factor, now)
+        self.inference.set_slowdown(factor, now)
+        self.actor.set_slowdown(factor, now)
+        return True
 
     # ------------------------------------------------------------------ downstream
 
@@ -279,6 +306,12 @@ class SimWorld:
     def now(self) -> float:
         """The world's time (never behind an event it has processed)."""
         return self._now()
+
+    def share_host(self, now: float) -> None:
+        """Workers started or stopped outside the world's loop (a migration drained
+        them): reset the host's sharing and wake the loop if the speed changed."""
+        if self._share_host(now):
+            self._wake.set()
 
     async def step_boundary(self) -> None:
         """Return once no optimizer step runs (at once if none does)."""

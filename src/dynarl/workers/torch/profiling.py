@@ -8,7 +8,9 @@ One process with ``threads`` torch threads (one device slot), the run's model se
 - log-prob inference time against micro-batch tokens (``InferenceWorker``);
 - one optimizer step against minibatch rows and width (``ElasticTrainer``, one rank);
 - transfer bandwidth between two slots: a tensor broadcast over gloo between two
-  processes, as weights and optimizer state move.
+  processes, as weights and optimizer state move;
+- how slots sharing this host's cores slow each other down
+  (:mod:`dynarl.workers.torch.host_scaling`).
 
 Each cost is fitted by least squares; on a shared machine the figures drift with the
 other tenants' load, so every coefficient is the median of ``repeat`` rounds.
@@ -279,10 +281,20 @@ def profile_from(
 
 
 def profile_machine(
-    cfg: DynaRLConfig, *, repeat: int = 3, threads: int = 1, name: str = ""
+    cfg: DynaRLConfig,
+    *,
+    repeat: int = 3,
+    threads: int = 1,
+    name: str = "",
+    host_slots: int | None = None,
 ) -> ProfileFile:
     """Profile this machine running ``cfg``'s model on slots of ``threads`` threads:
-    what ``dynarl profile`` writes."""
+    what ``dynarl profile`` writes. ``host_slots`` slots (default: the config's
+    ``cluster.num_devices``) measure how slots sharing this host slow each other down
+    (:func:`~dynarl.workers.torch.host_scaling.host_slowdown`); 0 or 1 leaves the
+    curve out (the simulated slots are then independent)."""
+    from dynarl.workers.torch.host_scaling import host_slowdown
+
     measured = measure(cfg, repeat=repeat, threads=threads)
     measured.update(transfer())
     host = (
@@ -290,10 +302,16 @@ def profile_machine(
         f"torch {torch.__version__}, {threads} thread(s) per slot"
     )
     device = profile_from(measured, name=name or f"{platform.node()}-{threads}t", threads=threads)
+    fields: tuple[str, ...] = MEASURED
+    slots = cfg.cluster.num_devices if host_slots is None else host_slots
+    if slots >= 2:
+        curve = host_slowdown(cfg, slots, threads=threads, repeat=max(1, repeat // 2))
+        device = msgspec.structs.replace(device, host_slowdown=curve)
+        fields = (*MEASURED, "host_slowdown")
     return ProfileFile(
         profile_version=PROFILE_VERSION,
         device=device,
         model=cfg.model,
-        measured=MEASURED,
+        measured=fields,
         host=host,
     )

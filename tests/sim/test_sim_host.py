@@ -1,0 +1,93 @@
+"""Slots sharing a host's cores: the measured slowdown curve, applied as processor
+sharing to every simulated worker; a profile without it keeps devices independent."""
+
+import asyncio
+
+import msgspec
+import pytest
+from recipes import e2e_cpu
+
+from dynarl.core.ids import GroupId, InstanceId, ItemId
+from dynarl.core.virtual_time import VirtualTimeLoop
+from dynarl.sim import H100, EngineConfig, Job, SimEngine, model
+from dynarl.sim.cluster import ClusterModel
+from dynarl.sim.config import SimConfig, SimulatedRun, simulated_run
+from dynarl.sim.cpu_profile import CPU_1T, cpu_cluster, replay_workload
+from dynarl.sim.errors import SimError
+from dynarl.sim.host import HostSharing
+from dynarl.sim.run import ModeResult, simulate
+
+
+def test_the_curve_gives_the_measured_factor_and_saturates_past_it() -> None:
+    host = HostSharing(slowdown=(1.0, 1.6, 2.7))
+    assert [host.factor(n) for n in (0, 1, 2, 3)] == [1.0, 1.0, 1.6, 2.7]
+    # past the measured range the host is saturated: each slot's speed falls as 1/n
+    assert host.factor(6) == pytest.approx(2.7 * 6 / 3)
+
+
+@pytest.mark.parametrize(
+    ("curve", "match"),
+    [((), "at least one point"), ((2.0, 3.0), r"host_slowdown\[0\]=2.0"), ((1.0, 0.0), "2 slots")],
+)
+def test_a_malformed_curve_is_refused(curve: tuple[float, ...], match: str) -> None:
+    with pytest.raises(SimError, match=match):
+        HostSharing(slowdown=curve)
+    with pytest.raises(msgspec.ValidationError, match=match):
+        msgspec.convert({"slowdown": list(curve)}, HostSharing)
+
+
+def test_an_engine_slowed_mid_flight_finishes_the_rest_at_the_new_speed() -> None:
+    config = EngineConfig(gpu=H100, model=model("R1-Distill-Qwen-1.5B"))
+    jobs = [Job(id=ItemId("r"), group=GroupId("g"), context_tokens=64, output_tokens=400)]
+    alone = SimEngine(config, instance=InstanceId("a"))
+    alone.submit(jobs)
+    end = alone.advance_to(1e9)[0].time_s
+    shared = SimEngine(config, instance=InstanceId("b"))
+    shared.submit(jobs)
+    shared.advance_to(end / 2)
+    shared.set_slowdown(3.0)
+    late = shared.advance_to(1e9)[0].time_s
+    # half the work at full speed, the other half three times slower (to a step)
+    assert late == pytest.approx(end / 2 + 3 * end / 2, rel=0.01)
+
+
+def _run(cfg: SimulatedRun, cluster: ClusterModel) -> ModeResult:
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        result, _ = runner.run(simulate(cfg, cluster=cluster))
+    return result
+
+
+def _colocated(curve: tuple[float, ...]) -> tuple[SimulatedRun, ClusterModel]:
+    """Two slots in lockstep: every stage runs on both, with equal work on each."""
+    cfg = simulated_run(
+        SimulatedRun(job=e2e_cpu("static-colocated"), sim=SimConfig(gpu="cpu-1t")),
+        [
+            "algorithm.num_prompts=8",
+            "algorithm.group_size=4",
+            "rollout.max_running_requests=16",  # both engines get half the requests
+            "run.num_iterations=2",
+        ],
+    )
+    generated = [{f"{i}-{p}-{g}": 30 for p in range(8) for g in range(4)} for i in range(2)]
+    profile = msgspec.structs.replace(CPU_1T, host_slowdown=curve)
+    workload = replay_workload(cfg.job, generated, prompt_tokens=[[10] * 8] * 2)
+    return cfg, cpu_cluster(cfg, profile=profile, workload=workload)
+
+
+def test_two_busy_slots_on_a_host_each_take_the_measured_factor_longer() -> None:
+    alone = _run(*_colocated((1.0, 1.0)))
+    shared = _run(*_colocated((1.0, 2.5)))
+    for component in ("rollout", "inference", "actor"):
+        ratio = shared.devices[component].busy / alone.devices[component].busy
+        assert ratio == pytest.approx(2.5, rel=0.02), component
+    # migrations and weight sync are not computed on the slots: not stretched
+    assert shared.mean_iteration_s > 1.5 * alone.mean_iteration_s
+
+
+def test_a_profile_without_the_curve_keeps_devices_independent() -> None:
+    cfg, cluster = _colocated(())
+    assert cluster.host is None
+    flat = _run(*_colocated((1.0, 1.0)))
+    assert _run(cfg, cluster).mean_iteration_s == pytest.approx(flat.mean_iteration_s, rel=1e-9)
+    gpu = simulated_run({}, ["sim.gpu=H100", "run.num_iterations=1"])
+    assert ClusterModel.from_config(gpu).host is None
