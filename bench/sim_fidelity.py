@@ -1,0 +1,230 @@
+"""How far the simulator is from the real CPU job: both side by side, in one run.
+
+The real job is ``bench/e2e_cpu.py``'s (recipe :func:`recipes.e2e_cpu`: 2 one-thread
+CPU slots, 32 prompts x 8 samples, responses up to 384 tokens), run for real under
+``static-colocated``, ``static-disaggregated`` and ``dynamic``, opened side by side with
+their iterations interleaved (so the shared machine's drift hits every mode alike).
+Each mode's run directory holds its ``trace.jsonl``; the simulator then replays that
+trace (the same prompts and response lengths, iteration by iteration) under the same
+mode and configuration, and the mean iteration time and generated tokens/s over the
+iterations after the warm-up are compared.
+
+The simulated device is, by default, a profile measured in this process run: the
+workers' costs (one round of ``bench/profile_cpu.py``) and the host-sharing curve
+(:mod:`dynarl.workers.torch.host_scaling`), each measured before the runs and after
+every round of iterations, averaged, and written to ``OUT/profile.json``. On a shared
+machine a slot's speed moves with the other tenants' load by 2x and more within
+minutes, and so does the host-sharing curve (two slots: 1.0x to 2.5x one alone), so
+only a profile taken through the run describes the machine the run saw.
+``--profile builtin`` uses the built-in ``cpu-1t`` profile instead (measured once on
+the development machine: a test of the built-in figures more than of the model).
+
+Prints a table and one JSON line::
+
+    {"bench": "sim_fidelity", "error": {mode: fraction}, "throughput_error": {...},
+     "measured_s": {...}, "simulated_s": {...}, "ranking_agrees": bool, ...}
+
+where ``error`` is simulated over measured mean iteration time, minus one::
+
+    python bench/sim_fidelity.py [--iterations 5] [--warmup 1] [--profile measured|builtin]
+"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from dynarl.api.config import DynaRLConfig
+from dynarl.core.virtual_time import VirtualTimeLoop
+from dynarl.sim.cluster import trace_workload
+from dynarl.sim.config import SimConfig, SimulatedRun, simulated_run
+from dynarl.sim.cpu_profile import CPU_1T, CpuProfile, cpu_cluster
+from dynarl.sim.profile_file import PROFILE_VERSION, ProfileFile, write_profile
+from dynarl.sim.run import ModeResult, simulate
+from dynarl.workers.torch.host_scaling import SlotPool
+from dynarl.workers.torch.profiling import MEASURED, profile_from
+from dynarl.workers.torch.profiling import measure as measure_costs
+from e2e_cpu import MODES, ModeRun, mode_config, open_run, step, summarise
+
+
+class Profiler:
+    """Measures the workers' costs (one round of ``bench/profile_cpu.py``) and the
+    host-sharing curve (a :class:`SlotPool` kept open through the run) on demand."""
+
+    def __init__(self, cfg: DynaRLConfig) -> None:
+        self.cfg = cfg
+        threads = cfg.cluster.threads_per_device
+        self.pool = SlotPool(cfg, cfg.cluster.num_devices, threads=threads)
+        self.costs: list[dict[str, float]] = []
+        self.curves: list[tuple[float, ...]] = []
+
+    def __call__(self) -> None:
+        """One round of both, now."""
+        threads = self.cfg.cluster.threads_per_device
+        self.costs.append(measure_costs(self.cfg, repeat=1, threads=threads))
+        self.curves.append(self.pool.curve())
+        print(
+            f"profiled: decode step {self.costs[-1]['decode_a_s'] * 1e3:.2f} ms, "
+            f"host slowdown {self.curves[-1]}",
+            flush=True,
+        )
+
+    def profile(self) -> CpuProfile:
+        """One profile of the rounds' means."""
+        mean = {k: statistics.mean(c[k] for c in self.costs) for k in self.costs[0]}
+        curve = tuple(round(statistics.mean(c), 3) for c in zip(*self.curves, strict=True))
+        profile = profile_from(mean, name="cpu-measured")
+        return msgspec.structs.replace(profile, host_slowdown=curve)
+
+
+async def run_and_profile(
+    runs: list[ModeRun], args: argparse.Namespace, profiler: Profiler | None
+) -> None:
+    """Open every mode's run side by side, then per round one iteration of each mode
+    and (with a measured profile) one round of profiling, so the profile sees the same
+    drift of the machine's load as the iterations."""
+    async with contextlib.AsyncExitStack() as stack:
+        for run in runs:
+            await open_run(stack, run)
+        for _ in range(args.iterations):
+            for run in runs:
+                await step(run, args.iteration_limit_s)
+            if profiler is not None:
+                # in a thread: the open runs' controllers keep being served meanwhile
+                await anyio.to_thread.run_sync(profiler)
+
+
+def simulate_mode(run: ModeRun, profile: CpuProfile, warmup: int) -> ModeResult:
+    """``run``'s job under its mode on ``profile``, replaying its own trace.jsonl."""
+    trace = run.rl.run_dir / "trace.jsonl"
+    num = len(run.stats)
+    sim = simulated_run(
+        SimulatedRun(job=run.cfg, sim=SimConfig(gpu="cpu-1t")),
+        [
+            f"sim.trace={json.dumps(str(trace))}",
+            f"run.num_iterations={num}",
+            f"sim.warmup_iterations={min(warmup, num - 1)}",
+        ],
+    )
+    cluster = cpu_cluster(sim, profile=profile, workload=trace_workload(sim))
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        result, _ = runner.run(simulate(sim, cluster=cluster, name=run.mode))
+    return result
+
+
+def ranking(times: dict[str, float]) -> list[str]:
+    """Modes from fastest to slowest."""
+    return sorted(times, key=times.__getitem__)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1, help="iterations left out of means")
+    parser.add_argument("--profile", choices=("measured", "builtin"), default="measured")
+    parser.add_argument("--out", default="runs/sim_fidelity", help="parent of the run dirs")
+    parser.add_argument("--iteration-limit-s", type=float, default=300.0)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    args.quick, args.order = False, "interleaved"  # what e2e_cpu's helpers read
+    logging.basicConfig(level=logging.WARNING)
+    out = Path(args.out)
+    runs = [ModeRun(m, mode_config(m, args, out)) for m in MODES]
+    cfg0 = runs[0].cfg
+    print(
+        f"sim_fidelity: {cfg0.cluster.num_devices} slots x {cfg0.cluster.threads_per_device} "
+        f"thread(s), {cfg0.algorithm.num_prompts}x{cfg0.algorithm.group_size} samples, "
+        f"max_new_tokens {cfg0.rollout.max_new_tokens}, {args.iterations} iterations "
+        f"(warm-up {args.warmup}), profile {args.profile}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    profiler = Profiler(cfg0) if args.profile == "measured" else None
+    try:
+        if profiler is not None:
+            profiler()
+        asyncio.run(run_and_profile(runs, args, profiler))
+    finally:
+        if profiler is not None:
+            profiler.pool.close()
+    profile = profiler.profile() if profiler is not None else CPU_1T
+    out.mkdir(parents=True, exist_ok=True)
+    profile_path = out / "profile.json"
+    write_profile(
+        profile_path,
+        ProfileFile(
+            profile_version=PROFILE_VERSION,
+            device=profile,
+            model=cfg0.model,
+            measured=(*MEASURED, "host_slowdown") if args.profile == "measured" else (),
+            host=f"{platform.node()}, {os.cpu_count()} cores, measured by bench/sim_fidelity.py",
+        ),
+    )
+    real = {r.mode: summarise(r, args.warmup) for r in runs}
+    failed = {m: s["error"] for m, s in real.items() if s.get("error")}
+    simulated = {r.mode: simulate_mode(r, profile, args.warmup) for r in runs if r.stats}
+
+    measured_s = {m: real[m]["mean_iteration_s"] for m in simulated}
+    simulated_s = {m: r.mean_iteration_s for m, r in simulated.items()}
+    measured_tps = {m: real[m]["tokens_per_s"] for m in simulated}
+    simulated_tps = {m: r.throughput for m, r in simulated.items()}
+    error = {m: simulated_s[m] / measured_s[m] - 1.0 for m in simulated}
+    tps_error = {m: simulated_tps[m] / measured_tps[m] - 1.0 for m in simulated}
+    agrees = ranking(measured_s) == ranking(simulated_s)
+
+    print()
+    print(
+        f"{'mode':22s} {'real s':>7s} {'sim s':>7s} {'error':>7s} {'real tok/s':>10s} "
+        f"{'sim tok/s':>10s} {'error':>7s}"
+    )
+    for m in simulated:
+        print(
+            f"{m:22s} {measured_s[m]:7.2f} {simulated_s[m]:7.2f} {error[m]:+7.1%} "
+            f"{measured_tps[m]:10.0f} {simulated_tps[m]:10.0f} {tps_error[m]:+7.1%}"
+        )
+    print(
+        f"ranking (fastest first): real {ranking(measured_s)}, simulated "
+        f"{ranking(simulated_s)}: {'agrees' if agrees else 'DISAGREES'}"
+    )
+    print(
+        f"profile: {profile.name}, decode step {profile.decode_step_s * 1e3:.2f} ms, "
+        f"host slowdown {profile.host_slowdown}"
+    )
+    record: dict[str, Any] = {
+        "bench": "sim_fidelity",
+        "error": {m: round(v, 3) for m, v in error.items()},
+        "throughput_error": {m: round(v, 3) for m, v in tps_error.items()},
+        "measured_s": {m: round(v, 3) for m, v in measured_s.items()},
+        "simulated_s": {m: round(v, 3) for m, v in simulated_s.items()},
+        "ranking_agrees": agrees,
+        "ranking": ranking(measured_s),
+        "profile": args.profile,
+        "host_slowdown": list(profile.host_slowdown),
+        "num_devices": cfg0.cluster.num_devices,
+        "iterations": args.iterations,
+        "warmup": args.warmup,
+        "failed": failed,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    print(
+        f"replay one: dynarl sim e2e_cpu --workload {out}/MODE/trace.jsonl --profile "
+        f"{profile_path} --set scheduler.mode=MODE --set run.num_iterations={args.iterations}"
+    )
+    (out / "sim_fidelity.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps(record))
+    sys.exit(1 if failed or len(simulated) < len(runs) else 0)
+
+
+if __name__ == "__main__":
+    main()
