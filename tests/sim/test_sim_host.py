@@ -2,6 +2,8 @@
 sharing to every simulated worker; a profile without it keeps devices independent."""
 
 import asyncio
+import json
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -15,6 +17,7 @@ from dynarl.sim.config import SimConfig, SimulatedRun, simulated_run
 from dynarl.sim.cpu_profile import CPU_1T, cpu_cluster, replay_workload
 from dynarl.sim.errors import SimError
 from dynarl.sim.host import HostSharing
+from dynarl.sim.profile_file import read_profile
 from dynarl.sim.run import ModeResult, simulate
 
 
@@ -91,3 +94,24 @@ def test_a_profile_without_the_curve_keeps_devices_independent() -> None:
     assert _run(cfg, cluster).mean_iteration_s == pytest.approx(flat.mean_iteration_s, rel=1e-9)
     gpu = simulated_run({}, ["sim.gpu=H100", "run.num_iterations=1"])
     assert ClusterModel.from_config(gpu).host is None
+
+
+def test_a_version_1_profile_file_reads_as_independent_slots(tmp_path: Path) -> None:
+    device = msgspec.to_builtins(msgspec.structs.replace(CPU_1T, host_slowdown=()))
+    del device["host_slowdown"]
+    old = {"profile_version": 1, "device": device, "model": {}}
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(old))
+    assert read_profile(path).device.host_sharing() is None
+    # a version 1 file that carries the curve is a mistake, not silently version 2
+    device["host_slowdown"] = [1.0, 2.0]
+    path.write_text(json.dumps(old))
+    with pytest.raises(SimError, match="version 2 field"):
+        read_profile(path)
+    # version 2 holds it, and a malformed curve is refused with the field named
+    path.write_text(json.dumps({**old, "profile_version": 2}))
+    assert read_profile(path).device.host_sharing() == HostSharing(slowdown=(1.0, 2.0))
+    device["host_slowdown"] = [2.0]
+    path.write_text(json.dumps({**old, "profile_version": 2}))
+    with pytest.raises(SimError, match=r"host_slowdown\[0\]=2.0"):
+        read_profile(path)

@@ -106,8 +106,11 @@ class SimActor:
             routed.append((item, node.id))
         devices = sum(len(n.devices) for n in actors)
         tokens = [self.tokens(i) for i in batch]
-        total = len(tokens) * max(tokens) if self.cluster.padded_batches else sum(tokens)
-        step_s = self.cluster.actor.step_time_s(total, devices, attended_context(tokens))
+        if self.cluster.padded_batches:  # every row padded to the longest: width / 2 each
+            total, context = len(tokens) * max(tokens), max(tokens) / 2
+        else:
+            total, context = sum(tokens), attended_context(tokens)
+        step_s = self.cluster.actor.step_time_s(total, devices, context)
         self._step = ActorStep(routed, now, now + step_s * self.slowdown, devices)
 
     def set_slowdown(self, factor: float, now: float) -> None:

@@ -41,7 +41,7 @@ from dynarl.sim.costs import (
 from dynarl.sim.engine_config import EngineConfig
 from dynarl.sim.errors import SimError
 from dynarl.sim.hardware import GpuProfile
-from dynarl.sim.host import HostSharing
+from dynarl.sim.host import HostSharing, check_slowdown
 from dynarl.sim.models import ModelProfile
 from dynarl.sim.replay import ReplayWorkload
 from dynarl.sim.workloads import MathWorkload, Request
@@ -69,6 +69,9 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
         inference_per_token_s: log-prob cost per (padded) token.
         train_overhead_s: fixed cost of one optimizer step on a rank.
         train_per_token_s: forward plus backward cost per padded token on one slot.
+        train_per_token_context_s: extra training cost per padded token per token of
+            context it attends to (half the minibatch's width on average): attention
+            makes a token of a wide minibatch dearer than one of a narrow one.
         dp_alpha: data-parallel efficiency ``1 / (1 + dp_alpha * log2(ranks))`` (gloo
             all-reduce of the gradients).
         engine_acquire_s: a rollout or inference instance taking a device (resume,
@@ -100,6 +103,7 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
     inference_per_token_s: float
     train_overhead_s: float
     train_per_token_s: float
+    train_per_token_context_s: float = 0.0
     dp_alpha: float = 0.1
     engine_acquire_s: float
     reshard_s: float
@@ -108,6 +112,10 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
     transfer_bytes_per_s: float | None = None
     iteration_overhead_s: float = 0.0
     host_slowdown: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.host_slowdown:
+            check_slowdown(self.host_slowdown, "host_slowdown")
 
     def host_sharing(self) -> HostSharing | None:
         """The host-sharing model of :attr:`host_slowdown` (``None`` if not measured)."""
@@ -135,6 +143,11 @@ CPU_1T = CpuProfile(
     reshard_s=0.07,
     weight_sync_s=0.04,
     iteration_overhead_s=0.0,
+    # bench/profile_cpu.py --host-scaling 4, the mean of two runs (x2.24/3.52/6.04 and
+    # x1.58/2.35/2.83 for 2/3/4 slots) under other tenants' load (load average 3.5-6.5
+    # on 2 cores). It moves with that load: the 2-slot point measured between
+    # bench/sim_fidelity.py's iterations ranged x1.1-5.2, mostly near x1.1 or x2.5.
+    host_slowdown=(1.0, 1.91, 2.93, 4.44),
 )
 """One-thread CPU device slot of the development machine, default model shape."""
 
@@ -190,15 +203,19 @@ class CpuInferenceCost(InferenceCost, frozen=True, kw_only=True):
 
 class CpuActorCost(ActorCost, frozen=True, kw_only=True):
     """The trainer on CPU slots: each rank pays a fixed cost per step plus its share of
-    the padded tokens, slowed by the data-parallel efficiency."""
+    the padded tokens (each the dearer the more context it attends to), slowed by the
+    data-parallel efficiency."""
 
     overhead_s: float = 0.0
     per_token_s: float = 0.0
+    per_token_context_s: float = 0.0
 
     def step_time_s(self, num_tokens: float, num_devices: int, mean_context: float = 0.0) -> float:
-        """Seconds of one optimizer step over ``num_tokens`` (padded) tokens."""
+        """Seconds of one optimizer step over ``num_tokens`` (padded) tokens attending
+        to ``mean_context`` tokens each on average."""
         replicas = max(1, num_devices // self.replica_devices)
-        share = self.per_token_s * num_tokens / replicas / self.efficiency(replicas)
+        per_token = self.per_token_s + self.per_token_context_s * mean_context
+        share = per_token * num_tokens / replicas / self.efficiency(replicas)
         return self.overhead_s + share
 
 
@@ -355,6 +372,7 @@ def cpu_cluster(
             efficiency=efficiency,
             overhead_s=profile.train_overhead_s,
             per_token_s=profile.train_per_token_s,
+            per_token_context_s=profile.train_per_token_context_s,
         ),
         migration=MigrationCostModel(
             workload=MigrationCost(

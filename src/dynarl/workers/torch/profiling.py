@@ -53,6 +53,7 @@ MEASURED = (
     "inference_per_token_s",
     "train_overhead_s",
     "train_per_token_s",
+    "train_per_token_context_s",
     "transfer_bytes_per_s",
 )
 """The :class:`~dynarl.sim.cpu_profile.CpuProfile` fields a profiling run measures;
@@ -161,8 +162,9 @@ def inference(cfg: DynaRLConfig) -> dict[str, float]:
 
 
 def train(cfg: DynaRLConfig) -> dict[str, float]:
-    """One optimizer step on one rank ``= overhead + per_micro_batch * micro-batches +
-    per_token * padded tokens``."""
+    """One optimizer step on one rank ``= overhead + (per_token + per_token_context *
+    width / 2) * padded tokens`` (attention makes a token of a wider minibatch dearer;
+    widths up to the model's ``max_seq_len``)."""
     tc = TrainerConfig(
         micro_batch_size=cfg.actor.micro_batch_size, seed=0, num_threads=torch.get_num_threads()
     )
@@ -175,7 +177,7 @@ def train(cfg: DynaRLConfig) -> dict[str, float]:
     )
     rows, ys = [], []
     for num in (8, 32, 64):
-        for width in (16, 64, 200):
+        for width in sorted({16, 64, min(200, cfg.model.max_seq_len), cfg.model.max_seq_len}):
             batch = {
                 "input_ids": torch.full((num, width), 5, dtype=torch.long),
                 "attention_mask": torch.ones((num, width), dtype=torch.long),
@@ -188,14 +190,13 @@ def train(cfg: DynaRLConfig) -> dict[str, float]:
                 trainer.train_step(batch)
 
             run()
-            micro = -(-num // tc.micro_batch_size)
-            rows.append((1.0, float(micro), float(num * width)))
+            rows.append((1.0, float(num * width), num * width * width / 2))
             ys.append(_median_s(run, 3))
-    overhead, per_micro, per_token = _fit(rows, ys)
+    overhead, per_token, per_token_context = _fit(rows, ys)
     return {
         "train_overhead_s": overhead,
-        "train_per_micro_batch_s": per_micro,
         "train_per_token_s": per_token,
+        "train_per_token_context_s": per_token_context,
     }
 
 
@@ -274,8 +275,10 @@ def profile_from(
         prefill_per_token_s=m["prefill_per_token_s"],
         inference_overhead_s=m["inference_overhead_s"],
         inference_per_token_s=m["inference_per_token_s"],
-        train_overhead_s=m["train_overhead_s"] + m["train_per_micro_batch_s"],
+        # raw figures of older benches fitted a cost per micro-batch too
+        train_overhead_s=m["train_overhead_s"] + m.get("train_per_micro_batch_s", 0.0),
         train_per_token_s=m["train_per_token_s"],
+        train_per_token_context_s=m.get("train_per_token_context_s", 0.0),
         transfer_bytes_per_s=m.get("transfer_bytes_per_s") or None,
     )
 
