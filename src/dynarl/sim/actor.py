@@ -3,7 +3,8 @@ and optimizer steps.
 
 Samples ready to train arrive one by one; a group joins the minibatch queue once all its
 samples have arrived. An optimizer step takes a minibatch of whole groups (in arrival
-order) once enough are queued, spreads its samples over the actor's replicas and runs
+order, or the real loop's seeded split when training waits for the whole iteration)
+once enough are queued, spreads its samples over the actor's replicas and runs
 for the :class:`~dynarl.sim.costs.ActorCost` time of their tokens on all the actor's
 devices (an :class:`~dynarl.sim.stages.ActorStep`). No step starts while a migration
 touches the actor (the trainer is resized only between steps), and a run that trains
@@ -11,7 +12,7 @@ after rollout holds its first step until the whole iteration's samples are in.
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import anyio
 
@@ -19,6 +20,7 @@ from dynarl.control import events as ev
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.topology import ACTOR, TO_ACTOR
 from dynarl.core.ids import GroupId, ItemId
+from dynarl.rl.batch import minibatch_indices
 from dynarl.rl.config import AlgorithmConfig
 from dynarl.sim.cluster import ClusterModel
 from dynarl.sim.costs import attended_context
@@ -60,7 +62,21 @@ class SimActor:
         self._step: ActorStep | None = None
         self._step_ended = anyio.Event()
         self.steps_done = 0
+        self._split: list[list[ItemId]] = []  # the seeded order's minibatches, in turn
         self.slowdown = 1.0  # the host's: a step takes this many times its alone time
+
+    def begin_iteration(self, iteration: int, items: Sequence[ItemId], seed: int) -> None:
+        """A new iteration of ``items`` (in prompt order). Training after rollout, its
+        minibatches are the real loop's seeded split (``minibatch_order=seeded``:
+        :func:`~dynarl.rl.batch.minibatch_indices` seeded by the run's seed and the
+        iteration), so each step pads and pays for the samples a real step would."""
+        self.steps_done = 0
+        self._split = []
+        if self.cluster.train_after_rollout:
+            parts = minibatch_indices(
+                len(items), self.algorithm.n_minibatches, seed=[seed, iteration]
+            )
+            self._split = [[items[int(i)] for i in part] for part in parts]
 
     def arrived(self, item: ItemId, group: GroupId) -> None:
         """``item`` is ready to train; its group joins the minibatch queue once whole."""
@@ -98,7 +114,12 @@ class SimActor:
             and len(self._ready) < algo.samples_per_iteration
         ):
             return
-        batch, self._ready = self._ready[:per_step], self._ready[per_step:]
+        if self._split:
+            batch = self._split.pop(0)
+            taken = set(batch)
+            self._ready = [i for i in self._ready if i not in taken]
+        else:
+            batch, self._ready = self._ready[:per_step], self._ready[per_step:]
         routed = []
         for k, item in enumerate(batch):
             node = actors[k % len(actors)]

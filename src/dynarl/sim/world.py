@@ -131,9 +131,9 @@ class SimWorld:
     async def _iteration(self, iteration: int) -> None:
         start = self._now()
         before = self.totals.snapshot(self)
-        self.actor.steps_done = 0
         self.emit(ev.IterationStarted(iteration=iteration))
         requests = self.cluster.workload.generate(self.rng, iteration=iteration)
+        self.actor.begin_iteration(iteration, [r.id for r in requests], self.cfg.run.seed)
         self.workloads.append(requests)
         for r in requests:
             self.seqs[r.id] = SeqProgress(r)
