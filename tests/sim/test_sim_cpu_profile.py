@@ -48,8 +48,8 @@ def test_the_recipe_selects_the_cpu_profile() -> None:
     assert not ClusterModel.from_config(completion).train_after_rollout
     a, b = cluster.engine.step_coefficients()
     assert a == pytest.approx(CPU_1T.decode_step_s)
-    # the per-request cost is spread over the context a request holds
-    assert b > CPU_1T.decode_per_context_token_s
+    assert b == pytest.approx(CPU_1T.decode_per_context_token_s)
+    assert cluster.engine.step_per_request_s == CPU_1T.decode_per_request_s
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -314,3 +314,25 @@ def test_an_event_one_ulp_after_the_target_is_due() -> None:
     (done,) = engine.advance_to(math.nextafter(t, 0.0))
     assert done.id == "a"
     assert engine.next_event_time() == math.inf
+
+
+def test_a_cost_per_running_request_matches_a_token_by_token_reference() -> None:
+    config = _config(step_per_request_s=2e-4)
+    jobs = [_job(f"r{i}", 10 + 5 * i, 20 + 30 * i) for i in range(6)]
+    engine = _engine(config)
+    engine.submit(jobs)
+    done = engine.advance_to(1e9)
+    a, b = config.step_coefficients()
+    t = config.prefill_overhead_s + sum(config.prefill_s(j.context_tokens) for j in jobs)
+    ctx = {j.id: j.context_tokens for j in jobs}
+    left = {j.id: j.output_tokens for j in jobs}
+    expected: dict[ItemId, float] = {}
+    while left:
+        t += a + 2e-4 * len(left) + b * sum(ctx[i] for i in left)
+        for i in list(left):
+            ctx[i] += 1
+            left[i] -= 1
+            if not left[i]:
+                expected[i] = t
+                del left[i]
+    assert {d.id: d.time_s for d in done} == pytest.approx(expected, rel=1e-9)

@@ -55,7 +55,8 @@ def work_device_s(cluster: ClusterModel, requests: Sequence[Request]) -> dict[st
         context = float(r.prompt_tokens)
         prefill += shape.prefill_flops(r.prompt_tokens) / prefill_rate
         for k, n in enumerate(r.output_tokens):
-            decode += n * a / batch + b * (n * context + n * (n - 1) / 2)
+            decode += n * (a / batch + eng.step_per_request_s)
+            decode += b * (n * context + n * (n - 1) / 2)
             context += n
             if k < r.num_tool_calls:
                 out = r.tool_output_tokens[k]

@@ -155,7 +155,8 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
             running = min(load, cap * engines)
             for ctx in (context / 4, context, context * 4):
                 # fewer requests than engines: each runs alone on its engine
-                step = a + b * ctx * running / min(running, engines)
+                per_engine = running / min(running, engines)
+                step = a + eng.step_per_request_s * per_engine + b * ctx * per_engine
                 rows.append(
                     ProfileRow(
                         component=ROLLOUT,
@@ -210,6 +211,7 @@ def decode_alone_s(cluster: ClusterModel, r: Request) -> float:
     """Seconds to decode ``r`` alone on one engine (every step pays the engine's
     fixed cost), its tool calls included."""
     a, b = cluster.engine.step_coefficients()
+    a += cluster.engine.step_per_request_s  # a batch of one
     context, total = float(r.prompt_tokens), 0.0
     for k, n in enumerate(r.output_tokens):
         total += n * a + b * (n * context + n * (n - 1) / 2)

@@ -6,8 +6,9 @@ and dispatch cost of milliseconds, and the work on top grows with the (padded) t
 :class:`CpuProfile` holds those costs as ``bench/profile_cpu.py`` measures them, and
 :func:`cpu_cluster` turns them into the simulator's cost models:
 
-- a decode step costs ``decode_step_s + decode_per_context_token_s x context held``
-  (the engine model's ``a + b x context``, with ``b`` as an effective memory bandwidth);
+- a decode step costs ``decode_step_s + decode_per_request_s x running requests +
+  decode_per_context_token_s x context held`` (the engine model's ``a + c x batch + b x
+  context``, with ``b`` as an effective memory bandwidth);
 - prefill, log-prob inference and training cost a fixed time per call plus a time per
   token; training pays for padded tokens (every minibatch is padded to its longest
   sample); with ``algorithm.minibatch_order=seeded`` (the default) the first step
@@ -60,8 +61,7 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
         threads: torch threads per slot the figures were measured with.
         decode_step_s: fixed cost of one decode step (forward, sampling, bookkeeping).
         decode_per_request_s: extra decode-step cost per running request (sampling and
-            bookkeeping in Python); the engine model, whose step grows with context
-            only, gets it spread over the workload's mean context per request.
+            bookkeeping in Python).
         decode_per_context_token_s: extra decode-step cost per token of context held.
         prefill_overhead_s: fixed cost of one prefill batch.
         prefill_per_token_s: prefill cost per prompt token.
@@ -268,18 +268,6 @@ def _synthetic_prompt_tokens(cfg: DynaRLConfig, num_iterations: int) -> list[lis
     ]
 
 
-def _mean_decode_context(workload: MathWorkload | ReplayWorkload) -> float:
-    """Mean context a decode step reads per running request (token-weighted prompt
-    plus half the response)."""
-    if isinstance(workload, ReplayWorkload):
-        turns = [
-            (r.prompt_tokens, n) for it in workload.iterations for r in it for n in r.output_tokens
-        ]
-        tokens = sum(n for _, n in turns)
-        return max(1.0, sum(n * (p + n / 2) for p, n in turns) / max(tokens, 1))
-    return max(1.0, workload.prompt_median_tokens + workload.median_output_tokens / 2)
-
-
 def cpu_cluster(
     run: SimulatedRun,
     *,
@@ -321,9 +309,7 @@ def cpu_cluster(
         min_output_tokens=1,
         lengths=sim.output_lengths,
     )
-    per_context = profile.decode_per_context_token_s + (
-        profile.decode_per_request_s / _mean_decode_context(workload)
-    )
+    per_context = profile.decode_per_context_token_s
     # An effective memory bandwidth that makes the engine model's per-context cost the
     # measured one, and a FLOP rate that makes its prefill cost per token the measured one.
     bandwidth = shape.kv_bytes_per_token / max(per_context, 1e-12)
@@ -350,6 +336,7 @@ def cpu_cluster(
             tp=cfg.rollout.tp,
             max_running_requests=cfg.rollout.max_running_requests,
             step_overhead_s=max(0.0, profile.decode_step_s - weights_s),
+            step_per_request_s=profile.decode_per_request_s,
             prefill_mfu=1.0,
             prefill_overhead_s=profile.prefill_overhead_s,
             kv_capacity_tokens=cfg.rollout.kv_capacity_tokens,

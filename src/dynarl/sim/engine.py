@@ -16,8 +16,8 @@ KV in a prefix cache (LRU, evicted by tokens from the least recent entry's tail)
 its next turn re-prefills only what was evicted and the tool's output.
 
 Time moves analytically. Between events every running request advances the same
-number of steps, and step ``k`` from now costs ``a + b * (A + k * B)`` (``B`` running,
-``A`` tokens of context held), so the time of ``n`` steps has a closed form and the
+number of steps, and step ``k`` from now costs ``a + c * B + b * (A + k * B)`` (``B``
+running, ``A`` tokens of context held), so the time of ``n`` steps has a closed form and the
 steps that fit in an interval solve a quadratic. Events are completions, cache
 overflows and admissions; nothing is simulated token by token, and between events the
 engine's state is only materialised when someone looks (submit, abort).
@@ -90,6 +90,7 @@ class SimEngine:
         self.config = config
         self.instance = instance
         self._a, self._b = config.step_coefficients()
+        self._c = config.step_per_request_s
         self._capacity = config.kv_tokens_capacity
         self._admit_limit = config.admit_fraction * self._capacity
         self._headroom_steps = max(1, config.retract_headroom_steps)
@@ -247,7 +248,7 @@ class SimEngine:
             rate = (generated - self._stats_generated) / window
         else:
             decoding = batch > 0 and self._t <= self._now
-            step_s = (self._a + self._b * held) * self._slowdown
+            step_s = (self._a + self._c * batch + self._b * held) * self._slowdown
             rate = batch / step_s if decoding else 0.0
         self._stats_s, self._stats_generated = self._now, generated
         return EngineStats(
@@ -285,7 +286,8 @@ class SimEngine:
     def _span_s(self, steps: int) -> float:
         """Time of the next ``steps`` decode steps from the current state."""
         batch = len(self._running)
-        alone = steps * self._a + self._b * (steps * self._held + batch * steps * (steps - 1) / 2)
+        fixed = self._a + self._c * batch
+        alone = steps * fixed + self._b * (steps * self._held + batch * steps * (steps - 1) / 2)
         return alone * self._slowdown
 
     def _steps_within(self, dt: float) -> int:
@@ -295,7 +297,7 @@ class SimEngine:
             return 0
         dt_alone = dt / self._slowdown
         qa = self._b * batch / 2
-        qb = self._a + self._b * self._held - qa
+        qb = self._a + self._c * batch + self._b * self._held - qa
         n = int((-qb + math.sqrt(qb * qb + 4 * qa * dt_alone)) / (2 * qa))
         while n > 0 and self._span_s(n) > dt:
             n -= 1

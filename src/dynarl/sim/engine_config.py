@@ -25,6 +25,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         admit_fraction: admit a queued job only while held KV stays under this share of
             the capacity (headroom for growth; a lone job is always admitted).
         step_overhead_s: fixed cost of one decode step (scheduling, sampling, launch).
+        step_per_request_s: extra cost of a decode step per running request (a CPU
+            slot's sampling and bookkeeping in Python; 0 on a GPU, where it hides
+            under the memory-bound step).
         tp_overhead_s_per_layer: extra cost per layer of a decode step when ``tp > 1``
             (the all-reduces).
         prefill_mfu: achieved share of peak FLOP/s during prefill.
@@ -50,6 +53,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     mem_fraction: float = 0.85
     admit_fraction: float = 0.9
     step_overhead_s: float = 1.5e-3
+    step_per_request_s: float = 0.0
     tp_overhead_s_per_layer: float = 15e-6
     prefill_mfu: float = 0.5
     prefill_overhead_s: float = 5e-3
@@ -77,12 +81,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def decode_step_s(self, batch: int, context_tokens: float) -> float:
         """Seconds of one decode step for ``batch`` requests holding ``context_tokens``
-        tokens of context in all (``batch`` only matters through the context)."""
+        tokens of context in all."""
         a, b = self.step_coefficients()
-        return a + b * context_tokens if batch else 0.0
+        return a + self.step_per_request_s * batch + b * context_tokens if batch else 0.0
 
     def step_coefficients(self) -> tuple[float, float]:
-        """``(a, b)``: a decode step costs ``a + b * context tokens read``."""
+        """``(a, b)``: a decode step costs ``a + b * context tokens read`` (plus
+        :attr:`step_per_request_s` per running request)."""
         hbm = self.gpu.hbm_bytes_per_s
         a = self.step_overhead_s + self.model.weight_bytes / self.tp / hbm
         if self.tp > 1:
