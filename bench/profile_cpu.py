@@ -50,7 +50,9 @@ def main() -> None:
     cfg = apply_overrides(DynaRLConfig(), args.set)
     if args.host_scaling:
         t0 = time.perf_counter()
-        curve = host_slowdown(cfg, args.host_scaling, threads=args.threads, repeat=args.repeat)
+        curve = host_slowdown(
+            cfg.model, cfg.rollout, args.host_scaling, threads=args.threads, repeat=args.repeat
+        )
         for n, factor in enumerate(curve, start=1):
             print(f"{n} slot(s) decoding at once: each step x{factor:.2f}")
         print(f"({time.perf_counter() - t0:.1f} s)")

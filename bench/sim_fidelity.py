@@ -65,7 +65,7 @@ class Profiler:
     def __init__(self, cfg: DynaRLConfig) -> None:
         self.cfg = cfg
         threads = cfg.cluster.threads_per_device
-        self.pool = SlotPool(cfg, cfg.cluster.num_devices, threads=threads)
+        self.pool = SlotPool(cfg.model, cfg.rollout, cfg.cluster.num_devices, threads=threads)
         self.costs: list[dict[str, float]] = []
         self.curves: list[tuple[float, ...]] = []
 

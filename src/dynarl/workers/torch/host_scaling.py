@@ -3,12 +3,12 @@ curve (:class:`~dynarl.sim.host.HostSharing`).
 
 ``max_slots`` slot processes are started the way the real slots are (``OMP_NUM_THREADS``
 set before torch is imported, ``threads`` torch threads each), each with a rollout
-engine of the run's model. For ``n = 2 .. max_slots``, one slot decodes alone through a
-window of wall time, then ``n`` decode together through the next one (rounds of 16
-requests, prefill included); the mean step time of a slot among ``n`` busy ones over
-that of the slot alone is one ratio, and the curve's ``n``-th point is the median of
-``3 x repeat`` such ratios. Measuring each ratio back to back keeps a shared machine's
-drifting load (other tenants) out of it as far as it can be.
+engine of the given model and rollout sections. For ``n = 2 .. max_slots``, one slot
+decodes alone through a window of wall time, then ``n`` decode together through the
+next one (rounds of 16 requests, prefill included); the mean step time of a slot among
+``n`` busy ones over that of the slot alone is one ratio, and the curve's ``n``-th
+point is the median of ``3 x repeat`` such ratios. Measuring each ratio back to back
+keeps a shared machine's drifting load (other tenants) out of it as far as it can be.
 """
 
 import contextlib
@@ -19,13 +19,13 @@ import statistics
 import time
 from multiprocessing.connection import Connection
 
-from dynarl.api.config import DynaRLConfig
+from dynarl.workers.config import ModelConfig, RolloutConfig
 
 _REQUESTS = 16
 _NEW_TOKENS = 48
 
 
-def _slot(conn: Connection, cfg: DynaRLConfig, threads: int) -> None:
+def _slot(conn: Connection, model: ModelConfig, rollout: RolloutConfig, threads: int) -> None:
     """One slot: on ``(start wall time, window s)``, decode from that time for the
     window and answer ``(steps, seconds)``; on ``None``, leave."""
     import torch
@@ -34,7 +34,7 @@ def _slot(conn: Connection, cfg: DynaRLConfig, threads: int) -> None:
     from dynarl.workers.torch.engine import RolloutEngine
 
     torch.set_num_threads(threads)
-    engine = RolloutEngine.from_config(cfg.model, cfg.rollout)
+    engine = RolloutEngine.from_config(model, rollout)
     serial = 0
 
     def refill() -> None:
@@ -66,12 +66,15 @@ def _slot(conn: Connection, cfg: DynaRLConfig, threads: int) -> None:
 
 
 class SlotPool:
-    """``num_slots`` idle slot processes, started the way the real slots are, that
+    """``num_slots`` idle slot processes (rollout engines of ``model`` and ``rollout``),
+    started the way the real slots are, that
     measure the host-sharing curve on demand (:meth:`curve`); idle between
     measurements (blocked on their pipe), so a pool can stay open through a run and
     measure between its iterations. Close it (or use it as a context manager)."""
 
-    def __init__(self, cfg: DynaRLConfig, num_slots: int, *, threads: int = 1) -> None:
+    def __init__(
+        self, model: ModelConfig, rollout: RolloutConfig, num_slots: int, *, threads: int = 1
+    ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots={num_slots}: measure at least one slot")
         context = multiprocessing.get_context("spawn")
@@ -82,7 +85,9 @@ class SlotPool:
         try:
             for _ in range(num_slots):
                 parent, child = context.Pipe()
-                proc = context.Process(target=_slot, args=(child, cfg, threads), daemon=True)
+                proc = context.Process(
+                    target=_slot, args=(child, model, rollout, threads), daemon=True
+                )
                 proc.start()
                 self._procs.append(proc)
                 self._conns.append(parent)
@@ -136,7 +141,8 @@ class SlotPool:
 
 
 def host_slowdown(
-    cfg: DynaRLConfig,
+    model: ModelConfig,
+    rollout: RolloutConfig,
     max_slots: int,
     *,
     threads: int = 1,
@@ -146,5 +152,5 @@ def host_slowdown(
     """The slowdown of ``1 .. max_slots`` slots decoding at once on this host (the first
     point is 1.0): element ``n - 1`` is a slot's mean decode step time while ``n``
     slots decode together, over one slot's alone."""
-    with SlotPool(cfg, max_slots, threads=threads) as pool:
+    with SlotPool(model, rollout, max_slots, threads=threads) as pool:
         return pool.curve(window_s=window_s, repeat=repeat)

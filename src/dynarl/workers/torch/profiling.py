@@ -308,7 +308,9 @@ def profile_machine(
     fields: tuple[str, ...] = MEASURED
     slots = cfg.cluster.num_devices if host_slots is None else host_slots
     if slots >= 2:
-        curve = host_slowdown(cfg, slots, threads=threads, repeat=max(1, repeat // 2))
+        curve = host_slowdown(
+            cfg.model, cfg.rollout, slots, threads=threads, repeat=max(1, repeat // 2)
+        )
         device = msgspec.structs.replace(device, host_slowdown=curve)
         fields = (*MEASURED, "host_slowdown")
     return ProfileFile(
