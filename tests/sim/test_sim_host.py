@@ -68,6 +68,7 @@ def _colocated(curve: tuple[float, ...]) -> tuple[SimulatedRun, ClusterModel]:
             "algorithm.num_prompts=8",
             "algorithm.group_size=4",
             "rollout.max_running_requests=16",  # both engines get half the requests
+            "algorithm.old_logprobs=inference",  # an inference stage too
             "run.num_iterations=2",
         ],
     )
