@@ -28,8 +28,9 @@ import time
 
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
+from dynarl.sim.profile_file import profile_from
 from dynarl.workers.torch.host_scaling import host_slowdown
-from dynarl.workers.torch.profiling import measure, profile_from
+from dynarl.workers.torch.profiling import measure
 
 __all__ = ["host_slowdown", "measure", "profile_from"]
 

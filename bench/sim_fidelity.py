@@ -50,10 +50,15 @@ from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.sim.cluster import trace_workload
 from dynarl.sim.config import SimConfig, SimulatedRun, simulated_run
 from dynarl.sim.cpu_profile import CPU_1T, CpuProfile, cpu_cluster
-from dynarl.sim.profile_file import PROFILE_VERSION, ProfileFile, write_profile
+from dynarl.sim.profile_file import (
+    MEASURED,
+    PROFILE_VERSION,
+    ProfileFile,
+    profile_from,
+    write_profile,
+)
 from dynarl.sim.run import ModeResult, simulate
 from dynarl.workers.torch.host_scaling import SlotPool
-from dynarl.workers.torch.profiling import MEASURED, profile_from
 from dynarl.workers.torch.profiling import measure as measure_costs
 from e2e_cpu import MODES, ModeRun, mode_config, open_run, step, summarise
 

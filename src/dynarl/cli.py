@@ -238,8 +238,8 @@ def _workload_overrides(path: str, sim_run: Any) -> list[str]:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from dynarl.sim.profile_file import read_profile, write_profile
-    from dynarl.workers.torch.profiling import profile_machine
+    from dynarl.sim.profile_file import measured_profile, read_profile, write_profile
+    from dynarl.workers.backends import reference_profiler
 
     cfg = resolve_config(args.config, args.set)
     print(
@@ -247,8 +247,16 @@ def _profile(args: argparse.Namespace) -> int:
         f"slot, model {cfg.model.arch} {cfg.model.num_layers}x{cfg.model.hidden_size} "
         f"{cfg.model.dtype}, {args.repeat} round(s)"
     )
-    profile = profile_machine(
-        cfg, repeat=args.repeat, threads=args.threads, name=args.name, host_slots=args.host_slots
+    measured = reference_profiler().measure_machine(
+        cfg, repeat=args.repeat, threads=args.threads, host_slots=args.host_slots
+    )
+    profile = measured_profile(
+        measured.costs,
+        model=cfg.model,
+        threads=measured.threads,
+        host=measured.host,
+        name=args.name or f"{measured.name}-{measured.threads}t",
+        host_slowdown=measured.host_slowdown,
     )
     write_profile(args.out, profile)
     read_profile(args.out)  # what `dynarl sim --profile` will read

@@ -110,6 +110,9 @@ class RealWorld:
         """Names of slots whose worker died."""
         self.on_failure: Callable[[BaseException], None] | None = None
         self.switch_listeners: list[Callable[[ComponentId, list[SlotHandle]], None]] = []
+        self.resize_listeners: list[Callable[[tuple[int, ...]], None]] = []
+        """Called as a resize of the trainer starts, with its new members (a fault
+        injector kills a worker there)."""
         """Called as slots start to assume a role (a fault injector kills one there)."""
         """Called when the world cannot go on (a trainer rank died): the run stops."""
         self.failure: BaseException | None = None
@@ -420,6 +423,8 @@ class RealWorld:
         members = staying + [m for m in self.trainer_members(joining) if m not in staying]
         try:
             if members:
+                for listener in self.resize_listeners:
+                    listener(tuple(members))
                 await trainer.resize(tuple(members))
             elif not trainer.parked:
                 await trainer.park()

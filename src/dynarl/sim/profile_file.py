@@ -9,11 +9,12 @@ the model section the costs were measured with, and where
 they were measured. A simulation applies it only to the model it was measured on.
 """
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import msgspec
 
-from dynarl.sim.cpu_profile import CpuProfile
+from dynarl.sim.cpu_profile import CPU_1T, CpuProfile
 from dynarl.sim.errors import SimError
 from dynarl.workers.config import ModelConfig
 
@@ -89,3 +90,68 @@ def read_profile(path: str | Path) -> ProfileFile:
 def is_profile_path(name: str) -> bool:
     """Whether ``sim.gpu=name`` names a profile file rather than a built-in profile."""
     return name.lower().endswith(".json") or "/" in name
+
+
+MEASURED = (
+    "threads",
+    "decode_step_s",
+    "decode_per_request_s",
+    "decode_per_context_token_s",
+    "prefill_overhead_s",
+    "prefill_per_token_s",
+    "inference_overhead_s",
+    "inference_per_token_s",
+    "train_overhead_s",
+    "train_per_token_s",
+    "train_per_token_context_s",
+    "transfer_bytes_per_s",
+)
+"""The :class:`~dynarl.sim.cpu_profile.CpuProfile` fields a profiling run measures;
+the others (migration setup times, data-parallel efficiency) are the built-in CPU
+profile's."""
+
+
+def profile_from(
+    measured: Mapping[str, float], *, name: str = "cpu-measured", threads: int = 1
+) -> CpuProfile:
+    """A :class:`CpuProfile` with the measured costs (fitted terms clipped at zero) and
+    :data:`~dynarl.sim.cpu_profile.CPU_1T`'s migration and sync setup times."""
+    m = {k: max(0.0, v) for k, v in measured.items()}
+    return msgspec.structs.replace(
+        CPU_1T,
+        name=name,
+        threads=threads,
+        decode_step_s=m["decode_a_s"],
+        decode_per_request_s=m["decode_per_request_s"],
+        decode_per_context_token_s=m["decode_per_context_s"],
+        prefill_overhead_s=m["prefill_overhead_s"],
+        prefill_per_token_s=m["prefill_per_token_s"],
+        inference_overhead_s=m["inference_overhead_s"],
+        inference_per_token_s=m["inference_per_token_s"],
+        # raw figures of older benches fitted a cost per micro-batch too
+        train_overhead_s=m["train_overhead_s"] + m.get("train_per_micro_batch_s", 0.0),
+        train_per_token_s=m["train_per_token_s"],
+        train_per_token_context_s=m.get("train_per_token_context_s", 0.0),
+        transfer_bytes_per_s=m.get("transfer_bytes_per_s") or None,
+    )
+
+
+def measured_profile(
+    costs: Mapping[str, float],
+    *,
+    model: ModelConfig,
+    threads: int,
+    host: str,
+    name: str,
+    host_slowdown: Sequence[float] | None = None,
+) -> ProfileFile:
+    """The profile file of a profiling run's ``costs`` (and, measured with two or more
+    slots, its host-sharing curve) on ``model``."""
+    device = profile_from(costs, name=name, threads=threads)
+    fields: tuple[str, ...] = MEASURED
+    if host_slowdown is not None:
+        device = msgspec.structs.replace(device, host_slowdown=tuple(host_slowdown))
+        fields = (*MEASURED, "host_slowdown")
+    return ProfileFile(
+        profile_version=PROFILE_VERSION, device=device, model=model, measured=fields, host=host
+    )

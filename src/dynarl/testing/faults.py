@@ -102,12 +102,9 @@ class FaultInjector:
         controller.listeners.append(self._on_event)
         self._on_progress = self.rl.on_progress
         self.rl.on_progress = self._progress
-        from dynarl.workers.torch.torch_trainer import TorchTrainer
-
         world = self.rl._world
         assert world is not None, "an open run has a world"
-        if isinstance(world.trainer, TorchTrainer):
-            world.trainer.pool.resize_listeners.append(lambda _: self._fire("reshard"))
+        world.resize_listeners.append(lambda _: self._fire("reshard"))
         world.switch_listeners.append(self._switching)
 
     def completions(self) -> dict[tuple[int, str], collections.Counter[str]]:

@@ -17,8 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, cast
 
+import msgspec
+
 from dynarl.core.errors import ConfigError
 from dynarl.envs.environment import ChatMessage
+from dynarl.rl.config import AlgorithmConfig
 from dynarl.workers.config import ActorConfig, InferenceConfig, ModelConfig, RolloutConfig
 from dynarl.workers.handles import CallChannel
 from dynarl.workers.inference import InferenceEngine
@@ -101,6 +104,56 @@ BACKENDS: Mapping[Role, Mapping[str, Backend]] = {
     },
 }
 """Every backend, by role and name."""
+
+
+class _Devices(Protocol):
+    @property
+    def num_devices(self) -> int: ...
+
+
+class ProfiledJob(Protocol):
+    """The sections of a run's configuration a profiling run reads."""
+
+    @property
+    def model(self) -> ModelConfig: ...
+    @property
+    def rollout(self) -> RolloutConfig: ...
+    @property
+    def inference(self) -> InferenceConfig: ...
+    @property
+    def actor(self) -> ActorConfig: ...
+    @property
+    def algorithm(self) -> AlgorithmConfig: ...
+    @property
+    def cluster(self) -> _Devices: ...
+
+
+class MachineMeasurement(msgspec.Struct, frozen=True, kw_only=True):
+    """What a profiling run measured on this machine: fitted ``costs`` by name, how
+    slots sharing the host slow each other down (``None``: not measured), the host
+    described, the threads per slot, and the machine's name."""
+
+    costs: dict[str, float]
+    host_slowdown: tuple[float, ...] | None
+    host: str
+    threads: int
+    name: str
+
+
+class ReferenceProfiler(Protocol):
+    """Measures the reference (torch) workers on this machine (``dynarl profile``)."""
+
+    def measure_machine(
+        self, cfg: ProfiledJob, *, repeat: int, threads: int, host_slots: int | None
+    ) -> MachineMeasurement:
+        """Costs, the host-sharing curve and the host, measured now."""
+        ...
+
+
+def reference_profiler() -> ReferenceProfiler:
+    """The torch backend's profiler (imported now: it loads torch)."""
+    module: ReferenceProfiler = importlib.import_module("dynarl.workers.torch.profiling")
+    return module
 
 
 class RolloutBackend(Protocol):

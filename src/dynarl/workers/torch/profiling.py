@@ -25,14 +25,11 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import msgspec
 import numpy as np
 import torch
 
-from dynarl.api.config import DynaRLConfig
 from dynarl.rl.grpo import GrpoLoss
-from dynarl.sim.cpu_profile import CPU_1T, CpuProfile
-from dynarl.sim.profile_file import PROFILE_VERSION, ProfileFile
+from dynarl.workers.backends import MachineMeasurement, ProfiledJob
 from dynarl.workers.inference import LogprobRequest
 from dynarl.workers.rollout import GenerateRequest, SamplingParams
 from dynarl.workers.tokenizer import build_tokenizer
@@ -41,24 +38,6 @@ from dynarl.workers.torch.inference import InferenceWorker
 from dynarl.workers.torch.model import build_model
 from dynarl.workers.torch.trainer import ElasticTrainer
 from dynarl.workers.torch.trainer_config import TrainerConfig
-
-MEASURED = (
-    "threads",
-    "decode_step_s",
-    "decode_per_request_s",
-    "decode_per_context_token_s",
-    "prefill_overhead_s",
-    "prefill_per_token_s",
-    "inference_overhead_s",
-    "inference_per_token_s",
-    "train_overhead_s",
-    "train_per_token_s",
-    "train_per_token_context_s",
-    "transfer_bytes_per_s",
-)
-"""The :class:`~dynarl.sim.cpu_profile.CpuProfile` fields a profiling run measures;
-the others (migration setup times, data-parallel efficiency) are the built-in CPU
-profile's."""
 
 
 def _fit(rows: Sequence[tuple[float, ...]], ys: Sequence[float]) -> list[float]:
@@ -75,7 +54,7 @@ def _median_s(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(times)
 
 
-def decode(cfg: DynaRLConfig) -> dict[str, float]:
+def decode(cfg: ProfiledJob) -> dict[str, float]:
     """Decode step ``= a + per_request * batch + per_context * context held``."""
     rows, ys = [], []
     for batch in (1, 4, 16, 64):
@@ -108,7 +87,7 @@ def decode(cfg: DynaRLConfig) -> dict[str, float]:
     }
 
 
-def prefill(cfg: DynaRLConfig) -> dict[str, float]:
+def prefill(cfg: ProfiledJob) -> dict[str, float]:
     """Prefill of one batch ``= overhead + per_token * padded tokens``."""
     rows, ys = [], []
     for batch in (1, 8, 32):
@@ -135,7 +114,7 @@ def prefill(cfg: DynaRLConfig) -> dict[str, float]:
     return {"prefill_overhead_s": overhead, "prefill_per_token_s": per_token}
 
 
-def inference(cfg: DynaRLConfig) -> dict[str, float]:
+def inference(cfg: ProfiledJob) -> dict[str, float]:
     """One micro-batch forward ``= overhead + per_token * padded tokens``."""
     worker = InferenceWorker.from_config(cfg.model, cfg.inference)
     rows, ys = [], []
@@ -161,7 +140,7 @@ def inference(cfg: DynaRLConfig) -> dict[str, float]:
     return {"inference_overhead_s": overhead, "inference_per_token_s": per_token}
 
 
-def train(cfg: DynaRLConfig) -> dict[str, float]:
+def train(cfg: ProfiledJob) -> dict[str, float]:
     """One optimizer step on one rank ``= overhead + (per_token + per_token_context *
     width / 2) * padded tokens`` (attention makes a token of a wider minibatch dearer;
     widths up to the model's ``max_seq_len``)."""
@@ -247,10 +226,10 @@ def transfer(num_bytes: int = 64 * 2**20, rounds: int = 5) -> dict[str, float]:
     return {"transfer_bytes_per_s": num_bytes / statistics.median(times)}
 
 
-PARTS: tuple[Callable[[DynaRLConfig], dict[str, float]], ...] = (decode, prefill, inference, train)
+PARTS: tuple[Callable[[ProfiledJob], dict[str, float]], ...] = (decode, prefill, inference, train)
 
 
-def measure(cfg: DynaRLConfig, *, repeat: int = 3, threads: int = 1) -> dict[str, float]:
+def measure(cfg: ProfiledJob, *, repeat: int = 3, threads: int = 1) -> dict[str, float]:
     """Every compute coefficient, the median over ``repeat`` rounds (a shared machine's
     speed drifts over minutes; the median of interleaved rounds is steadier)."""
     torch.set_num_threads(threads)
@@ -258,65 +237,32 @@ def measure(cfg: DynaRLConfig, *, repeat: int = 3, threads: int = 1) -> dict[str
     return {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
 
 
-def profile_from(
-    measured: dict[str, float], *, name: str = "cpu-measured", threads: int = 1
-) -> CpuProfile:
-    """A :class:`CpuProfile` with the measured costs (fitted terms clipped at zero) and
-    :data:`CPU_1T`'s migration and sync setup times."""
-    m = {k: max(0.0, v) for k, v in measured.items()}
-    return msgspec.structs.replace(
-        CPU_1T,
-        name=name,
-        threads=threads,
-        decode_step_s=m["decode_a_s"],
-        decode_per_request_s=m["decode_per_request_s"],
-        decode_per_context_token_s=m["decode_per_context_s"],
-        prefill_overhead_s=m["prefill_overhead_s"],
-        prefill_per_token_s=m["prefill_per_token_s"],
-        inference_overhead_s=m["inference_overhead_s"],
-        inference_per_token_s=m["inference_per_token_s"],
-        # raw figures of older benches fitted a cost per micro-batch too
-        train_overhead_s=m["train_overhead_s"] + m.get("train_per_micro_batch_s", 0.0),
-        train_per_token_s=m["train_per_token_s"],
-        train_per_token_context_s=m.get("train_per_token_context_s", 0.0),
-        transfer_bytes_per_s=m.get("transfer_bytes_per_s") or None,
-    )
-
-
-def profile_machine(
-    cfg: DynaRLConfig,
+def measure_machine(
+    cfg: ProfiledJob,
     *,
     repeat: int = 3,
     threads: int = 1,
-    name: str = "",
     host_slots: int | None = None,
-) -> ProfileFile:
-    """Profile this machine running ``cfg``'s model on slots of ``threads`` threads:
-    what ``dynarl profile`` writes. ``host_slots`` slots (default: the config's
+) -> MachineMeasurement:
+    """Measure this machine running ``cfg``'s model on slots of ``threads`` threads:
+    the costs ``dynarl profile`` writes. ``host_slots`` slots (default: the config's
     ``cluster.num_devices``) measure how slots sharing this host slow each other down
     (:func:`~dynarl.workers.torch.host_scaling.host_slowdown`); 0 or 1 leaves the
     curve out (the simulated slots are then independent)."""
     from dynarl.workers.torch.host_scaling import host_slowdown
 
-    measured = measure(cfg, repeat=repeat, threads=threads)
-    measured.update(transfer())
+    costs = measure(cfg, repeat=repeat, threads=threads)
+    costs.update(transfer())
     host = (
         f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {threads} thread(s) per slot"
     )
-    device = profile_from(measured, name=name or f"{platform.node()}-{threads}t", threads=threads)
-    fields: tuple[str, ...] = MEASURED
     slots = cfg.cluster.num_devices if host_slots is None else host_slots
+    curve = None
     if slots >= 2:
         curve = host_slowdown(
             cfg.model, cfg.rollout, slots, threads=threads, repeat=max(1, repeat // 2)
         )
-        device = msgspec.structs.replace(device, host_slowdown=curve)
-        fields = (*MEASURED, "host_slowdown")
-    return ProfileFile(
-        profile_version=PROFILE_VERSION,
-        device=device,
-        model=cfg.model,
-        measured=fields,
-        host=host,
+    return MachineMeasurement(
+        costs=costs, host_slowdown=curve, host=host, threads=threads, name=platform.node()
     )
