@@ -91,3 +91,17 @@ def test_no_module_below_the_facade_imports_it() -> None:
         and (hits := [n for n in _imports(path) if n.startswith("dynarl.api")])
     }
     assert offenders == {}
+
+
+def test_nothing_the_run_is_made_of_imports_the_simulator() -> None:
+    """The simulator stands in for the hardware: it drives the control plane and reads
+    what real runs record, never the other way round (a trace's records live in
+    ``obs/``)."""
+    parts = ("control", "data", "workers", "rl", "envs", "launch", "obs", "core")
+    offenders = {
+        str(path.relative_to(SRC)): hits
+        for path in SRC.rglob("*.py")
+        if path.relative_to(SRC).parts[0] in parts
+        and (hits := [n for n in _imports(path) if n.startswith("dynarl.sim")])
+    }
+    assert offenders == {}

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from dynarl.core.ids import InstanceId
+from dynarl.obs.trace_records import Request
 from dynarl.sim import H100, AgenticWorkload, EngineConfig, MathWorkload, SimEngine, model
 from dynarl.sim.rollout import RolloutResult, assign_groups, run_static_rollout
-from dynarl.sim.workloads import Request
 
 SMALL = EngineConfig(gpu=H100, model=model("R1-Distill-Qwen-1.5B"))
 

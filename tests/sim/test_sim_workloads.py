@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dynarl.core.ids import GroupId, ItemId
-from dynarl.sim import AgenticWorkload, MathWorkload, Request, SimError, ToolLatency
+from dynarl.sim import AgenticWorkload, MathWorkload, Request, SimError, ToolLatency, TraceError
 
 
 def _lengths(requests: tuple[Request, ...]) -> np.ndarray:
@@ -81,7 +81,7 @@ def test_tool_latency_is_lognormal_with_the_given_mean() -> None:
 
 
 def test_request_checks_its_turn_structure() -> None:
-    with pytest.raises(SimError, match="2 turns need 1 tool calls"):
+    with pytest.raises(TraceError, match="2 turns need 1 tool calls"):
         Request(id=ItemId("r"), group=GroupId("g"), prompt_tokens=10, output_tokens=(5, 5))
     with pytest.raises(SimError, match="at least one call"):
         AgenticWorkload(mean_tool_calls=0.5).generate(np.random.default_rng(0))

@@ -50,6 +50,7 @@ from dynarl.envs.environment import EnvironmentSpec
 from dynarl.envs.prompts import PromptSampler
 from dynarl.envs.verifier import AsyncVerifier
 from dynarl.obs.metrics import IterationStats
+from dynarl.obs.trace_records import Request
 from dynarl.rl.batch import (
     Trajectory,
     minibatch_indices,
@@ -64,7 +65,6 @@ from dynarl.rl.requests import group_requests, prompt_ids, response_text
 from dynarl.rl.routed_results import split_results
 from dynarl.rl.samples import Rewarded, Samples, Scored
 from dynarl.rl.trace import RunTrace, episode_request
-from dynarl.sim.workloads import Request
 from dynarl.workers.config import RolloutConfig
 from dynarl.workers.errors import TrainerError, TrainerRecoveredError
 from dynarl.workers.inference import LogprobRequest, LogprobResult

@@ -1,6 +1,6 @@
 """A real run's per-request trace: ``trace.jsonl`` in its run directory.
 
-Every finished sample becomes one :class:`~dynarl.sim.workloads.Request` line of the
+Every finished sample becomes one :class:`~dynarl.obs.trace_records.Request` line of the
 simulator's trace format (:mod:`dynarl.sim.traces`): its prompt length, the tokens
 each turn generated and, between turns, how long the environment's step took and how
 many tokens its observation appended. The lines of an iteration are appended and
@@ -18,9 +18,8 @@ from typing import IO, Self
 import msgspec
 
 from dynarl.core.ids import GroupId, ItemId
+from dynarl.obs.trace_records import Request, TraceHeader
 from dynarl.rl.episode import Episode
-from dynarl.sim.traces import TraceHeader
-from dynarl.sim.workloads import Request
 
 logger = logging.getLogger(__name__)
 

@@ -5,6 +5,7 @@ Everything here is pure and deterministic (randomness comes from a seeded numpy
 virtual clock with these models standing in for devices.
 """
 
+from dynarl.obs.trace_records import Request, TraceError
 from dynarl.sim.costs import (
     ActorCost,
     DataParallelEfficiency,
@@ -23,7 +24,6 @@ from dynarl.sim.traces import Trace, read_trace, write_trace
 from dynarl.sim.workloads import (
     AgenticWorkload,
     MathWorkload,
-    Request,
     ToolLatency,
 )
 
@@ -52,6 +52,7 @@ __all__ = [
     "SimError",
     "ToolLatency",
     "Trace",
+    "TraceError",
     "WeightSyncCost",
     "gpu",
     "model",

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import msgspec
 
+from dynarl.obs.trace_records import Request
 from dynarl.sim.cluster import ClusterModel, decode_alone_s, longest_decode_s
 from dynarl.sim.costs import attended_context
-from dynarl.sim.workloads import Request
 
 
 class Bound(msgspec.Struct, frozen=True, kw_only=True):

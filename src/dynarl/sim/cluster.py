@@ -14,6 +14,7 @@ import msgspec
 
 from dynarl.control.predictor import PrefillCost, Profile, ProfileRow
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
+from dynarl.obs.trace_records import Request
 from dynarl.sim.config import SimulatedRun
 from dynarl.sim.costs import (
     ActorCost,
@@ -29,7 +30,7 @@ from dynarl.sim.host import HostSharing
 from dynarl.sim.models import ModelProfile, model
 from dynarl.sim.replay import ReplayWorkload
 from dynarl.sim.traces import read_trace
-from dynarl.sim.workloads import AgenticWorkload, MathWorkload, Request, ToolLatency
+from dynarl.sim.workloads import AgenticWorkload, MathWorkload, ToolLatency
 
 
 class ClusterModel(msgspec.Struct, frozen=True, kw_only=True):

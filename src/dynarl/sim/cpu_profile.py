@@ -29,6 +29,7 @@ import msgspec
 
 from dynarl.api.config import DynaRLConfig
 from dynarl.core.ids import GroupId, ItemId
+from dynarl.obs.trace_records import Request
 from dynarl.sim.cluster import ClusterModel
 from dynarl.sim.config import SimulatedRun
 from dynarl.sim.costs import (
@@ -45,7 +46,7 @@ from dynarl.sim.hardware import GpuProfile
 from dynarl.sim.host import HostSharing, check_slowdown
 from dynarl.sim.models import ModelProfile
 from dynarl.sim.replay import ReplayWorkload
-from dynarl.sim.workloads import MathWorkload, Request
+from dynarl.sim.workloads import MathWorkload
 from dynarl.workers.config import ModelConfig
 
 _BUILTIN_VOCAB = 4 + len(string.printable)

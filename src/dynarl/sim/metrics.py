@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from dynarl.sim.workloads import Request
+from dynarl.obs.trace_records import Request
 
 if TYPE_CHECKING:
     from dynarl.sim.world import SimWorld

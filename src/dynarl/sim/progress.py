@@ -3,10 +3,10 @@ has got (its turn and the tokens of it generated so far, kept across aborts) and
 a modelled engine holds (its requests and its busy time)."""
 
 from dynarl.core.ids import InstanceId, ItemId
+from dynarl.obs.trace_records import Request
 from dynarl.sim.engine import SimEngine
 from dynarl.sim.jobs import Job
 from dynarl.sim.rollout import turn_job
-from dynarl.sim.workloads import Request
 
 
 class SeqProgress:

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
+from dynarl.obs.trace_records import Request
 from dynarl.sim.errors import SimError
-from dynarl.sim.workloads import Request
 
 
 class ReplayWorkload(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import msgspec
 
 from dynarl.core.ids import GroupId, ItemId
+from dynarl.obs.trace_records import Request
 from dynarl.sim.engine import SimEngine
 from dynarl.sim.jobs import Job
-from dynarl.sim.workloads import Request
 
 
 class RolloutResult(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,7 +1,7 @@
 """Workload traces: record an iteration's requests as JSON lines and replay them.
 
 A trace file holds one header line (:class:`TraceHeader`) and then one
-:class:`~dynarl.sim.workloads.Request` per line, so a run's exact per-request lengths,
+:class:`~dynarl.obs.trace_records.Request` per line, so a run's exact per-request lengths,
 turns and tool latencies can be replayed, shared and diffed.
 """
 
@@ -10,19 +10,8 @@ from pathlib import Path
 
 import msgspec
 
+from dynarl.obs.trace_records import TRACE_VERSION, Request, TraceError, TraceHeader
 from dynarl.sim.errors import SimError
-from dynarl.sim.workloads import Request
-
-TRACE_VERSION = 1
-"""Format version written in every header."""
-
-
-class TraceHeader(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """First line of a trace: the format version and free-form metadata (workload
-    name, seed, model, ...)."""
-
-    trace_version: int = TRACE_VERSION
-    meta: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class Trace(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,7 +52,7 @@ def read_trace(path: str | Path) -> Trace:
                     header = header_decoder.decode(line)
                 else:
                     requests.append(decoder.decode(line))
-            except (msgspec.ValidationError, msgspec.DecodeError, SimError) as exc:
+            except (msgspec.ValidationError, msgspec.DecodeError, TraceError) as exc:
                 raise SimError(
                     f"{path}:{number}: not a trace line ({exc}); traces are written "
                     "by dynarl.sim.write_trace"

@@ -12,57 +12,9 @@ import msgspec
 import numpy as np
 
 from dynarl.core.ids import GroupId, ItemId
+from dynarl.obs.trace_records import Request
 from dynarl.sim.errors import SimError
 from dynarl.sim.lengths import LengthDistribution, Lognormal
-
-
-class Request(msgspec.Struct, frozen=True, kw_only=True):
-    """One sequence of an iteration.
-
-    ``output_tokens[k]`` is what turn ``k`` generates; between turns ``k`` and ``k+1`` a
-    tool runs for ``tool_latency_s[k]`` (``tool_ok[k]`` is False when it hit its
-    timeout) and appends ``tool_output_tokens[k]`` to the context. A single-turn
-    request has no tool calls. ``iteration`` is the iteration that asked for it (a
-    trace of several iterations replays them in turn).
-    """
-
-    id: ItemId
-    group: GroupId
-    prompt_tokens: int
-    output_tokens: tuple[int, ...]
-    tool_latency_s: tuple[float, ...] = ()
-    tool_output_tokens: tuple[int, ...] = ()
-    tool_ok: tuple[bool, ...] = ()
-    iteration: int = 0
-
-    def __post_init__(self) -> None:
-        num_calls = len(self.output_tokens) - 1
-        if num_calls < 0 or not (
-            len(self.tool_latency_s)
-            == len(self.tool_output_tokens)
-            == len(self.tool_ok)
-            == num_calls
-        ):
-            raise SimError(
-                f"request {self.id}: {len(self.output_tokens)} turns need "
-                f"{max(num_calls, 0)} tool calls, got latencies/outputs/ok of lengths "
-                f"{len(self.tool_latency_s)}/{len(self.tool_output_tokens)}/{len(self.tool_ok)}"
-            )
-
-    @property
-    def num_tool_calls(self) -> int:
-        """Tool calls between its turns."""
-        return len(self.output_tokens) - 1
-
-    @property
-    def total_output_tokens(self) -> int:
-        """Tokens the policy generates over all turns."""
-        return sum(self.output_tokens)
-
-    @property
-    def total_tokens(self) -> int:
-        """Final context length: prompt, every turn's output and every tool's output."""
-        return self.prompt_tokens + self.total_output_tokens + sum(self.tool_output_tokens)
 
 
 def _item_ids(iteration: int, num_prompts: int, group_size: int) -> tuple[list[str], list[str]]:

@@ -38,6 +38,7 @@ from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.topology import INFERENCE, PROMPTS, TO_ACTOR, TO_INFERENCE
 from dynarl.core.clock import Clock
 from dynarl.core.ids import InstanceId, ItemId
+from dynarl.obs.trace_records import Request
 from dynarl.sim.actor import SimActor
 from dynarl.sim.cluster import ClusterModel
 from dynarl.sim.config import SimulatedRun
@@ -47,7 +48,6 @@ from dynarl.sim.fleet import EngineFleet
 from dynarl.sim.metrics import IterationRecord, WorldTotals
 from dynarl.sim.progress import SeqProgress
 from dynarl.sim.stages import InferenceStage
-from dynarl.sim.workloads import Request
 
 _EPS = 1e-9
 
