@@ -107,8 +107,8 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True, tag=True):
         weight_version: oldest weight version that generated any of its tokens; equal
             to the engine's version unless the request straddled a weight update.
         cached_tokens: tokens of its input the engine found in its prefix cache
-            (SGLang's ``meta_info.cached_tokens``; the reference engine keeps no
-            prefix cache: 0). For a multi-turn session it is the data router's
+            (SGLang's ``meta_info.cached_tokens``; the reference engine's per-session
+            prefix cache reuses a multi-turn session's previous turn). For a multi-turn session it is the data router's
             ``prefix_tokens``, which the priority-aware queue ranks by.
     """
 
@@ -135,6 +135,12 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
         gen_tokens_per_s: tokens generated per second of stepping, over the steps of
             the last few seconds (0 when there were none).
         kv_tokens: KV-cache tokens held by running requests.
+        cached_prefix_tokens: KV-cache tokens held for sessions between their turns
+            (prefix cache; evicted first when running requests need room).
+        prefix_hit_tokens: prefill tokens saved by prefix-cache hits since the engine
+            started.
+        prefill_tokens: tokens fed by prefills since the engine started (hits are not
+            fed, so hit rate = hits / (hits + prefill)).
     """
 
     kv_usage: float
@@ -142,6 +148,9 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
     num_queued: int
     gen_tokens_per_s: float
     kv_tokens: int = 0
+    cached_prefix_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefill_tokens: int = 0
 
 
 # ------------------------------------------------------------------ the role

@@ -1,7 +1,8 @@
 """The running batch's KV cache: one left-padded ``transformers`` ``DynamicCache`` whose
 rows join (after a batched prefill) and leave (when requests finish) between steps.
 
-Every row's padding is on its left and masked out, and every row's position ids count
+Every row's padding is on its left (and, for a row that reused a cached prefix, between
+the prefix and the tokens it fed) and masked out, and every row's position ids count
 only its real tokens, so a row computes what it would alone; a decode step feeds one
 token per row (O(1) new tokens per step). Padding columns no row needs are trimmed
 whenever rows leave. This works for any ``transformers`` causal LM whose cache layers are
@@ -18,6 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from dynarl.workers.torch.errors import EngineError
+from dynarl.workers.torch.prefix_cache import CachedPrefix
 
 
 class BatchCache:
@@ -54,22 +56,66 @@ class BatchCache:
         self._positions = torch.zeros(0, dtype=torch.long)
 
     @torch.inference_mode()
-    def prefill(self, contexts: Sequence[Sequence[int]]) -> torch.Tensor:
+    def prefill(
+        self,
+        contexts: Sequence[Sequence[int]],
+        prefixes: Sequence[CachedPrefix | None] | None = None,
+    ) -> torch.Tensor:
         """Run ``contexts`` through the model as one left-padded batch, append them as new
-        rows, and return the next-token logits of each (``[len(contexts), vocab]``)."""
+        rows, and return the next-token logits of each (``[len(contexts), vocab]``).
+
+        A row with a cached prefix (``prefixes[row]``, whose tokens ``contexts[row]``
+        extends) feeds only the tokens after it: the prefix's KV goes into the cache as
+        it is, right-aligned before the fed columns (the padding between is masked).
+        """
         device = self._model.device
-        width = max(len(c) for c in contexts)
+        if prefixes is None:
+            prefixes = [None] * len(contexts)
+        cached = [0 if p is None else p.num_tokens for p in prefixes]
+        fed = [context[n:] for context, n in zip(contexts, cached, strict=True)]
+        past, width = max(cached), max(len(f) for f in fed)
         input_ids = torch.full((len(contexts), width), self._pad_token_id, dtype=torch.long)
-        mask = torch.zeros(len(contexts), width, dtype=torch.long)
-        for row, context in enumerate(contexts):
-            input_ids[row, width - len(context) :] = torch.tensor(context, dtype=torch.long)
-            mask[row, width - len(context) :] = 1
-        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
+        mask = torch.zeros(len(contexts), past + width, dtype=torch.long)
+        for row, (tokens, n) in enumerate(zip(fed, cached, strict=True)):
+            input_ids[row, width - len(tokens) :] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, past + width - len(tokens) :] = 1
+            mask[row, past - n : past] = 1
+        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)[:, past:]
         cache = DynamicCache(config=self._model.config)
+        if past:
+            self._fill_past(cache, prefixes, past)
         _full_attention_layers(cache, self._model)
         logits = self._forward(input_ids, mask, positions, cache)
         self._append(cache, mask.to(device), positions[:, -1].to(device) + 1)
         return logits
+
+    def row_prefix(self, row: int, token_ids: tuple[int, ...]) -> CachedPrefix:
+        """A copy of ``row``'s KV as a cached prefix of ``token_ids``, which must be the
+        tokens the row has fed, in order."""
+        assert self._cache is not None
+        columns = self._mask[row].nonzero().squeeze(-1)
+        assert columns.numel() == len(token_ids), "the row holds other tokens"
+        layers = [_states(layer) for layer in _full_attention_layers(self._cache, self._model)]
+        keys = [k[row : row + 1].index_select(2, columns) for k, _ in layers]
+        values = [v[row : row + 1].index_select(2, columns) for _, v in layers]
+        return CachedPrefix(token_ids, keys, values)
+
+    def _fill_past(
+        self, cache: DynamicCache, prefixes: Sequence[CachedPrefix | None], past: int
+    ) -> None:
+        """Put each prefix's KV into ``cache``, right-aligned in ``past`` columns."""
+        some = next(p for p in prefixes if p is not None)
+        for index, (layer_keys, layer_values) in enumerate(
+            zip(some.keys, some.values, strict=True)
+        ):
+            shape = (len(prefixes), layer_keys.shape[1], past, layer_keys.shape[3])
+            keys = layer_keys.new_zeros(shape)
+            values = layer_values.new_zeros(shape)
+            for row, prefix in enumerate(prefixes):
+                if prefix is not None:
+                    keys[row, :, past - prefix.num_tokens :] = prefix.keys[index][0]
+                    values[row, :, past - prefix.num_tokens :] = prefix.values[index][0]
+            cache.update(keys, values, index)
 
     @torch.inference_mode()
     def decode(self, token_ids: torch.Tensor) -> torch.Tensor:

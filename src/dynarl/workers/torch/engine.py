@@ -37,6 +37,7 @@ from dynarl.workers.torch.buckets import Group
 from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.memory import ParameterMemory
 from dynarl.workers.torch.model import build_model
+from dynarl.workers.torch.prefix_cache import CachedPrefix, PrefixCache
 from dynarl.workers.torch.sampler import sample, uniform
 from dynarl.workers.torch.scheduler import Scheduler
 from dynarl.workers.torch.sequence import Sequence
@@ -120,6 +121,8 @@ class RolloutEngine:
         self._seeds = random.Random(seed)
         self._version = weight_version
         self._recent: collections.deque[tuple[float, int, float]] = collections.deque()
+        self._prefixes = PrefixCache()
+        self._prefill_tokens = 0
 
     @classmethod
     def from_config(
@@ -194,6 +197,8 @@ class RolloutEngine:
             seed=seed if seed is not None else self._seeds.getrandbits(63),
             enqueued_s=self._now_s(),
         )
+        if request.multi_turn:  # what the waiting queue's order ranks by
+            seq.prefix_tokens = self._prefixes.match_tokens(rid, seq.context_ids())
         self._scheduler.add(seq)
 
     def step(self) -> list[StepOutput]:
@@ -207,7 +212,15 @@ class RolloutEngine:
         start_s = self._now_s()
         admitted = self._scheduler.admit()
         if admitted:
-            logits = self._cache.prefill([seq.context_ids() for seq in admitted])
+            contexts = [seq.context_ids() for seq in admitted]
+            prefixes = [
+                self._take_prefix(seq, c) for seq, c in zip(admitted, contexts, strict=True)
+            ]
+            self._prefill_tokens += sum(len(c) for c in contexts) - sum(
+                p.num_tokens for p in prefixes if p is not None
+            )
+            self._fit_prefixes()
+            logits = self._cache.prefill(contexts, prefixes)
             self._rows.extend(admitted)
             batch = admitted
         else:
@@ -218,8 +231,10 @@ class RolloutEngine:
             batch = self._rows
             last = torch.tensor([seq.output_ids[-1] for seq in batch], dtype=torch.long)
             logits = self._cache.decode(last)
-        outputs = self._apply(batch, logits)
+        outputs, finished = self._apply(batch, logits)
+        self._keep_prefixes(finished)
         self._sync_rows()
+        self._fit_prefixes()
         end_s = self._now_s()
         self._recent.append((end_s, len(batch), end_s - start_s))
         return outputs
@@ -240,7 +255,19 @@ class RolloutEngine:
         resume on any engine."""
         taken = self._scheduler.remove(request_ids)
         self._sync_rows()
+        for seq in taken:  # the session resumes elsewhere: its prefix here is dead
+            self._prefixes.drop(seq.request_id)
         return [seq.to_request() for seq in taken]
+
+    def end_session(self, session: str) -> None:
+        """Drop the cached prefix of ``session`` (a multi-turn episode's request id):
+        its episode is over. Unknown sessions are ignored."""
+        self._prefixes.drop(session)
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        """The per-session prefix cache (its size and hit counters)."""
+        return self._prefixes
 
     def stats(self) -> EngineLoad:
         """KV usage, running and queued counts, and generation throughput: tokens per
@@ -256,6 +283,9 @@ class RolloutEngine:
             num_queued=self._scheduler.num_waiting,
             gen_tokens_per_s=tokens / busy_s if busy_s > 0 else 0.0,
             kv_tokens=self._scheduler.kv_tokens_held,
+            cached_prefix_tokens=self._prefixes.num_tokens,
+            prefix_hit_tokens=self._prefixes.hit_tokens,
+            prefill_tokens=self._prefill_tokens,
         )
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
@@ -311,7 +341,9 @@ class RolloutEngine:
         if "weights" in set(tags):
             self._memory.resume()
 
-    def _apply(self, batch: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
+    def _apply(
+        self, batch: list[Sequence], logits: torch.Tensor
+    ) -> tuple[list[StepOutput], list[Sequence]]:
         temperatures = torch.tensor([s.request.sampling.temperature for s in batch])
         top_ps = torch.tensor([s.request.sampling.top_p for s in batch])
         uniforms = torch.tensor(
@@ -321,7 +353,7 @@ class RolloutEngine:
             logits, temperatures=temperatures, top_ps=top_ps, uniforms=uniforms
         )
         outputs: list[StepOutput] = []
-        finished = []
+        finished: list[Sequence] = []
         for seq, token_id, logprob in zip(
             batch, token_ids.tolist(), logprobs.tolist(), strict=True
         ):
@@ -345,7 +377,7 @@ class RolloutEngine:
                 finished.append(seq)
                 outputs.append(seq.to_completion())
         self._scheduler.finish(finished)
-        return outputs
+        return outputs, finished
 
     def _sync_rows(self) -> None:
         """Make the cache rows match the scheduler's running set (rows only leave here)."""
@@ -355,12 +387,38 @@ class RolloutEngine:
             self._cache.keep(keep)
             self._rows = [self._rows[row] for row in keep]
 
+    def _take_prefix(self, seq: Sequence, context_ids: list[int]) -> CachedPrefix | None:
+        """The cached prefix ``seq`` reuses at this prefill (taken out of the cache)."""
+        if not seq.request.multi_turn:
+            return None
+        prefix = self._prefixes.take(seq.request_id, context_ids)
+        if prefix is not None:
+            seq.cached_tokens += prefix.num_tokens
+        return prefix
+
+    def _keep_prefixes(self, finished: list[Sequence]) -> None:
+        """Keep the KV of finished multi-turn turns for their sessions' next turns."""
+        rows = {id(seq): row for row, seq in enumerate(self._rows)}
+        for seq in finished:
+            if seq.request.multi_turn and id(seq) in rows:
+                fed = tuple(seq.context_ids()[:-1])  # the last sampled token was never fed
+                self._prefixes.put(seq.request_id, self._cache.row_prefix(rows[id(seq)], fed))
+
+    def _fit_prefixes(self) -> None:
+        """Evict cached prefixes (least recently used first) until they fit in the KV
+        budget the running requests leave: running requests always come first."""
+        held = self._scheduler.kv_tokens_held + len(self._scheduler.running)
+        self._prefixes.evict_to(self._scheduler.kv_capacity_tokens - held)
+
     def _requeue_running(self) -> None:
         self._scheduler.preempt_all()
         self._cache.clear()
+        self._prefixes.clear()
         self._rows = []
 
     def _after_weight_update(self, version: int, *, complete: bool) -> None:
+        # Every cached KV, running or kept for a session, was computed with the old
+        # weights: _requeue_running drops it all.
         self._requeue_running()
         if complete:
             self._memory.mark_loaded()

@@ -31,6 +31,11 @@ class Sequence:
         weight_version: oldest weight version that generated any output token.
         status: waiting, running or finished.
         finish_reason: set when finished.
+        prefix_tokens: tokens of its context the engine held in its prefix cache when
+            it was queued (``RequestInfo``: the priority-aware order ranks longer
+            first).
+        cached_tokens: tokens its prefills took from the prefix cache instead of
+            feeding them (the completion's ``cached_tokens``).
     """
 
     def __init__(self, request: GenerateRequest, *, seed: int, enqueued_s: float) -> None:
@@ -42,6 +47,8 @@ class Sequence:
         self.weight_version: int | None = request.weight_version
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
+        self.prefix_tokens = 0
+        self.cached_tokens = 0
 
     @property
     def request_id(self) -> str:
@@ -52,12 +59,6 @@ class Sequence:
     def tool_calls(self) -> int:
         """Tool calls the request has completed (``RequestInfo``)."""
         return self.request.tool_calls
-
-    @property
-    def prefix_tokens(self) -> int:
-        """Tokens of its context this engine holds cached before admission
-        (``RequestInfo``): always 0, the reference engine keeps no prefix cache."""
-        return 0
 
     @property
     def num_tokens(self) -> int:
@@ -84,6 +85,7 @@ class Sequence:
             output_ids=tuple(self.output_ids),
             output_logprobs=tuple(self.output_logprobs),
             weight_version=self.weight_version,
+            cached_tokens=self.cached_tokens,
         )
 
     def to_completion(self) -> Completion:
@@ -96,4 +98,5 @@ class Sequence:
             output_logprobs=tuple(self.output_logprobs),
             finish_reason=self.finish_reason,
             weight_version=self.weight_version,
+            cached_tokens=self.cached_tokens,
         )
