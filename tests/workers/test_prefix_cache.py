@@ -69,11 +69,11 @@ def _by_id(completions: list[Completion]) -> dict[str, Completion]:
 
 def _assert_same(got: dict[str, Completion], want: dict[str, Completion]) -> None:
     assert got.keys() == want.keys()
-    for rid in want:
-        assert got[rid].output_ids == want[rid].output_ids, rid
+    for rid, expected in want.items():
+        assert got[rid].output_ids == expected.output_ids, rid
         assert torch.allclose(
             torch.tensor(got[rid].output_logprobs),
-            torch.tensor(want[rid].output_logprobs),
+            torch.tensor(expected.output_logprobs),
             atol=1e-5,
             rtol=0,
         ), rid

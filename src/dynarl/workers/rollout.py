@@ -108,8 +108,9 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True, tag=True):
             to the engine's version unless the request straddled a weight update.
         cached_tokens: tokens of its input the engine found in its prefix cache
             (SGLang's ``meta_info.cached_tokens``; the reference engine's per-session
-            prefix cache reuses a multi-turn session's previous turn). For a multi-turn session it is the data router's
-            ``prefix_tokens``, which the priority-aware queue ranks by.
+            prefix cache reuses a multi-turn session's previous turn). For a
+            multi-turn session it is the data router's ``prefix_tokens``, which the
+            priority-aware queue ranks by.
     """
 
     request_id: str

@@ -85,7 +85,6 @@ class Sequence:
             output_ids=tuple(self.output_ids),
             output_logprobs=tuple(self.output_logprobs),
             weight_version=self.weight_version,
-            cached_tokens=self.cached_tokens,
         )
 
     def to_completion(self) -> Completion:
