@@ -97,7 +97,9 @@ def rate(
     batch, ``work * (a + b' * cap) / (instances * cap)``, and the longest response may
     start only after them. Requests stay on the engine they were routed to, so the
     shared term is at least the most loaded engine's, ``b' * hottest / devices per
-    engine``: devices added elsewhere do not shorten it.
+    engine``: devices added elsewhere do not shorten it. On devices sharing a host
+    (:meth:`~dynarl.control.predictor.Predictor.slowdown`) the whole finish stretches
+    by the slowdown at the devices kept busy.
     """
     load = max(d.load, 1.0)
     costs = predictor.step_costs(cid) if d.longest > 0 else None
@@ -106,7 +108,8 @@ def rate(
         return predictor.predict(cid, devices, load, context=context).throughput
     a, b = costs.a, costs.per_token(d.context)
     spec = graph.components[cid].spec
-    shared = b * d.work / busy_devices(devices, load, spec.devices_per_instance)
+    busy = busy_devices(devices, load, spec.devices_per_instance)
+    shared = b * d.work / busy
     if d.hottest > 0:
         shared = max(shared, b * d.hottest / spec.devices_per_instance)
     if spec.max_load_per_instance:
@@ -116,5 +119,6 @@ def rate(
             # The longest response may wait behind the waves of the others.
             step = a + b * cap / spec.devices_per_instance
             shared = max(shared, d.work * step / (instances * cap))
-    finish = a * d.longest + shared
+    # Devices sharing a host's cores slow each other down (1.0 when independent).
+    finish = (a * d.longest + shared) * predictor.slowdown(busy)
     return d.work / finish

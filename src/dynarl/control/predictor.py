@@ -18,6 +18,15 @@ forgetting so it follows drift):
 * **linear** (actor, inference): ``throughput = k * devices ** e`` with ``e <= 1`` the
   data-parallel efficiency; fitted in log space. Devices beyond the load do nothing.
 
+Device slots that share one host's cores (CPU slots) do not add up: while ``n`` of them
+compute at once each runs ``host_slowdown(n)`` times slower than alone, so ``n``
+devices deliver ``n / host_slowdown(n)`` of one device's throughput, not ``n`` times.
+Given that curve (plain numbers: element ``n - 1`` for ``n`` busy devices, 1.0 first;
+past its end the host counts as saturated, each device's speed falling as ``1/n``), the
+predictor fits both families on what a device would have done alone (an observation's
+throughput times the slowdown at the devices it kept busy) and divides predictions by
+it. Without a curve (GPUs) devices are independent.
+
 The fit is seeded from a :class:`Profile` (rows a profiling run or the simulator
 writes) and says how sure it is: :meth:`Predictor.predict` returns the relative standard
 error of the fit beside the estimate. Migration costs per kind are learned the same way
@@ -34,6 +43,7 @@ import msgspec
 import numpy as np
 
 from dynarl.control.topology import Scaling
+from dynarl.core.errors import ConfigError
 from dynarl.core.ids import ComponentId
 
 
@@ -117,6 +127,42 @@ DEFAULT_MIGRATION_S: dict[str, float] = {
 }
 
 
+def host_factor(slowdown: tuple[float, ...], devices: float) -> float:
+    """How many times longer a device's work takes while ``devices`` devices of its
+    host compute at once, by the curve ``slowdown`` (element ``n - 1`` for ``n``;
+    between points, linear; past the last, saturated: growing as ``devices``). An
+    empty curve, or one device or fewer, is 1.0."""
+    if not slowdown or devices <= 1.0:
+        return 1.0
+    last = len(slowdown)
+    if devices >= last:
+        return slowdown[-1] * devices / last
+    lo = int(devices)
+    frac = devices - lo
+    return slowdown[lo - 1] + frac * (slowdown[lo] - slowdown[lo - 1])
+
+
+def check_host_slowdown(slowdown: tuple[float, ...]) -> None:
+    """Refuse a malformed host curve.
+
+    Raises:
+        ConfigError: the curve does not start at 1.0 or holds a factor that is not a
+            finite positive number.
+    """
+    if slowdown and abs(slowdown[0] - 1.0) > 1e-9:
+        raise ConfigError(
+            f"host_slowdown[0]={slowdown[0]}: the first point is one device alone, 1.0 by "
+            "definition; pass () for independent devices",
+            field="host_slowdown",
+        )
+    for n, value in enumerate(slowdown, start=1):
+        if not (value > 0.0 and math.isfinite(value)):
+            raise ConfigError(
+                f"host_slowdown[{n - 1}]={value} ({n} devices busy): need a finite positive factor",
+                field="host_slowdown",
+            )
+
+
 def busy_devices(devices: float, load: float, unit: int) -> float:
     """Devices a concave component's ``load`` requests can keep busy: a request runs on
     one instance of ``unit`` devices, so at most ``ceil(load) x unit`` of ``devices``."""
@@ -127,10 +173,13 @@ class _Fit:
     """Weighted recursive least squares with forgetting: 3 features for a concave
     model (the last is 0 without context), 2 for a linear one."""
 
-    def __init__(self, scaling: Scaling, forget: float, unit: int = 1) -> None:
+    def __init__(
+        self, scaling: Scaling, forget: float, unit: int = 1, host: tuple[float, ...] = ()
+    ) -> None:
         self.scaling = scaling
         self.forget = forget
         self.unit = unit  # devices per instance
+        self.host = host  # slowdown of devices sharing a host; () for independent ones
         k = 3 if scaling == "concave" else 2
         self.xtx = np.zeros((k, k))
         self.xty = np.zeros(k)
@@ -159,11 +208,18 @@ class _Fit:
     def target(self, throughput: float) -> float:
         return 1.0 / throughput if self.scaling == "concave" else math.log(throughput)
 
+    def busy(self, devices: float, load: float) -> float:
+        """Devices ``load`` keeps computing at once (what the host curve is read at)."""
+        if self.scaling == "concave":
+            return busy_devices(devices, load, self.unit)
+        return min(devices, load)
+
     def add(self, devices: float, load: float, throughput: float, context: float) -> None:
         x = self.features(devices, load, context)
         if x is None or throughput <= 0 or not math.isfinite(throughput):
             return
-        y = self.target(throughput)
+        # Fitted as if the devices were independent: what they would do alone.
+        y = self.target(throughput * host_factor(self.host, self.busy(devices, load)))
         self.xtx = self.forget * self.xtx + np.outer(x, x)
         self.xty = self.forget * self.xty + x * y
         self.yty = self.forget * self.yty + y * y
@@ -234,12 +290,12 @@ class _Fit:
         if devices <= 0 or load <= 0:
             return None
         c = self._coef_list
+        busy = self.busy(devices, load)
         if self.scaling == "concave":
-            busy = busy_devices(devices, load, self.unit)
             ctx = max(self.context if context is None else context, 0.0)
             y = c[0] / load + c[1] / busy + c[2] * ctx / busy
-            return 1.0 / y if y > 0 else None
-        return math.exp(c[0] + c[1] * math.log(min(devices, load)))
+            return 1.0 / (y * host_factor(self.host, busy)) if y > 0 else None
+        return math.exp(c[0] + c[1] * math.log(busy)) / host_factor(self.host, busy)
 
 
 class Predictor:
@@ -253,6 +309,12 @@ class Predictor:
             (so a fresh predictor still ranks plans sensibly).
         devices_per_instance: devices one instance of a component runs on (default 1):
             a concave component's load keeps at most that many devices per item busy.
+        host_slowdown: the devices share one host's cores: element ``n - 1`` is how
+            many times longer a device's work takes while ``n`` compute at once (1.0
+            first; see :func:`host_factor`). Empty (default): independent devices.
+
+    Raises:
+        ConfigError: ``host_slowdown`` is malformed (:func:`check_host_slowdown`).
     """
 
     def __init__(
@@ -263,9 +325,14 @@ class Predictor:
         forget: float = 0.995,
         prior_per_device: dict[ComponentId, float] | None = None,
         devices_per_instance: dict[ComponentId, int] | None = None,
+        host_slowdown: tuple[float, ...] = (),
     ) -> None:
+        check_host_slowdown(host_slowdown)
+        self.host_slowdown = tuple(host_slowdown)
         units = devices_per_instance or {}
-        self._fits = {c: _Fit(s, forget, units.get(c, 1)) for c, s in scalings.items()}
+        self._fits = {
+            c: _Fit(s, forget, units.get(c, 1), self.host_slowdown) for c, s in scalings.items()
+        }
         self._prior = dict(prior_per_device or {})
         self.migration_s: dict[str, float] = dict(DEFAULT_MIGRATION_S)
         self._prefill: dict[str, PrefillCost] = {}
@@ -321,14 +388,21 @@ class Predictor:
             return Estimate(0.0, 0.0, fit.count)
         value = fit.predict(devices, load, context)
         if value is None:
-            # No data yet: linear in the devices the load can use.
-            value = self._prior.get(component, 1.0) * min(devices, load)
+            # No data yet: linear in the devices the load can use (and the host lets work).
+            busy = min(devices, load)
+            value = self._prior.get(component, 1.0) * busy / self.slowdown(busy)
             return Estimate(value, 1.0, fit.count)
         return Estimate(value, fit.rel_std(), fit.count)
 
+    def slowdown(self, devices: float) -> float:
+        """How many times longer a device's work takes while ``devices`` devices
+        compute at once (1.0 for independent devices; :func:`host_factor`)."""
+        return host_factor(self.host_slowdown, devices)
+
     def step_costs(self, component: ComponentId) -> StepCosts | None:
-        """A concave component's fitted decode-step costs (:class:`StepCosts`); ``None``
-        before the fit exists."""
+        """A concave component's fitted decode-step costs (:class:`StepCosts`) on
+        devices working alone (see :meth:`slowdown` for those sharing a host);
+        ``None`` before the fit exists."""
         fit = self._fits[component]
         coef = fit.solve() if fit.scaling == "concave" else None
         return None if coef is None else StepCosts(*(float(v) for v in coef))

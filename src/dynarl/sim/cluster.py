@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from dynarl.control.predictor import PrefillCost, Profile, ProfileRow
+from dynarl.control.predictor import PrefillCost, Profile, ProfileRow, busy_devices
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
 from dynarl.obs.trace_records import Request
 from dynarl.sim.config import SimulatedRun
@@ -137,6 +137,9 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
     actor rows (sample tokens/s) from their cost models at the workload's mean sample
     length and token-weighted attended context; migration costs from the migration
     model; the rollout engine's re-prefill cost from its prefill model and KV capacity.
+    On slots sharing a host (``cluster.host``) each row's throughput is divided by the
+    host's slowdown at the slots its work keeps busy, as such a run would measure (seed
+    a predictor with :func:`host_slowdown` so it reads them so).
     """
     eng = cluster.engine
     turns = [(r.prompt_tokens, n) for r in requests for n in r.output_tokens]
@@ -198,7 +201,33 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
         s_per_token_context=(shape.forward_flops_per_token(1.0) - fixed) * s_per_flop,
         kv_capacity_tokens=float(eng.kv_tokens_capacity),
     )
+    if cluster.host is not None:
+        # Slots sharing the host: a profiling run on n of them measures what they do
+        # together, n / slowdown(n) of one slot alone.
+        rows = [
+            msgspec.structs.replace(
+                r, throughput=r.throughput / cluster.host.factor(_busy_slots(r, eng.tp))
+            )
+            for r in rows
+        ]
     return Profile(rows=tuple(rows), migration_s=migration_s, prefill={ROLLOUT: prefill})
+
+
+def _busy_slots(row: ProfileRow, unit: int) -> int:
+    """Slots a profile row's work keeps computing at once: a rollout request runs on
+    one engine of ``unit`` slots; the other stages keep all theirs busy."""
+    if row.component == ROLLOUT:
+        return math.ceil(busy_devices(row.devices, row.load, unit))
+    return row.devices
+
+
+def host_slowdown(cluster: ClusterModel, num_devices: int) -> tuple[float, ...]:
+    """The host curve the predictor of a run on ``cluster``'s ``num_devices`` devices
+    is given (``Predictor(host_slowdown=...)``): the measured slowdown at 1 to
+    ``num_devices`` busy slots; empty for independent devices (every GPU profile)."""
+    if cluster.host is None:
+        return ()
+    return tuple(cluster.host.factor(n) for n in range(1, num_devices + 1))
 
 
 def longest_decode_s(cluster: ClusterModel, requests: Sequence[Request]) -> float:

@@ -29,7 +29,7 @@ from dynarl.core.clock import LoopClock
 from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.obs.timeline import TimelineRecorder
 from dynarl.sim.bound import work_conserving_bound
-from dynarl.sim.cluster import ClusterModel, sim_profile
+from dynarl.sim.cluster import ClusterModel, host_slowdown, sim_profile
 from dynarl.sim.config import SimulatedRun
 from dynarl.sim.errors import SimError
 from dynarl.sim.faults import SimFaults
@@ -125,6 +125,7 @@ async def simulate(
         {c: n.spec.scaling for c, n in graph.components.items()},
         profile=profile,
         devices_per_instance={c: n.spec.devices_per_instance for c, n in graph.components.items()},
+        host_slowdown=host_slowdown(cluster, cfg.cluster.num_devices),
     )
     estimates = Estimates()  # shared by the policy and the hold
     policy = make_policy(cfg.scheduler, predictor, baseline, estimates)
