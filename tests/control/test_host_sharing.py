@@ -10,7 +10,7 @@ from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.policies.bottleneck import BottleneckPolicy
 from dynarl.control.policies.gate import PredictorGate
 from dynarl.control.policies.phases import RolloutBorrowsActor
-from dynarl.control.predictor import Predictor, host_factor
+from dynarl.control.predictor import Predictor, cores_slowdown, host_factor
 from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT
 from dynarl.core.errors import ConfigError
 from dynarl.core.ids import ComponentId
@@ -88,3 +88,9 @@ def test_the_gate_refuses_borrowing_the_actor_on_a_saturated_host() -> None:
     independent = PredictorGate(rule, fitted(g, ()), min_gain=0.0).decide(g, start)
     assert [(m.src, m.dst) for m in independent.migrations] == [(ACTOR, ROLLOUT)]
     assert not PredictorGate(rule, fitted(g, SATURATED), min_gain=0.0).decide(g, start)
+
+
+def test_cpu_slots_without_a_measured_curve_share_the_cores_ideally() -> None:
+    # 4 one-thread slots on 2 cores: two run at full speed, four at half.
+    assert cores_slowdown(4, 1, 2) == (1.0, 1.0, 1.5, 2.0)
+    assert cores_slowdown(2, 2, 2) == (1.0, 2.0)

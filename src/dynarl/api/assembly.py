@@ -11,6 +11,7 @@ here, not on ``import dynarl``.
 """
 
 import contextlib
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -47,6 +48,22 @@ class Run(NamedTuple):
     meter: DeviceMeter
     recorder: TimelineRecorder
     sampler: PromptSampler
+
+
+def host_slowdown(cfg: DynaRLConfig) -> tuple[float, ...]:
+    """The host curve the controller's predictor starts from: on CPU slots sharing this
+    machine's cores (the local launcher, every stage on the torch reference workers),
+    ideal processor sharing of ``cluster.num_devices`` slots of
+    ``cluster.threads_per_device`` threads on the cores this process may use
+    (:func:`~dynarl.control.predictor.cores_slowdown`); otherwise (Ray, SGLang,
+    Megatron: GPUs or other hosts) none, the devices being independent."""
+    from dynarl.control.predictor import cores_slowdown
+
+    on_cpu = (cfg.rollout.backend, cfg.inference.backend, cfg.actor.backend) == ("torch",) * 3
+    if cfg.cluster.launcher != "local" or not on_cpu:
+        return ()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores_slowdown(cfg.cluster.num_devices, cfg.cluster.threads_per_device, cores or 1)
 
 
 def check_backends(cfg: DynaRLConfig) -> None:
@@ -173,7 +190,10 @@ async def assemble(
 
     clock = LoopClock()
     graph, baseline = build_hypergraph(cfg.pipeline_layout(), now_s=clock.now())
-    predictor = Predictor({c: n.spec.scaling for c, n in graph.components.items()})
+    predictor = Predictor(
+        {c: n.spec.scaling for c, n in graph.components.items()},
+        host_slowdown=host_slowdown(cfg),
+    )
     meter = DeviceMeter(graph, now_s=clock.now())
     # Old log-probs come from inference instances, else from the engines' own.
     uses_inference = INFERENCE in graph.components

@@ -142,6 +142,17 @@ def host_factor(slowdown: tuple[float, ...], devices: float) -> float:
     return slowdown[lo - 1] + frac * (slowdown[lo] - slowdown[lo - 1])
 
 
+def cores_slowdown(num_devices: int, threads_per_device: int, num_cores: int) -> tuple[float, ...]:
+    """The host curve of ``num_devices`` slots of ``threads_per_device`` threads each on
+    ``num_cores`` cores, as ideal processor sharing: no slowdown while the busy slots'
+    threads fit on the cores, then ``busy threads / cores`` (a prior for a run with
+    no measured curve: real hosts, with other tenants and shared memory bandwidth,
+    slow down sooner)."""
+    return tuple(
+        max(1.0, n * threads_per_device / max(num_cores, 1)) for n in range(1, num_devices + 1)
+    )
+
+
 def check_host_slowdown(slowdown: tuple[float, ...]) -> None:
     """Refuse a malformed host curve.
 
