@@ -83,7 +83,10 @@ def config(
     return DynaRLConfig(
         model=ModelConfig(tokenizer="chat"),
         rollout=RolloutConfig(max_new_tokens=64, request_order="priority"),
-        actor=ActorConfig(lr=3e-4),
+        # The warm start already calls the tool in ~94% of episodes: RL steps on such a
+        # policy must be small (at 3e-4 the tool-call rate fell to 0.34 in 8 iterations;
+        # at 3e-5 it rose to 1.0).
+        actor=ActorConfig(lr=3e-5),
         algorithm=AlgorithmConfig(num_prompts=8, group_size=4, n_minibatches=2),
         env=EnvConfig(max_turns=3, warm_start_steps=warm_start_steps),
         run=RunConfig(num_iterations=num_iterations, run_dir=run_dir, checkpoint_every=0),
