@@ -2,8 +2,9 @@
 every rollout backend: completions carry tokens, log-probs, a finish reason and the
 weight version; an abort returns exactly the tokens generated so far, and another
 engine resumes them without losing or repeating one; log-probs are what teacher
-forcing gives; memory is released and resumed without changing the output; weight
-versions travel with the weights; bad requests get a typed error and queue nothing."""
+forcing gives; memory is released and resumed without changing the output; an ended multi-turn
+session leaves nothing cached; weight versions travel with the weights; bad requests
+get a typed error and queue nothing."""
 
 import socket
 
@@ -147,6 +148,17 @@ async def test_released_memory_resumes_with_the_same_output(
         await engine.resume_memory()
         await sink.wait_for(lambda: len(sink.completions) == len(PROMPTS))
     assert_same({k.replace("q", "r"): v for k, v in sink.completions.items()}, before)
+
+
+async def test_an_ended_session_leaves_nothing_cached(rollout_factory: RolloutFactory) -> None:
+    """A multi-turn session's turn may leave its context cached for the next turn; once
+    the session is over the engine holds nothing for it (an unknown id is ignored)."""
+    turns = [msgspec.structs.replace(r, multi_turn=True) for r in greedy(6, n=2)]
+    async with rollout_factory() as engine:
+        await generate(engine, turns)
+        await engine.end_sessions([turns[0].request_id, "never-seen"])
+        await engine.end_sessions([turns[1].request_id])
+        assert engine.load().cached_prefix_tokens == 0
 
 
 async def test_bad_requests_get_a_typed_error_and_queue_nothing(

@@ -4,6 +4,7 @@ session back to its engine, ends episodes at their limits, and always closes the
 environment. The engines are the faked edge: workers that answer each turn with a
 scripted policy's tokens, handed back through the slots' own item sink."""
 
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -33,7 +34,7 @@ from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams
 from dynarl.workers.sinks import ItemSink
 from dynarl.workers.tokenizer import build_tokenizer
 
-from .helpers import Net, cluster
+from .helpers import Net, cluster, wait_until
 
 TOKENIZER = build_tokenizer(chat=True)
 EOT = TOKENIZER.eos_token_id
@@ -56,13 +57,28 @@ def always_call(context: str) -> str:
 
 
 def engine(
-    policy: Policy, contexts: list[tuple[int, ...]], refuse: Callable[[str], bool]
+    policy: Policy,
+    contexts: list[tuple[int, ...]],
+    refuse: Callable[[str], bool],
+    ended: list[tuple[str, ItemId]],
 ) -> Callable[[WorkerLink], Any]:
     """A rollout worker answering each turn with ``policy``'s tokens (and recording
-    the contexts it was asked to continue); it refuses the turns ``refuse`` picks, as a
-    slot refuses a request its engine cannot take."""
+    the contexts it was asked to continue, and the sessions it hears are over); it
+    refuses the turns ``refuse`` picks, as a slot refuses a request its engine cannot
+    take."""
+
+    async def hear_ends(link: WorkerLink) -> None:
+        with contextlib.suppress(PeerLostError):
+            while True:
+                ended.extend((link.instance, i) for i in await link.receive_ended_sessions())
 
     async def serve(link: WorkerLink) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hear_ends, link)
+            await answer(link)
+            tg.cancel_scope.cancel()
+
+    async def answer(link: WorkerLink) -> None:
         try:
             while True:
                 for item in await link.receive():
@@ -96,8 +112,17 @@ class Rig:
     """A router with scripted engines, an episode runner over it, and the loop that
     hands ended turns to the runner (the pipeline driver's part)."""
 
-    def __init__(self, router: Router, runner: EpisodeRunner, finished: Any, graph: Any) -> None:
+    def __init__(
+        self,
+        router: Router,
+        runner: EpisodeRunner,
+        finished: Any,
+        graph: Any,
+        ended: list[tuple[str, ItemId]],
+    ) -> None:
         self.router, self.runner, self.finished, self.graph = router, runner, finished, graph
+        self.ended = ended
+        """(engine, session) for each session end an engine heard of."""
 
     async def play(self, spec_tasks: list[Prompt], *, timeout_s: float = 10.0) -> list[Episode]:
         """Play one episode per task; the finished episodes in task order."""
@@ -143,10 +168,12 @@ async def rig(
     **limits: Any,
 ) -> AsyncIterator[Rig]:
     net = Net("inproc", tmp_path)
+    ended: list[tuple[str, ItemId]] = []
     async with cluster(net, [], all_instances=list(engines)) as c:
         for name in engines:
             c.add_worker(
-                name, serve=engine(policy, contexts if contexts is not None else [], refuse)
+                name,
+                serve=engine(policy, contexts if contexts is not None else [], refuse, ended),
             )
         await c.router.wait_for_instances(len(engines))
         send, receive = anyio.create_memory_object_stream[Episode](100)
@@ -159,7 +186,7 @@ async def rig(
             finished=send,
         )
         try:
-            yield Rig(c.router, runner, receive, c.graph)
+            yield Rig(c.router, runner, receive, c.graph, ended)
         finally:
             await runner.aclose()
             receive.close()
@@ -202,8 +229,11 @@ async def test_each_session_comes_back_to_the_engine_holding_its_prefix(tmp_path
         for e in r.graph.of(ev.ItemRouted):
             served.setdefault(e.item, []).append(e.instance)
         starts, finishes = r.graph.of(ev.ToolCallStarted), r.graph.of(ev.ToolCallFinished)
+        # The engine holding each session hears that it is over.
+        await wait_until(lambda: len(r.ended) == len(TASKS))
     assert all(e.reward == 1.0 for e in episodes)
     assert all(len(turns) == 2 and len(set(turns)) == 1 for turns in served.values())
+    assert sorted(r.ended) == sorted((turns[-1], item) for item, turns in served.items())
     assert len({turns[0] for turns in served.values()}) > 1  # spread over the engines
     # Every turn's end is a tool call the model sees; the last one ends the episode.
     assert (len(starts), len(finishes)) == (2 * len(TASKS), len(TASKS))

@@ -2,6 +2,7 @@
 input and backpressure. Every event goes through a real hypergraph, which rejects an
 inconsistent one."""
 
+import contextlib
 import functools
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -249,8 +250,21 @@ async def test_sessions_stick_to_the_engine_holding_their_prefix(inproc: Net) ->
 
 
 async def test_an_environment_ends_a_session_out_on_a_tool_call(inproc: Net) -> None:
+    ended: list[str] = []
+    all_ended = anyio.Event()
+
+    async def hear_ends(link: WorkerLink) -> None:
+        with contextlib.suppress(PeerLostError):
+            while True:
+                ended.extend(await link.receive_ended_sessions())
+                if len(ended) == 4:
+                    all_ended.set()
+
     async def serve(link: WorkerLink) -> None:
-        await echo(link, status=lambda it: "tool_call")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hear_ends, link)
+            await echo(link, status=lambda it: "tool_call")
+            tg.cancel_scope.cancel()
 
     async with cluster(inproc, [], all_instances=["w0"]) as c:
         c.add_worker("w0", serve=serve)
@@ -266,6 +280,9 @@ async def test_an_environment_ends_a_session_out_on_a_tool_call(inproc: Net) -> 
         for d in await c.collect(2):
             c.router.finish(d.item.id)
         assert c.router.statistics().num_pending == 0
+        with anyio.fail_after(5):  # the worker hears each session end once
+            await all_ended.wait()
+        assert sorted(ended) == sorted(d.item.id for d in turns)
     completed = c.graph.of(ev.ItemCompleted)
     assert len(completed) == 4 and {e.instance for e in completed} == {"w0"}
     c.graph.check()

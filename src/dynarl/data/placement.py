@@ -175,9 +175,10 @@ class Placement:
             msgspec.structs.replace(item, payload=payload, tool_calls=item.tool_calls + 1), now
         )
 
-    def finish(self, item_id: ItemId, now: float) -> None:
+    def finish(self, item_id: ItemId, now: float) -> InstanceId:
         """A session out on a tool call is over (its environment ended it): it completes
-        on the instance that served its last turn, with every turn's tokens."""
+        on the instance that served its last turn, with every turn's tokens; that
+        instance is returned."""
         item = self.in_tool.pop(item_id, None)
         if item is None:
             raise RoutingError(f"item {item_id!r} is not out on a tool call")
@@ -193,6 +194,7 @@ class Placement:
                 num_tokens=self.generated_tokens.pop(item_id, 0),
             )
         )
+        return item.instance
 
     def on_result(self, w: WorkerState, r: wire.ItemResult, now: float) -> RoutedResult | None:
         """Apply one result from ``w``; the completion to hand to the caller, if any.

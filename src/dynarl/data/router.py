@@ -174,8 +174,13 @@ class Router:
 
     def finish(self, item_id: ItemId) -> None:
         """End a session that is out on a tool call: its environment says the episode
-        is over. It completes (``ItemCompleted``) on the instance of its last turn."""
-        self._placement.finish(item_id, self._clock.now())
+        is over. It completes (``ItemCompleted``) on the instance of its last turn, and
+        that instance, if it is still connected, is told to drop what it keeps for the
+        session (:class:`~dynarl.data.wire.EndSessions`: its cached KV prefix)."""
+        instance = self._placement.finish(item_id, self._clock.now())
+        w = self._placement.workers.get(instance)
+        if w is not None:
+            self._sessions.send_nowait(w.peer, wire.EndSessions((item_id,)))
 
     async def _wait_backlog_space(self) -> None:
         self._backlog_space = anyio.Event()

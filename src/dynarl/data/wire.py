@@ -23,7 +23,7 @@ import msgspec
 from dynarl.control.events import AnyEvent
 from dynarl.core.ids import ComponentId, EdgeId, GroupId, InstanceId, ItemId
 
-PROTOCOL_VERSION: Final = 3
+PROTOCOL_VERSION: Final = 4
 """Version of this module's messages; a worker announcing another one is refused."""
 
 Affinity = Literal["must", "prefer", "none"]
@@ -128,6 +128,14 @@ class Abort(ToWorker, frozen=True):
     items: tuple[ItemId, ...]
 
 
+class EndSessions(ToWorker, frozen=True):
+    """These multi-turn sessions are over (their episodes ended while out on a tool
+    call, after a turn this worker served): drop what is kept for them between turns,
+    such as their cached KV prefix. A hint; nothing is handed back."""
+
+    items: tuple[ItemId, ...]
+
+
 class Ping(ToWorker, frozen=True):
     """Liveness probe and round-trip measurement; answered by :class:`Pong`."""
 
@@ -203,7 +211,7 @@ class Bye(ToController, frozen=True):
     reason: str = ""
 
 
-AnyToWorker = Welcome | Refused | Work | WorkBatch | Abort | Ping | Retire | Call
+AnyToWorker = Welcome | Refused | Work | WorkBatch | Abort | EndSessions | Ping | Retire | Call
 """Every message the controller sends to a worker."""
 
 AnyToController = Hello | Pong | Done | DoneBatch | Report | Reply | Bye

@@ -73,6 +73,8 @@ class WorkerLink:
         self._aborting: set[ItemId] = set()
         self._new_aborts: list[ItemId] = []
         self._has_aborts = anyio.Event()
+        self._ended: list[ItemId] = []
+        self._has_ended = anyio.Event()
         self._outbox: list[wire.ItemResult] = []
         self._has_items = anyio.Event()
         self._has_results = anyio.Event()
@@ -84,6 +86,7 @@ class WorkerLink:
             wire.Work: lambda m: self._accept((m.item,)),
             wire.WorkBatch: lambda m: self._accept(m.items),
             wire.Abort: self._on_abort,
+            wire.EndSessions: self._on_end_sessions,
             wire.Ping: self._on_ping,
             wire.Call: self._on_call,
             wire.Retire: lambda m: self._lose(
@@ -166,6 +169,22 @@ class WorkerLink:
         wanted, self._new_aborts = self._new_aborts, []
         return [item for item in wanted if item in self._aborting]
 
+    async def receive_ended_sessions(self) -> list[ItemId]:
+        """Wait until the controller says multi-turn sessions this worker served are
+        over; return their ids (drop what is kept for them between turns, such as a
+        cached KV prefix).
+
+        Raises :class:`PeerLostError` once the controller is gone, has retired this
+        worker or declared it failed.
+        """
+        while not self._ended:
+            if self._lost is not None:
+                raise self._lost
+            self._has_ended = anyio.Event()
+            await self._has_ended.wait()
+        ended, self._ended = self._ended, []
+        return ended
+
     def abort_requested(self, item: ItemId) -> bool:
         """Whether the controller asked for ``item`` back (hand it back soon with
         status ``aborted`` and its partial output)."""
@@ -244,6 +263,10 @@ class WorkerLink:
             self._new_aborts.extend(sorted(wanted))
             self._has_aborts.set()
 
+    def _on_end_sessions(self, msg: wire.EndSessions) -> None:
+        self._ended.extend(msg.items)
+        self._has_ended.set()
+
     def _on_call(self, msg: wire.Call) -> None:
         self._calls.append(msg)
         self._has_calls.set()
@@ -262,6 +285,7 @@ class WorkerLink:
             self._has_items.set()
             self._has_calls.set()
             self._has_aborts.set()
+            self._has_ended.set()
 
 
 @asynccontextmanager

@@ -215,6 +215,12 @@ class RolloutEngine(WeightReceiver, Protocol):
         hears of its own, and the requests are returned with their partial output."""
         ...
 
+    async def end_sessions(self, session_ids: Sequence[str]) -> None:
+        """These multi-turn sessions (request ids) are over: drop what the engine keeps
+        for them between turns (a per-session cached prefix). Unknown ids are ignored;
+        an engine that keeps nothing per session does nothing."""
+        ...
+
     def load(self) -> EngineLoad:
         """KV tokens held, requests running and waiting, recent throughput."""
         ...

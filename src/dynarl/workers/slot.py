@@ -126,6 +126,7 @@ class SlotServer:
                     engine = self._rollout[1]
                     tg.start_soon(self._serve_requests, engine, link)
                     tg.start_soon(self._serve_aborts, engine, link)
+                    tg.start_soon(self._serve_session_ends, engine, link)
                     tg.start_soon(self._report_stats, engine, link)
                 elif isinstance(self._role, p.InferenceRole) and self._inference is not None:
                     tg.start_soon(self._serve_samples, self._inference[1], link)
@@ -346,6 +347,16 @@ class SlotServer:
             except PeerLostError:
                 return
             await engine.abort(wanted)
+
+    async def _serve_session_ends(self, engine: RolloutEngine, link: WorkerLink) -> None:
+        """Tell the engine which multi-turn sessions are over (their cached prefixes
+        go)."""
+        while True:
+            try:
+                ended = await link.receive_ended_sessions()
+            except PeerLostError:
+                return
+            await engine.end_sessions(ended)
 
     async def _report_stats(self, engine: RolloutEngine, link: WorkerLink) -> None:
         instance = self.identity[0]

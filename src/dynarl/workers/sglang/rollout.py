@@ -215,6 +215,11 @@ class SGLangRollout:
             await sink.flush()
         return taken
 
+    async def end_sessions(self, session_ids: Sequence[str]) -> None:
+        """Nothing to drop: this adapter keeps nothing per session, and the server's
+        radix cache shares KV by token prefix across requests (not per session) and
+        evicts it least-recently-used on its own."""
+
     def load(self) -> EngineLoad:
         """Requests running (prefilled: streaming) and queued, as this engine knows
         them; KV tokens: its running requests' tokens, or the server's last report

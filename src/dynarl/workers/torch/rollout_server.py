@@ -95,6 +95,12 @@ class TorchRollout:
         await _flush(sinks)
         return taken
 
+    async def end_sessions(self, session_ids: Sequence[str]) -> None:
+        """Drop the ended sessions' cached prefixes."""
+        async with self._lock:
+            for session in session_ids:
+                self.engine.end_session(session)
+
     def load(self) -> EngineLoad:
         """The engine's load figures."""
         return self.engine.stats()
