@@ -1,8 +1,6 @@
 """The reference inference worker: old-policy and reference log-probs in micro-batches,
 interruptible between them."""
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -15,17 +13,10 @@ from dynarl.workers.torch.errors import EngineError
 from dynarl.workers.torch.inference import InferenceWorker, LogprobRequest, LogprobResult
 from dynarl.workers.torch.model import build_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TOKENIZER = build_tokenizer()
 MODEL = ModelConfig(max_seq_len=64)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Run like a CPU device slot (one torch thread)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _rollouts(n: int = 5) -> tuple[list[LogprobRequest], dict[str, tuple[float, ...]]]:

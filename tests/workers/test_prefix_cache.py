@@ -2,8 +2,6 @@
 turn reuses its last turn's KV and generates exactly what a full prefill would; new
 weights invalidate it; running requests always take precedence over it."""
 
-from collections.abc import Iterator
-
 import msgspec
 import pytest
 import torch
@@ -15,22 +13,11 @@ from dynarl.workers.tokenizer import build_tokenizer
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.model import build_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TOKENIZER = build_tokenizer()
 PROMPTS = ["What is 7*6?", "The quick brown fox jumps", "x=1;y=2"]
 OBSERVATION = tuple(TOKENIZER.encode("<tool_response>42</tool_response>"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model() -> PreTrainedModel:
-    return build_model(ModelConfig(), seed=0)
 
 
 def _engine(model: PreTrainedModel, **kwargs: object) -> RolloutEngine:

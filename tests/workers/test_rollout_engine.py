@@ -1,8 +1,6 @@
 """The reference rollout engine on a real tiny model: continuous batching, log-probs a
 trainer can trust, abort and resume, request order, weights and memory."""
 
-from collections.abc import Iterator
-
 import msgspec
 import pytest
 import torch
@@ -21,23 +19,10 @@ from dynarl.workers.torch.logprobs import sequence_logprobs
 from dynarl.workers.torch.model import build_model
 from dynarl.workers.torch.sequence import Sequence
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TOKENIZER = build_tokenizer()
 PROMPTS = ["hi", "What is 7*6?", "a", "The quick brown fox jumps", "x=1;y=2", "Tell me"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Run like a CPU device slot (one torch thread): tiny kernels on 2 shared cores
-    are many times slower with intra-op threads contending."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model() -> PreTrainedModel:
-    return build_model(ModelConfig(), seed=0)
 
 
 def _engine(model: PreTrainedModel, **kwargs: object) -> RolloutEngine:

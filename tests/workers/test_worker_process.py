@@ -9,7 +9,7 @@ import asyncio
 import functools
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -40,7 +40,11 @@ from dynarl.workers.torch.trainer_config import TrainerConfig  # noqa: E402
 from dynarl.workers.torch.trainer_main import trainer_main  # noqa: E402
 from dynarl.workers.torch.trainer_pool import TrainerPool  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.asyncio(loop_scope="module"),
+]
 
 MODEL = ModelConfig(max_seq_len=96)
 ROLLOUT = RolloutConfig(max_running_requests=8)
@@ -82,15 +86,6 @@ class Cluster:
     def __init__(self, router: Router, launcher: LocalLauncher) -> None:
         self.router = router
         self.launcher = launcher
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """The in-process reference engines run like a one-thread device slot."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 async def run_cluster(started: "asyncio.Future[Cluster]", stop: asyncio.Event) -> None:
