@@ -27,7 +27,7 @@ from dynarl.envs.environment import (
 )
 from dynarl.envs.lookup import LookupTask, lookup_spec
 from dynarl.envs.prompts import Prompt
-from dynarl.rl.episode import Episode
+from dynarl.rl.episode import Episode, episode_stats
 from dynarl.rl.episode_runner import EpisodeRunner
 from dynarl.rl.turns import ChatRenderer
 from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams
@@ -78,6 +78,8 @@ def engine(
             await answer(link)
             tg.cancel_scope.cancel()
 
+    kept: dict[ItemId, tuple[int, ...]] = {}  # each session's last context + output
+
     async def answer(link: WorkerLink) -> None:
         try:
             while True:
@@ -93,6 +95,9 @@ def engine(
                     text = policy(context)
                     ids = [*TOKENIZER.encode(text, add_special_tokens=False), EOT]
                     ids = ids[: request.sampling.max_new_tokens]
+                    before = kept.get(item.id, ())
+                    hit = request.prompt_ids[: len(before)] == before
+                    kept[item.id] = request.prompt_ids + tuple(ids)
                     completion = Completion(
                         request_id=item.id,
                         prompt_ids=request.prompt_ids,
@@ -100,6 +105,7 @@ def engine(
                         output_logprobs=(LOGPROB,) * len(ids),
                         finish_reason="stop" if ids[-1] == EOT else "length",
                         weight_version=3,
+                        cached_tokens=len(before) if hit else 0,
                     )
                     ItemSink(link, item, 0, multi_turn=request.multi_turn).done(completion)
         except PeerLostError:
@@ -219,6 +225,12 @@ async def test_an_episode_keeps_the_sampled_ids_and_renders_only_the_observation
     # The second turn continues the first's exact ids: nothing was decoded and re-encoded.
     assert contexts[1] == contexts[0] + tuple(turn_0) + observation
     assert episode.metrics["tool_calls"] == 1 and episode.metrics["turns"] == 2
+    # The second turn's context extends the first turn's: the engine had it cached.
+    assert episode.metrics["context_tokens"] == len(contexts[0]) + len(contexts[1])
+    assert episode.metrics["cached_tokens"] == len(contexts[0]) + len(turn_0)
+    assert episode_stats([episode])["prefix_hit_rate"] == pytest.approx(
+        (len(contexts[0]) + len(turn_0)) / (len(contexts[0]) + len(contexts[1]))
+    )
 
 
 async def test_each_session_comes_back_to_the_engine_holding_its_prefix(tmp_path: Path) -> None:

@@ -75,7 +75,9 @@ class Episode(msgspec.Struct, frozen=True, kw_only=True):
 
 def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
     """An iteration's episode metrics: per-episode means of each metric over the
-    scored episodes, the tool-call rate, and the truncated and aborted counts."""
+    scored episodes, the tool-call rate, the prefix hit rate (the share of the turns'
+    context tokens their engines found cached), and the truncated and aborted
+    counts."""
     scored = [e for e in episodes if e.end != "aborted"]
     out: dict[str, float] = {
         "truncated": float(sum(e.end == "truncated" for e in episodes)),
@@ -87,4 +89,8 @@ def episode_stats(episodes: Sequence[Episode]) -> dict[str, float]:
     for key in keys:
         out[key] = float(np.mean([e.metrics.get(key, 0.0) for e in scored]))
     out["tool_call_rate"] = float(np.mean([e.metrics.get("tool_calls", 0.0) > 0 for e in scored]))
+    context = sum(e.metrics.get("context_tokens", 0.0) for e in scored)
+    if context > 0:
+        cached = sum(e.metrics.get("cached_tokens", 0.0) for e in scored)
+        out["prefix_hit_rate"] = cached / context
     return out

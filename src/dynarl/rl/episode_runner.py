@@ -70,6 +70,8 @@ class _Play:
         self.turn_tokens: list[int] = []  # each turn's sampled tokens
         self.observation_tokens: list[int] = []  # each observation a next turn followed
         self.step_latency_s: list[float] = []  # the steps that produced them
+        self.context_tokens = 0  # every turn's context, as sent to its engine
+        self.cached_tokens = 0  # of those, the engines found in their prefix caches
 
 
 class EpisodeRunner:
@@ -145,6 +147,8 @@ class EpisodeRunner:
             completion.output_ids, completion.output_logprobs, completion.weight_version
         )
         play.turn_tokens.append(len(completion.output_ids))
+        play.context_tokens += len(completion.prompt_ids)
+        play.cached_tokens += completion.cached_tokens
         ids = list(completion.output_ids)
         assert play.renderer is not None, "a started episode has its renderer"
         ended = bool(ids) and ids[-1] == play.renderer.end_of_turn_id
@@ -240,7 +244,12 @@ class EpisodeRunner:
         await self._close(play)
         t = play.transcript
         metrics = episode_metrics(play.metrics)
-        metrics.update(turns=float(t.num_turns), env_s=play.env_s)
+        metrics.update(
+            turns=float(t.num_turns),
+            env_s=play.env_s,
+            context_tokens=float(play.context_tokens),
+            cached_tokens=float(play.cached_tokens),
+        )
         episode = Episode(
             request_id=rid,
             prompt_ids=t.prompt_ids,
