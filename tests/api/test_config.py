@@ -53,16 +53,23 @@ def test_overrides_parse_values_by_type() -> None:
         ("model.hidden_size=65", "model.hidden_size", ["multiple of model.num_heads"]),
         ("data.source=file", "data.path", ["needs data.path"]),
         ("algorithm.kl_coef=0.1", "algorithm.kl_coef", ["inference.compute_ref_logprobs=true"]),
+        ("model.tokenizer=chat model.path=/m", "model.tokenizer", ["model.tokenizer=null"]),
     ],
 )
 def test_bad_values_name_the_field_the_value_and_what_is_allowed(
     override: str, field: str, says: list[str]
 ) -> None:
     with pytest.raises(ConfigError) as info:
-        apply_overrides(DynaRLConfig(), [override])
+        apply_overrides(DynaRLConfig(), override.split())
     assert info.value.field == field
     for text in says:
         assert text in str(info.value)
+
+
+def test_a_checkpoint_path_over_a_recipe_with_a_built_in_tokenizer_drops_it() -> None:
+    chat = apply_overrides(DynaRLConfig(), ["model.tokenizer=chat"])
+    cfg = apply_overrides(chat, ["model.tokenizer=null", "model.path=/m"])
+    assert (cfg.model.path, cfg.model.tokenizer) == ("/m", None)
 
 
 @pytest.mark.parametrize(

@@ -144,7 +144,7 @@ async def warm_started(
                 out_dir=out,
             )
         )
-    model = msgspec.structs.replace(cfg.model, path=str(out.resolve()), tokenizer="chars")
+    model = msgspec.structs.replace(cfg.model, path=str(out.resolve()), tokenizer=None)
     return msgspec.structs.replace(
         cfg, model=model, env=msgspec.structs.replace(cfg.env, warm_start_steps=0)
     )

@@ -28,9 +28,10 @@ class ModelConfig(Section, frozen=True, kw_only=True):
         max_seq_len: longest prompt + response the model handles.
         dtype: parameter dtype.
         tokenizer: the tokenizer built in code when there is no ``path``: ``chars``
-            (one token per printable character) or ``chat`` (the same with Qwen's chat
-            and tool-call special tokens and a ChatML chat template, for multi-turn
-            environments). A checkpoint brings its own tokenizer: set ``chars``.
+            (one token per printable character; what unset means) or ``chat`` (the same
+            with Qwen's chat and tool-call special tokens and a ChatML chat template,
+            for multi-turn environments). A checkpoint brings its own tokenizer: leave
+            it unset with ``path``.
     """
 
     path: str | None = None
@@ -42,13 +43,14 @@ class ModelConfig(Section, frozen=True, kw_only=True):
     intermediate_size: PositiveInt = 128
     max_seq_len: PositiveInt = 256
     dtype: Literal["float32", "bfloat16"] = "float32"
-    tokenizer: Literal["chars", "chat"] = "chars"
+    tokenizer: Literal["chars", "chat"] | None = None
 
     def __post_init__(self) -> None:
-        if self.path is not None and self.tokenizer != "chars":
+        if self.path is not None and self.tokenizer is not None:
             raise ConfigError(
                 f"model.tokenizer={self.tokenizer!r} builds a tokenizer for a random-init "
-                f"model, but model.path={self.path!r} brings its own; drop model.tokenizer",
+                f"model, but model.path={self.path!r} brings its own; drop model.tokenizer "
+                f"(on the command line: --set model.tokenizer=null)",
                 field="model.tokenizer",
             )
         if self.hidden_size % self.num_heads:
