@@ -12,7 +12,7 @@ from dynarl.workers.config import InferenceConfig, ModelConfig
 from dynarl.workers.errors import BadRequestError
 from dynarl.workers.inference import LogprobRequest, LogprobResult
 from dynarl.workers.protocol import InferenceRole
-from dynarl.workers.slot import _refused, _score_each
+from dynarl.workers.item_feeds import _score_each, refused
 
 
 def _item(i: int) -> wire.Item:
@@ -34,5 +34,5 @@ async def test_a_refused_sample_leaves_the_rest_of_its_batch_scored() -> None:
         ("s1", BadRequestError),
         ("s2", LogprobResult),
     ]
-    refusal = _refused(ItemId("s1"), scored[1][1])  # type: ignore[arg-type]
+    refusal = refused(ItemId("s1"), scored[1][1])  # type: ignore[arg-type]
     assert refusal.status == "refused" and b"response_start" in refusal.payload

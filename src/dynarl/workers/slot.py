@@ -9,7 +9,8 @@ memory of the role it held (keeping a host copy, so switching back resumes it) a
 builds or resumes the other; the process stays. Calls (:mod:`dynarl.workers.protocol`)
 are dispatched by a table keyed on the request type; each runs as its own task, so a
 long ``Generate`` stream does not hold up an ``AbortRequests``. The data router's items
-reach the role that serves them: rollout requests, or samples to score.
+reach the role that serves them (:mod:`dynarl.workers.item_feeds`): rollout requests,
+or samples to score.
 
 No backend is imported until a role is built, so a slot starts fast.
 """
@@ -26,28 +27,26 @@ import anyio
 import anyio.abc
 import msgspec
 
-from dynarl.control import events as ev
 from dynarl.core.errors import DynaRLError
-from dynarl.core.ids import ComponentId, InstanceId, ItemId
+from dynarl.core.ids import ComponentId, InstanceId
 from dynarl.data import wire
 from dynarl.data._tasks import task_group
-from dynarl.data.errors import DataPlaneError, PeerLostError
+from dynarl.data.errors import DataPlaneError
 from dynarl.data.worker_link import WorkerLink
 from dynarl.workers import backends
+from dynarl.workers import item_feeds as feeds
 from dynarl.workers import protocol as p
-from dynarl.workers.errors import BadRequestError, LifecycleError
-from dynarl.workers.inference import InferenceEngine, LogprobRequest, LogprobResult
+from dynarl.workers.errors import LifecycleError
+from dynarl.workers.inference import InferenceEngine
 from dynarl.workers.lifecycle import Lifecycle
-from dynarl.workers.rollout import GenerateRequest, RolloutEngine
-from dynarl.workers.sinks import CallSink, ItemSink
+from dynarl.workers.rollout import RolloutEngine
+from dynarl.workers.sinks import CallSink
 from dynarl.workers.weights import WeightReceiver, WeightSyncGroup
 
 logger = logging.getLogger(__name__)
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(p.AnySlotRequest)
-_GENERATE = msgspec.msgpack.Decoder(GenerateRequest)
-_SCORE = msgspec.msgpack.Decoder(LogprobRequest)
 
 Identity = tuple[InstanceId, ComponentId]
 """What a slot says at hello: the instance it runs and its component."""
@@ -123,13 +122,9 @@ class SlotServer:
                 if self._rollout is not None:
                     tg.start_soon(self._run_engine, self._rollout[1])
                 if isinstance(self._role, p.RolloutRole) and self._rollout is not None:
-                    engine = self._rollout[1]
-                    tg.start_soon(self._serve_requests, engine, link)
-                    tg.start_soon(self._serve_aborts, engine, link)
-                    tg.start_soon(self._serve_session_ends, engine, link)
-                    tg.start_soon(self._report_stats, engine, link)
+                    tg.start_soon(self._feed_rollout, self._rollout[1], link)
                 elif isinstance(self._role, p.InferenceRole) and self._inference is not None:
-                    tg.start_soon(self._serve_samples, self._inference[1], link)
+                    tg.start_soon(feeds.feed_inference, self._inference[1], link)
                 while True:
                     call = await link.receive_call()
                     tg.start_soon(self._answer, link, call)
@@ -310,71 +305,19 @@ class SlotServer:
         # Items go back to the router through their sinks; the call returns the rest.
         return p.Aborted(requests=tuple(r for r in taken if r.request_id in streamed))
 
+    async def _feed_rollout(self, engine: RolloutEngine, link: WorkerLink) -> None:
+        await feeds.feed_rollout(
+            engine,
+            link,
+            instance=self.identity[0],
+            stats_interval_s=self.config.stats_interval_s,
+            reporting=lambda: self.lifecycle.state in ("active", "draining"),
+        )
+
     async def _run_engine(self, engine: RolloutEngine) -> None:
         await engine.run()
         if engine.error is not None and self.lifecycle.can("failed"):
             self.lifecycle.to("failed")
-
-    async def _serve_requests(self, engine: RolloutEngine, link: WorkerLink) -> None:
-        """Feed the router's items (payload: a msgpack ``GenerateRequest``) to the
-        engine until the link is lost."""
-        while True:
-            try:
-                items = await link.receive()
-            except PeerLostError:
-                return
-            for item in items:
-                try:
-                    request = _GENERATE.decode(item.payload)
-                except msgspec.DecodeError as e:
-                    link.complete(_refused(item.id, f"not a GenerateRequest: {e}"))
-                    continue
-                request = msgspec.structs.replace(request, request_id=item.id)
-                sink = ItemSink(link, item, len(request.output_ids), multi_turn=request.multi_turn)
-                try:
-                    await engine.submit([request], sink)
-                except BadRequestError as e:
-                    link.complete(_refused(item.id, e))
-                    continue
-                if link.abort_requested(item.id):  # asked back while it was on its way
-                    await engine.abort([item.id])
-
-    async def _serve_aborts(self, engine: RolloutEngine, link: WorkerLink) -> None:
-        """Hand back, with their partial output, the items the controller asks for."""
-        while True:
-            try:
-                wanted = await link.receive_aborts()
-            except PeerLostError:
-                return
-            await engine.abort(wanted)
-
-    async def _serve_session_ends(self, engine: RolloutEngine, link: WorkerLink) -> None:
-        """Tell the engine which multi-turn sessions are over (their cached prefixes
-        go)."""
-        while True:
-            try:
-                ended = await link.receive_ended_sessions()
-            except PeerLostError:
-                return
-            await engine.end_sessions(ended)
-
-    async def _report_stats(self, engine: RolloutEngine, link: WorkerLink) -> None:
-        instance = self.identity[0]
-        while True:
-            await anyio.sleep(self.config.stats_interval_s)
-            if self.lifecycle.state in ("active", "draining"):
-                load = engine.load()
-                await link.report(
-                    ev.EngineStats(
-                        time_s=0.0,
-                        instance=instance,
-                        kv_usage=load.kv_usage,
-                        num_running=load.num_running,
-                        num_queued=load.num_queued,
-                        gen_tokens_per_s=load.gen_tokens_per_s,
-                        kv_tokens=load.kv_tokens,
-                    )
-                )
 
     # ------------------------------------------------------------------ inference
 
@@ -382,37 +325,6 @@ class SlotServer:
         self.lifecycle.require("active", action="score samples")
         results = await self._inference_engine().score(req.requests)
         return p.Scored(results=tuple(results))
-
-    async def _serve_samples(self, engine: InferenceEngine, link: WorkerLink) -> None:
-        """Score the router's items (payload: a msgpack ``LogprobRequest``) in the
-        batches they arrive in, completing each with its ``LogprobResult``. A batch in
-        progress finishes before an abort takes effect (its items complete)."""
-        while True:
-            try:
-                items = await link.receive()
-            except PeerLostError:
-                return
-            batch: list[tuple[wire.Item, LogprobRequest]] = []
-            for item in items:
-                try:
-                    sample = _SCORE.decode(item.payload)
-                except msgspec.DecodeError as e:
-                    link.complete(_refused(item.id, f"not a LogprobRequest: {e}"))
-                    continue
-                batch.append((item, msgspec.structs.replace(sample, item_id=item.id)))
-            if not batch:
-                continue
-            for (item, sample), result in await _score_each(engine, batch):
-                if isinstance(result, BadRequestError):
-                    link.complete(_refused(item.id, result))
-                    continue
-                link.complete(
-                    wire.ItemResult(
-                        item=ItemId(item.id),
-                        payload=_ENCODER.encode(result),
-                        num_tokens=len(sample.token_ids),
-                    )
-                )
 
     # ------------------------------------------------------------------ memory, state
 
@@ -496,24 +408,3 @@ def _kind(role: p.Role | None) -> p.RoleKind | None:
     if role is None:
         return None
     return "rollout" if isinstance(role, p.RolloutRole) else "inference"
-
-
-async def _score_each(
-    engine: InferenceEngine, batch: list[tuple[wire.Item, LogprobRequest]]
-) -> list[tuple[tuple[wire.Item, LogprobRequest], LogprobResult | BadRequestError]]:
-    """Each sample of ``batch`` with its log-probs, or with the engine's refusal: a
-    refused batch is scored again one sample at a time, so one bad sample does not take
-    the others down with it."""
-    try:
-        results = await engine.score([sample for _, sample in batch])
-    except BadRequestError as e:
-        if len(batch) == 1:
-            return [(batch[0], e)]
-        return [pair for one in batch for pair in await _score_each(engine, [one])]
-    return list(zip(batch, results, strict=True))
-
-
-def _refused(item: ItemId, reason: BadRequestError | str) -> wire.ItemResult:
-    """The result of an item the worker cannot serve: the reason goes back to the
-    router, which finishes the item and counts it."""
-    return wire.ItemResult(item=item, status="refused", payload=str(reason).encode())

@@ -1,0 +1,171 @@
+"""The data router's items into a slot's engine, until the worker link is lost.
+
+A rollout engine is fed generate requests (each item's payload is a msgpack
+:class:`~dynarl.workers.rollout.GenerateRequest`; its outcome goes back through an
+:class:`~dynarl.workers.sinks.ItemSink`), gives back the items the controller asks for
+with their partial output, hears which multi-turn sessions are over, and reports its
+load every few seconds. An inference engine scores the items (msgpack
+:class:`~dynarl.workers.inference.LogprobRequest`) in the batches they arrive in.
+
+An item a worker cannot serve (an undecodable payload, a request its engine refuses) is
+handed back ``refused`` with the reason: the router finishes it and counts it.
+"""
+
+from collections.abc import Callable
+
+import anyio
+import msgspec
+
+from dynarl.control import events as ev
+from dynarl.core.ids import InstanceId, ItemId
+from dynarl.data import wire
+from dynarl.data.errors import PeerLostError
+from dynarl.data.worker_link import WorkerLink
+from dynarl.workers.errors import BadRequestError
+from dynarl.workers.inference import InferenceEngine, LogprobRequest, LogprobResult
+from dynarl.workers.rollout import GenerateRequest, RolloutEngine
+from dynarl.workers.sinks import ItemSink
+
+_ENCODER = msgspec.msgpack.Encoder()
+_GENERATE = msgspec.msgpack.Decoder(GenerateRequest)
+_SCORE = msgspec.msgpack.Decoder(LogprobRequest)
+
+
+async def feed_rollout(
+    engine: RolloutEngine,
+    link: WorkerLink,
+    *,
+    instance: InstanceId,
+    stats_interval_s: float,
+    reporting: Callable[[], bool],
+) -> None:
+    """Serve ``link``'s rollout items on ``engine`` until the link is lost: requests,
+    aborts, session ends, and an ``EngineStats`` report every ``stats_interval_s``
+    while ``reporting()`` says the engine serves."""
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_report_load, engine, link, instance, stats_interval_s, reporting)
+        async with anyio.create_task_group() as feeds:
+            feeds.start_soon(_requests, engine, link)
+            feeds.start_soon(_aborts, engine, link)
+            feeds.start_soon(_session_ends, engine, link)
+        tg.cancel_scope.cancel()  # the link is lost: stop reporting
+
+
+async def _requests(engine: RolloutEngine, link: WorkerLink) -> None:
+    while True:
+        try:
+            items = await link.receive()
+        except PeerLostError:
+            return
+        for item in items:
+            try:
+                request = _GENERATE.decode(item.payload)
+            except msgspec.DecodeError as e:
+                link.complete(refused(item.id, f"not a GenerateRequest: {e}"))
+                continue
+            request = msgspec.structs.replace(request, request_id=item.id)
+            sink = ItemSink(link, item, len(request.output_ids), multi_turn=request.multi_turn)
+            try:
+                await engine.submit([request], sink)
+            except BadRequestError as e:
+                link.complete(refused(item.id, e))
+                continue
+            if link.abort_requested(item.id):  # asked back while it was on its way
+                await engine.abort([item.id])
+
+
+async def _aborts(engine: RolloutEngine, link: WorkerLink) -> None:
+    """Hand back, with their partial output, the items the controller asks for."""
+    while True:
+        try:
+            wanted = await link.receive_aborts()
+        except PeerLostError:
+            return
+        await engine.abort(wanted)
+
+
+async def _session_ends(engine: RolloutEngine, link: WorkerLink) -> None:
+    """Tell the engine which multi-turn sessions are over (their cached prefixes go)."""
+    while True:
+        try:
+            ended = await link.receive_ended_sessions()
+        except PeerLostError:
+            return
+        await engine.end_sessions(ended)
+
+
+async def _report_load(
+    engine: RolloutEngine,
+    link: WorkerLink,
+    instance: InstanceId,
+    interval_s: float,
+    reporting: Callable[[], bool],
+) -> None:
+    while True:
+        await anyio.sleep(interval_s)
+        if reporting():
+            load = engine.load()
+            await link.report(
+                ev.EngineStats(
+                    time_s=0.0,
+                    instance=instance,
+                    kv_usage=load.kv_usage,
+                    num_running=load.num_running,
+                    num_queued=load.num_queued,
+                    gen_tokens_per_s=load.gen_tokens_per_s,
+                    kv_tokens=load.kv_tokens,
+                )
+            )
+
+
+async def feed_inference(engine: InferenceEngine, link: WorkerLink) -> None:
+    """Score ``link``'s items in the batches they arrive in, completing each with its
+    ``LogprobResult``, until the link is lost. A batch in progress finishes before an
+    abort takes effect (its items complete)."""
+    while True:
+        try:
+            items = await link.receive()
+        except PeerLostError:
+            return
+        batch: list[tuple[wire.Item, LogprobRequest]] = []
+        for item in items:
+            try:
+                sample = _SCORE.decode(item.payload)
+            except msgspec.DecodeError as e:
+                link.complete(refused(item.id, f"not a LogprobRequest: {e}"))
+                continue
+            batch.append((item, msgspec.structs.replace(sample, item_id=item.id)))
+        if not batch:
+            continue
+        for (item, sample), result in await _score_each(engine, batch):
+            if isinstance(result, BadRequestError):
+                link.complete(refused(item.id, result))
+                continue
+            link.complete(
+                wire.ItemResult(
+                    item=ItemId(item.id),
+                    payload=_ENCODER.encode(result),
+                    num_tokens=len(sample.token_ids),
+                )
+            )
+
+
+async def _score_each(
+    engine: InferenceEngine, batch: list[tuple[wire.Item, LogprobRequest]]
+) -> list[tuple[tuple[wire.Item, LogprobRequest], LogprobResult | BadRequestError]]:
+    """Each sample of ``batch`` with its log-probs, or with the engine's refusal: a
+    refused batch is scored again one sample at a time, so one bad sample does not take
+    the others down with it."""
+    try:
+        results = await engine.score([sample for _, sample in batch])
+    except BadRequestError as e:
+        if len(batch) == 1:
+            return [(batch[0], e)]
+        return [pair for one in batch for pair in await _score_each(engine, [one])]
+    return list(zip(batch, results, strict=True))
+
+
+def refused(item: ItemId, reason: BadRequestError | str) -> wire.ItemResult:
+    """The result of an item the worker cannot serve: the reason goes back to the
+    router, which finishes the item and counts it."""
+    return wire.ItemResult(item=item, status="refused", payload=str(reason).encode())
