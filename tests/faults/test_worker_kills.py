@@ -5,7 +5,8 @@ rebuilt without it, and its device is rebooted with a new slot process); the ite
 completes, every sample finishes each stage exactly once, and the rewards stay those
 of a fault-free run. A dead trainer rank is survived too: the trainer rebuilds itself
 from the surviving ranks, the interrupted step runs again on them, and every sample is
-trained exactly once."""
+trained exactly once; the reboot of its device starts a new trainer worker, which the
+actor grows back onto."""
 
 from collections.abc import Sequence
 from pathlib import Path
@@ -109,3 +110,44 @@ async def test_workers_killed_mid_migration_are_survived(tmp_path: Path) -> None
     assert len(rewards) == 2
     for got, want in zip(rewards, FAULT_FREE_REWARDS[:2], strict=True):
         assert abs(got - want) < REWARD_NOISE, (rewards, fired)
+
+
+@pytest.mark.timeout(600)
+async def test_a_killed_trainer_rank_is_restarted_and_the_actor_grows_back(
+    tmp_path: Path,
+) -> None:
+    # The static split keeps the actor on its two devices, so the crashed one is
+    # rebooted into the actor at once (dynamic scheduling may give it to rollout).
+    cfg = job(
+        tmp_path / "run",
+        "run.num_iterations=3",
+        "scheduler.mode=static-disaggregated",
+        "rollout.initial_devices=1",
+        "actor.initial_devices=2",
+    )
+    kill = WorkerKill(target="trainer", point="optimizer_step", iteration=1, index=1)
+    async with DynaRL(cfg) as rl:
+        injector = FaultInjector(rl, [kill])
+        injector.attach()
+        await rl.run()
+        world = rl._world
+        assert world is not None and world.trainer is not None
+        assert len(injector.kills) == 1, "no trainer rank was killed"
+        record = injector.kills[0]
+        restarted = next(h for h in world.trainer_workers if h.name == record.worker)
+        assert restarted.pid != record.pid and restarted.alive  # a new process
+        assert world.trainer.dead == frozenset()
+        # The actor grew back onto the restarted worker's device: two ranks again.
+        assert record.worker in world.trainer.rank_instances()
+        assert len(world.trainer.rank_instances()) == 2
+    assert record.iteration_done_s is not None  # the iteration it hit completed
+    done_s = record.iteration_done_s - record.time_s
+    print(f"\ntrainer rank killed: its iteration completed {done_s:.1f} s later")
+    completions = injector.completions()
+    for iteration in range(3):
+        counts = completions[(iteration, "to_actor")]
+        assert len(counts) == cfg.algorithm.samples_per_iteration, iteration  # none lost
+        assert set(counts.values()) == {1}, iteration  # none twice
+    assert sum(s.restarts.get("trainer", 0) for s in rl.history) == 1
+    reboots = [m for s in rl.history for m in s.migrations if m.kind == "reboot"]
+    assert [(m.dst, m.ok) for m in reboots][-1:] == [("actor", True)], reboots

@@ -12,9 +12,12 @@
   no device is parked and resumes from its keeper. Slots on the devices involved
   release or assume their roles around it, so one process holds a device at a time.
 - **reboot** (a crashed device, from the free pool): a slot whose process died is
-  started again by the launcher (when it can: :class:`~dynarl.launch.launcher.RestartsSlots`),
+  started again by the launcher (when it can: :class:`~dynarl.launch.launcher.RestartsWorkers`),
   then the device joins its component as in a move (a trainer worker that survived
-  its slot takes the actor's share directly). A reboot of a live instance raises: the
+  its slot takes the actor's share directly). A move of the actor onto a device whose
+  trainer worker died (in any kind of migration) starts that worker again first: the
+  new process joins the trainer's world, and the resize makes it a rank. Restarts are
+  bounded (:mod:`~dynarl.api.restarts`). A reboot of a live instance raises: the
   controller records ``MigrationFailed`` and the old placement keeps running.
 
 Failures are reported by raising, as the :class:`~dynarl.control.controller.Executor`
@@ -92,10 +95,12 @@ class WorldExecutor:
         src, dst = migration.src, migration.dst
         supported = (src in _SLOT_ROLES or src == ACTOR) and (dst in _SLOT_ROLES or dst == ACTOR)
         lost = self._lost_devices(migration)
-        if lost and not self.world.can_restart_slots:
+        dead = self._dead_trainer_devices(migration)
+        if (lost or dead) and not self.world.can_restart:
             raise MigrationNotSupportedError(
-                f"migration {migration.id} needs devices {lost}, whose slot died, and "
-                "the launcher cannot restart a slot"
+                f"migration {migration.id} needs devices {lost or dead}, whose "
+                f"{'slot' if lost else 'trainer worker'} died, and the launcher cannot "
+                "restart a worker"
             )
         for device in lost:  # the reboot: a new process on the crashed device
             await self.world.restart_slot(DeviceId(device))
@@ -108,6 +113,8 @@ class WorldExecutor:
             )
         if ACTOR in (src, dst):
             try:
+                if dead:  # the reboot: new trainer workers, in the trainer's world
+                    await self.world.restart_trainer_workers(dead)
                 waited = await self._reshard(migration)
             except Exception as error:
                 rank_loss = trainer_rank_loss(error)
@@ -131,6 +138,13 @@ class WorldExecutor:
         return [
             int(d) for d in devices if d in world.slot_devices and world.slot(d).name in world.lost
         ]
+
+    def _dead_trainer_devices(self, migration: Migration) -> list[DeviceId]:
+        """Devices the actor grows onto whose trainer worker died."""
+        if migration.dst != ACTOR:
+            return []
+        devices = [d for spec in migration.create for d in spec.devices]
+        return self.world.dead_trainer_devices(devices)
 
     async def _reshard(self, migration: Migration) -> float:
         world = self.world

@@ -32,11 +32,12 @@ from pathlib import Path
 import anyio
 
 from dynarl.api.config import DynaRLConfig
+from dynarl.api.restarts import RestartBudget
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
 from dynarl.core.ids import ComponentId, DeviceId, InstanceId
 from dynarl.data.router import Router
-from dynarl.launch.launcher import Launcher, RestartsSlots, build_launcher
+from dynarl.launch.launcher import Launcher, RestartsWorkers, build_launcher
 from dynarl.workers import backends, sync_group
 from dynarl.workers.errors import LaunchError
 from dynarl.workers.handles import CallChannel, SlotHandle
@@ -108,6 +109,8 @@ class RealWorld:
         self._connected = False  # whether a weight-sync group exists
         self.lost: set[str] = set()
         """Names of slots whose worker died."""
+        self.restarts = RestartBudget()
+        """How often dead slots and trainer workers may still be started again."""
         self.on_failure: Callable[[BaseException], None] | None = None
         self.switch_listeners: list[Callable[[ComponentId, list[SlotHandle]], None]] = []
         self.resize_listeners: list[Callable[[tuple[int, ...]], None]] = []
@@ -380,24 +383,75 @@ class RealWorld:
             self.on_failure(error)
 
     @property
-    def can_restart_slots(self) -> bool:
-        """Whether the launcher can start a dead slot's process again."""
-        return isinstance(self.launcher, RestartsSlots)
+    def can_restart(self) -> bool:
+        """Whether the launcher can start a dead slot's or trainer worker's process
+        again."""
+        return isinstance(self.launcher, RestartsWorkers)
+
+    def _restarter(self, device: DeviceId, what: str) -> RestartsWorkers:
+        launcher = self.launcher
+        if not isinstance(launcher, RestartsWorkers):
+            raise LaunchError(
+                f"the {type(launcher).__name__} cannot restart a dead worker; device "
+                f"{device} serves {what} only"
+            )
+        return launcher
 
     async def restart_slot(self, device: DeviceId) -> SlotHandle:
         """Start ``device``'s dead slot again (the reboot of a crashed device): a new
         process, free, holding the seed's weights until it assumes a role (then it is
-        brought to the engines' version like any slot taking a role)."""
-        launcher = self.launcher
-        if not isinstance(launcher, RestartsSlots):
-            raise LaunchError(
-                f"the {type(launcher).__name__} cannot restart a slot; device {device} "
-                "serves the actor only"
-            )
-        handle = await launcher.restart_slot(self.slot_devices.index(device))
+        brought to the engines' version like any slot taking a role). Raises
+        :class:`LaunchError` if the restart budget refuses it."""
+        launcher = self._restarter(device, "the actor")
+        index = self.slot_devices.index(device)
+        self.restarts.take(self.launcher.handles[index].name, kind="slot")
+        handle = await launcher.restart_slot(index)
         self.lost.discard(handle.name)
         self._current = {(name, role) for name, role in self._current if name != handle.name}
         return handle
+
+    def dead_trainer_devices(self, devices: Sequence[DeviceId]) -> list[DeviceId]:
+        """Those of ``devices`` whose trainer worker died (the trainer went on without
+        it, or its process is gone and the trainer has yet to notice): the actor can
+        use them again only once it is restarted."""
+        assert self.trainer is not None, "start the world first"
+        dead = self.trainer.dead
+        return [
+            d
+            for d in devices
+            if d in self.trainer_devices
+            and (self.worker_of(d) in dead or not self.trainer_workers[self.worker_of(d)].alive)
+        ]
+
+    def worker_of(self, device: DeviceId) -> int:
+        """The index of ``device``'s trainer worker."""
+        return self.trainer_devices.index(device)
+
+    async def restart_trainer_workers(self, devices: Sequence[DeviceId]) -> None:
+        """Start the dead trainer workers of ``devices`` again (the reboot of a device
+        whose trainer worker died): new processes, which join the trainer's world at
+        its next step boundary, holding no state (a resize makes them ranks, their
+        state coming peer to peer). Raises :class:`LaunchError` if the launcher cannot
+        or the restart budget refuses."""
+        trainer = self.trainer
+        assert trainer is not None, "start the world first"
+        workers = [self.worker_of(d) for d in devices]
+        launchers = [self._restarter(d, "the slots") for d in devices]
+        for w in workers:
+            self.restarts.take(self._trainer_names[w], kind="trainer")
+        started = time.perf_counter()
+        for w, launcher in zip(workers, launchers, strict=True):
+            handle = await launcher.restart_worker(self._trainer_names[w])
+            self.trainer_workers[w] = handle
+        self._route_to_ranks()  # the restarted workers take no samples yet
+        spawned = time.perf_counter()
+        await trainer.admit(tuple(workers))
+        logger.warning(
+            "trainer workers %s restarted (%.2f s) and back in the trainer's world (%.2f s more)",
+            workers,
+            spawned - started,
+            time.perf_counter() - spawned,
+        )
 
     # ------------------------------------------------------------------ the actor
 

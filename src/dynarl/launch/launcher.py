@@ -62,13 +62,21 @@ class Launcher(Protocol):
 
 
 @runtime_checkable
-class RestartsSlots(Protocol):
-    """A launcher that can start a dead slot's process again (the reboot of a device
-    whose slot died); a launcher without it leaves the device to the actor."""
+class RestartsWorkers(Protocol):
+    """A launcher that can start a dead worker's process again on its device (the
+    reboot of a device whose slot or trainer worker died); a launcher without it
+    leaves a device whose slot died to the actor, and one whose trainer worker died
+    to the slots."""
 
     async def restart_slot(self, index: int) -> SlotHandle:
         """Start slot ``index`` again (its process died) and wait until it has said
         hello as a free slot; returns its new handle."""
+        ...
+
+    async def restart_worker(self, name: str) -> SlotHandle:
+        """Start worker ``name`` (a trainer worker, see :meth:`Launcher.start_workers`)
+        again as it was started (its process died) and wait until it has said hello;
+        returns its new handle."""
         ...
 
 

@@ -59,12 +59,20 @@ class LaunchConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class Slot:
-    """One started slot: its process and its handle."""
+    """One started slot or worker: its process and its handle (and a worker's entry
+    and threads, to start it again)."""
 
-    def __init__(self, name: str, process: BaseProcess, handle: SlotHandle) -> None:
+    def __init__(
+        self,
+        name: str,
+        process: BaseProcess,
+        handle: SlotHandle,
+        entry: tuple[WorkerEntry, int] | None = None,
+    ) -> None:
         self.name = name
         self.process = process
         self.handle = handle
+        self.entry = entry
 
     @property
     def pid(self) -> int:
@@ -159,15 +167,36 @@ class LocalLauncher:
         device) and wait until it has said hello as a free slot; returns its new
         handle. Raises :class:`LaunchError` if the old process still runs."""
         old = self.slots[index]
-        if old.process.is_alive():
-            raise LaunchError(f"slot {old.name} still runs; it needs no restart")
-        await anyio.to_thread.run_sync(old.process.join, self.config.stop_timeout_s)
-        old.process.close()
+        await self._reap(old)
         slot = self._spawn_slot(multiprocessing.get_context("spawn"), old.name)
         self.slots[index] = slot
         logger.info("restarted slot %s (pid %d)", slot.name, slot.pid)
         await slot.handle.wait_connected(self.config.start_timeout_s)
         return slot.handle
+
+    async def restart_worker(self, name: str) -> SlotHandle:
+        """Start worker ``name`` again as :meth:`start_workers` started it, after its
+        process died, and wait until it has said hello; returns its new handle.
+        Raises :class:`LaunchError` if the old process still runs."""
+        index = next((i for i, w in enumerate(self.workers) if w.name == name), None)
+        if index is None:
+            raise LaunchError(f"no worker {name} was started")
+        old = self.workers[index]
+        assert old.entry is not None, "a started worker keeps its entry"
+        await self._reap(old)
+        entry, num_threads = old.entry
+        worker = self._spawn_worker(multiprocessing.get_context("spawn"), entry, name, num_threads)
+        self.workers[index] = worker
+        logger.info("restarted worker %s (pid %d)", name, worker.pid)
+        await worker.handle.wait_connected(self.config.start_timeout_s)
+        return worker.handle
+
+    async def _reap(self, old: Slot) -> None:
+        """Collect ``old``'s dead process; :class:`LaunchError` if it still runs."""
+        if old.process.is_alive():
+            raise LaunchError(f"{old.name} still runs; it needs no restart")
+        await anyio.to_thread.run_sync(old.process.join, self.config.stop_timeout_s)
+        old.process.close()
 
     async def start_workers(
         self, entry: WorkerEntry, names: Sequence[str], *, num_threads: int
@@ -178,23 +207,30 @@ class LocalLauncher:
         Raises :class:`LaunchError` if one exits or is not connected in time.
         """
         context = multiprocessing.get_context("spawn")
-        started = []
-        for name in names:
-            process = context.Process(
-                target=entry,
-                args=(self.endpoint, name, num_threads),
-                name=f"dynarl-{name}",
-                daemon=True,
-            )
-            process.start()
-            handle = SlotHandle(self.router, name, pid=process.pid, alive=process.is_alive)
-            started.append(Slot(name, process, handle))
+        started = [self._spawn_worker(context, entry, name, num_threads) for name in names]
         self.workers += started
         timeout_s = self.config.start_timeout_s
         with anyio.fail_after(timeout_s):
             for worker in started:
                 await worker.handle.wait_connected(timeout_s)
         return [worker.handle for worker in started]
+
+    def _spawn_worker(
+        self,
+        context: multiprocessing.context.BaseContext,
+        entry: WorkerEntry,
+        name: str,
+        num_threads: int,
+    ) -> Slot:
+        process = context.Process(  # type: ignore[attr-defined]
+            target=entry,
+            args=(self.endpoint, name, num_threads),
+            name=f"dynarl-{name}",
+            daemon=True,
+        )
+        process.start()
+        handle = SlotHandle(self.router, name, pid=process.pid, alive=process.is_alive)
+        return Slot(name, process, handle, entry=(entry, num_threads))
 
     async def aclose(self) -> None:
         """Stop every slot and worker: retire them all at once, then terminate, then

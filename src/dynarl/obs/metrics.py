@@ -53,6 +53,8 @@ class IterationStats(msgspec.Struct, frozen=True, kw_only=True):
         device_s: device-seconds each component held during the iteration.
         allocation: devices per component when the iteration ended.
         migrations: the migrations that finished during the iteration.
+        restarts: worker processes started again during the iteration (the reboot of
+            a device whose worker died), by kind (``slot``, ``trainer``).
         episodes: multi-turn runs: per-episode means of the environment's metrics
             (``turns``, ``tool_calls``, ``tool_errors``, ``parse_errors``, ``tool_s``,
             ...), ``tool_call_rate`` (episodes with a tool call), and the counts
@@ -74,6 +76,7 @@ class IterationStats(msgspec.Struct, frozen=True, kw_only=True):
     device_s: dict[str, float] = msgspec.field(default_factory=dict)
     allocation: dict[str, int] = msgspec.field(default_factory=dict)
     migrations: list[MigrationRecord] = msgspec.field(default_factory=list)
+    restarts: dict[str, int] = msgspec.field(default_factory=dict)
     episodes: dict[str, float] = msgspec.field(default_factory=dict)
 
 

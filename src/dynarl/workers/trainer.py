@@ -147,8 +147,21 @@ class Trainer(Protocol):
         """Whether it holds no devices (its state kept by one worker)."""
         ...
 
+    @property
+    def dead(self) -> frozenset[int]:
+        """Workers whose process died (the trainer went on without them) and that
+        were not admitted back (:meth:`admit`)."""
+        ...
+
     async def start(self, members: tuple[int, ...]) -> None:
         """Start every worker, then make ``members`` the ranks, with fresh weights."""
+        ...
+
+    async def admit(self, workers: tuple[int, ...]) -> None:
+        """Take back dead ``workers`` whose processes the launcher started again under
+        the same names, at a step boundary: they join the trainer's world holding no
+        state; :meth:`resize` may then make them ranks (the state comes peer to
+        peer). The ranks and their state do not change."""
         ...
 
     async def aclose(self) -> None:

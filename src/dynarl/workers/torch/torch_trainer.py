@@ -49,6 +49,16 @@ class TorchTrainer:
         """Whether the trainer holds no devices."""
         return self.pool.parked
 
+    @property
+    def dead(self) -> frozenset[int]:
+        """Workers whose process died and was not admitted back."""
+        return self.pool.dead
+
+    async def admit(self, workers: tuple[int, ...]) -> None:
+        """Take back dead ``workers``, whose processes were started again (no ranks
+        yet)."""
+        await self._run(self.pool.admit, workers)
+
     async def start(self, members: tuple[int, ...]) -> None:
         """Join the workers into one group and make ``members`` the ranks."""
         await self._run(self.pool.start)

@@ -47,10 +47,14 @@ class OpenStore(_Command, frozen=True, kw_only=True):
 
 
 class Join(_Command, frozen=True, kw_only=True):
-    """Every worker, first: join the trainer's world process group as rank ``worker``
-    of ``num_workers``, rendezvousing at ``host:port`` (the store worker 0 opened
-    there, see :class:`OpenStore`), and keep ``config`` and the model factory and loss
-    it trains with.
+    """Every worker, first: join the trainer's world process group as pool worker
+    ``worker`` of ``num_workers``, rendezvousing at ``host:port`` (the store the
+    world's first worker opened there, see :class:`OpenStore`), and keep ``config``
+    and the model factory and loss it trains with.
+
+    ``workers`` are the world's pool indices (world rank ``r`` is ``workers[r]``):
+    empty for every worker (``0..num_workers-1``); a worker restarted after its
+    process died joins the world of the others with them (see :class:`Rejoin`).
 
     ``code`` is the pickled ``(model_factory, loss_fn)`` pair: callables cross to the
     workers as torch.multiprocessing and Ray ship them, from the controller only."""
@@ -61,6 +65,12 @@ class Join(_Command, frozen=True, kw_only=True):
     port: int
     config: TrainerConfig
     code: bytes
+    workers: tuple[int, ...] = ()
+
+    @property
+    def world(self) -> tuple[int, ...]:
+        """The world's pool indices, in world-rank order."""
+        return self.workers or tuple(range(self.num_workers))
 
 
 class StartTraining(_Command, frozen=True, kw_only=True):
@@ -180,7 +190,8 @@ class LeaveWorld(_Command, frozen=True, kw_only=True):
 class Rejoin(_Command, frozen=True, kw_only=True):
     """Every surviving worker: form a new world process group of ``workers`` (pool
     indices; world rank ``r`` is ``workers[r]``), rendezvousing at the store
-    ``workers[0]`` opened at ``host:port`` (see :class:`OpenStore`)."""
+    ``workers[0]`` opened at ``host:port`` (see :class:`OpenStore`); a restarted
+    worker among them joins it with :class:`Join` at the same time."""
 
     workers: tuple[int, ...]
     host: str
@@ -190,10 +201,12 @@ class Rejoin(_Command, frozen=True, kw_only=True):
 class Restore(_Command, frozen=True, kw_only=True):
     """Every worker of the new world: build the data-parallel group of ``members``
     (pool indices, in rank order); ``source`` (a member) sends its whole trainer state
-    to the others, so every rank continues from one consistent state."""
+    to the others, so every rank continues from one consistent state. Without a
+    ``source`` the members already hold one state (the world was rebuilt to admit a
+    restarted worker, at a step boundary): nothing moves."""
 
     members: tuple[int, ...]
-    source: int
+    source: int | None
 
 
 class Shutdown(_Command, frozen=True, kw_only=True):

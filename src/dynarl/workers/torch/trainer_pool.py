@@ -134,7 +134,7 @@ class TrainerPool:
 
     @property
     def dead(self) -> frozenset[int]:
-        """Workers that died (they never rejoin)."""
+        """Workers that died (until :meth:`admit` takes their restarted processes)."""
         return frozenset(self._calls.casualties.dead)
 
     @property
@@ -330,6 +330,49 @@ class TrainerPool:
             recovery.elapsed_s,
         )
         return recovery
+
+    async def admit(self, workers: Sequence[int]) -> None:
+        """Take back dead ``workers`` whose processes the launcher started again (under
+        the same names): they join the world, holding no state, and a :meth:`resize`
+        may make them ranks (see :func:`~dynarl.workers.torch.trainer_recovery.readmit`).
+        Call between steps. A worker whose death no call met yet (its new process
+        answers under its name) is lost first: the pool rebuilds itself without it
+        (:meth:`recover`)."""
+        if not self._members:
+            raise TrainerError("the trainer has no members yet; call start_training first")
+        unknown = set(workers) - self._calls.casualties.dead
+        if unknown:
+            self._calls.casualties.record(unknown)
+            await self.recover()
+        started = time.perf_counter()
+        joining = trainer_recovery.Joining(
+            num_workers=self.num_workers,
+            config=self.config,
+            code=pickle.dumps((self._model_factory, self._loss_fn)),
+        )
+        self._world = await trainer_recovery.readmit(
+            self,
+            self._calls.casualties,
+            workers,
+            world=self._world,
+            members=self._members,
+            joining=joining,
+            host=self.host,
+        )
+        self._epoch += 1
+        logger.info(
+            "trainer workers %s rejoined the world %s in %.2f s",
+            list(workers),
+            self._world,
+            time.perf_counter() - started,
+        )
+
+    async def call_each_checked(
+        self, workers: Sequence[int], command: Callable[[int], Command]
+    ) -> list[Reply]:
+        """Send ``command(w)`` to each worker ``w`` at once; their replies, or
+        :class:`TrainerError` if one failed (for :mod:`trainer_recovery`)."""
+        return self._check(await self._call_each(workers, command))
 
     async def call_checked(self, workers: Sequence[int], command: Command) -> list[Reply]:
         """Send ``command`` to ``workers`` at once; their replies, or

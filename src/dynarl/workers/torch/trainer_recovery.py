@@ -15,6 +15,14 @@ it; the pool then refuses every call but its ``recover()``, which runs
 3. the trainer's ranks become the survivors that hold its state, and the one holding
    the most steps sends its whole state to the others (``Restore``).
 
+A worker whose process the launcher started again (under the same name) is admitted
+back by :func:`readmit`, at a step boundary: every worker of the world leaves it (the
+ranks keep their state), and they form a new world with the restarted worker, which
+joins it from scratch (``Join``); the ranks rebuild their data-parallel group as it
+was, nothing moves (``Restore`` without a source). The restarted worker holds no state
+and takes no samples until a resize makes it a rank (its state then comes peer to
+peer, as any joiner's).
+
 A step the loss interrupted is thereby applied by every rank (if any survivor finished
 it: its all-reduce completed, so it holds every rank's gradients) or by none. A resize
 the loss interrupted is rolled back: the ranks are the surviving old members (a
@@ -23,7 +31,7 @@ committed on the survivors, those of them that kept the state (else the new memb
 """
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import msgspec
@@ -32,12 +40,14 @@ from dynarl.workers.errors import RankLostError, TrainerError
 from dynarl.workers.torch.trainer_commands import (
     Command,
     Done,
+    Join,
     LeaveWorld,
     Left,
     Rejoin,
     Reply,
     Restore,
 )
+from dynarl.workers.torch.trainer_config import TrainerConfig
 from dynarl.workers.trainer import Recovery
 
 
@@ -76,6 +86,13 @@ class PoolCalls(Protocol):
     async def open_world_store(self, worker: int, world_size: int) -> int:
         """Make ``worker`` open the store of a world of ``world_size`` at the pool's
         rendezvous host; returns its port."""
+        ...
+
+    async def call_each_checked(
+        self, workers: Sequence[int], command: Callable[[int], Command]
+    ) -> list[Reply]:
+        """Send ``command(w)`` to each worker ``w`` at once; their replies, or
+        :class:`TrainerError` if one failed."""
         ...
 
 
@@ -158,3 +175,58 @@ def _ranks(
     holds = {w for w, s in states.items() if s.num_steps >= 0}
     old = tuple(m for m in members if m in holds)
     return old or tuple(m for m in resizing_to or () if m in holds)
+
+
+class Joining(msgspec.Struct, frozen=True, kw_only=True):
+    """What a restarted worker needs to join: the pool's size, its config and the
+    pickled ``(model_factory, loss_fn)`` (see :class:`Join`)."""
+
+    num_workers: int
+    config: TrainerConfig
+    code: bytes
+
+
+async def readmit(
+    pool: PoolCalls,
+    casualties: Casualties,
+    restarted: Sequence[int],
+    *,
+    world: Sequence[int],
+    members: Sequence[int],
+    joining: Joining,
+    host: str,
+) -> tuple[int, ...]:
+    """Admit ``restarted`` (dead workers whose processes were started again) into a
+    new world with ``world`` (see the module); the trainer's ranks ``members`` keep
+    their state and rebuild their group. Returns the new world. Call at a step
+    boundary, after any rebuild (:func:`rebuild`). Raises :class:`TrainerError` if a
+    worker was not dead or a worker fails meanwhile (a worker that dies meanwhile
+    raises :class:`RankLostError`: the pool rebuilds itself without it)."""
+    new = tuple(sorted(set(restarted)))
+    if casualties.unrecovered:
+        raise TrainerError(f"trainer workers {sorted(casualties.unrecovered)} died; recover first")
+    alive = [w for w in new if w not in casualties.dead]
+    if alive or not new:
+        raise TrainerError(f"trainer workers {alive or list(new)} did not die; nothing to admit")
+    everyone = tuple(sorted({*world, *new}))
+    if world:
+        await pool.call_checked(world, LeaveWorld())
+    casualties.dead.difference_update(new)
+    port = await pool.open_world_store(everyone[0], len(everyone))
+
+    def rejoin(w: int) -> Command:
+        if w in new:
+            return Join(
+                worker=w,
+                num_workers=joining.num_workers,
+                host=host,
+                port=port,
+                config=joining.config,
+                code=joining.code,
+                workers=everyone,
+            )
+        return Rejoin(workers=everyone, host=host, port=port)
+
+    await pool.call_each_checked(everyone, rejoin)
+    await pool.call_checked(everyone, Restore(members=tuple(members), source=None))
+    return everyone

@@ -4,8 +4,9 @@ The process is a peer of the controller's data router, as a device slot is: it s
 hello, then serves its pool's commands as typed calls (one msgpack command in, one
 reply out), each run in a thread so the link keeps answering pings. Its first command,
 ``Join``, makes it a rank of the world process group (gloo on CPU, NCCL on GPU) with a
-TCP rendezvous at the store worker 0 opened before (``OpenStore``), so a launcher may
-place it on any node. A command that raises is answered with
+TCP rendezvous at the store the world's first worker opened before (``OpenStore``), so
+a launcher may place it on any node (a worker restarted after its process died joins
+the world the others rebuild for it). A command that raises is answered with
 :class:`~dynarl.workers.torch.trainer_commands.Failed` and the worker keeps serving.
 
 Commands run one at a time, in arrival order, but the loop keeps receiving while one
@@ -173,6 +174,7 @@ class _CommandLoop:
             if isinstance(command, Join):
                 store, self.world_store = self.world_store, None  # the world group keeps it
                 self.server = await _in_thread(self.join, command, store)
+                self.server.world.workers = command.world  # a restarted worker's: not all
                 return Done(worker=command.worker, elapsed_s=0.0)
             if server is None:
                 raise TrainerError(f"{self.name} got {type(command).__name__} before Join")

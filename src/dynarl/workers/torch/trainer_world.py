@@ -29,23 +29,24 @@ logger = logging.getLogger(__name__)
 
 
 def join_world(command: Join, store: TCPStore | None) -> tuple[torch.device, Any, Any]:
-    """Join the trainer's world process group as ``command`` says, at ``store`` (worker
-    0's, which it opened) or by connecting to ``command.host:port`` (blocks until every
-    worker joined); returns this worker's device and the unpickled model factory and
-    loss."""
+    """Join the trainer's world process group as ``command`` says, at ``store`` (the
+    world's first worker's, which it opened) or by connecting to ``command.host:port``
+    (blocks until every worker of the world joined); returns this worker's device and
+    the unpickled model factory and loss."""
     config = command.config
     device = torch.device("cpu")
     if config.device == "cuda":
         device = torch.device("cuda", command.worker % torch.cuda.device_count())
         torch.cuda.set_device(device)
     model_factory, loss_fn = pickle.loads(command.code)
+    world = command.world
     if store is None:
-        store = connect_store(command.host, command.port, command.num_workers, config.timeout_s)
+        store = connect_store(command.host, command.port, len(world), config.timeout_s)
     dist.init_process_group(
         _backend(device),
         store=store,
-        rank=command.worker,
-        world_size=command.num_workers,
+        rank=world.index(command.worker),
+        world_size=len(world),
         timeout=datetime.timedelta(seconds=config.timeout_s),
     )
     return device, model_factory, loss_fn
@@ -109,7 +110,9 @@ def restore(
     """This worker's part of ``command`` in the new world (collective over it): build
     the members' data-parallel group; the source sends its whole state, the other
     members receive it into a fresh skeleton, a worker that is not a member releases
-    its state. Returns this worker's trainer afterwards and the bytes it sent."""
+    its state. Without a source every member keeps its own state (they are the
+    same): only the group is built. Returns this worker's trainer afterwards and the
+    bytes it sent."""
     members = list(command.members)
     group = dist.new_group(
         world.ranks(members), timeout=datetime.timedelta(seconds=world.timeout_s)
@@ -118,6 +121,11 @@ def restore(
         if trainer is not None:
             reshard.release_memory(trainer)
         return None, 0
+    if command.source is None:
+        if trainer is None:
+            raise TrainerError(f"worker {world.worker}, a member, holds no state to keep")
+        trainer.group = group
+        return trainer, 0
     # torch numbers a group's ranks in world-rank order.
     src = sorted(world.ranks(members)).index(world.workers.index(command.source))
     if world.worker == command.source:
