@@ -21,6 +21,9 @@ def trainer_main(endpoint: str, name: str, num_threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(num_threads)  # before torch is imported
     import torch
 
+    # The model code the pool's Join unpickles (transformers: seconds): imported while
+    # the process starts, not while a restarted worker joins (the trainer waits then).
+    import dynarl.workers.torch.model  # noqa: F401
     from dynarl.workers.torch.trainer_serve import serve
 
     torch.set_num_threads(num_threads)
