@@ -420,29 +420,25 @@ class RealWorld:
             d
             for d in devices
             if d in self.trainer_devices
-            and (self.worker_of(d) in dead or not self.trainer_workers[self.worker_of(d)].alive)
+            and ((w := self.trainer_devices.index(d)) in dead or not self.trainer_workers[w].alive)
         ]
-
-    def worker_of(self, device: DeviceId) -> int:
-        """The index of ``device``'s trainer worker."""
-        return self.trainer_devices.index(device)
 
     async def restart_trainer_workers(self, devices: Sequence[DeviceId]) -> None:
         """Start the dead trainer workers of ``devices`` again (the reboot of a device
-        whose trainer worker died): new processes, which join the trainer's world at
-        its next step boundary, holding no state (a resize makes them ranks, their
-        state coming peer to peer). Raises :class:`LaunchError` if the launcher cannot
-        or the restart budget refuses."""
+        whose trainer worker died; one restarted before and not admitted yet is not
+        started twice): new processes, which join the trainer's world at its next step
+        boundary, holding no state (a resize makes them ranks, their state coming peer
+        to peer). Raises :class:`LaunchError` if the launcher cannot or the restart
+        budget refuses."""
         trainer = self.trainer
         assert trainer is not None, "start the world first"
-        workers = [self.worker_of(d) for d in devices]
-        launchers = [self._restarter(d, "the slots") for d in devices]
-        for w in workers:
-            self.restarts.take(self._trainer_names[w], kind="trainer")
+        launcher = self._restarter(devices[0], "the slots")
+        workers = self.trainer_members(devices)
         started = time.perf_counter()
-        for w, launcher in zip(workers, launchers, strict=True):
-            handle = await launcher.restart_worker(self._trainer_names[w])
-            self.trainer_workers[w] = handle
+        for w in workers:
+            if not self.trainer_workers[w].alive:
+                self.restarts.take(self._trainer_names[w], kind="trainer")
+                self.trainer_workers[w] = await launcher.restart_worker(self._trainer_names[w])
         self._route_to_ranks()  # the restarted workers take no samples yet
         spawned = time.perf_counter()
         await trainer.admit(tuple(workers))
