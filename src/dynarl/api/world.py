@@ -436,10 +436,11 @@ class RealWorld:
         workers = self.trainer_members(devices)
         started = time.perf_counter()
         for w in workers:
+            name = self._trainer_names[w]
             if not self.trainer_workers[w].alive:
-                self.restarts.take(self._trainer_names[w], kind="trainer")
-                self.trainer_workers[w] = await launcher.restart_worker(self._trainer_names[w])
-        self._route_to_ranks()  # the restarted workers take no samples yet
+                self.restarts.take(name, kind="trainer")
+                self.router.hold(InstanceId(name))  # no samples until it is a rank
+                self.trainer_workers[w] = await launcher.restart_worker(name)
         spawned = time.perf_counter()
         await trainer.admit(tuple(workers))
         logger.warning(
