@@ -12,7 +12,9 @@ worker reported ready; otherwise it aborts and raises
 
 A worker that dies makes the call that meets it raise :class:`RankLostError`; the pool
 then refuses every call but :meth:`TrainerPool.recover`, which rebuilds the world from
-the survivors and restores one consistent trainer state on them (see there).
+the survivors and restores one consistent trainer state on them (see there). A dead
+worker whose process the launcher started again comes back with
+:meth:`TrainerPool.admit`.
 
 This module does not import torch; the workers do.
 """
