@@ -268,7 +268,7 @@ async def assemble(
         seed=seed,
         router=router,
         trainer=world.trainer,
-        weights=world,
+        weights=world.weights,
         gate=gate,
         reporter=reporter,
         sampler=sampler,
@@ -312,4 +312,4 @@ async def _restore(world: RealWorld, checkpoint: Checkpoint) -> None:
     trainer = world.trainer
     async with trainer.between_steps():
         await trainer.load_checkpoint(str(checkpoint.trainer_path))
-    await world.sync_weights(checkpoint.state.weight_version)
+    await world.weights.sync_weights(checkpoint.state.weight_version)

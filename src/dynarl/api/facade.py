@@ -327,7 +327,7 @@ class DynaRL:
         if scope is None:
             return False
         world = self._world
-        if now or world is None or not world.trainer_ahead:
+        if now or world is None or not world.weights.trainer_ahead:
             scope.cancel()
             return True
         return False
@@ -359,7 +359,7 @@ class DynaRL:
         self._interrupted = True
         if sampler is not None and self._sampler is not None:
             self._sampler.load_state_dict(sampler)
-        if self._world is not None and self._world.trainer_ahead:
+        if self._world is not None and self._world.weights.trainer_ahead:
             self._consistent = False
 
     async def run(self, num_iterations: int | None = None) -> list[IterationStats]:

@@ -10,12 +10,9 @@ the actor gets no slot, and one that never runs the actor gets no trainer worker
 and one of them holds the device at a time (the other's memory is released, or the
 trainer is parked).
 
-The world also owns the weight-sync group: the trainer's rank 0 and every slot that
-serves a role now (a slot that switches roles keeps its place when its backend can hand
-it to the new role, and rejoins otherwise). A slot that takes a role mid-run gets the
-weights the engines run (the last synced version) before anything is routed to it, and
-the group is rebuilt (every member leaving the old one together) whenever its members
-or its sender change.
+The world also owns the weight-sync group (:class:`~dynarl.api.engine_weights.EngineWeights`):
+the trainer's rank 0 and every slot that serves a role now; a slot that takes a role
+mid-run gets the weights the engines run before anything is routed to it.
 
 Backends are imported by :meth:`RealWorld.start` (through the backend table) and in
 the workers' processes.
@@ -32,13 +29,14 @@ from pathlib import Path
 import anyio
 
 from dynarl.api.config import DynaRLConfig
+from dynarl.api.engine_weights import EngineWeights
 from dynarl.api.restarts import RestartBudget
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
 from dynarl.core.ids import ComponentId, DeviceId, InstanceId
 from dynarl.data.router import Router
 from dynarl.launch.launcher import Launcher, RestartsWorkers, build_launcher
-from dynarl.workers import backends, sync_group
+from dynarl.workers import backends
 from dynarl.workers.errors import LaunchError
 from dynarl.workers.handles import CallChannel, SlotHandle
 from dynarl.workers.protocol import InferenceRole, RoleKind, RolloutRole
@@ -97,18 +95,13 @@ class RealWorld:
         """The actor (after :meth:`start`)."""
         self.trainer_workers: list[SlotHandle] = []
         """The trainer's worker processes (after :meth:`start`), in worker order."""
-        self.weight_version = 0
-        """The weight version the engines run (the last one synced)."""
-        self.trainer_ahead = False
-        """Whether the trainer's weights moved past :attr:`weight_version` (it is
-        training): a slot taking a role now waits for the iteration's closing sync."""
         self._serving: dict[InstanceId, SlotHandle] = {}
-        self._sync_members: list[SlotHandle] = []
-        # (slot, role) pairs known to hold weight_version.
-        self._current: set[tuple[str, str | None]] = set()
-        self._connected = False  # whether a weight-sync group exists
         self.lost: set[str] = set()
         """Names of slots whose worker died."""
+        self.weights = EngineWeights(
+            serving=lambda: self.serving_slots, sender_host=self._sender_host, lost=self.lost
+        )
+        """The weight-sync group and the version the engines run."""
         self.restarts = RestartBudget()
         """How often dead slots and trainer workers may still be started again."""
         self.on_failure: Callable[[BaseException], None] | None = None
@@ -120,7 +113,6 @@ class RealWorld:
         """Called when the world cannot go on (a trainer rank died): the run stops."""
         self.failure: BaseException | None = None
         """Why the world cannot go on, once it cannot."""
-        self._sync_lock = anyio.Lock()
 
     @property
     def rollout_role(self) -> RolloutRole:
@@ -219,13 +211,13 @@ class RealWorld:
             num_threads=threads,
             rendezvous_host=self.host_of(names[0]),
         )
-        self.trainer = trainer
+        self.trainer = self.weights.trainer = trainer
         await self._prebuild_roles()
         actor = sorted(self.graph.components[ACTOR].active_instances(), key=lambda n: n.id)
         await trainer.start(tuple(self.trainer_members([d for n in actor for d in n.devices])))
         self._route_to_ranks()
         # Every role starts from the seed's weights, as the trainer does: version 0.
-        self._current = {(h.name, k) for h in self.launcher.handles for k in _ROLES}
+        self.weights.hold_version((h.name, k) for h in self.launcher.handles for k in _ROLES)
         async with anyio.create_task_group() as tg:
             for component in (ROLLOUT, INFERENCE):
                 if component not in self.graph.components:
@@ -234,7 +226,7 @@ class RealWorld:
                 instances = [(n.devices[0], n.id) for n in nodes]
                 if instances:
                     tg.start_soon(functools.partial(self.assume, component, instances, hold=False))
-        await self.sync_weights(0)
+        await self.weights.sync_weights(0)
         logger.info(
             "world started: %d slots, %d trainer workers",
             len(self.launcher.handles),
@@ -322,11 +314,11 @@ class RealWorld:
     ) -> None:
         # One at a time with other membership changes of the weight-sync group: a slot
         # must not be reconnecting while the group is rebuilt around it.
-        async with self._sync_lock:
+        async with self.weights.lock:
             async with anyio.create_task_group() as tg:
                 for slot, instance in slots:
                     tg.start_soon(functools.partial(slot.build_role, role, instance=instance))
-            await self._bring_up_to_date([slot for slot, _ in slots])
+            await self.weights.bring_up_to_date([slot for slot, _ in slots])
             if hold:
                 for _, instance in slots:
                     self.router.hold(instance)
@@ -368,9 +360,7 @@ class RealWorld:
         if slot is None:
             return
         self.lost.add(slot.name)
-        if any(s.name == slot.name for s in self._sync_members):
-            self._sync_members = [s for s in self._sync_members if s.name != slot.name]
-            self._abandon_group()
+        self.weights.member_died(slot.name)
         logger.warning("slot %s (%s) died; the run goes on without it", slot.name, instance)
 
     def fail(self, error: BaseException) -> None:
@@ -407,7 +397,7 @@ class RealWorld:
         self.restarts.take(self.launcher.handles[index].name, kind="slot")
         handle = await launcher.restart_slot(index)
         self.lost.discard(handle.name)
-        self._current = {(name, role) for name, role in self._current if name != handle.name}
+        self.weights.forget_slot(handle.name)
         return handle
 
     def dead_trainer_devices(self, devices: Sequence[DeviceId]) -> list[DeviceId]:
@@ -494,111 +484,3 @@ class RealWorld:
                 self.router.reactivate(name)
             elif name in connected:
                 self.router.hold(name)
-
-    # ------------------------------------------------------------------ weights
-
-    def trainer_moves_ahead(self) -> None:
-        """The trainer is about to step: its weights move past the engines', so a slot
-        taking a role from now on waits for the iteration's closing sync."""
-        self.trainer_ahead = True
-
-    async def sync_weights(self, version: int) -> int:
-        """Broadcast the actor's weights as ``version`` to every serving slot (the
-        group is rebuilt first if its members changed); returns the bytes sent.
-
-        A broadcast that fails (a member died under it: gloo reports the reset
-        connection) is retried with exponential back-off, up to :attr:`SYNC_ATTEMPTS`
-        times, on a group rebuilt from the members alive then (the router reports the
-        dead one meanwhile); the trainer keeps its weights throughout."""
-        assert self.trainer is not None, "start the world first"
-        delay_s = self.SYNC_BACKOFF_S
-        for attempt in range(1, self.SYNC_ATTEMPTS + 1):
-            try:
-                return await self._sync_once(version)
-            except Exception as error:
-                if attempt == self.SYNC_ATTEMPTS:
-                    raise
-                logger.warning(
-                    "weight sync of version %d failed (%s); rebuilding the group and "
-                    "retrying in %.1f s",
-                    version,
-                    _first_line(error),
-                    delay_s,
-                )
-                self._abandon_group()
-                await anyio.sleep(delay_s)
-                delay_s *= 2
-        raise AssertionError("unreachable")
-
-    SYNC_ATTEMPTS = 4
-    """Tries of one weight sync (the first and its retries)."""
-    SYNC_BACKOFF_S = 0.5
-    """The wait before the first retry of a weight sync (doubled each time)."""
-
-    async def _sync_once(self, version: int) -> int:
-        assert self.trainer is not None, "start the world first"
-        async with self._sync_lock:
-            members = self.serving_slots
-            await self._regroup(members)
-            sent = await sync_group.broadcast(self.trainer, version, members)
-            self.weight_version = version
-            self.trainer_ahead = False
-            self._current = {(s.name, s.role) for s in members}
-            return sent
-
-    def _abandon_group(self) -> None:
-        """Forget the weight-sync group without leaving it (a collective its broken or
-        dead members cannot take part in); the next sync builds a new one, whose
-        members replace their old group by joining it."""
-        self._connected = False
-        for member in self._sync_members:
-            member.in_weight_sync = False
-
-    async def _bring_up_to_date(self, slots: Sequence[SlotHandle]) -> None:
-        """Give ``slots`` (which just built or resumed a role) the weights the engines
-        run, in one regroup and broadcast. Call with the sync lock held."""
-        assert self.trainer is not None, "start the world first"
-        need = [s for s in slots if (s.name, s.role) not in self._current]
-        if not need or self.trainer_ahead:
-            # Already current (a role resumed within the version it last held), or the
-            # trainer is mid-iteration: the iteration's closing sync includes them.
-            return
-        names = {s.name for s in need}
-        members = [s for s in self.serving_slots if s.name not in names] + need
-        await self._regroup(members)
-        await sync_group.broadcast(self.trainer, self.weight_version, members)
-        self._current |= {(s.name, s.role) for s in need}
-        logger.info(
-            "brought %s to weight version %d", ", ".join(sorted(names)), self.weight_version
-        )
-
-    async def _regroup(self, members: list[SlotHandle]) -> None:
-        """Rebuild the weight-sync group with ``members`` if they or the sender
-        changed, or a member's new role did not carry its place over (the old group's
-        members leave it together first)."""
-        trainer = self.trainer
-        assert trainer is not None, "start the world first"
-        same = [s.name for s in members] == [s.name for s in self._sync_members]
-        if same and trainer.weight_sync_ready and all(s.in_weight_sync for s in members):
-            return
-        await sync_group.connect(
-            trainer,
-            members,
-            leaving=[s for s in self._sync_members if s.name not in self.lost],
-            connected=self._connected,
-            host=self._sender_host(trainer),
-        )
-        for slot in self._sync_members:
-            slot.in_weight_sync = False
-        for slot in members:
-            slot.in_weight_sync = True
-        self._connected = True
-        self._sync_members = list(members)
-
-
-def _first_line(error: BaseException) -> str:
-    """``error``'s message in one line (an exception group's first leaf)."""
-    while isinstance(error, BaseExceptionGroup) and error.exceptions:
-        error = error.exceptions[0]
-    text = str(error).splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
