@@ -117,6 +117,21 @@ class InferenceConfig(Section, frozen=True, kw_only=True):
     compute_ref_logprobs: bool = False
 
 
+class MegatronActorConfig(Section, frozen=True, kw_only=True):
+    """Settings only the megatron trainer (``actor.backend=megatron``) reads.
+
+    Attributes:
+        distributed_optimizer: train with Megatron's distributed optimizer
+            (``get_megatron_optimizer``): AdamW's moments (and a bf16 model's fp32 main
+            parameters) are sliced over the data-parallel group, gradients are
+            reduce-scattered and parameters all-gathered; the update equals torch's
+            AdamW's (fp32 tolerance). Off: torch's AdamW on every data-parallel rank.
+            Resizes and checkpoints carry the state whole either way.
+    """
+
+    distributed_optimizer: bool = False
+
+
 class ActorConfig(Section, frozen=True, kw_only=True):
     """The trainer.
 
@@ -131,6 +146,7 @@ class ActorConfig(Section, frozen=True, kw_only=True):
         lr, weight_decay, grad_clip: optimizer settings (AdamW).
         allow_uneven_micro_batches: let ranks take uneven micro-batch counts, so any
             data-parallel size is valid (otherwise it must divide the minibatch).
+        megatron: settings of the megatron trainer (``backend=megatron`` only).
     """
 
     backend: Literal["torch", "megatron"] = "torch"
@@ -142,6 +158,15 @@ class ActorConfig(Section, frozen=True, kw_only=True):
     weight_decay: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     grad_clip: PositiveFloat = 1.0
     allow_uneven_micro_batches: bool = False
+    megatron: MegatronActorConfig = msgspec.field(default_factory=MegatronActorConfig)
+
+    def __post_init__(self) -> None:
+        if self.backend != "megatron" and self.megatron != MegatronActorConfig():
+            raise ConfigError(
+                f"actor.megatron sets the megatron trainer, but actor.backend="
+                f"{self.backend!r}; set actor.backend=megatron or drop actor.megatron",
+                field="actor.megatron",
+            )
 
     @property
     def devices_per_replica(self) -> int:

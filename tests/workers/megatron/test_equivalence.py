@@ -88,10 +88,24 @@ def _worker(worker: int, port: int, results: Any) -> None:
         out["grads"] = grads
         out["losses"] = [rank.train_step(_minibatch(s)).loss for s in range(1, 4)]
         if worker == groups.leader:
-            results.put((name, out))
+            # plain arrays: a tensor in a queue is shared memory that goes when this
+            # process ends, which it may before the test reads it
+            results.put((name, _arrays(out)))
         groups.destroy()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _arrays(out: Any) -> Any:
+    if isinstance(out, dict):
+        return {k: _arrays(v) for k, v in out.items()}
+    return out.numpy() if isinstance(out, torch.Tensor) else out
+
+
+def _tensors(out: Any) -> Any:
+    if isinstance(out, dict):
+        return {k: _tensors(v) for k, v in out.items()}
+    return torch.from_numpy(out) if isinstance(out, np.ndarray) else out
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +122,7 @@ def outcomes() -> dict[str, dict[str, Any]]:
     try:
         while len(got) < len(LAYOUTS):
             name, out = results.get(timeout=100)
-            got[name] = out
+            got[name] = _tensors(out)
     except queue.Empty:
         pytest.fail(f"the workers reported only {sorted(got)}")
     finally:

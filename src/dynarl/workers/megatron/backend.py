@@ -52,7 +52,13 @@ class MegatronBackend:
         """An elastic (dp, tp, pp) trainer over ``workers`` (started by the launcher
         with :func:`megatron_trainer_main`), rendezvousing at worker 0's
         ``rendezvous_host``."""
-        spec = ModelSpec(model=model, tp=actor.tp, pp=actor.pp, seed=seed)
+        spec = ModelSpec(
+            model=model,
+            tp=actor.tp,
+            pp=actor.pp,
+            seed=seed,
+            distributed_optimizer=actor.megatron.distributed_optimizer,
+        )
         spec.architecture()  # refuses a model or split it cannot build, before any start
         config = TrainerConfig(
             micro_batch_size=actor.micro_batch_size,

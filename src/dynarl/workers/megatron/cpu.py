@@ -1,4 +1,4 @@
-"""Running megatron-core on a CPU-only torch: the three ``torch.cuda`` assumptions it
+"""Running megatron-core on a CPU-only torch: the ``torch.cuda`` assumptions it
 makes, redirected to the CPU in one place.
 
 megatron-core 0.16 runs on the CPU with gloo once these are redirected:
@@ -11,9 +11,20 @@ megatron-core 0.16 runs on the CPU with gloo once these are redirected:
    (whose ``fork`` does not touch any RNG) is installed instead, which is exact for the
    dropout-free models this backend builds (:mod:`~dynarl.workers.megatron.model`
    refuses dropout);
-3. the pipeline schedules (``forward_backward_*``) allocate their token counter with
-   ``device="cuda"``: the schedules module sees a torch whose ``zeros`` maps that to
-   the CPU.
+3. the pipeline schedules (``forward_backward_*``) allocate their token counter, and
+   the optimizer modules (``optimizer``, ``distrib_optimizer``, ``clip_grads``, and
+   ``utils``' local multi-tensor norm) their loss scale, overflow flag and norm
+   buffers, with ``device="cuda"``: those modules
+   see a torch whose tensor factories map that to the CPU;
+4. the optimizers tell fp32 parameters from fp16/bf16 ones by their legacy type name
+   (``param.type() == "torch.cuda.FloatTensor"``, else a ``TypeError``) when
+   ``DistributedOptimizer`` is built and when ``clip_grad_by_total_norm_fp32`` clips:
+   inside those two calls only, a CPU tensor answers the CUDA spelling of its type (the
+   accelerator here is the CPU; the dtype part of the name is unchanged).
+
+With them, ``get_megatron_optimizer`` builds Megatron's distributed optimizer on the
+CPU (gloo groups), and it runs as on a GPU: the same sharding of main parameters and
+moments, reduce-scatter of gradients, all-gather of parameters, norm and clipping.
 
 :func:`use_cpu` applies them, only when CUDA is absent, once per process (calling it
 again does nothing); the backend calls it before it builds a model. Nothing happens
@@ -21,11 +32,12 @@ at import time.
 """
 
 import contextlib
+import functools
 import logging
 import types
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -47,13 +59,21 @@ def use_cpu() -> bool:
     if torch.cuda.current_device is _current_device:  # this process is redirected
         return True
     with quiet():
+        from megatron.core import utils
+        from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
         from megatron.core.pipeline_parallel import schedules
         from megatron.core.tensor_parallel import random
 
     torch.cuda.current_device = _current_device
     torch.cuda.synchronize = _synchronize
     random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    schedules.torch = _CpuTorch()
+    for module in (schedules, optimizer, distrib_optimizer, clip_grads, utils):
+        module.torch = _CpuTorch()
+    optimized = distrib_optimizer.DistributedOptimizer
+    optimized.__init__ = _cuda_type_names(optimized.__init__)
+    clip = _cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = clip
+    optimizer.clip_grad_by_total_norm_fp32 = clip
     logger.info("megatron-core redirected to the CPU (no CUDA here)")
     return True
 
@@ -66,18 +86,57 @@ def _synchronize(device: object = None) -> None:
     """Nothing to wait for: CPU work is synchronous."""
 
 
+def _on_cpu(kwargs: dict[str, Any]) -> dict[str, Any]:
+    if str(kwargs.get("device", "")).startswith("cuda"):
+        kwargs["device"] = _CPU
+    return kwargs
+
+
 class _CpuTorch(types.SimpleNamespace):
-    """``torch`` as the pipeline schedules see it: every attribute is torch's, except
-    that tensors asked for on ``"cuda"`` are made on the CPU."""
+    """``torch`` as megatron-core's schedules and optimizer modules see it: every
+    attribute is torch's, except that tensors asked for on ``"cuda"`` are made on the
+    CPU."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
     @staticmethod
     def zeros(*size: Any, **kwargs: Any) -> torch.Tensor:
-        if str(kwargs.get("device", "")).startswith("cuda"):
-            kwargs["device"] = _CPU
-        return torch.zeros(*size, **kwargs)
+        return torch.zeros(*size, **_on_cpu(kwargs))
+
+    @staticmethod
+    def empty(*size: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.empty(*size, **_on_cpu(kwargs))
+
+    @staticmethod
+    def tensor(data: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor(data, **_on_cpu(kwargs))
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _cuda_type_names(function: _F) -> _F:
+    """``function`` run while ``Tensor.type()`` (no argument) answers a CPU tensor's
+    legacy type name in its CUDA spelling (``torch.FloatTensor`` ->
+    ``torch.cuda.FloatTensor``); every other call of ``type`` is torch's."""
+    legacy = torch.Tensor.type
+
+    def cuda_spelling(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = legacy(self, *args, **kwargs)
+        if args or kwargs or self.device.type != "cpu" or not isinstance(name, str):
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    @functools.wraps(function)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        torch.Tensor.type = cuda_spelling  # type: ignore[method-assign,assignment]
+        try:
+            return function(*args, **kwargs)
+        finally:
+            del torch.Tensor.type
+
+    return run  # type: ignore[return-value]
 
 
 @contextlib.contextmanager

@@ -172,6 +172,8 @@ def build_groups(layout: Layout, *, worker: int, timeout_s: float) -> RankGroups
     collection = groups_of(
         tp=found["tp"], pp=found["pp"], dp=found["dp"], mp=found["replica"], embd=found["pp"]
     )
+    # the distributed optimizer sums gradient statistics over every member
+    collection.intra_dist_opt = found["members"]
     return RankGroups(
         layout=layout,
         position=position,

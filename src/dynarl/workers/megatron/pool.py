@@ -142,9 +142,10 @@ class MegatronPool(TrainerPool):
         )
 
     async def save_checkpoint(self, path: str | Path) -> None:
-        """Replica 0 gathers its shards to its leader, which writes ``path``."""
-        replica = self.layout().replicas()[0]
-        self._check(await self._call(replica, SaveCheckpoint(path=str(path))))
+        """Replica 0 gathers its shards to its leader, which writes ``path`` (every
+        member takes part: with the distributed optimizer each holds a slice of the
+        moments)."""
+        self._check(await self._call(self._members, SaveCheckpoint(path=str(path))))
 
     async def sync_weights(self, version: int) -> int:
         """Replica 0 gathers the weights in the HF layout to its leader, which

@@ -1,6 +1,7 @@
 """One Megatron trainer rank: its shard of the GPT model (a tensor-parallel rank of a
-pipeline stage) inside Megatron's ``DistributedDataParallel`` wrapper, its AdamW
-optimizer, its process groups, and the optimizer step.
+pipeline stage) inside Megatron's ``DistributedDataParallel`` wrapper, its optimizer
+(torch's AdamW, or Megatron's distributed optimizer: :mod:`~dynarl.workers.megatron.optim`),
+its process groups, and the optimizer step.
 
 The step runs megatron-core's own schedule (``forward_backward_no_pipelining``, or
 the 1F1B ``forward_backward_pipelining_without_interleaving`` across stages) over the
@@ -10,9 +11,12 @@ the torch trainer does. The wrapper sums the buffers over the data-parallel grou
 (``finish_grad_sync``, gradient scaling 1); every member learns the global loss,
 normaliser and gradient norm (each shard counted once: tensor-parallel duplicates only
 on tensor rank 0); the gradients are divided by the global normaliser and clipped, and
-AdamW steps on them. The update is therefore the single-rank update whatever the
+AdamW steps on them. With the distributed optimizer the wrapper reduce-scatters
+instead, and after the division Megatron's optimizer computes the norm, clips and
+steps each rank's slice. The update is therefore the single-rank update whatever the
 (dp, tp, pp) layout. A resize rebuilds the wrapper on the new layout's groups
-(:meth:`MegatronRank.regroup`) and retires the old one.
+(:meth:`MegatronRank.regroup`) and retires the old one (with the distributed
+optimizer, whose slices depend on the data-parallel size, a resize builds new ranks).
 
 It subclasses the torch backend's :class:`~dynarl.workers.torch.trainer.ElasticTrainer`
 for what is the same (the state's tensors, the peer-to-peer state transfer of
@@ -32,6 +36,7 @@ from dynarl.workers.megatron import convert
 from dynarl.workers.megatron.cpu import quiet
 from dynarl.workers.megatron.layout import RankGroups
 from dynarl.workers.megatron.model import Architecture, build_gpt, causal_mask
+from dynarl.workers.megatron.optim import DistributedAdam
 from dynarl.workers.megatron.spec import ModelSpec
 from dynarl.workers.torch.train_batch import TensorBatch, micro_batches, num_samples, shard
 from dynarl.workers.torch.trainer import ElasticTrainer
@@ -51,35 +56,48 @@ class MegatronRank(ElasticTrainer):
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
         *,
         loss_fn: LossFn,
         config: TrainerConfig,
         groups: RankGroups,
         arch: Architecture,
+        distributed_optimizer: bool = False,
         num_steps: int = 0,
     ) -> None:
+        ddp = _wrap(model, groups, distributed=distributed_optimizer)
+        self.distributed = (
+            DistributedAdam(ddp, model, config, groups) if distributed_optimizer else None
+        )
+        """Megatron's distributed optimizer (``None``: torch's AdamW steps the whole
+        shard on every data-parallel rank)."""
+        optimizer = _adamw(model, config) if self.distributed is None else self.distributed.inner
         super().__init__(
             model, optimizer, loss_fn=loss_fn, config=config, group=groups.dp, num_steps=num_steps
         )
         self.groups = groups
         self.arch = arch
-        self.ddp = _wrap(model, groups)
+        self.ddp = ddp
         """Megatron's data-parallel wrapper of ``model`` on ``groups``: gradients
-        accumulate in its buffers (``param.main_grad``) and are summed over the
-        data-parallel group there."""
+        accumulate in its buffers (``param.main_grad``) and are summed (reduce-scattered
+        with the distributed optimizer) over the data-parallel group there."""
 
     def regroup(self, groups: RankGroups) -> None:
         """Move this rank to another layout's ``groups`` (a resize kept it): its
-        data-parallel wrapper is rebuilt on them and the old one retired."""
+        data-parallel wrapper is rebuilt on them and the old one retired. Not with the
+        distributed optimizer (its slices depend on the group: a resize builds new
+        ranks)."""
+        if self.distributed is not None:
+            raise TrainerError("a rank with the distributed optimizer cannot change groups")
         _retire(self.ddp)
         self.groups = groups
         self.group = groups.dp
-        self.ddp = _wrap(self.model, groups)
+        self.ddp = _wrap(self.model, groups, distributed=False)
 
     def release(self) -> None:
-        """Retire the wrapper (its gradient buffers go) before the tensors are freed."""
+        """Retire the wrapper (its gradient buffers go) and the distributed optimizer
+        before the tensors are freed."""
         _retire(self.ddp)
+        self.distributed = None
 
     @classmethod
     def create(
@@ -104,7 +122,12 @@ class MegatronRank(ElasticTrainer):
             ),
         )
         return cls(
-            model, _adamw(model, config), loss_fn=loss_fn, config=config, groups=groups, arch=arch
+            model,
+            loss_fn=loss_fn,
+            config=config,
+            groups=groups,
+            arch=arch,
+            distributed_optimizer=spec.distributed_optimizer,
         )
 
     @classmethod
@@ -121,7 +144,12 @@ class MegatronRank(ElasticTrainer):
         arch = spec.architecture()
         model = build_gpt(arch, groups.collection, device=device)
         return cls(
-            model, _adamw(model, config), loss_fn=loss_fn, config=config, groups=groups, arch=arch
+            model,
+            loss_fn=loss_fn,
+            config=config,
+            groups=groups,
+            arch=arch,
+            distributed_optimizer=spec.distributed_optimizer,
         )
 
     @property
@@ -153,7 +181,8 @@ class MegatronRank(ElasticTrainer):
         if groups.is_loss_rank:
             totals[0], totals[1] = loss_sum, normaliser
         grads = [p.grad for p in params if p.grad is not None]
-        totals[2] = self._local_grad_square(params)
+        if self.distributed is None:
+            totals[2] = self._local_grad_square(params)
         dist.all_reduce(totals, group=groups.members)
         loss_total, normaliser_total = float(totals[0]), float(totals[1])
         if normaliser_total <= 0.0:
@@ -161,15 +190,19 @@ class MegatronRank(ElasticTrainer):
                 "the minibatch's loss normaliser summed to "
                 f"{normaliser_total}; send samples with a positive loss weight"
             )
-        # Every replica added the same squares: count the model once.
-        grad_norm = float(totals[2] / groups.layout.dp) ** 0.5 / normaliser_total
-        torch._foreach_div_(grads, normaliser_total)
-        if self.config.grad_clip is not None:
-            torch.nn.utils.clip_grads_with_norm_(
-                params, self.config.grad_clip, torch.tensor(grad_norm)
-            )
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.distributed is not None:
+            self.ddp.scale_gradients(1.0 / normaliser_total)
+            grad_norm = self.distributed.step()
+        else:
+            # Every replica added the same squares: count the model once.
+            grad_norm = float(totals[2] / groups.layout.dp) ** 0.5 / normaliser_total
+            torch._foreach_div_(grads, normaliser_total)
+            if self.config.grad_clip is not None:
+                torch.nn.utils.clip_grads_with_norm_(
+                    params, self.config.grad_clip, torch.tensor(grad_norm)
+                )
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.num_steps += 1
         return StepMetrics(
             loss=loss_total / normaliser_total,
@@ -182,15 +215,18 @@ class MegatronRank(ElasticTrainer):
         """Forward and backward over this replica's ``batch`` (empty: none), then the
         wrapper's gradient sum over the data-parallel group, without stepping: the
         summed gradients of the loss *sum* are left in ``.grad`` (views of the
-        wrapper's buffers); returns this replica's loss sum and normaliser (on the last
-        stage; zeros elsewhere). Collective over the data-parallel group."""
+        wrapper's buffers; with the distributed optimizer only in the wrapper's
+        buffers, each rank's slice summed); returns this replica's loss sum and
+        normaliser (on the last stage; zeros elsewhere). Collective over the
+        data-parallel group."""
         self.optimizer.zero_grad(set_to_none=True)
         self.ddp.zero_grad_buffer()
         totals = self._forward_backward(batch) if batch else (0.0, 0.0)
         self.ddp.finish_grad_sync()
-        for p in self.model.parameters():
-            if p.requires_grad:
-                p.grad = p.main_grad  # type: ignore[attr-defined]
+        if self.distributed is None:
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.grad = p.main_grad  # type: ignore[attr-defined]
         return totals
 
     def _forward_backward(self, batch: TensorBatch) -> tuple[float, float]:
@@ -242,10 +278,10 @@ class MegatronRank(ElasticTrainer):
         return total
 
 
-def _wrap(model: torch.nn.Module, groups: RankGroups) -> Any:
+def _wrap(model: torch.nn.Module, groups: RankGroups, *, distributed: bool) -> Any:
     """Megatron's ``DistributedDataParallel`` around ``model`` on ``groups``: no
-    overlap, no distributed optimizer, sums (``calculate_per_token_loss`` sets the
-    gradient scaling to 1)."""
+    overlap, sums (``calculate_per_token_loss`` sets the gradient scaling to 1),
+    reduce-scattered for the ``distributed`` optimizer, else all-reduced."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     with quiet():
@@ -253,7 +289,7 @@ def _wrap(model: torch.nn.Module, groups: RankGroups) -> Any:
             model.config,
             DistributedDataParallelConfig(
                 overlap_grad_reduce=False,
-                use_distributed_optimizer=False,
+                use_distributed_optimizer=distributed,
                 grad_reduce_in_fp32=False,
             ),
             model,

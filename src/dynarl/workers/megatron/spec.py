@@ -1,5 +1,6 @@
 """What a Megatron worker builds: the policy of a :class:`~dynarl.workers.config.ModelConfig`
-(a checkpoint, or the random-init model of a seed) cut ``tp`` x ``pp`` ways.
+(a checkpoint, or the random-init model of a seed) cut ``tp`` x ``pp`` ways, and which
+optimizer trains it.
 
 The Hugging Face model is the source of truth for the weights: a worker builds it
 exactly as the torch backend does (so both backends start from the same weights for
@@ -24,12 +25,15 @@ class ModelSpec:
         model: the policy.
         tp, pp: tensor- and pipeline-parallel size of one replica.
         seed: seeds a random-init model (unused with ``model.path``).
+        distributed_optimizer: train with Megatron's distributed optimizer (AdamW's
+            state sharded over the data-parallel group) instead of torch's AdamW.
     """
 
     model: ModelConfig
     tp: int = 1
     pp: int = 1
     seed: int = 0
+    distributed_optimizer: bool = False
 
     def hf_model(self, *, device: str | torch.device = "cpu") -> torch.nn.Module:
         """The ``transformers`` model: the checkpoint at ``model.path``, or the

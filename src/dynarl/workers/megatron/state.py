@@ -5,6 +5,9 @@ reshard plan of a resize, and replica 0's shards gathered into the Hugging Face 
 A checkpoint holds the model and AdamW's moments in the HF layout (whole tensors,
 HF names) beside the step counts: it does not depend on the layout that wrote it, so a
 run resumes on any (dp, tp, pp) layout, and a torch run's tools can read its weights.
+With Megatron's distributed optimizer the moments are first made whole from every
+data-parallel rank's slice (and bf16 models add their fp32 main parameters, ``main``);
+loading keeps each rank's slice.
 """
 
 import os
@@ -30,6 +33,9 @@ CHECKPOINT_FORMAT = "dynarl-megatron-hf-1"
 """The ``format`` entry of a checkpoint this module writes."""
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+_STATE_KEYS = (*_MOMENTS, "main")
+"""Whole per-parameter optimizer tensors a full state may hold (``main``: the
+distributed optimizer's fp32 main parameters of a bf16 model)."""
 
 
 # -- a replica's samples -----------------------------------------------------------
@@ -211,30 +217,46 @@ def copy_into(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> No
     load_weights(model, weights)
 
 
-def gather_full_state(rank: MegatronRank) -> dict[str, object] | None:
-    """Model, AdamW moments and counters in the HF layout, on the replica's leader
-    (``None`` elsewhere). Collective over the replica."""
-    names = [n for n, _ in rank.model.named_parameters()]
-    params = [p for _, p in rank.model.named_parameters()]
-    local: dict[str, torch.Tensor] = {
-        n: p.detach().to("cpu", copy=True) for n, p in zip(names, params, strict=True)
-    }
+def whole_moments(rank: MegatronRank) -> tuple[dict[str, dict[str, torch.Tensor]], float]:
+    """``rank``'s optimizer tensors per parameter of its model shard (megatron names),
+    whole, by key (``exp_avg``, ``exp_avg_sq``, and ``main`` for a bf16 model with the
+    distributed optimizer; none before the first step), and the step count.
+    Collective over the data-parallel group with the distributed optimizer."""
+    if rank.distributed is not None:
+        return rank.distributed.whole()
+    moments: dict[str, dict[str, torch.Tensor]] = {key: {} for key in _MOMENTS}
     step = 0.0
-    for name, param in zip(names, params, strict=True):
+    for name, param in rank.model.named_parameters():
         entry = rank.optimizer.state.get(param, {})
         for key in _MOMENTS:
             if key in entry:
-                local[f"{key}/{name}"] = entry[key].detach().to("cpu", copy=True)
+                moments[key][name] = entry[key]
         if "step" in entry:
             step = float(entry["step"])
+    return {k: v for k, v in moments.items() if v}, step
+
+
+def gather_full_state(rank: MegatronRank, *, dp_rank: int = 0) -> dict[str, object] | None:
+    """Model, AdamW moments and counters in the HF layout, on the leader of replica
+    ``dp_rank`` (``None`` elsewhere). Every member calls it (collective over the
+    data-parallel group with the distributed optimizer, then over that replica)."""
+    moments_here, step = whole_moments(rank)
+    if rank.groups.position.dp_rank != dp_rank:
+        return None
+    local: dict[str, torch.Tensor] = {
+        n: p.detach().to("cpu", copy=True) for n, p in rank.model.named_parameters()
+    }
+    for key, tensors in moments_here.items():
+        for name, tensor in tensors.items():
+            local[f"{key}/{name}"] = tensor.detach().to("cpu", copy=True)
     shards = _gather_to_leader(rank, local)
     if shards is None:
         return None
     stages = _stages(rank.groups.layout, shards)
     model = convert.to_hf([[_select(s, "") for s in st] for st in stages], rank.arch)
     moments = {}
-    if any(f"exp_avg/{names[0]}" in s for s in shards):
-        for key in _MOMENTS:
+    for key in _STATE_KEYS:
+        if all(_select(s, key) for s in shards):
             moments[key] = convert.to_hf(
                 [[_select(s, key) for s in st] for st in stages], rank.arch
             )
@@ -305,7 +327,7 @@ def cut_state(
         "num_steps": torch.tensor(int(full.get("num_steps", 0)), dtype=torch.int64),
     }
     position = {"tp_rank": tp_rank, "tp": tp, "pp_rank": pp_rank, "pp": pp}
-    for key in ("model", *_MOMENTS):
+    for key in ("model", *_STATE_KEYS):
         if key in full:
             for name, tensor in convert.to_megatron(full[key], arch, **position).items():
                 flat[f"{key}/{name}"] = tensor
@@ -322,11 +344,15 @@ def load_cut(rank: MegatronRank, flat: Mapping[str, torch.Tensor], *, source: st
             f"the state of {source} does not fit this model ({exc}); resume with the model "
             "settings of the run that wrote it"
         ) from exc
-    moments = {k: _select(flat, k) for k in _MOMENTS}
+    moments = {k: _select(flat, k) for k in _STATE_KEYS}
+    step = float(flat["step"])
+    rank.num_steps = int(flat["num_steps"])
+    if rank.distributed is not None:
+        rank.distributed.load({k: v for k, v in moments.items() if v}, step)
+        return
     named = dict(rank.model.named_parameters())
     optimizer_state: dict[int, dict[str, torch.Tensor]] = {}
     if all(moments[k] for k in _MOMENTS):
-        step = float(flat["step"])
         for index, name in enumerate(named):
             optimizer_state[index] = {
                 "step": torch.tensor(step),
@@ -334,7 +360,6 @@ def load_cut(rank: MegatronRank, flat: Mapping[str, torch.Tensor], *, source: st
             }
     groups = rank.optimizer.state_dict()["param_groups"]
     rank.optimizer.load_state_dict({"state": optimizer_state, "param_groups": groups})
-    rank.num_steps = int(flat["num_steps"])
 
 
 def nbytes(tensors: Mapping[str, torch.Tensor]) -> int:

@@ -16,6 +16,9 @@ What differs is what a layout of replicas needs:
   abort drops the new groups and the received state, and the old layout trains on;
 - *a reshard* (a change of tp or pp) gathers the source replica's state in the HF
   layout to its leader, which cuts each new member's shard and sends it that alone;
+  so does a resize with Megatron's distributed optimizer (its AdamW state is sliced
+  over the data-parallel group: the slices are first made whole, and every member of
+  the new layout builds a new rank that keeps its own slices);
 - *checkpoints and weight sync* gather replica 0's shards to its leader in the HF
   layout (:mod:`~dynarl.workers.megatron.state`).
 """
@@ -170,6 +173,9 @@ class MegatronWorker(TrainerWorker):
             raise TrainerError(f"resize {self.resizing.epoch} is still pending; abort it first")
         old = Layout(command.old_members, self.spec.tp, self.spec.pp)
         new = Layout(command.new_members, self.spec.tp, self.spec.pp)
+        if self.spec.distributed_optimizer:
+            moved = self._through_leader(command.epoch, old, new, command.source, self.spec)
+            return self._done(started, bytes_moved=moved)
         timeout_s = self.config.reshard_timeout_s
         groups = build_groups(new, worker=self.worker, timeout_s=timeout_s)
         pending = _Pending(epoch=command.epoch, layout=new, groups=groups)
@@ -225,13 +231,24 @@ class MegatronWorker(TrainerWorker):
         spec.architecture()  # refuses a split the model cannot take, on every worker
         old = Layout(command.old_members, self.spec.tp, self.spec.pp)
         new = Layout(command.new_members, spec.tp, spec.pp)
+        moved = self._through_leader(command.epoch, old, new, command.source, spec)
+        return self._done(started, bytes_moved=moved)
+
+    def _through_leader(
+        self, epoch: int, old: Layout, new: Layout, source_worker: int, spec: ModelSpec
+    ) -> int:
+        """Prepare ``old -> new``: the replica of ``source_worker`` gathers the full
+        state in the HF layout to its leader, which cuts every new member's shard and
+        sends it that alone; each new member builds a new rank of ``spec`` holding it.
+        Returns the bytes this worker sent."""
         timeout_s = self.config.reshard_timeout_s
         groups = build_groups(new, worker=self.worker, timeout_s=timeout_s)
-        pending = _Pending(epoch=command.epoch, layout=new, groups=groups, spec=spec)
+        changed = None if spec == self.spec else spec
+        pending = _Pending(epoch=epoch, layout=new, groups=groups, spec=changed)
         self.resizing = pending
-        where = old.position(command.source)
+        where = old.position(source_worker)
         if where is None:
-            raise ReshardError(f"source worker {command.source} is not a member")
+            raise ReshardError(f"source worker {source_worker} is not a member")
         source = old.replicas()[where.dp_rank]
         leader = source[0]
         # One pair group per new member: the leader cuts each member's shard out of
@@ -244,7 +261,9 @@ class MegatronWorker(TrainerWorker):
                 if self.worker in (leader, member):
                     pairs[member] = group
         pending.transfers.extend(pairs.values())
-        full = state.gather_full_state(self._rank()) if self.worker in source else None
+        full = None
+        if self.rank is not None:  # every old member (the distributed optimizer's slices)
+            full = state.gather_full_state(self.rank, dp_rank=where.dp_rank)
         moved = 0
         own: dict[str, torch.Tensor] | None = None
         if full is not None:  # the leader
@@ -269,7 +288,7 @@ class MegatronWorker(TrainerWorker):
             )
             state.load_cut(receiver, own, source=f"worker {leader}")
             pending.received = receiver
-        return self._done(started, bytes_moved=moved)
+        return moved
 
     def _commit(self, command: CommitResize) -> Reply:
         started = time.perf_counter()

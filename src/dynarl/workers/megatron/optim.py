@@ -1,0 +1,221 @@
+"""Megatron's distributed optimizer for one trainer rank, and its state moved in and
+out whole.
+
+With ``actor.megatron.distributed_optimizer`` a rank's data-parallel wrapper reduce-
+scatters the gradients instead of all-reducing them, and ``get_megatron_optimizer``
+builds megatron-core's ``DistributedOptimizer``: each data-parallel rank owns a
+contiguous slice of the gradient buffer and keeps AdamW's moments (and, for bf16
+parameters, the fp32 main parameters) for that slice only; it steps its slice, and the
+parameters are all-gathered over the data-parallel group. The global gradient norm and
+the clipping are megatron-core's (the norm's squares summed over every member). One
+parameter group, weight decay on every parameter (``config_overrides={}``), as torch's
+AdamW of the other path; no learning-rate schedule.
+
+``get_megatron_optimizer`` aligns its parameter groups with an all-gather over the
+default group, which megatron-core takes to be the training job. Here the world is the
+pool's every worker, members of the layout or not (and a resize builds the next
+layout's optimizers while the old one trains): for that one call the optimizer
+factory's default group is the layout's members.
+
+Elastic resizes and checkpoints see the state *whole*: :meth:`DistributedAdam.whole`
+rebuilds each parameter's moments (and main parameter) from the slices of every
+data-parallel rank (one bucketed sum over the data-parallel group: the slices are
+disjoint, so the sum is exact), and :meth:`DistributedAdam.load` keeps a rank's own
+slice of whole tensors. A checkpoint or a resize therefore carries the same HF-layout
+state as with torch's AdamW, whatever the data-parallel size that wrote it.
+"""
+
+import contextlib
+import types
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dynarl.workers.megatron.cpu import quiet
+from dynarl.workers.megatron.layout import RankGroups
+from dynarl.workers.torch.trainer_config import TrainerConfig
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""AdamW's per-parameter tensors."""
+
+Named = dict[str, torch.Tensor]
+
+
+class DistributedAdam:
+    """megatron-core's distributed AdamW over one rank's shard of the model (wrapped by
+    ``ddp``, a ``DistributedDataParallel`` built with ``use_distributed_optimizer``)."""
+
+    def __init__(
+        self, ddp: Any, model: torch.nn.Module, config: TrainerConfig, groups: RankGroups
+    ) -> None:
+        with quiet():
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        dtype = next(model.parameters()).dtype
+        settings = OptimizerConfig(
+            optimizer="adam",
+            lr=config.lr,
+            min_lr=config.lr,
+            weight_decay=config.weight_decay,
+            adam_beta1=config.betas[0],
+            adam_beta2=config.betas[1],
+            adam_eps=config.eps,
+            clip_grad=0.0 if config.grad_clip is None else config.grad_clip,
+            use_distributed_optimizer=True,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+        )
+        with quiet(), _default_group(groups.members):
+            self.megatron: Any = get_megatron_optimizer(
+                settings,
+                [ddp],
+                config_overrides={},
+                use_gloo_process_groups=False,
+                pg_collection=groups.collection,
+            )
+            """The ``ChainedOptimizer`` ``get_megatron_optimizer`` returns."""
+        (self._sharded,) = self.megatron.chained_optimizers
+        self.inner: torch.optim.Optimizer = self._sharded.optimizer
+        """torch's AdamW over this rank's slices (main parameters)."""
+        self.model = model
+        self.groups = groups
+
+    def step(self) -> float:
+        """Megatron's step on the reduce-scattered gradients (already divided by the
+        global normaliser): global norm, clipping, AdamW on this rank's slices,
+        all-gather of the parameters; returns the gradient norm. Collective over the
+        members."""
+        ok, grad_norm, _ = self.megatron.step()
+        if not ok:  # only a loss scaler skips a step; fp32 and bf16 have none
+            raise RuntimeError("megatron's optimizer skipped the step")
+        self.megatron.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def _slices(self) -> list[tuple[str, torch.nn.Parameter, slice | None]]:
+        """Each parameter with the slice of its flattened elements this rank owns
+        (``None``: none)."""
+        owned = self._sharded.model_param_group_index_map
+        out: list[tuple[str, torch.nn.Parameter, slice | None]] = []
+        for name, param in self.model.named_parameters():
+            if param in owned:
+                r = self._sharded._get_model_param_range_map(param)["param"]
+                out.append((name, param, slice(r.start, r.end)))
+            else:
+                out.append((name, param, None))
+        return out
+
+    def _state(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        tensors: dict[str, torch.Tensor] = self._sharded._get_main_param_and_optimizer_states(param)
+        return tensors
+
+    def whole(self) -> tuple[dict[str, Named], float]:
+        """Whole AdamW moments of this rank's model shard, by megatron name, under
+        ``exp_avg``, ``exp_avg_sq`` and (bf16 parameters) ``main`` (fp32 main
+        parameters), with the step count; no moments before the first step. Collective
+        over the data-parallel group (every rank gets the same)."""
+        keys = list(MOMENTS)
+        if next(self.model.parameters()).dtype != torch.float32:
+            keys.append("main")
+        slices = self._slices()
+        sizes = [p.numel() for _, p, _ in slices]
+        total = sum(sizes)
+        # [key 0 of every parameter | key 1 ... | step, slices holding a state]
+        flat = torch.zeros(len(keys) * total + 2, dtype=torch.float32, device=_device(self.model))
+        offset = 0
+        for (_, param, part), size in zip(slices, sizes, strict=True):
+            if part is not None:
+                state = self._state(param)
+                if "exp_avg" in state:
+                    for k, key in enumerate(keys):
+                        source = state["param" if key == "main" else key]
+                        start = k * total + offset
+                        flat[start + part.start : start + part.stop] = source.detach().view(-1)
+                    flat[-2] = float(state["step"])
+                    flat[-1] += 1.0
+            offset += size
+        if self.groups.layout.dp > 1:
+            step_and_count = flat[-2:].clone()
+            dist.all_reduce(flat, group=self.groups.dp)
+            dist.all_reduce(step_and_count, op=dist.ReduceOp.MAX, group=self.groups.dp)
+            flat[-2] = step_and_count[0]
+        if float(flat[-1]) == 0.0:
+            return {}, 0.0
+        out: dict[str, Named] = {key: {} for key in keys}
+        offset = 0
+        for (name, param, _), size in zip(slices, sizes, strict=True):
+            for k, key in enumerate(keys):
+                start = k * total + offset
+                out[key][name] = flat[start : start + size].view(param.shape).clone()
+            offset += size
+        return out, float(flat[-2])
+
+    def load(self, moments: Mapping[str, Named], step: float) -> None:
+        """Keep this rank's slices of whole ``moments`` (as :meth:`whole` gives them;
+        empty: a fresh optimizer) at ``step``; the main parameters come from
+        ``moments["main"]`` when given, else from the model's weights (load those
+        first: every rank holds its whole model shard)."""
+        main = moments.get("main")
+        for name, param, part in self._slices():
+            if part is None:
+                continue
+            group_index, order = self._sharded.model_param_group_index_map[param]
+            shard = self.inner.param_groups[group_index]["params"][order]
+            source = main[name] if main is not None else param.detach()
+            with torch.no_grad():
+                shard.copy_(source.reshape(-1)[part].to(shard.dtype))
+            if not all(moments.get(k) for k in MOMENTS):
+                self.inner.state.pop(shard, None)
+                continue
+            self.inner.state[shard] = {
+                "step": torch.tensor(step, dtype=torch.float32),
+                **{k: moments[k][name].reshape(-1)[part].to(shard.dtype).clone() for k in MOMENTS},
+            }
+
+
+@contextlib.contextmanager
+def _default_group(group: dist.ProcessGroup) -> Iterator[None]:
+    """While it lasts, megatron-core's optimizer factory sees ``group`` as the default
+    group (its world size and all-gathers); nothing else changes."""
+    import megatron.core.optimizer as factory
+
+    real = factory.torch
+    factory.torch = _TorchOver(group)
+    try:
+        yield
+    finally:
+        factory.torch = real
+
+
+class _TorchOver(types.SimpleNamespace):
+    """``torch`` whose ``distributed`` defaults its group to ``group``."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__(distributed=_DistributedOver(group))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+class _DistributedOver(types.SimpleNamespace):
+    """``torch.distributed`` with ``group`` for the default group of
+    ``get_world_size`` and ``all_gather_object``."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__(group=group)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def get_world_size(self, group: dist.ProcessGroup | None = None) -> int:
+        return dist.get_world_size(group if group is not None else self.group)
+
+    def all_gather_object(
+        self, out: list[Any], obj: Any, group: dist.ProcessGroup | None = None
+    ) -> None:
+        dist.all_gather_object(out, obj, group=group if group is not None else self.group)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device

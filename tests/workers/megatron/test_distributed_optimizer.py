@@ -1,0 +1,132 @@
+"""Megatron's distributed optimizer (``actor.megatron.distributed_optimizer``) on two
+real worker processes takes torch's AdamW's steps: at DP=2 and through DP 1 -> 2 -> 1
+resizes (its sliced moments made whole and re-sliced) a run equals torch's AdamW at a
+fixed DP=1 (the reference: a rank in this process, a world of one); a checkpoint written
+at DP=2 holds the whole moments and continues the run on another layout."""
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from dynarl.api.config import AlgorithmConfig  # noqa: E402
+from dynarl.rl.grpo import GrpoLoss  # noqa: E402
+from dynarl.testing.workers import LocalWorkers  # noqa: E402
+from dynarl.workers.config import ModelConfig  # noqa: E402
+from dynarl.workers.megatron import state  # noqa: E402
+from dynarl.workers.megatron.layout import Layout, build_groups  # noqa: E402
+from dynarl.workers.megatron.main import megatron_trainer_main  # noqa: E402
+from dynarl.workers.megatron.model import single_process_groups  # noqa: E402
+from dynarl.workers.megatron.pool import MegatronPool  # noqa: E402
+from dynarl.workers.megatron.rank import MegatronRank  # noqa: E402
+from dynarl.workers.megatron.spec import ModelSpec  # noqa: E402
+from dynarl.workers.torch.trainer_config import TrainerConfig  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+MODEL = ModelConfig(max_seq_len=64, num_layers=2)
+CONFIG = TrainerConfig(
+    micro_batch_size=4, lr=1e-2, grad_clip=0.5, timeout_s=90.0, reshard_timeout_s=30.0
+)
+SPEC = ModelSpec(model=MODEL, seed=3, distributed_optimizer=True)
+LOSS = GrpoLoss.from_config(AlgorithmConfig())
+# The loss does not depend on a key bias (softmax is shift-invariant): its gradient is
+# rounding noise that Adam turns into real steps, held to the global bound only.
+NOISE_ONLY = ".self_attn.k_proj.bias"
+
+
+def minibatch(step: int, n: int = 8, length: int = 20) -> dict[str, Any]:
+    rng = np.random.default_rng(step)
+    mask = np.zeros((n, length), dtype=np.float32)
+    mask[:, 6:] = 1.0
+    return {
+        "input_ids": rng.integers(4, 90, size=(n, length)),
+        "attention_mask": np.ones((n, length), dtype=np.int64),
+        "loss_mask": mask,
+        "old_logprobs": np.full((n, length), -4.0, dtype=np.float32),
+        "advantages": rng.standard_normal(n).astype(np.float32),
+    }
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pool() -> AsyncIterator[MegatronPool]:
+    async with LocalWorkers(megatron_trainer_main, ["do-0", "do-1"]) as workers:
+        started = MegatronPool(CONFIG, workers=workers.channels, model_factory=SPEC, loss_fn=LOSS)
+        await started.start()
+        await started.start_training([0])
+        try:
+            yield started
+        finally:
+            await started.close()
+
+
+@pytest.fixture(scope="module")
+def adamw() -> tuple[list[float], list[dict[str, Any]]]:
+    """torch's AdamW at DP=1 (this process): losses of steps 0-3, and the full state
+    after steps 2 and 3."""
+    single_process_groups()
+    groups = build_groups(Layout((0,), 1, 1), worker=0, timeout_s=30)
+    assert groups is not None
+    plain = ModelSpec(model=MODEL, seed=3)
+    rank = MegatronRank.create(
+        plain, loss_fn=LOSS, config=CONFIG, groups=groups, hf_state=plain.hf_state()
+    )
+    assert rank.distributed is None
+    losses, states = [], []
+    for step in range(4):
+        batch = {k: torch.as_tensor(v) for k, v in minibatch(step).items()}
+        losses.append(rank.train_step(batch).loss)
+        if step >= 2:
+            full = state.gather_full_state(rank)
+            assert full is not None
+            states.append(full)
+    groups.destroy()
+    return losses, states
+
+
+def assert_same_state(got: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert got["step"] == expected["step"] and got["num_steps"] == expected["num_steps"]
+    for key, atol in (("model", 2e-5), ("exp_avg", 1e-6), ("exp_avg_sq", 1e-8)):
+        assert set(got[key]) == set(expected[key])
+        diff = norm = 0.0
+        for name, theirs in expected[key].items():
+            ours = got[key][name]
+            diff += float((ours - theirs).double().square().sum())
+            norm += float(theirs.double().square().sum())
+            if not name.endswith(NOISE_ONLY):
+                torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=atol, msg=name)
+        assert (diff / norm) ** 0.5 < 1e-4, key
+
+
+async def test_dp_1_2_1_with_the_distributed_optimizer_equals_adamw_at_dp_1(
+    pool: MegatronPool, adamw: tuple[list[float], list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    losses, states = adamw
+    got = [(await pool.train_step(minibatch(0))).loss]
+    grown = await pool.resize([0, 1])
+    assert grown.bytes_moved > 0 and pool.members == (0, 1)
+    got += [(await pool.train_step(minibatch(s))).loss for s in (1, 2)]
+    at_dp2 = tmp_path / "dp2.pt"
+    await pool.save_checkpoint(at_dp2)
+    await pool.resize([1])  # replica 0 leaves: worker 1 keeps training alone
+    got.append((await pool.train_step(minibatch(3))).loss)
+    end = tmp_path / "end.pt"
+    await pool.save_checkpoint(end)
+
+    np.testing.assert_allclose(got, losses, rtol=1e-5)
+    assert_same_state(torch.load(at_dp2, weights_only=True), states[0])
+    assert_same_state(torch.load(end, weights_only=True), states[1])
+
+    # the DP=2 checkpoint continues the run on two other data-parallel ranks
+    await pool.resize([0, 1])
+    await pool.load_checkpoint(at_dp2)
+    again = (await pool.train_step(minibatch(3))).loss
+    assert again == pytest.approx(losses[3], rel=1e-5)
+    await pool.save_checkpoint(end)
+    assert_same_state(torch.load(end, weights_only=True), states[1])
