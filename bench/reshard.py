@@ -17,11 +17,16 @@ size, each beside a bare broadcast of the bytes it moved: a data-parallel grow
 ``[0] -> [0, 1]`` (the joiner receives its shard, moments and step from worker 0) and
 a change of tensor-parallel size ``TP=1 on [0] -> TP=2 on [0, 1]`` (worker 0 cuts
 worker 1's shard of weights and AdamW state from its state in the HF layout and sends
-it). Their ``shrink`` is the way back.
+it). Their ``shrink`` is the way back. ``--distributed-optimizer`` adds the same two
+rows with Megatron's distributed optimizer (``megatron-do``): its AdamW moments are
+sliced over the data-parallel group, so a resize makes them whole (one sum over the
+old group), and the source replica's leader cuts and sends each new member its whole
+shard (weights, moments, step), which the member re-slices.
 
 Aim: ``reshard_s <= 2 * raw_s + 0.5``. Prints a table, then one JSON line.
 
     python bench/reshard.py [--sizes 10M,50M,200M] [--repeats 2] [--megatron]
+                            [--distributed-optimizer]
 """
 
 import argparse
@@ -118,8 +123,11 @@ def measure_reshard(size: str, repeats: int) -> dict[str, float]:
     }
 
 
-def measure_megatron(size: str, repeats: int) -> list[dict[str, float]]:
-    """Best DP-grow and TP-change times of a two-worker Megatron pool."""
+def measure_megatron(
+    size: str, repeats: int, *, distributed_optimizer: bool = False
+) -> list[dict[str, float]]:
+    """Best DP-grow and TP-change times of a two-worker Megatron pool (with Megatron's
+    distributed optimizer, or torch's AdamW)."""
     from dynarl.workers.config import ModelConfig
     from dynarl.workers.megatron.main import megatron_trainer_main
     from dynarl.workers.megatron.pool import MegatronPool
@@ -141,16 +149,19 @@ def measure_megatron(size: str, repeats: int) -> list[dict[str, float]]:
         "input_ids": rng.integers(4, 90, size=(1, 16)),
         "loss_weights": np.ones((1, 16), dtype=np.float32),
     }
-    times: dict[str, list[float]] = {"megatron dp grow": [], "megatron tp 1->2": []}
-    backs: dict[str, list[float]] = {"megatron dp grow": [], "megatron tp 1->2": []}
+    name = "megatron-do" if distributed_optimizer else "megatron"
+    dp, tp = f"{name} dp grow", f"{name} tp 1->2"
+    times: dict[str, list[float]] = {dp: [], tp: []}
+    backs: dict[str, list[float]] = {dp: [], tp: []}
     moved: dict[str, int] = {}
+    spec = ModelSpec(model=model, distributed_optimizer=distributed_optimizer)
 
     async def run() -> None:
         async with LocalWorkers(megatron_trainer_main, ["mt-0", "mt-1"]) as workers:
             pool = MegatronPool(
                 config,
                 workers=workers.channels,
-                model_factory=ModelSpec(model=model),
+                model_factory=spec,
                 loss_fn=weighted_nll,
             )
             await pool.start()
@@ -159,14 +170,14 @@ def measure_megatron(size: str, repeats: int) -> list[dict[str, float]]:
                 await pool.train_step(minibatch)
                 for _ in range(repeats):
                     grow = await pool.resize([0, 1])
-                    times["megatron dp grow"].append(grow.elapsed_s)
-                    moved["megatron dp grow"] = grow.bytes_moved
-                    backs["megatron dp grow"].append((await pool.resize([0])).elapsed_s)
+                    times[dp].append(grow.elapsed_s)
+                    moved[dp] = grow.bytes_moved
+                    backs[dp].append((await pool.resize([0])).elapsed_s)
                     change = await pool.reshard([0, 1], tp=2, pp=1)
-                    times["megatron tp 1->2"].append(change.elapsed_s)
-                    moved["megatron tp 1->2"] = change.bytes_moved
+                    times[tp].append(change.elapsed_s)
+                    moved[tp] = change.bytes_moved
                     back = await pool.reshard([0], tp=1, pp=1)
-                    backs["megatron tp 1->2"].append(back.elapsed_s)
+                    backs[tp].append(back.elapsed_s)
             finally:
                 await pool.close()
 
@@ -256,6 +267,11 @@ def main() -> None:
     parser.add_argument("--sizes", default="10M,50M,200M")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--megatron", action="store_true", help="add the Megatron rows")
+    parser.add_argument(
+        "--distributed-optimizer",
+        action="store_true",
+        help="add the Megatron rows with its distributed optimizer",
+    )
     args = parser.parse_args()
     sizes = args.sizes.split(",")
     started = time.perf_counter()
@@ -264,6 +280,8 @@ def main() -> None:
         rows.append({"kind": "torch dp grow", **measure_reshard(size, args.repeats)})
         if args.megatron:
             rows.extend(measure_megatron(size, args.repeats))
+        if args.distributed_optimizer:
+            rows.extend(measure_megatron(size, args.repeats, distributed_optimizer=True))
     raw = measure_raw([int(r["bytes"]) for r in rows], args.repeats)
     for row, (raw_s, raw_warm_s) in zip(rows, raw, strict=True):
         row.update(
@@ -284,10 +302,10 @@ def main() -> None:
         "ratio",
         "shrink s",
     )
-    print(("{:<17} {:>12} {:>9} {:>10} {:>8} {:>6} {:>11} {:>6} {:>9}").format(*header))
+    print(("{:<20} {:>12} {:>9} {:>10} {:>8} {:>6} {:>11} {:>6} {:>9}").format(*header))
     for row in rows:
         print(
-            f"{row['kind']:<17} {row['params']:>12,} {row['bytes'] / 1e6:>9.0f} "
+            f"{row['kind']:<20} {row['params']:>12,} {row['bytes'] / 1e6:>9.0f} "
             f"{row['reshard_s']:>10.3f} "
             f"{row['raw_s']:>8.3f} {row['ratio']:>6.2f} {row['raw_warm_s']:>11.3f} "
             f"{row['ratio_warm']:>6.2f} {row['shrink_s']:>9.3f}"
@@ -295,7 +313,8 @@ def main() -> None:
     print(
         "torch dp grow: [0] -> [0, 1] (params + buffers + AdamW state); megatron dp grow: the "
         "same with a Megatron trainer; megatron tp 1->2: TP=1 on [0] -> TP=2 on [0, 1] (worker "
-        "0 cuts worker 1's shard of weights and AdamW state and sends it); raw: one gloo "
+        "0 cuts worker 1's shard of weights and AdamW state and sends it); megatron-do: "
+        "the same with Megatron's distributed optimizer; raw: one gloo "
         "broadcast of the same bytes into a fresh (like a joiner) or already touched buffer; "
         "shrink: the way back ([0, 1] -> [0], no state moves; megatron tp: TP=2 -> TP=1 on "
         f"[0], a gather of worker 1's shard). 2 processes, gloo, CPU; "

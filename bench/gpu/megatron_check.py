@@ -11,17 +11,19 @@ Checks, one line each, then a JSON summary (exit code 1 if any failed):
 2. ``train``: the trainer (MegatronPool, NCCL, one GPU per worker) steps at DP=1;
    with two or more GPUs also a DP resize 1 -> 2 -> 1 and a TP=2 reshard, whose losses
    must equal the fixed DP=1 run's.
-3. ``distributed_optimizer``: megatron-core's ``DistributedDataParallel`` with
-   ``use_distributed_optimizer`` and ``get_megatron_optimizer`` (Adam) on one rank take
-   the same step as torch AdamW on the same weights (what the backend would use on a
-   GPU; it is not wired into the elastic trainer yet, see docs/megatron.md).
+3. ``distributed_optimizer``: the same as ``train`` with Megatron's distributed
+   optimizer (``ModelSpec(distributed_optimizer=True)``, what
+   ``actor.megatron.distributed_optimizer`` sets): its fixed DP=1 run and its moved run
+   (DP resizes re-slice the optimizer state) must give the AdamW run's losses.
 
 Needs a CUDA torch, transformers and megatron-core 0.16 (carry its wheel, with pyzmq
-and msgspec, to a machine without them).
+and msgspec, to a machine without them). ``--device cpu`` runs checks 2 and 3 on the
+CPU with gloo (a dry run of the script; the tests cover the same there).
 """
 
 import argparse
 import datetime
+import functools
 import json
 import sys
 import traceback
@@ -68,7 +70,9 @@ def check_logits() -> dict[str, Any]:
     return {"ok": error < 1e-3, "max_abs_error": error}
 
 
-async def check_train(num_workers: int) -> dict[str, Any]:
+async def check_train(
+    num_workers: int, *, device: str, distributed_optimizer: bool = False
+) -> dict[str, Any]:
     from dynarl.api.config import AlgorithmConfig
     from dynarl.rl.grpo import GrpoLoss
     from dynarl.testing.workers import LocalWorkers
@@ -78,20 +82,22 @@ async def check_train(num_workers: int) -> dict[str, Any]:
     from dynarl.workers.megatron.spec import ModelSpec
     from dynarl.workers.torch.trainer_config import TrainerConfig
 
-    config = TrainerConfig(micro_batch_size=4, lr=1e-2, device="cuda", timeout_s=300.0)
+    config = TrainerConfig(micro_batch_size=4, lr=1e-2, device=device, timeout_s=300.0)
     names = [f"mt-{i}" for i in range(num_workers)]
     out: dict[str, Any] = {}
     async with LocalWorkers(megatron_trainer_main, names) as workers:
         pool = MegatronPool(
             config,
             workers=workers.channels,
-            model_factory=ModelSpec(model=ModelConfig(**MODEL_FIELDS)),
+            model_factory=ModelSpec(
+                model=ModelConfig(**MODEL_FIELDS), distributed_optimizer=distributed_optimizer
+            ),
             loss_fn=GrpoLoss.from_config(AlgorithmConfig()),
         )
         await pool.start()
         try:
             await pool.start_training([0])
-            start = "/tmp/dynarl_megatron_check_start.pt"
+            start = f"/tmp/dynarl_megatron_check_start_{int(distributed_optimizer)}.pt"
             await pool.save_checkpoint(start)
             fixed = [(await pool.train_step(minibatch(s))).loss for s in range(4)]
             out["fixed"] = fixed
@@ -105,9 +111,11 @@ async def check_train(num_workers: int) -> dict[str, Any]:
                 moved.append((await pool.train_step(minibatch(2))).loss)
                 await pool.reshard([0], tp=1, pp=1)
                 moved.append((await pool.train_step(minibatch(3))).loss)
+                shrink = await pool.resize([0])
                 out.update(
                     moved=moved,
                     dp_grow_s=grow.elapsed_s,
+                    dp_shrink_s=shrink.elapsed_s,
                     tp_change_s=tp.elapsed_s,
                     max_rel_diff=float(np.max(np.abs(np.subtract(moved, fixed)) / np.abs(fixed))),
                 )
@@ -120,55 +128,6 @@ async def check_train(num_workers: int) -> dict[str, Any]:
     return out
 
 
-def check_distributed_optimizer() -> dict[str, Any]:
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    from dynarl.workers.config import ModelConfig
-    from dynarl.workers.megatron import convert
-    from dynarl.workers.megatron.model import build_gpt, causal_logits, single_process_groups
-    from dynarl.workers.megatron.spec import ModelSpec
-
-    spec = ModelSpec(model=ModelConfig(**MODEL_FIELDS))
-    arch = spec.architecture()
-    state = convert.to_megatron(spec.hf_state(), arch)
-    groups = single_process_groups()
-    ids = torch.randint(4, 90, (4, 16), device="cuda")
-
-    def loss_of(model: torch.nn.Module) -> torch.Tensor:
-        logits = causal_logits(model, ids, None, vocab_size=arch.vocab_size)
-        return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).sum().neg()
-
-    reference = build_gpt(arch, groups, device="cuda")
-    convert.load_into(reference, state)
-    adamw = torch.optim.Adam(reference.parameters(), lr=1e-3)
-    loss_of(reference).backward()
-    adamw.step()
-
-    model = build_gpt(arch, groups, device="cuda")
-    convert.load_into(model, state)
-    ddp = DistributedDataParallel(
-        model.config,
-        DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True),
-        model,
-        pg_collection=groups,
-    )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.0, clip_grad=0.0),
-        [ddp],
-        pg_collection=groups,
-    )
-    ddp.zero_grad_buffer()
-    loss_of(ddp).backward()
-    ddp.finish_grad_sync()
-    optimizer.step()
-    error = max(
-        float((a - b).abs().max())
-        for a, b in zip(model.parameters(), reference.parameters(), strict=True)
-    )
-    return {"ok": error < 1e-5, "max_abs_param_diff": error}
-
-
 def run(name: str, check: Callable[[], Any], results: dict[str, Any]) -> None:
     try:
         results[name] = check()
@@ -178,25 +137,55 @@ def run(name: str, check: Callable[[], Any], results: dict[str, Any]) -> None:
     print(f"{name:>22}: {'ok' if results[name].get('ok') else 'FAILED'} {results[name]}")
 
 
+def check_distributed_optimizer(adamw: dict[str, Any], got: dict[str, Any]) -> dict[str, Any]:
+    """The distributed optimizer's runs (``got``) against the AdamW runs (``adamw``)."""
+    out = dict(got)
+    if "fixed" not in adamw or "fixed" not in got:
+        out["ok"] = False
+        return out
+    pairs = [(got["fixed"], adamw["fixed"])]
+    if "moved" in got:
+        pairs.append((got["moved"], adamw["fixed"]))
+    out["max_rel_diff_to_adamw"] = max(
+        float(np.max(np.abs(np.subtract(ours, theirs)) / np.abs(theirs))) for ours, theirs in pairs
+    )
+    out["ok"] = bool(got.get("ok")) and out["max_rel_diff_to_adamw"] < 1e-4
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, default=min(2, torch.cuda.device_count()))
+    parser.add_argument("--workers", type=int, default=max(1, min(2, torch.cuda.device_count())))
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA device here: nothing to check", file=sys.stderr)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device here: nothing to check (--device cpu: a dry run)", file=sys.stderr)
         return 2
     if not dist.is_initialized():
         dist.init_process_group(
-            "nccl",
+            "nccl" if args.device == "cuda" else "gloo",
             init_method="tcp://127.0.0.1:29533",
             rank=0,
             world_size=1,
             timeout=datetime.timedelta(seconds=120),
         )
     results: dict[str, Any] = {}
-    run("logits", check_logits, results)
-    run("train", lambda: anyio.run(check_train, max(1, args.workers)), results)
-    run("distributed_optimizer", check_distributed_optimizer, results)
+    if args.device == "cuda":
+        run("logits", check_logits, results)
+
+    def train(distributed: bool) -> dict[str, Any]:
+        return anyio.run(
+            functools.partial(
+                check_train, args.workers, device=args.device, distributed_optimizer=distributed
+            )
+        )
+
+    run("train", lambda: train(False), results)
+    run(
+        "distributed_optimizer",
+        lambda: check_distributed_optimizer(results["train"], train(True)),
+        results,
+    )
     print(json.dumps({"bench": "megatron_check", "results": results}, default=str))
     return 0 if all(r.get("ok") for r in results.values()) else 1
 

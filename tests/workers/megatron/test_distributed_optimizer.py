@@ -2,7 +2,8 @@
 real worker processes takes torch's AdamW's steps: at DP=2 and through DP 1 -> 2 -> 1
 resizes (its sliced moments made whole and re-sliced) a run equals torch's AdamW at a
 fixed DP=1 (the reference: a rank in this process, a world of one); a checkpoint written
-at DP=2 holds the whole moments and continues the run on another layout."""
+at DP=2 holds the whole moments, and loaded at DP=2 then changed to TP=2 it continues
+the run."""
 
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -123,9 +124,10 @@ async def test_dp_1_2_1_with_the_distributed_optimizer_equals_adamw_at_dp_1(
     assert_same_state(torch.load(at_dp2, weights_only=True), states[0])
     assert_same_state(torch.load(end, weights_only=True), states[1])
 
-    # the DP=2 checkpoint continues the run on two other data-parallel ranks
+    # the DP=2 checkpoint loads at DP=2 and continues the run after a change to TP=2
     await pool.resize([0, 1])
     await pool.load_checkpoint(at_dp2)
+    await pool.reshard([0, 1], tp=2, pp=1)
     again = (await pool.train_step(minibatch(3))).loss
     assert again == pytest.approx(losses[3], rel=1e-5)
     await pool.save_checkpoint(end)

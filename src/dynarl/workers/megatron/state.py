@@ -334,6 +334,24 @@ def cut_state(
     return flat
 
 
+def local_cut(rank: MegatronRank) -> TensorBatch:
+    """``rank``'s own shard as a :func:`cut_state` of its position (whole moments,
+    megatron names, no HF conversion): what a data-parallel resize sends a worker that
+    takes the same position. Collective over the data-parallel group with the
+    distributed optimizer."""
+    moments, step = whole_moments(rank)
+    flat: TensorBatch = {
+        "step": torch.tensor(step, dtype=torch.float64),
+        "num_steps": torch.tensor(rank.num_steps, dtype=torch.int64),
+    }
+    for name, param in rank.model.named_parameters():
+        flat[f"model/{name}"] = param.detach()
+    for key, tensors in moments.items():
+        for name, tensor in tensors.items():
+            flat[f"{key}/{name}"] = tensor
+    return flat
+
+
 def load_cut(rank: MegatronRank, flat: Mapping[str, torch.Tensor], *, source: str) -> None:
     """Make ``rank`` hold a :func:`cut_state` of its own position."""
     weights = _select(flat, "model")

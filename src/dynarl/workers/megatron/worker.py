@@ -16,9 +16,10 @@ What differs is what a layout of replicas needs:
   abort drops the new groups and the received state, and the old layout trains on;
 - *a reshard* (a change of tp or pp) gathers the source replica's state in the HF
   layout to its leader, which cuts each new member's shard and sends it that alone;
-  so does a resize with Megatron's distributed optimizer (its AdamW state is sliced
-  over the data-parallel group: the slices are first made whole, and every member of
-  the new layout builds a new rank that keeps its own slices);
+- *a resize with Megatron's distributed optimizer* (its AdamW state is sliced over
+  the data-parallel group) makes each shard's moments whole first, moves whole shards
+  as the plan says, and every member of the new layout builds a new rank that keeps
+  its own slices;
 - *checkpoints and weight sync* gather replica 0's shards to its leader in the HF
   layout (:mod:`~dynarl.workers.megatron.state`).
 """
@@ -174,7 +175,7 @@ class MegatronWorker(TrainerWorker):
         old = Layout(command.old_members, self.spec.tp, self.spec.pp)
         new = Layout(command.new_members, self.spec.tp, self.spec.pp)
         if self.spec.distributed_optimizer:
-            moved = self._through_leader(command.epoch, old, new, command.source, self.spec)
+            moved = self._prepare_sliced(command, old, new)
             return self._done(started, bytes_moved=moved)
         timeout_s = self.config.reshard_timeout_s
         groups = build_groups(new, worker=self.worker, timeout_s=timeout_s)
@@ -219,6 +220,48 @@ class MegatronWorker(TrainerWorker):
             )
             pending.received = receiver
         return self._done(started, bytes_moved=moved)
+
+    def _prepare_sliced(self, command: PrepareResize, old: Layout, new: Layout) -> int:
+        """A data-parallel resize with the distributed optimizer, whose slices depend on
+        the data-parallel size: every old member makes its shard's moments whole (one
+        sum over the old data-parallel group), the plan's moves send each shard whole
+        from the source replica to the workers of the new layout that lack it, and
+        every new member builds a new rank that keeps its slices of its shard (received,
+        or its own when it keeps its position). Returns the bytes this worker sent."""
+        timeout_s = self.config.reshard_timeout_s
+        groups = build_groups(new, worker=self.worker, timeout_s=timeout_s)
+        pending = _Pending(epoch=command.epoch, layout=new, groups=groups)
+        self.resizing = pending
+        plan = state.transfer_plan(old, new, source=command.source)
+        transfer_groups = state.create_transfer_groups(
+            plan, worker=self.worker, timeout_s=timeout_s
+        )
+        pending.transfers = [g for _, g in transfer_groups]
+        mine = state.local_cut(self.rank) if self.rank is not None else None
+        before, after = old.position(self.worker), new.position(self.worker)
+        kept = before is not None and after is not None and before.model_rank == after.model_rank
+        own = mine if kept else None
+        moved = 0
+        for move, group in transfer_groups:
+            if self.worker == move.source:
+                assert mine is not None
+                state.share_batch(mine, group=group, src=move.source, device=self.device)
+                moved += state.nbytes(mine)
+            else:
+                own = state.share_batch(None, group=group, src=move.source, device=self.device)
+        if groups is not None:
+            if own is None:
+                raise ReshardError(f"worker {self.worker} got no state in the resize")
+            receiver = MegatronRank.empty(
+                self.spec,
+                loss_fn=self.loss_fn,
+                config=self.config,
+                groups=groups,
+                device=self.device,
+            )
+            state.load_cut(receiver, own, source="the resize's source replica")
+            pending.received = receiver
+        return moved
 
     def _prepare_reshard(self, command: PrepareReshard) -> Reply:
         """A change of tp or pp: the source replica gathers its state in the HF layout
