@@ -55,6 +55,11 @@ def _section(title: str, value: msgspec.Struct, *, level: str = "##") -> list[st
         kind = _describe(field.type).replace("|", "\\|")
         lines.append(f"| `{field.name}` | {kind} | `{default!r}` | {meaning} |")
     lines.append("")
+    for field in msgspec.structs.fields(cls):
+        nested = getattr(value, field.name)
+        if isinstance(nested, msgspec.Struct):  # a sub-section: its own table
+            inner = title.strip("`")
+            lines += _section(f"`{inner}.{field.name}`", nested, level=f"{level}#")
     return lines
 
 

@@ -114,3 +114,13 @@ def test_dynarl_run_with_an_unavailable_backend_fails_fast_with_the_extra(tmp_pa
     assert "pip install 'dynarl[sglang]'" in out.stderr
     assert elapsed < 30  # a hang guard only (measured: 0.2 s)
     assert not (tmp_path / "run").exists(), "nothing is written for a refused run"
+
+
+def test_megatron_trainer_settings_are_refused_for_another_trainer() -> None:
+    with pytest.raises(ConfigError, match=r"actor\.backend=megatron") as info:
+        apply_overrides(DynaRLConfig(), ["actor.megatron.distributed_optimizer=true"])
+    assert info.value.field == "actor.megatron"
+    chosen = apply_overrides(
+        DynaRLConfig(), ["actor.backend=megatron", "actor.megatron.distributed_optimizer=true"]
+    )
+    assert chosen.actor.megatron.distributed_optimizer
