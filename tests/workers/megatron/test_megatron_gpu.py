@@ -1,6 +1,6 @@
 """The Megatron backend on a GPU (machines with CUDA only): ``bench/gpu/megatron_check.py``
 checks the logits on ``cuda``, trains over NCCL (with a DP resize and a TP reshard on
-two GPUs) and runs megatron-core's distributed optimizer on our model."""
+two GPUs), and does the same with Megatron's distributed optimizer against AdamW."""
 
 import subprocess
 import sys

@@ -119,6 +119,8 @@ class DistributedAdam:
         if next(self.model.parameters()).dtype != torch.float32:
             keys.append("main")
         slices = self._slices()
+        if all(part == slice(0, p.numel()) for _, p, part in slices):
+            return self._own(keys, slices)  # this rank owns every element (DP=1)
         sizes = [p.numel() for _, p, _ in slices]
         total = sum(sizes)
         # [key 0 of every parameter | key 1 ... | step, slices holding a state]
@@ -150,6 +152,21 @@ class DistributedAdam:
                 out[key][name] = flat[start : start + size].view(param.shape).clone()
             offset += size
         return out, float(flat[-2])
+
+    def _own(
+        self, keys: list[str], slices: list[tuple[str, torch.nn.Parameter, slice | None]]
+    ) -> tuple[dict[str, Named], float]:
+        """:meth:`whole` of a data-parallel group of one: views of the state."""
+        out: dict[str, Named] = {key: {} for key in keys}
+        step = 0.0
+        for name, param, _ in slices:
+            state = self._state(param)
+            if "exp_avg" not in state:
+                return {}, 0.0
+            for key in keys:
+                out[key][name] = state["param" if key == "main" else key].detach().view(param.shape)
+            step = float(state["step"])
+        return out, step
 
     def load(self, moments: Mapping[str, Named], step: float) -> None:
         """Keep this rank's slices of whole ``moments`` (as :meth:`whole` gives them;
