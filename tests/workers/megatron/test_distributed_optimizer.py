@@ -132,3 +132,41 @@ async def test_dp_1_2_1_with_the_distributed_optimizer_equals_adamw_at_dp_1(
     assert again == pytest.approx(losses[3], rel=1e-5)
     await pool.save_checkpoint(end)
     assert_same_state(torch.load(end, weights_only=True), states[1])
+
+
+async def test_a_bf16_model_keeps_its_fp32_main_parameters_through_dp_resizes(
+    tmp_path: Path,
+) -> None:
+    """bf16 weights are the rounding of the optimizer's fp32 main parameters: a resize
+    carries those (``main``), so DP 1 -> 2 -> 1 equals a fixed DP=1 run bit for bit."""
+    spec = ModelSpec(
+        model=ModelConfig(max_seq_len=64, num_layers=2, dtype="bfloat16"),
+        seed=3,
+        distributed_optimizer=True,
+    )
+    async with LocalWorkers(megatron_trainer_main, ["bf-0", "bf-1"]) as workers:
+        pool = MegatronPool(CONFIG, workers=workers.channels, model_factory=spec, loss_fn=LOSS)
+        await pool.start()
+        try:
+            await pool.start_training([0])
+            await pool.save_checkpoint(tmp_path / "start.pt")
+            fixed = [(await pool.train_step(minibatch(s))).loss for s in range(4)]
+            await pool.save_checkpoint(tmp_path / "fixed.pt")
+            await pool.load_checkpoint(tmp_path / "start.pt")
+            moved = [(await pool.train_step(minibatch(0))).loss]
+            await pool.resize([0, 1])
+            moved += [(await pool.train_step(minibatch(s))).loss for s in (1, 2)]
+            await pool.resize([1])
+            moved.append((await pool.train_step(minibatch(3))).loss)
+            await pool.save_checkpoint(tmp_path / "moved.pt")
+        finally:
+            await pool.close()
+    assert moved == fixed
+    expected = torch.load(tmp_path / "fixed.pt", weights_only=True)
+    got = torch.load(tmp_path / "moved.pt", weights_only=True)
+    weight = "model.embed_tokens.weight"
+    assert expected["model"][weight].dtype == torch.bfloat16
+    assert expected["main"][weight].dtype == torch.float32
+    for key in ("model", "main", "exp_avg", "exp_avg_sq"):
+        for name, tensor in expected[key].items():
+            torch.testing.assert_close(got[key][name], tensor, rtol=0, atol=0, msg=name)

@@ -81,6 +81,7 @@ class DistributedAdam:
         """torch's AdamW over this rank's slices (main parameters)."""
         self.model = model
         self.groups = groups
+        self._mains: dict[torch.nn.Parameter, torch.Tensor] | None = None
 
     def step(self) -> float:
         """Megatron's step on the reduce-scattered gradients (already divided by the
@@ -106,9 +107,28 @@ class DistributedAdam:
                 out.append((name, param, None))
         return out
 
+    def _main(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The main parameter (the inner AdamW's) of this rank's slice of ``param``.
+
+        Read from megatron-core's paired group lists: its ``model_param_group_index_map``
+        orders a group's parameters by gradient buffer, the inner optimizer's group lists
+        the fp32 ones first, so the two disagree for a model of mixed dtypes (a bf16
+        model keeps its norms in fp32)."""
+        if self._mains is None:
+            sharded = self._sharded
+            self._mains = {}
+            for models, mains in (
+                (sharded.model_fp32_groups, sharded.shard_fp32_groups),
+                (sharded.model_float16_groups, sharded.shard_fp32_from_float16_groups),
+            ):
+                for model_group, main_group in zip(models, mains, strict=True):
+                    for model_param, main in zip(model_group, main_group, strict=True):
+                        self._mains[model_param] = main
+        return self._mains[param]
+
     def _state(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor]:
-        tensors: dict[str, torch.Tensor] = self._sharded._get_main_param_and_optimizer_states(param)
-        return tensors
+        main = self._main(param)
+        return {"param": main, **self.inner.state.get(main, {})}
 
     def whole(self) -> tuple[dict[str, Named], float]:
         """Whole AdamW moments of this rank's model shard, by megatron name, under
@@ -177,8 +197,7 @@ class DistributedAdam:
         for name, param, part in self._slices():
             if part is None:
                 continue
-            group_index, order = self._sharded.model_param_group_index_map[param]
-            shard = self.inner.param_groups[group_index]["params"][order]
+            shard = self._main(param)
             source = main[name] if main is not None else param.detach()
             with torch.no_grad():
                 shard.copy_(source.reshape(-1)[part].to(shard.dtype))
