@@ -11,8 +11,8 @@ from dynarl.workers import backends
 from dynarl.workers.config import InferenceConfig, ModelConfig
 from dynarl.workers.errors import BadRequestError
 from dynarl.workers.inference import LogprobRequest, LogprobResult
-from dynarl.workers.protocol import InferenceRole
 from dynarl.workers.item_feeds import _score_each, refused
+from dynarl.workers.protocol import InferenceRole
 
 
 def _item(i: int) -> wire.Item:
