@@ -179,6 +179,7 @@ async def rig(
         for name in engines:
             c.add_worker(
                 name,
+                capacity=len(TASKS),  # room for every session: none waits, none moves
                 serve=engine(policy, contexts if contexts is not None else [], refuse, ended),
             )
         await c.router.wait_for_instances(len(engines))

@@ -80,7 +80,8 @@ async def test_every_item_completes_exactly_once_on_every_transport(net: Net) ->
     assert Counter(d.instance for d in done).keys() == {"w0", "w1", "w2"}
     c.graph.check()
     assert c.graph.graph.edges[PROMPTS].num_completed == 300
-    assert len(c.graph.of(ev.ItemRouted)) == 300
+    # Each item is routed once, and once more if an idle worker took it from a queue.
+    assert len(c.graph.of(ev.ItemRouted)) == 300 + stats.num_stolen
     assert (stats.num_completed, stats.num_pending, stats.rejected) == (300, 0, {})
 
 
@@ -246,6 +247,34 @@ async def test_sessions_stick_to_the_engine_holding_their_prefix(inproc: Net) ->
                     assert d.item.payload.count(b"+tool") == 2
     assert all(len(turns) == 3 and len(set(turns)) == 1 for turns in served.values())
     assert len(c.graph.of(ev.ToolCallStarted)) == len(c.graph.of(ev.ToolCallFinished)) == 60
+    c.graph.check()
+
+
+async def test_an_idle_worker_takes_the_oldest_item_waiting_at_a_busy_one(inproc: Net) -> None:
+    """Sessions that prefer a slow worker queue there while a fast one is busy; once
+    the fast one has nothing, it takes the items waiting at the slow one, oldest first,
+    each routed (and reported) once more and completed once."""
+
+    async def slow(link: WorkerLink) -> None:
+        await echo(link, delay_s=0.3)
+
+    async def fast(link: WorkerLink) -> None:
+        await echo(link, delay_s=0.01)
+
+    async with cluster(inproc, [], all_instances=["w0", "w1"]) as c:
+        c.add_worker("w0", capacity=1, serve=slow)
+        c.add_worker("w1", capacity=1, serve=fast)
+        await c.router.wait_for_instances(2)
+        sessions = [item(k, affinity="prefer", instance=InstanceId("w0")) for k in range(6)]
+        await c.router.submit(sessions)
+        done = await c.collect(6)
+        stats = c.router.statistics()
+    by_worker = Counter(d.instance for d in done)
+    assert sorted(d.item.id for d in done) == sorted(i.id for i in sessions)
+    assert stats.num_stolen >= 2 and by_worker["w1"] >= 3
+    assert len(c.graph.of(ev.ItemRouted)) == 6 + stats.num_stolen
+    stolen = [e.items[0] for e in c.graph.of(ev.ItemsRequeued)]
+    assert stolen == sorted(stolen, key=lambda i: int(i[1:]))  # oldest first
     c.graph.check()
 
 

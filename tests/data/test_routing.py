@@ -15,6 +15,8 @@ class Fake:
     load: float = 0.0
     has_room: bool = True
     is_full: bool = False
+    is_idle: bool = False
+    can_start_now: bool = True
 
 
 def test_none_affinity_prefers_the_less_loaded_of_two() -> None:
@@ -44,6 +46,17 @@ def test_prefer_returns_to_the_previous_instance_while_it_has_room() -> None:
     assert policy.select(item(1, affinity="prefer"), prev, [prev, other]) is other
     prev.has_room, prev.is_full = True, True
     assert policy.select(item(1, affinity="prefer"), prev, [prev, other]) is other
+
+
+def test_prefer_goes_to_an_idle_instance_rather_than_wait_at_its_own() -> None:
+    policy = AffinityRouting()
+    prev, busy, idle = Fake("prev", load=1.0), Fake("busy", load=1.0), Fake("idle")
+    prev.can_start_now = False  # it would only queue the session's next turn
+    assert policy.select(item(1, affinity="prefer"), prev, [prev, busy]) is prev
+    idle.is_idle = True
+    assert policy.select(item(1, affinity="prefer"), prev, [prev, busy, idle]) is idle
+    prev.can_start_now = True  # room now: it keeps its session and its KV prefix
+    assert policy.select(item(1, affinity="prefer"), prev, [prev, busy, idle]) is prev
 
 
 def test_must_waits_for_its_instance_and_none_ignores_it() -> None:

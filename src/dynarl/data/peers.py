@@ -58,8 +58,10 @@ class RouterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     instance, in flight on a worker, or out on a tool call. ``rejected`` counts bad
     input by kind (see :data:`dynarl.data.codec.REJECT_KINDS`; ``framing`` for
     transport-level drops); ``num_refused`` counts items workers refused to serve
-    (finished, not routed again); ``num_frames_unsent`` counts control frames (pings,
-    refusals) dropped because the peer was not reading or gone.
+    (finished, not routed again); ``num_stolen`` counts queued items an idle instance
+    took from another's queue (also counted in ``num_requeued``);
+    ``num_frames_unsent`` counts control frames (pings, refusals) dropped because the
+    peer was not reading or gone.
     """
 
     num_workers: int
@@ -73,6 +75,7 @@ class RouterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     num_completed: int
     num_refused: int
     num_requeued: int
+    num_stolen: int
     num_workers_failed: int
     num_frames_unsent: int
     rejected: dict[str, int]
@@ -141,6 +144,22 @@ class WorkerState:
     def is_full(self) -> bool:
         """Its request queue is full."""
         return len(self.queue) >= self.queue.max_size
+
+    @property
+    def is_idle(self) -> bool:
+        """It holds nothing: no item in flight or queued."""
+        return not self.in_flight and not len(self.queue)
+
+    @property
+    def can_start_now(self) -> bool:
+        """An item routed to it now starts at once: what it has queued and in flight
+        leaves room within its capacity."""
+        return len(self.in_flight) + len(self.queue) < self.capacity
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued items that cannot start until something in flight finishes."""
+        return max(0, len(self.in_flight) + len(self.queue) - self.capacity)
 
     def after_results(self) -> None:
         """Results came back: wake the pump if it waits for capacity; note idleness."""

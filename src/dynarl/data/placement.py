@@ -82,6 +82,8 @@ class Placement:
         self.num_refused = 0
         self.num_requeued = 0
         self.num_workers_failed = 0
+        self.num_stolen = 0
+        """Queued items an idle instance took from another's queue."""
 
     # ------------------------------------------------------------------ workers
 
@@ -260,6 +262,35 @@ class Placement:
         target.queue.put_nowait(item, now_s=now)
         self.num_routed += 1
         self.emit(ev.ItemRouted(time_s=now, edge=item.edge, item=item.id, instance=target.instance))
+
+    def steal_for(self, w: WorkerState, now: float) -> None:
+        """``w`` went idle: give it the oldest item another active instance of its
+        component has queued, from the one with the most items waiting for room (never
+        one that must return there). An idle instance's time is worth the item's
+        re-prefill; waiting, the item would start only when its instance has room."""
+        if not (w.active and w.is_idle):
+            return
+        donors = [
+            c
+            for c in self.workers.values()
+            if c is not w and c.active and c.component == w.component and c.num_waiting
+        ]
+        if not donors:
+            return
+        donor = max(donors, key=lambda c: c.num_waiting)
+        edges = {e for e, components in self.consumers.items() if w.component in components}
+        item = donor.queue.take_oldest(lambda it: it.affinity != "must" and it.edge in edges)
+        if item is None:
+            return
+        generated = (self.generated_tokens.get(item.id, 0),)
+        self.emit(
+            ev.ItemsRequeued(time_s=now, edge=item.edge, items=(item.id,), generated=generated)
+        )
+        self.num_requeued += 1
+        self.num_stolen += 1
+        w.queue.put_nowait(item, now_s=now)
+        self.num_routed += 1
+        self.emit(ev.ItemRouted(time_s=now, edge=item.edge, item=item.id, instance=w.instance))
 
     def refill(self, now: float) -> None:
         """Route backlogged items, oldest first, until a few in a row find no instance

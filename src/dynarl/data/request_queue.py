@@ -16,6 +16,7 @@ wait, ``close`` ends the queue (``get`` drains what is left, then raises
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 import anyio
@@ -254,6 +255,18 @@ class RequestQueue(Generic[T]):
     def queued(self) -> list[T]:
         """Every queued request, oldest first (a snapshot; nothing is taken)."""
         return [e.item for e in self._arrivals if not e.taken]
+
+    def take_oldest(self, eligible: Callable[[T], bool]) -> T | None:
+        """Remove and return the oldest queued request ``eligible`` accepts (``None`` if
+        none does), to route it elsewhere. Not counted as served."""
+        for entry in self._arrivals:
+            if not entry.taken and eligible(entry.item):
+                entry.taken = True
+                self._depth -= 1
+                if self._putters:
+                    self._putters.popleft().set()
+                return entry.item
+        return None
 
     def take_all(self) -> list[T]:
         """Remove and return every queued request, oldest first (to route them

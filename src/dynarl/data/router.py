@@ -350,6 +350,7 @@ class Router:
             num_completed=p.num_completed,
             num_refused=p.num_refused,
             num_requeued=p.num_requeued,
+            num_stolen=p.num_stolen,
             num_workers_failed=p.num_workers_failed,
             num_frames_unsent=self._sessions.num_frames_unsent,
             rejected=rejected,
@@ -435,4 +436,6 @@ class Router:
                 continue
             if completion is not None:
                 outbox.append(completion)
+        if w.is_idle:
+            self._placement.steal_for(w, now)
         w.after_results()

@@ -32,6 +32,16 @@ class Target(Protocol):
         """Whether its request queue is full."""
         ...
 
+    @property
+    def is_idle(self) -> bool:
+        """Whether it holds nothing (no item in flight or queued)."""
+        ...
+
+    @property
+    def can_start_now(self) -> bool:
+        """Whether an item routed to it now starts at once."""
+        ...
+
 
 T = TypeVar("T", bound=Target)
 
@@ -55,9 +65,11 @@ class AffinityRouting:
 
     ``must`` items return to their previous instance whenever it is active (they wait
     for it when its queue is full); ``prefer`` items return while it has room (a
-    multi-turn session keeps its KV prefix); everything else, and any item whose
-    previous instance is gone, goes to the less loaded of two random candidates with
-    queue space.
+    multi-turn session keeps its KV prefix) — unless it cannot start them now while
+    another candidate sits idle: an idle instance's time is worth the re-prefill, while
+    the busy one would only queue the item (or add it to a memory-bound batch);
+    everything else, and any item whose previous instance is gone, goes to the less
+    loaded of two random candidates with queue space.
 
     Args:
         seed: seed of the random choices (deterministic routing in tests and the
@@ -75,7 +87,10 @@ class AffinityRouting:
             if item.affinity == "must":
                 return None if previous.is_full else previous
             if item.affinity == "prefer" and previous.has_room and not previous.is_full:
-                return previous
+                if previous.can_start_now:
+                    return previous
+                idle = next((c for c in candidates if c.is_idle), None)
+                return previous if idle is None else idle
         n = len(candidates)
         if n == 0:
             return None
