@@ -29,6 +29,7 @@ CONFIG = TrainerConfig(micro_batch_size=3, lr=1e-3)
 # The loss does not depend on a key bias (softmax is shift-invariant), so its gradient is
 # rounding noise that Adam turns into real steps: held to the global bound only.
 NOISE_ONLY = ".self_attn.k_proj.bias"
+PAD = 0  # the built-in tokenizer's pad id
 
 
 def minibatch(step: int, n: int = 7, length: int = 18) -> dict[str, torch.Tensor]:
@@ -37,8 +38,12 @@ def minibatch(step: int, n: int = 7, length: int = 18) -> dict[str, torch.Tensor
     attention = (np.arange(length)[None, :] < lengths[:, None]).astype(np.int64)
     mask = attention.astype(np.float32)
     mask[:, :6] = 0.0
+    ids = rng.integers(4, 90, size=(n, length))
+    # The pad token (0) as a real token too (a policy samples it): transformers' input
+    # embedding passes no gradient to its row (padding_idx), and neither may Megatron's.
+    ids[:, 7] = PAD
     return {
-        "input_ids": torch.tensor(rng.integers(4, 90, size=(n, length)) * attention),
+        "input_ids": torch.tensor(ids * attention),
         "attention_mask": torch.tensor(attention),
         "loss_mask": torch.tensor(mask),
         "old_logprobs": torch.full((n, length), -4.0),
@@ -59,6 +64,7 @@ def test_megatron_steps_equal_the_torch_trainers_steps() -> None:
     groups = build_groups(Layout((0,), 1, 1), worker=0, timeout_s=30)
     assert groups is not None
     spec = ModelSpec(model=MODEL, seed=5)
+    assert spec.architecture().padding_idx == PAD
     rank = MegatronRank.create(
         spec, loss_fn=loss, config=CONFIG, groups=groups, hf_state=spec.hf_state()
     )

@@ -49,6 +49,12 @@ class Architecture:
         tied_embeddings: the output layer is the input embedding.
         max_positions: longest sequence.
         dtype: ``float32`` or ``bfloat16``.
+        padding_idx: the embedding row of the config's ``pad_token_id`` (``None``:
+            none). ``transformers`` builds its input embedding with
+            ``nn.Embedding(padding_idx=...)``, whose lookups of that row pass no
+            gradient (the row never trains, even where the pad token is a real token:
+            one a policy sampled, or the EOS of a tokenizer whose pad is its EOS); the
+            Megatron model does the same (:func:`build_gpt`).
     """
 
     family: str
@@ -65,6 +71,7 @@ class Architecture:
     tied_embeddings: bool
     max_positions: int
     dtype: str = "float32"
+    padding_idx: int | None = None
 
     @classmethod
     def from_hf_config(cls, config: Any) -> "Architecture":
@@ -97,9 +104,11 @@ class Architecture:
         dtype = getattr(config, "dtype", None) or torch.float32
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
+        vocab = int(config.vocab_size)
+        pad = getattr(config, "pad_token_id", None)
         return cls(
             family=family,
-            vocab_size=int(config.vocab_size),
+            vocab_size=vocab,
             hidden_size=int(config.hidden_size),
             num_layers=int(config.num_hidden_layers),
             num_heads=heads,
@@ -112,6 +121,7 @@ class Architecture:
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_positions=int(config.max_position_embeddings),
             dtype=_DTYPES.get(dtype, "float32"),
+            padding_idx=None if pad is None else int(pad) % vocab,  # negative: from the end
         )
 
     def padded_vocab_size(self, tp: int) -> int:
@@ -228,9 +238,26 @@ def build_gpt(
         )
     module: torch.nn.Module = model
     _mark_sharded(module)
+    if stage == 0 and arch.padding_idx is not None:
+        _no_gradient_through(model.embedding.word_embeddings, arch.padding_idx)
     if device != "cpu":
         module.to(device)
     return module
+
+
+def _no_gradient_through(embedding: torch.nn.Module, token: int) -> None:
+    """Make ``embedding``'s lookups of ``token`` pass no gradient, as
+    ``nn.Embedding(padding_idx=token)`` does: its output there is detached, so the
+    forward is unchanged and the row learns nothing through the input (a tied output
+    layer still trains it, as in ``transformers``)."""
+
+    def hook(
+        module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor
+    ) -> torch.Tensor:
+        where = inputs[0].eq(token).unsqueeze(-1)
+        return torch.where(where, output.detach(), output)
+
+    embedding.register_forward_hook(hook)
 
 
 def _mark_sharded(model: torch.nn.Module) -> None:
