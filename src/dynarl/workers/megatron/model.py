@@ -204,6 +204,18 @@ def transformer_config(arch: Architecture, *, tp: int = 1, pp: int = 1) -> Any:
     )
 
 
+def preload() -> None:
+    """Import the megatron-core modules a trainer rank is built from (about 2 s of one
+    CPU core), quietly: a worker does it when it joins, so the resize that first makes
+    it a member does not."""
+    with quiet():
+        import megatron.core.distributed
+        import megatron.core.models.gpt.gpt_layer_specs
+        import megatron.core.models.gpt.gpt_model
+        import megatron.core.optimizer
+        import megatron.core.pipeline_parallel.schedules  # noqa: F401
+
+
 def build_gpt(
     arch: Architecture,
     groups: "ProcessGroupCollection",

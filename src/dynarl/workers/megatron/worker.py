@@ -36,6 +36,7 @@ import torch.distributed as dist
 from dynarl.workers.errors import ReshardError, TrainerError, WeightSyncError
 from dynarl.workers.megatron import state
 from dynarl.workers.megatron.layout import Layout, RankGroups, build_groups
+from dynarl.workers.megatron.model import preload
 from dynarl.workers.megatron.rank import MegatronRank
 from dynarl.workers.megatron.spec import ModelSpec
 from dynarl.workers.torch import reshard
@@ -71,6 +72,7 @@ def join(command: Join, store: TCPStore | None) -> "MegatronWorker":
     device, spec, loss_fn = join_world(command, store)
     if not isinstance(spec, ModelSpec):
         raise TrainerError(f"a megatron worker needs a ModelSpec, got {type(spec).__name__}")
+    preload()
     return MegatronWorker(
         command.worker, config=command.config, spec=spec, loss_fn=loss_fn, device=device
     )
