@@ -179,15 +179,7 @@ class MegatronWorker(TrainerWorker):
         if self.spec.distributed_optimizer:
             moved = self._prepare_sliced(command, old, new)
             return self._done(started, bytes_moved=moved)
-        timeout_s = self.config.reshard_timeout_s
-        groups = build_groups(new, worker=self.worker, timeout_s=timeout_s)
-        pending = _Pending(epoch=command.epoch, layout=new, groups=groups)
-        self.resizing = pending
-        plan = state.transfer_plan(old, new, source=command.source)
-        transfer_groups = state.create_transfer_groups(
-            plan, worker=self.worker, timeout_s=timeout_s
-        )
-        pending.transfers = [g for _, g in transfer_groups]
+        pending, groups, transfer_groups = self._begin_transfer(command, old, new)
         if groups is not None:
             probe = torch.ones(1, device=self.device)
             dist.all_reduce(probe, group=groups.members)
@@ -223,13 +215,12 @@ class MegatronWorker(TrainerWorker):
             pending.received = receiver
         return self._done(started, bytes_moved=moved)
 
-    def _prepare_sliced(self, command: PrepareResize, old: Layout, new: Layout) -> int:
-        """A data-parallel resize with the distributed optimizer, whose slices depend on
-        the data-parallel size: every old member makes its shard's moments whole (one
-        sum over the old data-parallel group), the plan's moves send each shard whole
-        from the source replica to the workers of the new layout that lack it, and
-        every new member builds a new rank that keeps its slices of its shard (received,
-        or its own when it keeps its position). Returns the bytes this worker sent."""
+    def _begin_transfer(
+        self, command: PrepareResize, old: Layout, new: Layout
+    ) -> tuple[_Pending, RankGroups | None, list[tuple[state.Move, dist.ProcessGroup]]]:
+        """The start of a data-parallel resize ``old -> new``: the new layout's groups
+        (``None`` where this worker is not a member), the pending resize, and the
+        transfer group of each move of the plan this worker takes part in."""
         timeout_s = self.config.reshard_timeout_s
         groups = build_groups(new, worker=self.worker, timeout_s=timeout_s)
         pending = _Pending(epoch=command.epoch, layout=new, groups=groups)
@@ -239,6 +230,16 @@ class MegatronWorker(TrainerWorker):
             plan, worker=self.worker, timeout_s=timeout_s
         )
         pending.transfers = [g for _, g in transfer_groups]
+        return pending, groups, transfer_groups
+
+    def _prepare_sliced(self, command: PrepareResize, old: Layout, new: Layout) -> int:
+        """A data-parallel resize with the distributed optimizer, whose slices depend on
+        the data-parallel size: every old member makes its shard's moments whole (one
+        sum over the old data-parallel group), the plan's moves send each shard whole
+        from the source replica to the workers of the new layout that lack it, and
+        every new member builds a new rank that keeps its slices of its shard (received,
+        or its own when it keeps its position). Returns the bytes this worker sent."""
+        pending, groups, transfer_groups = self._begin_transfer(command, old, new)
         mine = state.local_cut(self.rank) if self.rank is not None else None
         before, after = old.position(self.worker), new.position(self.worker)
         kept = before is not None and after is not None and before.model_rank == after.model_rank
