@@ -122,3 +122,32 @@ def rate(
     # Devices sharing a host's cores slow each other down (1.0 when independent).
     finish = (a * d.longest + shared) * predictor.slowdown(busy)
     return d.work / finish
+
+
+class Rates:
+    """:func:`rate` on one hypergraph and predictor, each answer kept.
+
+    The candidate plans of one decision ask for the same rates over and over (a plan
+    changes the devices of a few components; every other component's rate is the one
+    the previous candidate used). Make one per decision and drop it: it does not see
+    the hypergraph or the predictor change. Demands are told apart by identity (a
+    :class:`Demand` is never changed after it is made), and each is kept alive by its
+    entry, so an answer is never handed to another demand.
+    """
+
+    __slots__ = ("_graph", "_memo", "_predictor")
+
+    def __init__(self, graph: Hypergraph, predictor: Predictor) -> None:
+        self._graph = graph
+        self._predictor = predictor
+        self._memo: dict[tuple[ComponentId, int, Demand], float] = {}
+
+    def __call__(self, cid: ComponentId, devices: int, d: Demand) -> float:
+        """``rate(graph, predictor, cid, devices, d)``."""
+        key = (cid, devices, d)
+        try:
+            return self._memo[key]
+        except KeyError:
+            value = rate(self._graph, self._predictor, cid, devices, d)
+            self._memo[key] = value
+            return value

@@ -102,6 +102,21 @@ class PlanBuilder:
             return [k for k in sizes if k < now and spec.is_valid_size(k)]
         return [k for k in range(now - 1, -1, -1) if spec.is_valid_size(k)]
 
+    def shrink_target(self, component: ComponentId, at_most: int) -> int | None:
+        """The largest count ``component`` may shrink to that is at most ``at_most``
+        (the largest of :meth:`shrink_targets` not above it), or ``None``."""
+        spec = self.graph.components[component].spec
+        top = min(self.instances(component) - 1, at_most)
+        if spec.valid_sizes:  # only those (and 0) can be valid
+            return max(
+                (k for k in {*spec.valid_sizes, 0} if k <= top and spec.is_valid_size(k)),
+                default=None,
+            )
+        for k in range(top, -1, -1):
+            if spec.is_valid_size(k):
+                return k
+        return None
+
     def grow_target(self, component: ComponentId, extra_devices: int) -> int:
         """The largest valid instance count reachable with ``extra_devices`` more."""
         spec = self.graph.components[component].spec

@@ -34,7 +34,7 @@ import math
 from collections.abc import Iterable, Mapping
 
 from dynarl.control import rollout_lengths
-from dynarl.control.demand import Demand, rate
+from dynarl.control.demand import Demand, Rates
 from dynarl.control.elements import Node
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
@@ -60,10 +60,26 @@ def demands(
     it before changing it.
     """
     est = or_fresh(estimates)
-    return est.get(graph, ("demands", per_engine), lambda: _demands(graph, per_engine, est))
+    plain = est.get(graph, ("demands", False), lambda: _demands(graph, est))
+    if not per_engine:
+        return plain
+    return est.get(graph, ("demands", True), lambda: _with_hottest(graph, plain))
 
 
-def _demands(graph: Hypergraph, per_engine: bool, est: Estimates) -> dict[ComponentId, Demand]:
+def _with_hottest(
+    graph: Hypergraph, plain: Mapping[ComponentId, Demand]
+) -> dict[ComponentId, Demand]:
+    """``plain`` with each rollout's most loaded engine (its item count)."""
+    out = dict(plain)
+    for cid, d in plain.items():
+        node = graph.components[cid]
+        if node.spec.kind == "rollout":
+            hottest = max((len(n.items) for n in node.active_instances()), default=0)
+            out[cid] = d.with_hottest(hottest)
+    return out
+
+
+def _demands(graph: Hypergraph, est: Estimates) -> dict[ComponentId, Demand]:
     items: dict[ComponentId, float] = {}  # items pending here or upstream
     flow: dict[ComponentId, float] = {}  # their work as samples (``item_work`` units)
     out: dict[ComponentId, Demand] = {}
@@ -84,16 +100,12 @@ def _demands(graph: Hypergraph, per_engine: bool, est: Estimates) -> dict[Compon
             in_tool = sum(e.num_in_tool for e in graph.edges_into(cid))
             load = max(own - in_tool, 0.0) + rollout_lengths.returning_sessions(graph, cid)
             longest = rollout_lengths.expected_longest_remaining(graph, cid, est) if own else 0.0
-            hottest = 0
-            if per_engine:
-                hottest = max((len(n.items) for n in node.active_instances()), default=0)
             out[cid] = Demand(
                 work=(load + upstream) * per_item,
                 load=load,
                 tail=0.0,
                 upstream=upstream,
                 longest=longest,
-                hottest=hottest * per_item,
                 per_item=per_item,
                 context=rollout_lengths.expected_context(graph, cid) if own else 0.0,
             )
@@ -141,6 +153,7 @@ def remaining_time(
     before: Mapping[ComponentId, int] | None = None,
     demand: Mapping[ComponentId, Demand] | None = None,
     estimates: Estimates | None = None,
+    rates: Rates | None = None,
 ) -> float:
     """Predicted seconds until the iteration's last stage finishes (the latest of
     :func:`finish_times`)."""
@@ -153,6 +166,7 @@ def remaining_time(
         before=before,
         demand=demand,
         estimates=estimates,
+        rates=rates,
     )
     return max(finish.values(), default=0.0)
 
@@ -168,6 +182,7 @@ def finish_times(
     demand: Mapping[ComponentId, Demand] | None = None,
     waiting: set[ComponentId] | None = None,
     estimates: Estimates | None = None,
+    rates: Rates | None = None,
 ) -> dict[ComponentId, float]:
     """Predicted seconds until each stage finishes this iteration's work.
 
@@ -185,8 +200,11 @@ def finish_times(
             :func:`~dynarl.control.trainer_steps.trainers_to_hold`).
         estimates: what was already read from ``graph`` (see
             :mod:`~dynarl.control.estimates`).
+        rates: the rates already computed on ``graph`` and ``predictor`` as they
+            are (one decision's :class:`~dynarl.control.demand.Rates`).
     """
     demand = demands(graph, estimates=estimates) if demand is None else demand
+    rate_of = Rates(graph, predictor) if rates is None else rates
     delays = delays or {}
     penalties = penalties or {}
     before = before or devices
@@ -207,12 +225,12 @@ def finish_times(
             # is a stall: infinitely slow.)
             upstream = sum(devices.get(p, 0) for p in graph.ancestors[cid])
             unit = graph.components[cid].spec.devices_per_instance
-            later = rate(graph, predictor, cid, max(unit, upstream - upstream % unit), d)
+            later = rate_of(cid, max(unit, upstream - upstream % unit), d)
             cost = predictor.migration_cost("workload")
             finish[cid] = arrival + cost + (d.work / later if later > 0 else math.inf)
             continue
-        new = rate(graph, predictor, cid, n_new, d)
-        old = rate(graph, predictor, cid, n_old, d) if n_old != n_new else new
+        new = rate_of(cid, n_new, d)
+        old = rate_of(cid, n_old, d) if n_old != n_new else new
         if graph.components[cid].spec.kind == "actor" and d.tail > 0:
             end, waits = actor_finish(
                 graph,
@@ -224,6 +242,7 @@ def finish_times(
                 delay=delays.get(cid, 0.0),
                 arrival=arrival,
                 devices=devices,
+                rates=rate_of,
             )
             finish[cid] = end + penalties.get(cid, 0.0)
             if waits and waiting is not None:
@@ -242,7 +261,7 @@ def finish_times(
             pooled -= pooled % unit
             if pooled > n_new:
                 done = min(max(d.work - d.tail, 0.0), new * arrival)
-                later = rate(graph, predictor, cid, pooled, d)
+                later = rate_of(cid, pooled, d)
                 kind = "reshard" if spec.kind == "actor" else "workload"
                 if later > 0:
                     joined = arrival + predictor.migration_cost(kind) + (d.work - done) / later
@@ -259,10 +278,12 @@ def score_plan(
     *,
     estimates: Estimates | None = None,
     placed: bool = False,
+    rates: Rates | None = None,
 ) -> float:
     """Predicted remaining iteration seconds if ``plan`` is carried out now
     (``placed``: ``demand`` already holds each rollout's most loaded engine as the
-    plan leaves it; else :func:`after_moves` places the moved requests).
+    plan leaves it; else :func:`after_moves` places the moved requests; ``rates``: see
+    :func:`finish_times`).
 
     A receiver's new devices arrive after its migration's cost; a donor whose drained
     instances hold requests loses that cost too (they re-prefill elsewhere). A donor's
@@ -311,6 +332,7 @@ def score_plan(
         before=during,
         demand=demand,
         estimates=est,
+        rates=rates,
     )
 
 

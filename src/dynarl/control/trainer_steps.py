@@ -31,7 +31,7 @@ import math
 from collections.abc import Mapping
 
 from dynarl.control import rollout_lengths
-from dynarl.control.demand import Demand, rate
+from dynarl.control.demand import Demand, Rates
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.predictor import Predictor
@@ -163,6 +163,7 @@ def actor_finish(
     delay: float,
     arrival: float,
     devices: Mapping[ComponentId, int],
+    rates: Rates | None = None,
 ) -> tuple[float, bool]:
     """When the trainer finishes its remaining optimizer steps, and whether its next
     step (the first not yet running) waits for its predecessors' devices.
@@ -186,7 +187,8 @@ def actor_finish(
     waits. :func:`~dynarl.control.scoring.finish_times` uses it for an actor with work
     left; ``n_old``/``n_new`` are its devices now and after the plan, ``delay`` the
     plan's migration cost, ``arrival`` when its predecessors are predicted to finish,
-    and ``devices`` every component's devices after the plan.
+    and ``devices`` every component's devices after the plan (``rates``: the
+    decision's :class:`~dynarl.control.demand.Rates`, if it keeps them).
     """
     sizes = d.steps or (d.tail,) * max(1, round(d.work / d.tail))
     steps = len(sizes)
@@ -196,12 +198,11 @@ def actor_finish(
     pooled = n_new + sum(devices.get(p, 0) for p in graph.ancestors[cid])
     pooled -= pooled % unit
     join = arrival + predictor.migration_cost("reshard") if arrival > 0 else math.inf
-    rates: dict[int, float] = {}
+    rate_of = Rates(graph, predictor) if rates is None else rates
 
     def step_s(j: int, n: int) -> float:
-        if n not in rates:
-            rates[n] = rate(graph, predictor, cid, n, d)
-        return sizes[j - 1] / rates[n] if rates[n] > 0 else math.inf
+        r = rate_of(cid, n, d)
+        return sizes[j - 1] / r if r > 0 else math.inf
 
     t, first = 0.0, 1
     resized = delay > 0 and n_new != n_old

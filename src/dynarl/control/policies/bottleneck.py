@@ -24,7 +24,7 @@ import itertools
 from collections.abc import Iterator
 
 from dynarl.control.config import SchedulerConfig
-from dynarl.control.demand import Demand, rate
+from dynarl.control.demand import Demand, Rates
 from dynarl.control.elements import Node
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
@@ -35,6 +35,10 @@ from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Trigger
 from dynarl.control.scoring import demands, remaining_time, score_plan
 from dynarl.core.ids import ComponentId
+
+_Size = tuple[ComponentId | None, ComponentId, int]
+"""A candidate move: from a donor, the instances it drains; from the free pool
+(``None``), the instance count the receiver grows to."""
 
 
 class BottleneckPolicy:
@@ -92,10 +96,11 @@ class BottleneckPolicy:
                     donors.append((c, spare))
         if not donors or not receivers:
             return EMPTY_PLAN
-        base = remaining_time(graph, self.predictor, before, demand=demand)
+        rates = Rates(graph, self.predictor)  # this decision's: shared by its candidates
+        base = remaining_time(graph, self.predictor, before, demand=demand, rates=rates)
         # Receivers that gain most from one more instance first; candidates are taken
         # round-robin over receivers so one receiver cannot use up the budget.
-        receivers.sort(key=lambda c: -self._gain(graph, c, before, demand))
+        receivers.sort(key=lambda c: -self._gain(graph, c, before, demand, rates))
         per_receiver = [
             [
                 (src, dst, amount)
@@ -105,29 +110,41 @@ class BottleneckPolicy:
             ]
             for dst in receivers
         ]
-        best: tuple[float, tuple[ComponentId | None, ComponentId, int]] | None = None
+        best: tuple[float, _Size] | None = None
         seen: set[tuple[object, ...]] = set()
+        tried: set[_Size] = set()  # sizes built already: their plans are known
         orders: dict[ComponentId, list[Node]] = {}  # drain orders, shared by the candidates
+        sizes = _Sizes(graph, orders)
         for src, dst, amount in _round_robin(per_receiver):
             if len(seen) >= self.cfg.num_candidates * len(receivers):
                 break
-            candidate = self._candidate(graph, src, dst, amount, reassign=False, orders=orders)
+            size = sizes(src, dst, amount)
+            if size is None or size in tried:
+                continue  # no valid size, or another amount that snapped to the same one
+            tried.add(size)
+            candidate = self._candidate(graph, size, reassign=False, orders=orders)
             if candidate is None:
                 continue
             signature = tuple((m.src, m.dst, m.drain, m.devices) for m in candidate.migrations)
             if signature in seen:
-                continue  # another amount that snapped to the same valid size
+                continue
             seen.add(signature)
             score = score_plan(
-                graph, self.predictor, candidate, before, demand, estimates=self.estimates
+                graph,
+                self.predictor,
+                candidate,
+                before,
+                demand,
+                estimates=self.estimates,
+                rates=rates,
             )
             if best is None or score < best[0]:
-                best = (score, (src, dst, amount))
+                best = (score, size)
         if best is None or not best[0] < base * (1.0 - self.cfg.min_gain):
             return EMPTY_PLAN
-        score, (src, dst, amount) = best
+        score, size = best
         # Only the winner needs its requests redistributed.
-        plan = self._candidate(graph, src, dst, amount, reassign=True)
+        plan = self._candidate(graph, size, reassign=True)
         assert plan is not None
         return Plan(
             migrations=plan.migrations,
@@ -149,12 +166,13 @@ class BottleneckPolicy:
         cid: ComponentId,
         devices: dict[ComponentId, int],
         demand: dict[ComponentId, Demand],
+        rates: Rates,
     ) -> float:
         """Seconds of ``cid``'s own work one more instance would save."""
         d = demand[cid]
         unit = graph.components[cid].spec.devices_per_instance
-        now = rate(graph, self.predictor, cid, devices[cid], d)
-        more = rate(graph, self.predictor, cid, devices[cid] + unit, d)
+        now = rates(cid, devices[cid], d)
+        more = rates(cid, devices[cid] + unit, d)
         if more <= 0:
             return 0.0
         return (d.work / now if now > 0 else float("inf")) - d.work / more
@@ -162,33 +180,67 @@ class BottleneckPolicy:
     def _candidate(
         self,
         graph: Hypergraph,
-        src: ComponentId | None,
-        dst: ComponentId,
-        amount: int,
+        size: _Size,
         *,
         reassign: bool,
         orders: dict[ComponentId, list[Node]] | None = None,
     ) -> Plan | None:
+        src, dst, count = size
         builder = PlanBuilder(graph, reassign=reassign, orders=orders)
         if src is None:
-            free = builder.free_devices()[:amount]
             unit = graph.components[dst].spec.devices_per_instance
-            target = builder.grow_target(dst, len(free))
-            if target <= builder.instances(dst):
-                return None
-            builder.move(None, dst, take_free=free[: (target - builder.instances(dst)) * unit])
+            free = builder.free_devices()[: (count - builder.instances(dst)) * unit]
+            builder.move(None, dst, take_free=free)
         else:
-            # The smallest valid shrink that gives at least ``amount`` instances.
-            now = builder.instances(src)
-            shrink = [k for k in builder.shrink_targets(src) if k <= now - amount]
-            if not shrink:
-                return None
-            drain = now - max(shrink)
-            m = builder.move(src, dst, drain=drain)
+            m = builder.move(src, dst, drain=count)
             if m is None or not m.create:
                 return None
         label = "free devices" if src is None else f"{src}"
         return builder.build(f"{label} -> {dst}")
+
+
+class _Sizes:
+    """The move each candidate makes, for one decision: ``sizes(src, dst, amount)`` is
+    what a candidate of ``amount`` instances from ``src`` to ``dst`` moves (``None``:
+    no valid move). From the free pool, ``dst`` grows to the largest valid size
+    ``amount`` free devices reach; from a donor, to the smallest valid shrink that
+    gives at least ``amount`` instances, if its drained devices make at least one
+    instance of ``dst``. Two amounts with one size make one plan."""
+
+    def __init__(self, graph: Hypergraph, orders: dict[ComponentId, list[Node]]) -> None:
+        self.graph = graph
+        self.probe = PlanBuilder(graph, reassign=False, orders=orders)  # no moves: sizes
+        self.num_free = len(self.probe.free_devices())
+        # Per donor and amount: the instances it drains and their devices.
+        self._drains: dict[tuple[ComponentId, int], tuple[int, int] | None] = {}
+
+    def __call__(self, src: ComponentId | None, dst: ComponentId, amount: int) -> _Size | None:
+        probe = self.probe
+        if src is None:
+            target = probe.grow_target(dst, min(amount, self.num_free))
+            return None if target <= probe.instances(dst) else (None, dst, target)
+        drains = self._drain(src, amount)
+        if drains is None:
+            return None
+        drain, num_devices = drains
+        # As ``PlanBuilder.move`` sizes the instances it creates.
+        unit = self.graph.components[dst].spec.devices_per_instance
+        create = min(
+            probe.grow_target(dst, num_devices) - probe.instances(dst), num_devices // unit
+        )
+        return None if create <= 0 else (src, dst, drain)
+
+    def _drain(self, src: ComponentId, amount: int) -> tuple[int, int] | None:
+        key = (src, amount)
+        if key not in self._drains:
+            now = self.probe.instances(src)
+            shrink = self.probe.shrink_target(src, now - amount)
+            if shrink is None:
+                self._drains[key] = None
+            else:
+                drained = self.probe.drainable(src)[: now - shrink]
+                self._drains[key] = (now - shrink, sum(len(n.devices) for n in drained))
+        return self._drains[key]
 
 
 def _round_robin(

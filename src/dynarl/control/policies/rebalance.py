@@ -26,6 +26,7 @@ on 128 simulated 1.5B engines that churned 64 engines every 3.5 s for 170 s.
 import math
 
 from dynarl.control.config import SchedulerConfig
+from dynarl.control.demand import Rates
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
@@ -71,13 +72,18 @@ class RebalanceTail:
             est = self.estimates
             if demand is None:
                 demand = demands(graph, per_engine=True, estimates=est)
-            base = remaining_time(graph, self.predictor, before, demand=demand, estimates=est)
+            rates = Rates(graph, self.predictor)  # shared by this rollout's candidates
+            base = remaining_time(
+                graph, self.predictor, before, demand=demand, estimates=est, rates=rates
+            )
             # No spread can beat a perfectly even load (and none is free): if even that
             # bound does not gain ``min_gain``, build no candidate. Cheap, and most
             # ticks end here.
             even = dict(demand)
             even[cid] = demand[cid].with_hottest(math.ceil(mean))
-            bound = remaining_time(graph, self.predictor, before, demand=even, estimates=est)
+            bound = remaining_time(
+                graph, self.predictor, before, demand=even, estimates=est, rates=rates
+            )
             if not bound < base * (1.0 - self.cfg.min_gain):
                 continue
             best: tuple[float, int] | None = None
@@ -95,7 +101,14 @@ class RebalanceTail:
                 spread[cid] = demand[cid].with_hottest(peak)
                 candidate = builder.build("spread")
                 score = score_plan(
-                    graph, self.predictor, candidate, before, spread, estimates=est, placed=True
+                    graph,
+                    self.predictor,
+                    candidate,
+                    before,
+                    spread,
+                    estimates=est,
+                    placed=True,
+                    rates=rates,
                 )
                 if best is None or score < best[0]:
                     best = (score, k)
