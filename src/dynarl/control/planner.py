@@ -85,13 +85,17 @@ class PlanBuilder:
         """Free devices not yet taken by this plan."""
         return [d for d in self._free if d not in self._used_devices]
 
-    def drainable(self, component: ComponentId) -> list[Node]:
-        """Active instances of ``component`` not yet drained, in drain order."""
+    def drainable(self, component: ComponentId, limit: int | None = None) -> list[Node]:
+        """Active instances of ``component`` not yet drained, in drain order (the first
+        ``limit`` of them, if given)."""
         order = self._order.get(component)
         if order is None:
             order = drain_order(list(self.graph.components[component].active_instances()))
             self._order[component] = order
-        return [n for n in order if n.id not in self._drained]
+        if not self._drained:
+            return order[:limit]  # a copy (the order is shared)
+        out = [n for n in order if n.id not in self._drained]
+        return out if limit is None else out[:limit]
 
     def shrink_targets(self, component: ComponentId) -> list[int]:
         """Instance counts ``component`` may shrink to, largest first."""
@@ -149,7 +153,7 @@ class PlanBuilder:
         instances of ``dst`` on them (by default as many as fit and keep ``dst`` at a
         valid size). Returns ``None`` when that moves nothing."""
         graph = self.graph
-        drained = self.drainable(src)[:drain] if src is not None and drain else []
+        drained = self.drainable(src, drain) if src is not None and drain else []
         if isinstance(take_free, int):
             free = self.free_devices()[:take_free]
         else:

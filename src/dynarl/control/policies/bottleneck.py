@@ -238,7 +238,7 @@ class _Sizes:
             if shrink is None:
                 self._drains[key] = None
             else:
-                drained = self.probe.drainable(src)[: now - shrink]
+                drained = self.probe.drainable(src, now - shrink)
                 self._drains[key] = (now - shrink, sum(len(n.devices) for n in drained))
         return self._drains[key]
 
