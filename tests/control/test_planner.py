@@ -153,3 +153,31 @@ def test_gather_completes_a_donors_devices_with_too_few_free_ones() -> None:
     assert g.components[ACTOR].num_active_devices == 4 * (before + 8)
     assert g.components[ROLLOUT].num_active == g.components[INFERENCE].num_active == 0
     assert not g.free_devices
+
+
+@given(
+    actor=st.integers(1, 8),
+    sizes=st.sets(st.integers(1, 8), max_size=4),
+    drained=st.integers(0, 3),
+    at_most=st.integers(-1, 9),
+)
+def test_shrink_target_is_the_largest_shrink_target_not_above_the_bound(
+    actor: int, sizes: set[int], drained: int, at_most: int
+) -> None:
+    g = make_graph(rollout=1, inference=0, actor=actor, actor_sizes=tuple(sorted(sizes)))
+    b = PlanBuilder(g, reassign=False)
+    if drained:
+        b.move(ACTOR, None, drain=min(drained, actor))
+    for cid in (ACTOR, ROLLOUT):
+        allowed = [k for k in b.shrink_targets(cid) if k <= at_most]
+        assert b.shrink_target(cid, at_most) == max(allowed, default=None)
+
+
+def test_drainable_limit_takes_the_first_in_drain_order() -> None:
+    g = make_graph(rollout=4)
+    b = PlanBuilder(g)
+    whole = [n.id for n in b.drainable(ROLLOUT)]
+    assert [n.id for n in b.drainable(ROLLOUT, 2)] == whole[:2]
+    b.move(ROLLOUT, None, drain=1)
+    assert [n.id for n in b.drainable(ROLLOUT, 2)] == whole[1:3]
+    assert [n.id for n in b.drainable(ROLLOUT)] == whole[1:]

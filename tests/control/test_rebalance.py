@@ -4,6 +4,8 @@ import pytest
 
 from dynarl.control import events as ev
 from dynarl.control.config import SchedulerConfig
+from dynarl.control.demand import Demand, Rates, rate
+from dynarl.control.estimates import Estimates
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.policies.rebalance import RebalanceTail
 from dynarl.control.scoring import demands, remaining_time, score_plan
@@ -145,3 +147,29 @@ def test_one_engine_with_room_is_enough_to_spread() -> None:
     plan = RebalanceTail(cfg, predictor_for(g)).decide(g, tick(5.0))
     assert plan and plan.score_after < plan.score_before
     assert {i for m in plan.migrations for i in m.drain} == {InstanceId("rollout-0")}
+
+
+def test_per_engine_demands_differ_from_the_plain_ones_only_in_the_hottest_engine() -> None:
+    g = skewed([64, 1, 1, 1, 1, 1, 1, 1])
+    est = Estimates()
+    plain, hot = demands(g, estimates=est), demands(g, per_engine=True, estimates=est)
+    assert hot is demands(g, per_engine=True, estimates=est)  # once per state
+    fields = [f for f in Demand.__slots__ if f != "hottest"]
+    for cid, d in plain.items():
+        assert [getattr(hot[cid], f) for f in fields] == [getattr(d, f) for f in fields]
+        assert d.hottest == 0.0
+    assert hot[ROLLOUT].hottest == 64 * plain[ROLLOUT].per_item > 0
+    # A fresh memo computes the same: nothing is carried from the plain demands.
+    assert demands(g, per_engine=True)[ROLLOUT].hottest == hot[ROLLOUT].hottest
+
+
+def test_rates_memo_answers_what_rate_answers() -> None:
+    g = skewed([64, 1, 1, 1, 1, 1, 1, 1])
+    predictor = predictor_for(g)
+    d = demands(g, per_engine=True)[ROLLOUT]
+    memo = Rates(g, predictor)
+    for n in (1, 4, 8, 4):
+        assert memo(ROLLOUT, n, d) == rate(g, predictor, ROLLOUT, n, d)
+    other = d.with_hottest(1)  # another demand: not handed the first one's answer
+    assert memo(ROLLOUT, 8, other) == rate(g, predictor, ROLLOUT, 8, other)
+    assert memo(ROLLOUT, 8, other) != memo(ROLLOUT, 8, d)
