@@ -75,7 +75,7 @@ def variant_config(name: str, args: argparse.Namespace, out: Path, warm: Path) -
         f"run.run_dir={out / name}",
         f"run.num_iterations={args.iterations}",
         f"model.path={warm}",
-        "model.tokenizer=chars",
+        "model.tokenizer=null",  # the warm start brings its tokenizer
         "env.warm_start_steps=0",
         *VARIANTS[name],
         *OLD_LOGPROBS[args.old_logprobs],
