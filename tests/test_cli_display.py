@@ -8,7 +8,7 @@ import pytest
 
 from dynarl.cli_display import RunDisplay
 from dynarl.obs.metrics import IterationStats
-from dynarl.rl.pipeline import Progress
+from dynarl.rl.progress import Progress
 
 rich_console = pytest.importorskip("rich.console")
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 if TYPE_CHECKING:
     from dynarl.obs.metrics import IterationStats
-    from dynarl.rl.pipeline import Progress
+    from dynarl.rl.progress import Progress
 
 _UNITS = {"rollout": "responses", "train": "optimizer steps", "sync": "weight sync"}
 

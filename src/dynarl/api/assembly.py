@@ -35,7 +35,8 @@ from dynarl.envs.environment import EnvironmentSpec
 from dynarl.envs.prompts import PromptSampler
 from dynarl.obs.metrics import DeviceMeter
 from dynarl.obs.timeline import TimelineRecorder
-from dynarl.rl.pipeline import Pipeline, Progress
+from dynarl.rl.pipeline import Pipeline
+from dynarl.rl.progress import Progress
 from dynarl.rl.trace import RunTrace
 
 

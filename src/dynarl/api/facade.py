@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from dynarl.control.controller import Controller
     from dynarl.envs.environment import EnvironmentSpec
     from dynarl.envs.prompts import PromptSampler
-    from dynarl.rl.pipeline import Pipeline, Progress
+    from dynarl.rl.pipeline import Pipeline
+from dynarl.rl.progress import Progress
 
 logger = logging.getLogger(__name__)
 

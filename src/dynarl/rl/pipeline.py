@@ -13,11 +13,8 @@ log-probs, and each optimizer step's samples to the trainer's ranks (each to the
 whose data-parallel shard holds it, :mod:`dynarl.workers.trainer_items`). A response
 is rewarded by the verifier while it is scored; once every sample of a group is
 rewarded and scored the group is ready, and the actor takes its ``n_minibatches``
-optimizer steps: after the whole iteration in a seeded split
-(``algorithm.minibatch_order=seeded``, the maths of the torch reference loop), or on
-whole groups in the order they finish, during the rollout tail (``completion``). A step
-starts once the :class:`~dynarl.rl.gate.StepGate` opens. Then the engines get the new
-weights.
+optimizer steps (:class:`~dynarl.rl.actor_steps.ActorSteps`). Then the engines get the
+new weights.
 
 With an environment (a multi-turn task), each sample is an episode played by the
 :class:`~dynarl.rl.episode_runner.EpisodeRunner`: its turns go back and forth between
@@ -31,8 +28,8 @@ The driver reports the iteration's boundaries and the actor's steps through the
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import msgspec
@@ -40,7 +37,7 @@ import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup, TaskStatus
 
 from dynarl.control import events as ev
-from dynarl.control.topology import ACTOR, PROMPTS, TO_ACTOR, TO_INFERENCE
+from dynarl.control.topology import PROMPTS, TO_ACTOR, TO_INFERENCE
 from dynarl.core.ids import EdgeId, GroupId, ItemId
 from dynarl.data.placement import RoutedResult
 from dynarl.data.router import Router
@@ -51,26 +48,21 @@ from dynarl.envs.prompts import PromptSampler
 from dynarl.envs.verifier import AsyncVerifier
 from dynarl.obs.metrics import IterationStats
 from dynarl.obs.trace_records import Request
-from dynarl.rl.batch import (
-    Trajectory,
-    minibatch_indices,
-    to_arrays,
-)
+from dynarl.rl.actor_steps import ActorSteps
 from dynarl.rl.config import AlgorithmConfig
 from dynarl.rl.episode import Episode, episode_stats
 from dynarl.rl.episode_runner import EpisodeRunner
 from dynarl.rl.gate import StepGate
+from dynarl.rl.progress import Progress, Weights
 from dynarl.rl.reporter import EventReporter
 from dynarl.rl.requests import group_requests, prompt_ids, response_text
 from dynarl.rl.routed_results import split_results
 from dynarl.rl.samples import Rewarded, Samples, Scored
 from dynarl.rl.trace import RunTrace, episode_request
 from dynarl.workers.config import RolloutConfig
-from dynarl.workers.errors import TrainerError, TrainerRecoveredError
 from dynarl.workers.inference import LogprobRequest, LogprobResult
 from dynarl.workers.rollout import GenerateRequest
-from dynarl.workers.trainer import StepMetrics, Trainer
-from dynarl.workers.trainer_items import shard_items
+from dynarl.workers.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -79,34 +71,6 @@ _ENCODER = msgspec.msgpack.Encoder()
 _Inbound = list[RoutedResult] | Episode
 """What the result stage hears: a batch of the router's results, or an episode the
 runner finished."""
-
-
-class Progress(msgspec.Struct, frozen=True, kw_only=True):
-    """Where the running iteration is (for a progress display).
-
-    Attributes:
-        iteration: 0-based index.
-        stage: ``rollout``, ``train`` or ``sync``.
-        done, total: responses finished out of those requested (rollout), or
-            optimizer steps taken out of ``n_minibatches`` (train).
-    """
-
-    iteration: int
-    stage: str
-    done: int
-    total: int
-
-
-class Weights(Protocol):
-    """Where the engines' weights come from: the run's weight-sync group."""
-
-    def trainer_moves_ahead(self) -> None:
-        """The trainer is about to step: its weights move past the engines'."""
-        ...
-
-    async def sync_weights(self, version: int) -> int:
-        """Give every serving engine the trainer's weights as ``version``."""
-        ...
 
 
 class Pipeline:
@@ -204,11 +168,19 @@ class _Iteration:
             rid: GroupId(f"{iteration}/{group}") for rid, group in self.samples.group_of.items()
         }
         self.stage_s: dict[str, float] = {}
-        self.train_s = 0.0
-        self.training: set[ItemId] = set()  # the running step's samples not back yet
-        self.trained = anyio.Event()
-        self.losses: list[float] = []
-        self.norms: list[float] = []
+        self.actor = ActorSteps(
+            iteration=iteration,
+            algorithm=algo,
+            seed=pipeline.seed,
+            trainer=pipeline.trainer,
+            router=pipeline.router,
+            gate=pipeline.gate,
+            weights=pipeline.weights,
+            reporter=pipeline.reporter,
+            group_of=self.group_of,
+            pad_token_id=getattr(pipeline.tokenizer, "pad_token_id", None) or 0,
+            on_progress=pipeline.on_progress,
+        )
         self.runner: EpisodeRunner | None = None
         self.pump = anyio.CancelScope()  # the router's results into the result stage
         self.tg: TaskGroup | None = None
@@ -253,13 +225,13 @@ class _Iteration:
                     tg.start_soon(self._to_inference, to_score)
                 facts_send.close()
                 tg.start_soon(self._collect, facts, ready_send)
-                tg.start_soon(self._train, ready)
+                tg.start_soon(self.actor.run, ready, self.samples)
                 await p.router.submit(self._request_items() if runner is None else first)
         finally:
             if runner is not None:
                 await runner.aclose()
         self.stage_s["score"] = self.samples.busy_s
-        self.stage_s["train"] = self.train_s
+        self.stage_s["train"] = self.actor.busy_s
 
         t0 = time.perf_counter()
         p.on_progress(Progress(iteration=self.iteration, stage="sync", done=0, total=1))
@@ -320,8 +292,8 @@ class _Iteration:
             gen_tokens=gen_tokens,
             mean_response_tokens=gen_tokens / len(self.requests),
             tokens_per_s=gen_tokens / elapsed,
-            loss=float(np.mean(self.losses)),
-            grad_norm=float(np.mean(self.norms)),
+            loss=float(np.mean(self.actor.losses)),
+            grad_norm=float(np.mean(self.actor.norms)),
             weight_version=self.iteration + 1,
             stage_s=self.stage_s,
             elapsed_s=elapsed,
@@ -378,7 +350,7 @@ class _Iteration:
                 received[PROMPTS] += len(chunk)
                 received[TO_INFERENCE] += len(scored)
                 received[TO_ACTOR] += len(trained)
-                self._trained(trained)
+                self.actor.delivered(trained)
                 if chunk:
                     await self._responded(chunk, responses, to_score, facts, expected)
                     p.on_progress(
@@ -419,12 +391,6 @@ class _Iteration:
             expected[TO_INFERENCE] -= len(chunk) - len(routed)
             if routed:
                 await to_score.send(routed)
-
-    def _trained(self, ids: Sequence[ItemId]) -> None:
-        """The router delivered these samples back from the trainer's ranks."""
-        self.training.difference_update(ids)
-        if not self.training:
-            self.trained.set()
 
     async def _reward(
         self,
@@ -475,89 +441,3 @@ class _Iteration:
             async for fact in facts:
                 for group in self.samples.add(fact):
                     await ready.send(group)
-
-    async def _train(self, ready: ObjectReceiveStream[int]) -> None:
-        """The actor's optimizer steps: on whole groups as they finish
-        (``completion``), or over the whole iteration in a seeded split."""
-        algo, samples = self.p.algorithm, self.samples
-        finished: list[int] = []
-        per_step = algo.num_prompts // algo.n_minibatches
-        async with ready:
-            async for group in ready:
-                finished.append(group)
-                if algo.minibatch_order == "completion" and len(finished) % per_step == 0:
-                    await self._step(
-                        len(finished) // per_step - 1, *samples.trajectories(finished[-per_step:])
-                    )
-        if algo.minibatch_order == "completion":
-            return
-        trajectories, ids = samples.trajectories(range(algo.num_prompts))
-        seed = [self.p.seed, self.iteration]
-        for step, part in enumerate(
-            minibatch_indices(len(trajectories), algo.n_minibatches, seed=seed)
-        ):
-            chosen = [int(i) for i in part]
-            await self._step(step, [trajectories[i] for i in chosen], [ids[i] for i in chosen])
-
-    async def _step(
-        self, step: int, minibatch: Sequence[Trajectory], ids: Sequence[ItemId]
-    ) -> None:
-        """Optimizer step ``step`` on ``minibatch`` once the gate opens: its samples go
-        through the data router to the trainer's ranks (each to the rank whose
-        data-parallel shard holds it), the ranks train on them, and the step is over
-        once the router has them back."""
-        p = self.p
-        num_steps = p.algorithm.n_minibatches
-        pad = getattr(p.tokenizer, "pad_token_id", None) or 0
-        p.on_progress(Progress(iteration=self.iteration, stage="train", done=step, total=num_steps))
-        await p.gate.wait()
-        p.weights.trainer_moves_ahead()
-        arrays = to_arrays(minibatch, pad_token_id=pad)
-        groups = [self.group_of[i] for i in ids]
-        items, shards = shard_items(arrays, ids, groups, p.trainer.rank_instances(), edge=TO_ACTOR)
-        self.training, self.trained = set(ids), anyio.Event()
-        t0 = time.perf_counter()
-        await p.router.submit(items)
-        metrics = await self._train_step(shards, ids)
-        await self.trained.wait()
-        duration = time.perf_counter() - t0
-        self.train_s += duration
-        self.losses.append(metrics.loss)
-        self.norms.append(metrics.grad_norm)
-        p.reporter(
-            ev.TrainStepDone(
-                component=ACTOR,
-                step=step,
-                num_steps=num_steps,
-                num_samples=len(ids),
-                duration_s=duration,
-            )
-        )
-
-    async def _train_step(
-        self, shards: list[tuple[str, ...]], ids: Sequence[ItemId]
-    ) -> StepMetrics:
-        """The trainer's step on ``shards``; if it loses a rank meanwhile it rebuilds
-        itself from the survivors, and the step is re-run on them (every sample the
-        router holds for the step, at the rank holding it: the lost rank's went to the
-        others), or only completed if the recovery found it applied."""
-        trainer = self.p.trainer
-        for _ in range(len(shards) + 1):
-            try:
-                return await trainer.train_step(shards)
-            except TrainerRecoveredError as recovered:
-                recovery = recovered.recovery
-                logger.warning("%s; the step runs again on the survivors", recovered)
-            where = self.p.router.holders(i for i in ids if i in self.training)
-            ranks = trainer.rank_instances()
-            strays = {i: at for i, at in where.items() if at not in ranks}
-            if strays or len(where) != len(self.training):
-                raise TrainerError(
-                    f"after the trainer lost a rank, samples of the step are not at its "
-                    f"ranks {ranks}: {strays or sorted(self.training - where.keys())}"
-                )
-            shards = [tuple(i for i in ids if where.get(i) == rank) for rank in ranks]
-            if recovery.step_applied and recovery.last_step is not None:
-                await trainer.finish_step(shards)
-                return recovery.last_step
-        raise TrainerError(f"the trainer lost {len(shards)} ranks in one step; giving up")

@@ -38,7 +38,7 @@ from dynarl.core.errors import DynaRLError
 
 if TYPE_CHECKING:
     from dynarl.api.facade import DynaRL
-    from dynarl.rl.pipeline import Progress
+    from dynarl.rl.progress import Progress
     from dynarl.workers.handles import SlotHandle
 
 Target = Literal["rollout", "inference", "trainer"]
