@@ -22,6 +22,7 @@ from dynarl.api.config import ActorConfig, AlgorithmConfig
 from dynarl.control.topology import ACTOR, TO_ACTOR
 from dynarl.data.router import Router
 from dynarl.rl.grpo import GrpoLoss
+from dynarl.testing.minibatches import random_minibatch
 from dynarl.testing.workers import LocalWorkers, train_through
 from dynarl.workers import backends, sync_group
 from dynarl.workers.errors import TrainerError
@@ -33,19 +34,6 @@ from .conftest import MODEL, RolloutFactory
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 TRAINER_BACKENDS = ["torch", "megatron"]
-
-
-def minibatch(step: int, num_samples: int = 8, length: int = 24) -> Minibatch:
-    rng = np.random.default_rng(step)
-    mask = np.zeros((num_samples, length), dtype=np.float32)
-    mask[:, 8:] = 1.0
-    return {
-        "input_ids": rng.integers(4, 90, size=(num_samples, length)),
-        "attention_mask": np.ones((num_samples, length), dtype=np.int64),
-        "loss_mask": mask,
-        "old_logprobs": np.full((num_samples, length), -4.0, dtype=np.float32),
-        "advantages": rng.standard_normal(num_samples).astype(np.float32),
-    }
 
 
 class Rig:
@@ -100,7 +88,7 @@ async def steps(rig: Rig, first: int, plan: list[tuple[int, ...] | None]) -> lis
                 continue
             if members != trainer.members:
                 await trainer.resize(members)
-        losses.append((await rig.step(minibatch(first + len(losses)))).loss)
+        losses.append((await rig.step(random_minibatch(first + len(losses)))).loss)
     return losses
 
 
@@ -138,7 +126,7 @@ async def test_bad_input_and_impossible_resizes_are_typed_errors_that_leave_it_t
 ) -> None:
     trainer = rig.trainer
     members = trainer.members
-    bad = dict(minibatch(0))
+    bad = dict(random_minibatch(0))
     del bad["loss_mask"]
     with pytest.raises(TrainerError, match="loss_mask"):
         await rig.step(bad)
@@ -147,7 +135,7 @@ async def test_bad_input_and_impossible_resizes_are_typed_errors_that_leave_it_t
             async with trainer.between_steps():
                 await trainer.resize(impossible)
         assert trainer.members == members
-    assert np.isfinite((await rig.step(minibatch(3))).loss)
+    assert np.isfinite((await rig.step(random_minibatch(3))).loss)
 
 
 class _Receiver:

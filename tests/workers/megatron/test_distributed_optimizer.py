@@ -18,6 +18,7 @@ pytest.importorskip("megatron.core")
 
 from dynarl.api.config import AlgorithmConfig  # noqa: E402
 from dynarl.rl.grpo import GrpoLoss  # noqa: E402
+from dynarl.testing.minibatches import random_minibatch  # noqa: E402
 from dynarl.testing.workers import LocalWorkers  # noqa: E402
 from dynarl.workers.config import ModelConfig  # noqa: E402
 from dynarl.workers.megatron import state  # noqa: E402
@@ -40,19 +41,6 @@ LOSS = GrpoLoss.from_config(AlgorithmConfig())
 # The loss does not depend on a key bias (softmax is shift-invariant): its gradient is
 # rounding noise that Adam turns into real steps, held to the global bound only.
 NOISE_ONLY = ".self_attn.k_proj.bias"
-
-
-def minibatch(step: int, n: int = 8, length: int = 20) -> dict[str, Any]:
-    rng = np.random.default_rng(step)
-    mask = np.zeros((n, length), dtype=np.float32)
-    mask[:, 6:] = 1.0
-    return {
-        "input_ids": rng.integers(4, 90, size=(n, length)),
-        "attention_mask": np.ones((n, length), dtype=np.int64),
-        "loss_mask": mask,
-        "old_logprobs": np.full((n, length), -4.0, dtype=np.float32),
-        "advantages": rng.standard_normal(n).astype(np.float32),
-    }
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -81,7 +69,7 @@ def adamw() -> tuple[list[float], list[dict[str, Any]]]:
     assert rank.distributed is None
     losses, states = [], []
     for step in range(4):
-        batch = {k: torch.as_tensor(v) for k, v in minibatch(step).items()}
+        batch = {k: torch.as_tensor(v) for k, v in random_minibatch(step).items()}
         losses.append(rank.train_step(batch).loss)
         if step >= 2:
             full = state.gather_full_state(rank)
@@ -109,14 +97,14 @@ async def test_dp_1_2_1_with_the_distributed_optimizer_equals_adamw_at_dp_1(
     pool: MegatronPool, adamw: tuple[list[float], list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     losses, states = adamw
-    got = [(await pool.train_step(minibatch(0))).loss]
+    got = [(await pool.train_step(random_minibatch(0))).loss]
     grown = await pool.resize([0, 1])
     assert grown.bytes_moved > 0 and pool.members == (0, 1)
-    got += [(await pool.train_step(minibatch(s))).loss for s in (1, 2)]
+    got += [(await pool.train_step(random_minibatch(s))).loss for s in (1, 2)]
     at_dp2 = tmp_path / "dp2.pt"
     await pool.save_checkpoint(at_dp2)
     await pool.resize([1])  # replica 0 leaves: worker 1 keeps training alone
-    got.append((await pool.train_step(minibatch(3))).loss)
+    got.append((await pool.train_step(random_minibatch(3))).loss)
     end = tmp_path / "end.pt"
     await pool.save_checkpoint(end)
 
@@ -128,7 +116,7 @@ async def test_dp_1_2_1_with_the_distributed_optimizer_equals_adamw_at_dp_1(
     await pool.resize([0, 1])
     await pool.load_checkpoint(at_dp2)
     await pool.reshard([0, 1], tp=2, pp=1)
-    again = (await pool.train_step(minibatch(3))).loss
+    again = (await pool.train_step(random_minibatch(3))).loss
     assert again == pytest.approx(losses[3], rel=1e-5)
     await pool.save_checkpoint(end)
     assert_same_state(torch.load(end, weights_only=True), states[1])
@@ -150,14 +138,14 @@ async def test_a_bf16_model_keeps_its_fp32_main_parameters_through_dp_resizes(
         try:
             await pool.start_training([0])
             await pool.save_checkpoint(tmp_path / "start.pt")
-            fixed = [(await pool.train_step(minibatch(s))).loss for s in range(4)]
+            fixed = [(await pool.train_step(random_minibatch(s))).loss for s in range(4)]
             await pool.save_checkpoint(tmp_path / "fixed.pt")
             await pool.load_checkpoint(tmp_path / "start.pt")
-            moved = [(await pool.train_step(minibatch(0))).loss]
+            moved = [(await pool.train_step(random_minibatch(0))).loss]
             await pool.resize([0, 1])
-            moved += [(await pool.train_step(minibatch(s))).loss for s in (1, 2)]
+            moved += [(await pool.train_step(random_minibatch(s))).loss for s in (1, 2)]
             await pool.resize([1])
-            moved.append((await pool.train_step(minibatch(3))).loss)
+            moved.append((await pool.train_step(random_minibatch(3))).loss)
             await pool.save_checkpoint(tmp_path / "moved.pt")
         finally:
             await pool.close()

@@ -7,7 +7,6 @@ HF layout a torch engine loads, with their version."""
 import functools
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import anyio
 import numpy as np
@@ -19,6 +18,7 @@ pytest.importorskip("megatron.core")
 
 from dynarl.api.config import AlgorithmConfig  # noqa: E402
 from dynarl.rl.grpo import GrpoLoss  # noqa: E402
+from dynarl.testing.minibatches import random_minibatch  # noqa: E402
 from dynarl.testing.workers import LocalWorkers  # noqa: E402
 from dynarl.workers.config import ModelConfig  # noqa: E402
 from dynarl.workers.errors import ReshardError  # noqa: E402
@@ -37,19 +37,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 MODEL = ModelConfig(max_seq_len=64, num_layers=2)
 CONFIG = TrainerConfig(micro_batch_size=4, lr=1e-2, timeout_s=90.0, reshard_timeout_s=30.0)
-
-
-def minibatch(step: int, n: int = 8, length: int = 20) -> dict[str, Any]:
-    rng = np.random.default_rng(step)
-    mask = np.zeros((n, length), dtype=np.float32)
-    mask[:, 6:] = 1.0
-    return {
-        "input_ids": rng.integers(4, 90, size=(n, length)),
-        "attention_mask": np.ones((n, length), dtype=np.int64),
-        "loss_mask": mask,
-        "old_logprobs": np.full((n, length), -4.0, dtype=np.float32),
-        "advantages": rng.standard_normal(n).astype(np.float32),
-    }
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -74,23 +61,23 @@ async def test_tensor_parallel_1_2_1_mid_run_equals_a_fixed_run(
 ) -> None:
     start = tmp_path / "start.pt"
     await pool.save_checkpoint(start)
-    moved = [(await pool.train_step(minibatch(0))).loss]
+    moved = [(await pool.train_step(random_minibatch(0))).loss]
     result = await pool.reshard([0, 1], tp=2, pp=1)
     assert result.bytes_moved > 0 and pool.members == (0, 1)
-    moved += [(await pool.train_step(minibatch(s))).loss for s in (1, 2)]
+    moved += [(await pool.train_step(random_minibatch(s))).loss for s in (1, 2)]
     await pool.reshard([1], tp=1, pp=1)
-    moved.append((await pool.train_step(minibatch(3))).loss)
+    moved.append((await pool.train_step(random_minibatch(3))).loss)
 
     await pool.resize([0])
     await pool.load_checkpoint(start)
-    fixed = [(await pool.train_step(minibatch(s))).loss for s in range(4)]
+    fixed = [(await pool.train_step(random_minibatch(s))).loss for s in range(4)]
     np.testing.assert_allclose(moved, fixed, rtol=1e-5)
     assert len(set(np.round(fixed, 6))) > 1
 
 
 async def test_a_failed_reshard_leaves_the_old_layout_training(pool: MegatronPool) -> None:
     members = pool.members
-    before = (await pool.train_step(minibatch(7))).loss
+    before = (await pool.train_step(random_minibatch(7))).loss
     # a joiner failing mid-transfer of a data-parallel grow
     with pytest.raises(ReshardError, match="injected fault"):
         await pool.resize([0, 1], fault=ReshardFault(worker=1, after_buckets=1))
@@ -98,7 +85,7 @@ async def test_a_failed_reshard_leaves_the_old_layout_training(pool: MegatronPoo
     with pytest.raises(ReshardError, match="increasing order"):
         await pool.reshard([1, 0], tp=2, pp=1)  # tensor ranks must follow world ranks
     assert pool.members == members and pool.replica_size == 1
-    assert np.isfinite((await pool.train_step(minibatch(7))).loss)
+    assert np.isfinite((await pool.train_step(random_minibatch(7))).loss)
     assert before != 0.0
 
 
@@ -108,7 +95,7 @@ async def test_a_tensor_parallel_trainer_sends_hf_weights_with_their_version(
     from dynarl.workers.torch.model import build_model
 
     await pool.reshard([0, 1], tp=2, pp=1)
-    await pool.train_step(minibatch(11))
+    await pool.train_step(random_minibatch(11))
     saved = tmp_path / "now.pt"
     await pool.save_checkpoint(saved)
     engine = build_model(MODEL, seed=99)  # other weights: they must all be replaced
