@@ -13,14 +13,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dynarl.workers.errors import TrainerError, WeightSyncError
+from dynarl.workers.errors import TrainerError
 from dynarl.workers.megatron.layout import Layout
 from dynarl.workers.torch.trainer_commands import (
     Done,
     PrepareReshard,
     ReshardFault,
     SaveCheckpoint,
-    SyncWeights,
     TrainOnItems,
 )
 from dynarl.workers.torch.trainer_pool import TrainerPool
@@ -150,18 +149,9 @@ class MegatronPool(TrainerPool):
     async def sync_weights(self, version: int) -> int:
         """Replica 0 gathers the weights in the HF layout to its leader, which
         broadcasts them to the engines; returns the bytes sent."""
-        if self.sync_sender is None:
-            raise WeightSyncError("no weight-sync group; call connect_weight_sync first")
         replica = self.layout().replicas()[0]
-        if self.sync_sender != replica[0]:
-            raise WeightSyncError(
-                f"worker {self.sync_sender}, the sender of the weight-sync group, is not the "
-                "trainer's rank 0 now; call connect_weight_sync again with the new rank 0"
-            )
-        replies = self._check(await self._call(replica, SyncWeights(version=version)))
-        sent = replies[0]
-        assert isinstance(sent, Done)
-        return sent.bytes_moved
+        self.sender.checked(replica[:1])
+        return await self.sender.send(replica, version)
 
     def _valid_members(self, members: Sequence[int]) -> tuple[int, ...]:
         chosen = super()._valid_members(members)

@@ -24,7 +24,7 @@ import pickle
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 
@@ -35,14 +35,10 @@ from dynarl.workers.torch.trainer_commands import (
     AbortResize,
     Command,
     CommitResize,
-    ConnectWeightSync,
-    DescribeWeights,
     Done,
     Failed,
     Join,
-    LeaveWeightSync,
     LoadCheckpoint,
-    OpenStore,
     PrepareReshard,
     PrepareResize,
     Reply,
@@ -51,13 +47,11 @@ from dynarl.workers.torch.trainer_commands import (
     Shutdown,
     StartTraining,
     StepDone,
-    StoreOpened,
-    SyncWeights,
     TrainOnItems,
     TrainStep,
-    WeightsDescribed,
 )
 from dynarl.workers.torch.trainer_config import TrainerConfig
+from dynarl.workers.torch.weight_sender import WeightSender, open_store
 from dynarl.workers.trainer import Minibatch, Recovery, ResizeResult, StepMetrics
 from dynarl.workers.trainer_items import to_array
 from dynarl.workers.weights import WeightManifest
@@ -104,9 +98,10 @@ class TrainerPool:
         self._parked = False
         self._epoch = 0
         self._started = False
-        self._sync_worker: int | None = None
         self._world: tuple[int, ...] = tuple(range(len(self.workers)))
         self._calls = WorkerCalls(self.workers, timeout_s=config.timeout_s)
+        self.sender = WeightSender(self._calls)
+        """The weight-sync group's sending worker."""
         self._resizing_to: tuple[int, ...] | None = None  # the members a resize prepares
         self.resize_listeners: list[Callable[[PrepareResize | PrepareReshard], None]] = []
         """Called as a resize starts, with the prepare command every worker is sent
@@ -156,7 +151,9 @@ class TrainerPool:
             raise TrainerError("the pool is already started")
         code = pickle.dumps((self._model_factory, self._loss_fn))
         self._started = True
-        port = await self._open_store(0, "world", self.host, self.num_workers, None)
+        port = await open_store(
+            self._calls, 0, "world", self.host, self.num_workers, self.config.timeout_s
+        )
         replies = await self._call_each(
             range(self.num_workers),
             lambda w: Join(
@@ -319,8 +316,7 @@ class TrainerPool:
         self._members = recovery.members
         self._resizing_to = None
         self._epoch += 1
-        if self._sync_worker in self._calls.casualties.dead:
-            self._sync_worker = None
+        self.sender.forget_dead()
         self._num_steps = recovery.num_steps
         logger.warning(
             "trainer workers %s died; the trainer goes on with %s from worker %d's state "
@@ -384,7 +380,9 @@ class TrainerPool:
     async def open_world_store(self, worker: int, world_size: int) -> int:
         """Make ``worker`` open the store of a world of ``world_size`` at :attr:`host`;
         returns its port."""
-        return await self._open_store(worker, "world", self.host, world_size, None)
+        return await open_store(
+            self._calls, worker, "world", self.host, world_size, self.config.timeout_s
+        )
 
     async def park(self) -> ResizeResult:
         """Give up every device: the trainer's state stays with one worker (rank 0,
@@ -427,29 +425,8 @@ class TrainerPool:
         """Open the store of a weight-sync group of ``world_size`` at the trainer's rank
         0, on a free port of ``host``; returns the port, for
         :meth:`connect_weight_sync` and the engines."""
-        worker = self.holder
-        if worker is None:
-            raise WeightSyncError("the trainer has no members yet; call start_training first")
-        return await self._open_store(worker, "weight_sync", host, world_size, timeout_s)
-
-    async def _open_store(
-        self,
-        worker: int,
-        purpose: Literal["world", "weight_sync"],
-        host: str,
-        world_size: int,
-        timeout_s: float | None,
-    ) -> int:
-        command = OpenStore(
-            worker=worker,
-            purpose=purpose,
-            host=host,
-            world_size=world_size,
-            timeout_s=timeout_s if timeout_s is not None else self.config.timeout_s,
-        )
-        [reply] = self._check(await self._call([worker], command))
-        assert isinstance(reply, StoreOpened)
-        return reply.port
+        timeout = timeout_s if timeout_s is not None else self.config.timeout_s
+        return await self.sender.open(self._holder_for_sync(), host, world_size, timeout)
 
     async def connect_weight_sync(
         self, host: str, port: int, world_size: int, *, timeout_s: float | None = None
@@ -457,54 +434,32 @@ class TrainerPool:
         """Make the trainer's rank 0 the sender (rank 0, store host at ``host:port``,
         opened by :meth:`open_weight_sync`) of a weight-sync group of ``world_size``;
         the engines join it at the same time."""
-        worker = self.holder
-        if worker is None:
-            raise WeightSyncError("the trainer has no members yet; call start_training first")
-        command = ConnectWeightSync(
-            host=host,
-            port=port,
-            world_size=world_size,
-            timeout_s=timeout_s if timeout_s is not None else self.config.timeout_s,
-        )
-        self._check(await self._call([worker], command))
-        self._sync_worker = worker
+        timeout = timeout_s if timeout_s is not None else self.config.timeout_s
+        await self.sender.connect(self._holder_for_sync(), host, port, world_size, timeout)
 
     async def leave_weight_sync(self) -> None:
         """The sender leaves the weight-sync group (every engine of the group leaves
         at the same time); a no-op without a group."""
-        if self._sync_worker is None:
-            return
-        worker, self._sync_worker = self._sync_worker, None
-        self._check(await self._call([worker], LeaveWeightSync()))
+        await self.sender.leave()
 
     @property
     def sync_sender(self) -> int | None:
         """The worker that sends in the weight-sync group (``None`` without a group)."""
-        return self._sync_worker
+        return self.sender.worker
 
     async def weight_manifest(self, version: int) -> WeightManifest:
         """What :meth:`sync_weights` of ``version`` broadcasts (the sender describes it)."""
-        worker = self._sender()
-        reply = self._check(await self._call([worker], DescribeWeights(version=version)))[0]
-        assert isinstance(reply, WeightsDescribed)
-        return reply.manifest
+        return await self.sender.manifest(self.sender.checked(self._members), version)
 
     async def sync_weights(self, version: int) -> int:
         """Broadcast the weights tagged ``version`` to the engines, as
         :meth:`weight_manifest` described them; returns bytes sent."""
-        reply = self._check(await self._call([self._sender()], SyncWeights(version=version)))[0]
-        assert isinstance(reply, Done)
-        return reply.bytes_moved
+        return await self.sender.send([self.sender.checked(self._members)], version)
 
-    def _sender(self) -> int:
-        if self._sync_worker is None:
-            raise WeightSyncError("no weight-sync group; call connect_weight_sync first")
-        if self._sync_worker not in self._members:
-            raise WeightSyncError(
-                f"worker {self._sync_worker}, the sender of the weight-sync group, left the "
-                "trainer; call connect_weight_sync again with the new rank 0"
-            )
-        return self._sync_worker
+    def _holder_for_sync(self) -> int:
+        if self.holder is None:
+            raise WeightSyncError("the trainer has no members yet; call start_training first")
+        return self.holder
 
     async def close(self) -> None:
         """Ask every worker to shut down (each tears down its process groups and
