@@ -142,6 +142,35 @@ class DynaRLConfig(Section, frozen=True, kw_only=True):
                 field="scheduler.mode",
             )
         self._check_env()
+        self._check_accelerator()
+
+    def _check_accelerator(self) -> None:
+        """The devices' kind agrees with what runs on them: GPUs reserved on Ray are
+        used, and the weight-sync group of SGLang servers speaks the trainer's
+        collective backend (gloo on CPU, NCCL on CUDA)."""
+        cluster = self.cluster
+        if (
+            cluster.accelerator == "cpu"
+            and cluster.ray.gpus_per_device > 0
+            and self.rollout.backend != "sglang"
+        ):
+            raise ConfigError(
+                f"cluster.ray.gpus_per_device={cluster.ray.gpus_per_device} reserves GPUs, "
+                "but cluster.accelerator=cpu runs every worker on the CPU: set "
+                "cluster.accelerator=cuda, or cluster.ray.gpus_per_device=0",
+                field="cluster.accelerator",
+            )
+        wanted = "nccl" if cluster.accelerator == "cuda" else "gloo"
+        chosen = self.rollout.sglang.weight_sync_backend
+        if self.rollout.backend == "sglang" and chosen not in (None, wanted):
+            raise ConfigError(
+                f"rollout.sglang.weight_sync_backend={chosen!r}, but with "
+                f"cluster.accelerator={cluster.accelerator} the trainer sends weights over "
+                f"{wanted}: leave rollout.sglang.weight_sync_backend unset (it follows "
+                f"cluster.accelerator), or set cluster.accelerator="
+                f"{'cuda' if chosen == 'nccl' else 'cpu'}",
+                field="rollout.sglang.weight_sync_backend",
+            )
 
     def _check_env(self) -> None:
         env, model = self.env, self.model

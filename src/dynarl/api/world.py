@@ -114,21 +114,25 @@ class RealWorld:
         self.failure: BaseException | None = None
         """Why the world cannot go on, once it cannot."""
 
-    @property
-    def rollout_role(self) -> RolloutRole:
-        """The role rollout slots assume."""
+    def rollout_role(self, device: DeviceId) -> RolloutRole:
+        """The role ``device``'s slot assumes to serve rollout."""
         return RolloutRole(
             model=self.cfg.model,
             rollout=self.cfg.rollout,
             order=self.cfg.rollout.request_order,
             seed=self.cfg.run.seed,
+            accelerator=self.cfg.cluster.accelerator,
+            device=device,
         )
 
-    @property
-    def inference_role(self) -> InferenceRole:
-        """The role inference slots assume."""
+    def inference_role(self, device: DeviceId) -> InferenceRole:
+        """The role ``device``'s slot assumes to serve inference."""
         return InferenceRole(
-            model=self.cfg.model, inference=self.cfg.inference, seed=self.cfg.run.seed
+            model=self.cfg.model,
+            inference=self.cfg.inference,
+            seed=self.cfg.run.seed,
+            accelerator=self.cfg.cluster.accelerator,
+            device=device,
         )
 
     def slot(self, device: DeviceId) -> SlotHandle:
@@ -210,6 +214,8 @@ class RealWorld:
             workers=[CallChannel(self.router, name) for name in names],
             num_threads=threads,
             rendezvous_host=self.host_of(names[0]),
+            accelerator=cfg.cluster.accelerator,
+            devices=self.trainer_devices,
         )
         self.trainer = self.weights.trainer = trainer
         await self._prebuild_roles()
@@ -247,11 +253,13 @@ class RealWorld:
             if c in self.graph.components
             for n in self.graph.components[c].active_instances()
         }
-        roles: list[RolloutRole | InferenceRole] = [self.rollout_role]
-        if INFERENCE in self.graph.components:
-            roles.append(self.inference_role)
+        with_inference = INFERENCE in self.graph.components
 
-        async def prebuild(slot: SlotHandle) -> None:
+        async def prebuild(device: DeviceId) -> None:
+            slot = self.slot(device)
+            roles: list[RolloutRole | InferenceRole] = [self.rollout_role(device)]
+            if with_inference:
+                roles.append(self.inference_role(device))
             for role in roles:
                 await slot.build_role(role, instance=InstanceId(slot.name))
                 await slot.release_memory(host_backup=True)
@@ -259,7 +267,7 @@ class RealWorld:
         async with anyio.create_task_group() as tg:
             for device in self.slot_devices:
                 if device not in placed:
-                    tg.start_soon(prebuild, self.slot(device))
+                    tg.start_soon(prebuild, device)
 
     async def aclose(self) -> None:
         """Stop the trainer, then the slots; idempotent, and finishes even when
@@ -284,22 +292,23 @@ class RealWorld:
         brought to the weights the engines run in one broadcast, and only then
         connected. With ``hold`` the router routes nothing to them until
         ``router.reactivate`` (once the controller has placed them)."""
+        role_of: Callable[[DeviceId], RolloutRole | InferenceRole]
         if component == ROLLOUT:
-            role: RolloutRole | InferenceRole = self.rollout_role
+            role_of = self.rollout_role
         elif component == INFERENCE:
-            role = self.inference_role
+            role_of = self.inference_role
         else:
             raise ValueError(f"slots serve rollout or inference, not {component}")
-        slots = [(self.slot(device), instance) for device, instance in instances]
+        slots = [(self.slot(device), instance, role_of(device)) for device, instance in instances]
         for listener in self.switch_listeners:
-            listener(component, [slot for slot, _ in slots])
+            listener(component, [slot for slot, _, _ in slots])
         try:
-            await self._assume(role, slots, hold=hold)
+            await self._assume(slots, hold=hold)
         except BaseException:
             # A slot that died taking the role is not serving, so the router's report
             # of it forgets nothing: record it, so the next move onto its device
             # reboots it (starts a new slot process) instead of failing there again.
-            for slot, _ in slots:
+            for slot, _, _ in slots:
                 if not slot.alive and slot.name not in self.lost:
                     self.lost.add(slot.name)
                     logger.warning("slot %s died taking the %s role", slot.name, component)
@@ -307,8 +316,7 @@ class RealWorld:
 
     async def _assume(
         self,
-        role: RolloutRole | InferenceRole,
-        slots: list[tuple[SlotHandle, InstanceId]],
+        slots: list[tuple[SlotHandle, InstanceId, RolloutRole | InferenceRole]],
         *,
         hold: bool,
     ) -> None:
@@ -316,11 +324,11 @@ class RealWorld:
         # must not be reconnecting while the group is rebuilt around it.
         async with self.weights.lock:
             async with anyio.create_task_group() as tg:
-                for slot, instance in slots:
+                for slot, instance, role in slots:
                     tg.start_soon(functools.partial(slot.build_role, role, instance=instance))
-            await self.weights.bring_up_to_date([slot for slot, _ in slots])
+            await self.weights.bring_up_to_date([slot for slot, _, _ in slots])
             if hold:
-                for _, instance in slots:
+                for _, instance, _ in slots:
                     self.router.hold(instance)
 
             async def connect(slot: SlotHandle, instance: InstanceId) -> None:
@@ -328,7 +336,7 @@ class RealWorld:
                 self._serving[instance] = slot
 
             async with anyio.create_task_group() as tg:
-                for slot, instance in slots:
+                for slot, instance, _ in slots:
                     tg.start_soon(connect, slot, instance)
 
     async def release(self, instance: InstanceId) -> SlotHandle | None:

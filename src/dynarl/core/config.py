@@ -5,7 +5,7 @@ Each component owns its section beside its code (``workers/config.py``,
 ``rl/config.py``, ...); :mod:`dynarl.api.config` assembles them into the run's tree.
 """
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -14,6 +14,9 @@ NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0.0)]
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+
+Accelerator = Literal["cpu", "cuda"]
+"""What a run's devices are (``cluster.accelerator``): CPU slots, or CUDA GPUs."""
 
 
 class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from dynarl.core.config import NonNegativeFloat, PositiveFloat, PositiveInt, Section
+from dynarl.core.config import Accelerator, NonNegativeFloat, PositiveFloat, PositiveInt, Section
 from dynarl.core.errors import ConfigError
 
 
@@ -21,7 +21,8 @@ class RayConfig(Section, frozen=True, kw_only=True):
         cpus_per_device: CPUs one device's placement-group bundle reserves (its device
             slot and its trainer worker share them).
         gpus_per_device: GPUs one device's bundle reserves (1 on a GPU cluster; 0 on
-            CPU, where a device is a CPU slot).
+            CPU, where a device is a CPU slot). ``cluster.accelerator=cuda`` needs it
+            above 0 (Ray then shows each worker its bundle's GPU).
     """
 
     address: str | None = None
@@ -34,6 +35,11 @@ class ClusterConfig(Section, frozen=True, kw_only=True):
 
     Attributes:
         num_devices: accelerators in the job (on CPU: device slots, one process each).
+        accelerator: what a device is: ``cpu`` (a CPU slot; gloo) or ``cuda`` (a GPU:
+            the trainer, the torch engines and the Megatron inference worker run on it,
+            collectives over NCCL; device ``d`` is GPU ``d % N`` of the ``N`` its
+            process sees). ``cuda`` needs CUDA where the workers run: the run refuses
+            it before any start when the local launcher's machine has none.
         threads_per_device: torch threads per CPU device slot.
         launcher: ``local`` (worker subprocesses here) or ``ray`` (Ray actors in
             placement groups across the nodes of a Ray cluster; see ``docs/cluster.md``).
@@ -49,6 +55,7 @@ class ClusterConfig(Section, frozen=True, kw_only=True):
     """
 
     num_devices: PositiveInt = 4
+    accelerator: Accelerator = "cpu"
     threads_per_device: PositiveInt = 1
     launcher: Literal["local", "ray"] = "local"
     bind_host: str | None = None
@@ -79,4 +86,13 @@ class ClusterConfig(Section, frozen=True, kw_only=True):
                 "cluster.ray.* is set but cluster.launcher is not ray: set "
                 "cluster.launcher=ray or drop the cluster.ray settings",
                 field="cluster.ray",
+            )
+        if self.launcher == "ray" and self.accelerator == "cuda" and not self.ray.gpus_per_device:
+            # Refused, not defaulted to 1: how many GPUs a device is (a fraction to
+            # share one, more for a server of its own) is the user's to say.
+            raise ConfigError(
+                "cluster.accelerator=cuda, but cluster.ray.gpus_per_device=0 reserves no "
+                "GPU for a device's workers (Ray would show them none): set "
+                "cluster.ray.gpus_per_device=1 (or the share of a GPU one device is)",
+                field="cluster.ray.gpus_per_device",
             )

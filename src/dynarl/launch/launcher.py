@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
+from dynarl.core.errors import ConfigError
 from dynarl.data.router import Router
 from dynarl.launch.config import ClusterConfig
 from dynarl.workers.backends import Backend, WorkerEntry, check_name
@@ -88,8 +89,23 @@ LAUNCHERS: Mapping[str, Backend] = {
 
 
 def check(cluster: ClusterConfig) -> None:
-    """Raise :class:`~dynarl.ConfigError` unless ``cluster.launcher`` can run here."""
+    """Raise :class:`~dynarl.ConfigError` unless ``cluster.launcher`` can run here with
+    ``cluster.accelerator``: the local launcher's workers run on this machine, so
+    ``cuda`` needs CUDA here (Ray's workers run on other nodes: each checks its own as
+    it builds, and fails naming the field)."""
     check_name("cluster.launcher", cluster.launcher, LAUNCHERS)
+    if cluster.accelerator == "cuda" and cluster.launcher == "local":
+        check_name("cluster.accelerator", "cuda", {"cuda": Backend(("torch",), "torch", True)})
+        import torch  # only for cuda: checking the CPU needs no torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"cluster.accelerator=cuda, but this machine shows no CUDA device to "
+                f"torch {torch.__version__} (CUDA build: {torch.version.cuda}), and the "
+                f"local launcher runs every worker here: run on a machine with a GPU and "
+                f"a CUDA torch, or set cluster.accelerator=cpu",
+                field="cluster.accelerator",
+            )
 
 
 def build_launcher(

@@ -19,6 +19,7 @@ from typing import Any, Literal, Protocol, cast
 
 import msgspec
 
+from dynarl.core.config import Accelerator
 from dynarl.core.errors import ConfigError
 from dynarl.envs.environment import ChatMessage
 from dynarl.rl.config import AlgorithmConfig
@@ -193,10 +194,14 @@ class TrainerBackend(Protocol):
         workers: Sequence[CallChannel],
         num_threads: int,
         rendezvous_host: str = "127.0.0.1",
+        accelerator: Accelerator = "cpu",
+        devices: Sequence[int] = (),
     ) -> Trainer:
         """A trainer over the started ``workers``, training ``model`` with ``loss``;
         its process group's rendezvous is hosted by worker 0, which the other workers
-        reach at ``rendezvous_host`` (worker 0's node address)."""
+        reach at ``rendezvous_host`` (worker 0's node address). Its workers run on
+        ``accelerator``, worker ``i`` on the run's device ``devices[i]`` (empty:
+        ``i``)."""
         ...
 
     def warm_start(

@@ -14,6 +14,7 @@ from typing import Annotated, Final, Literal
 
 import msgspec
 
+from dynarl.core.config import Accelerator
 from dynarl.core.ids import ComponentId, InstanceId
 from dynarl.data.request_queue import DEFAULT_AGING, AgingBound
 from dynarl.workers.config import InferenceConfig, ModelConfig, RolloutConfig
@@ -47,6 +48,9 @@ class RolloutRole(msgspec.Struct, frozen=True, kw_only=True, tag="rollout"):
         aging: the queue's starvation bound (``None``: none, for comparisons only).
         max_queued_requests: most requests the engine holds (waiting and preempted).
         seed: initialises the model without a path and draws sampling seeds.
+        accelerator: what the slot's device is (``cluster.accelerator``).
+        device: the run's device the slot stands for (with ``cuda``: GPU
+            ``device % N`` of the ``N`` the process sees).
         component: the component its instances belong to.
     """
 
@@ -56,6 +60,8 @@ class RolloutRole(msgspec.Struct, frozen=True, kw_only=True, tag="rollout"):
     aging: AgingBound | None = DEFAULT_AGING
     max_queued_requests: Annotated[int, msgspec.Meta(ge=1)] = 65536
     seed: int = 0
+    accelerator: Accelerator = "cpu"
+    device: Annotated[int, msgspec.Meta(ge=0)] = 0
     component: ComponentId = ComponentId("rollout")
 
 
@@ -66,12 +72,17 @@ class InferenceRole(msgspec.Struct, frozen=True, kw_only=True, tag="inference"):
         model: the policy model (built from ``seed`` when it has no path).
         inference: micro-batch size and whether to score a reference model too.
         seed: initialises the model without a path.
+        accelerator: what the slot's device is (``cluster.accelerator``).
+        device: the run's device the slot stands for (with ``cuda``: GPU
+            ``device % N`` of the ``N`` the process sees).
         component: the component its instances belong to.
     """
 
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     inference: InferenceConfig = msgspec.field(default_factory=InferenceConfig)
     seed: int = 0
+    accelerator: Accelerator = "cpu"
+    device: Annotated[int, msgspec.Meta(ge=0)] = 0
     component: ComponentId = ComponentId("inference")
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from dynarl.core.config import Accelerator
 from dynarl.envs.environment import ChatMessage
 from dynarl.workers.backends import WorkerEntry
 from dynarl.workers.config import ActorConfig, ModelConfig
@@ -16,6 +17,7 @@ from dynarl.workers.megatron.main import megatron_trainer_main
 from dynarl.workers.megatron.pool import MegatronPool
 from dynarl.workers.megatron.spec import ModelSpec
 from dynarl.workers.protocol import InferenceRole
+from dynarl.workers.torch.device import torch_device
 from dynarl.workers.torch.torch_trainer import TorchTrainer
 from dynarl.workers.torch.trainer_calls import WorkerChannel
 from dynarl.workers.torch.trainer_config import TrainerConfig
@@ -34,9 +36,13 @@ class MegatronBackend:
     def build_inference(
         self, role: InferenceRole, *, name: str, num_threads: int
     ) -> MegatronInference:
-        """A log-prob worker running Megatron's forward for ``role``."""
+        """A log-prob worker running Megatron's forward for ``role``, on its device (the
+        CPU, or its GPU)."""
         torch.set_num_threads(num_threads)
-        return MegatronInference.from_config(role.model, role.inference, seed=role.seed, name=name)
+        device = torch_device(role.accelerator, role.device)
+        return MegatronInference.from_config(
+            role.model, role.inference, seed=role.seed, name=name, device=device
+        )
 
     def build_trainer(
         self,
@@ -48,10 +54,13 @@ class MegatronBackend:
         workers: Sequence[WorkerChannel],
         num_threads: int,
         rendezvous_host: str = "127.0.0.1",
+        accelerator: Accelerator = "cpu",
+        devices: Sequence[int] = (),
     ) -> TorchTrainer:
         """An elastic (dp, tp, pp) trainer over ``workers`` (started by the launcher
         with :func:`megatron_trainer_main`), rendezvousing at worker 0's
-        ``rendezvous_host``."""
+        ``rendezvous_host``; worker ``i`` runs on ``accelerator``, as the run's device
+        ``devices[i]`` (empty: ``i``)."""
         spec = ModelSpec(
             model=model,
             tp=actor.tp,
@@ -66,6 +75,8 @@ class MegatronBackend:
             weight_decay=actor.weight_decay,
             grad_clip=actor.grad_clip,
             seed=seed,
+            device=accelerator,
+            device_ids=tuple(devices),
             num_threads=num_threads,
         )
         pool = MegatronPool(

@@ -26,9 +26,10 @@ With them, ``get_megatron_optimizer`` builds Megatron's distributed optimizer on
 CPU (gloo groups), and it runs as on a GPU: the same sharding of main parameters and
 moments, reduce-scatter of gradients, all-gather of parameters, norm and clipping.
 
-:func:`use_cpu` applies them, only when CUDA is absent, once per process (calling it
-again does nothing); the backend calls it before it builds a model. Nothing happens
-at import time.
+:func:`use_cpu` applies them when CUDA is absent, or when the process runs Megatron on
+the CPU although it sees a GPU (``cluster.accelerator=cpu`` on a GPU machine), once per
+process (calling it again does nothing); the backend calls it before it builds a model.
+Nothing happens at import time.
 """
 
 import contextlib
@@ -51,11 +52,13 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def use_cpu() -> bool:
-    """Redirect megatron-core's CUDA assumptions to the CPU when CUDA is absent;
-    returns whether the redirections are in place. Idempotent."""
-    if cuda_available():
-        return False
+def use_cpu(*, force: bool = False) -> bool:
+    """Redirect megatron-core's CUDA assumptions to the CPU when CUDA is absent, or with
+    ``force`` (this process runs Megatron on the CPU although it sees a GPU:
+    ``cluster.accelerator=cpu`` on a GPU machine); returns whether the redirections are
+    in place. Idempotent."""
+    if cuda_available() and not force:
+        return torch.cuda.current_device is _current_device
     if torch.cuda.current_device is _current_device:  # this process is redirected
         return True
     with quiet():

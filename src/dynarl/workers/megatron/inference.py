@@ -76,19 +76,27 @@ class MegatronInference:
 
     @classmethod
     def from_config(
-        cls, model: ModelConfig, inference: InferenceConfig, *, seed: int, name: str
+        cls,
+        model: ModelConfig,
+        inference: InferenceConfig,
+        *,
+        seed: int,
+        name: str,
+        device: torch.device | None = None,
     ) -> "MegatronInference":
-        """The worker of ``model`` (loaded, or random-init from ``seed``)."""
+        """The worker of ``model`` (loaded, or random-init from ``seed``), on ``device``
+        (default: the CPU)."""
+        device = device or torch.device("cpu")
         spec = ModelSpec(model=model, seed=seed)
         arch = spec.architecture()
-        hf = spec.hf_model()
+        hf = spec.hf_model(device=device)
         state = convert.to_megatron({n: p.detach() for n, p in hf.named_parameters()}, arch)
         groups = single_process_groups()
-        policy = build_gpt(arch, groups)
+        policy = build_gpt(arch, groups, device=device)
         convert.load_into(policy, state)
         reference = None
         if inference.compute_ref_logprobs:
-            reference = build_gpt(arch, groups)
+            reference = build_gpt(arch, groups, device=device)
             convert.load_into(reference, state)
             reference.requires_grad_(False)
         tokenizer = load_tokenizer(model)
@@ -102,6 +110,11 @@ class MegatronInference:
             pad_token_id=int(pad),
             name=name,
         )
+
+    @property
+    def device(self) -> torch.device:
+        """Where the models run (the weight-sync group is NCCL on a GPU, else gloo)."""
+        return next(self.policy.parameters()).device
 
     @property
     def weight_version(self) -> int:
@@ -158,6 +171,7 @@ class MegatronInference:
         for row, request in enumerate(batch):
             ids[row, : len(request.token_ids)] = torch.tensor(request.token_ids)
             mask[row, : len(request.token_ids)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         logits = causal_logits(model, ids, mask, vocab_size=self.arch.vocab_size)
         out = []
         for row, request in enumerate(batch):
@@ -184,7 +198,7 @@ class MegatronInference:
 
     async def join_weight_sync(self, group: WeightSyncGroup) -> None:
         """Join the trainer's weight-sync group."""
-        await self.sync.join(group, device=torch.device("cpu"))
+        await self.sync.join(group, device=self.device)
 
     async def receive_weights(self, manifest: WeightManifest) -> int:
         """Receive the policy weights the trainer broadcasts now (HF layout, as

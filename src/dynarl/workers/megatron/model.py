@@ -225,7 +225,7 @@ def build_gpt(
     """The ``GPTModel`` of this process's tensor-parallel rank and pipeline stage (both
     read from ``groups.tp`` and ``groups.pp``), with uninitialised weights on
     ``device`` (load them with :mod:`~dynarl.workers.megatron.convert`)."""
-    use_cpu()
+    use_cpu(force=torch.device(device).type == "cpu")
     _ensure_memory_buffer()
     _ensure_rng_tracker()
     tp, pp = groups.tp.size(), groups.pp.size()

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from dynarl.core.config import Accelerator
 from dynarl.data.request_order import OrderName
 from dynarl.workers.protocol import RolloutRole
 from dynarl.workers.sglang.checkpoint import PolicyCheckpoint
@@ -39,7 +40,9 @@ class SGLangBackend:
         index = _index(name)
         if not config.launches:
             url = config.urls[index % len(config.urls)]
-            engine = connect(config, url=url, name=name, order=role.order)
+            engine = connect(
+                config, url=url, name=name, order=role.order, accelerator=role.accelerator
+            )
             _note_server_limits(engine, role)
             return engine
         stop = contextlib.ExitStack()  # closed by the engine, or here on failure
@@ -63,7 +66,14 @@ class SGLangBackend:
             server = ServerProcess(command, url=f"http://{config.host}:{port}", env=SERVER_ENV)
             stop.callback(server.stop)
             server.start(timeout_s=config.startup_timeout_s)
-            return connect(config, url=server.url, name=name, on_close=stop.close, order=role.order)
+            return connect(
+                config,
+                url=server.url,
+                name=name,
+                on_close=stop.close,
+                order=role.order,
+                accelerator=role.accelerator,
+            )
         except BaseException:
             stop.close()
             raise
@@ -76,9 +86,12 @@ def connect(
     name: str,
     on_close: Callable[[], None] | None = None,
     order: OrderName = "fifo",
+    accelerator: Accelerator = "cpu",
 ) -> SGLangRollout:
     """An engine on the server at ``url``, once it is known to speak this adapter's
-    protocol (a clear :class:`ProtocolMismatchError` otherwise)."""
+    protocol (a clear :class:`ProtocolMismatchError` otherwise); its weight-sync group
+    speaks the backend of the trainer's sender on ``accelerator`` unless ``config``
+    names one."""
     with httpx.Client(base_url=url, timeout=config.connect_timeout_s) as http:
 
         def get(path: str, result: type[Any]) -> Any:
@@ -113,7 +126,7 @@ def connect(
         context_len=context_len,
         weight_version=version,
         stats_interval_s=config.stats_interval_s,
-        weight_sync_backend=config.weight_sync_backend,
+        weight_sync_backend=config.sync_backend(accelerator),
         on_close=on_close or (lambda: None),
         order=order,
     )

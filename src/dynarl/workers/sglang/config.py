@@ -4,7 +4,7 @@ this module to check a config."""
 
 from typing import Literal
 
-from dynarl.core.config import NonNegativeInt, PositiveFloat, PositiveInt, Section
+from dynarl.core.config import Accelerator, NonNegativeInt, PositiveFloat, PositiveInt, Section
 from dynarl.core.errors import ConfigError
 
 
@@ -37,7 +37,11 @@ class SGLangConfig(Section, frozen=True, kw_only=True):
         max_retries: retries of a call that timed out or got a 5xx (with back-off).
         retry_backoff_s: the first retry's delay; each next one doubles it.
         stats_interval_s: how often the engine reads the server's load.
-        weight_sync_backend: the collective backend of the weight-sync group.
+        weight_sync_backend: the collective backend of the weight-sync group;
+            ``None`` (default) follows ``cluster.accelerator`` (``nccl`` on ``cuda``,
+            ``gloo`` on ``cpu``, as the trainer's sender), and a value that disagrees
+            with it is refused. A real SGLang server needs ``nccl``, so
+            ``cluster.accelerator=cuda``; ``gloo`` is for the fake server.
     """
 
     urls: tuple[str, ...] = ()
@@ -52,7 +56,7 @@ class SGLangConfig(Section, frozen=True, kw_only=True):
     max_retries: NonNegativeInt = 3
     retry_backoff_s: PositiveFloat = 0.5
     stats_interval_s: PositiveFloat = 1.0
-    weight_sync_backend: Literal["nccl", "gloo"] = "nccl"
+    weight_sync_backend: Literal["nccl", "gloo"] | None = None
 
     def __post_init__(self) -> None:
         for url in self.urls:
@@ -72,6 +76,12 @@ class SGLangConfig(Section, frozen=True, kw_only=True):
                 f"rollout.sglang.mem_fraction_static={self.mem_fraction_static} must lie in (0, 1)",
                 field="rollout.sglang.mem_fraction_static",
             )
+
+    def sync_backend(self, accelerator: Accelerator) -> Literal["nccl", "gloo"]:
+        """The weight-sync group's backend when the run's devices are ``accelerator``."""
+        if self.weight_sync_backend is not None:
+            return self.weight_sync_backend
+        return "nccl" if accelerator == "cuda" else "gloo"
 
     @property
     def launches(self) -> bool:

@@ -10,12 +10,14 @@ from pathlib import Path
 import anyio
 import torch
 
+from dynarl.core.config import Accelerator
 from dynarl.data.request_order import order_named
 from dynarl.data.request_queue import RequestQueue
 from dynarl.envs.environment import ChatMessage
 from dynarl.workers.backends import WorkerEntry
 from dynarl.workers.config import ActorConfig, ModelConfig
 from dynarl.workers.protocol import InferenceRole, RolloutRole
+from dynarl.workers.torch.device import torch_device
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.inference import InferenceWorker
 from dynarl.workers.torch.inference_server import TorchInference
@@ -38,21 +40,28 @@ class TorchBackend:
     """The trainer workers' process main (the launcher starts them with it)."""
 
     def build_rollout(self, role: RolloutRole, *, name: str, num_threads: int) -> TorchRollout:
-        """A rollout engine whose waiting queue is the data plane's request queue."""
+        """A rollout engine whose waiting queue is the data plane's request queue, on
+        the role's device (the CPU, or its GPU)."""
         torch.set_num_threads(num_threads)
+        device = torch_device(role.accelerator, role.device)
         order = order_named(role.order)
         queue = RequestQueue[EngineSequence](
             order, max_size=role.max_queued_requests, clock=_MonotonicClock(), aging=role.aging
         )
-        engine = RolloutEngine.from_config(role.model, role.rollout, seed=role.seed, queue=queue)
+        engine = RolloutEngine.from_config(
+            role.model, role.rollout, seed=role.seed, device=device, queue=queue
+        )
         return TorchRollout(engine, name=name)
 
     def build_inference(
         self, role: InferenceRole, *, name: str, num_threads: int
     ) -> TorchInference:
-        """An inference worker for ``role``."""
+        """An inference worker for ``role``, on its device (the CPU, or its GPU)."""
         torch.set_num_threads(num_threads)
-        worker = InferenceWorker.from_config(role.model, role.inference, seed=role.seed)
+        device = torch_device(role.accelerator, role.device)
+        worker = InferenceWorker.from_config(
+            role.model, role.inference, seed=role.seed, device=device
+        )
         return TorchInference(worker, name=name)
 
     def build_trainer(
@@ -65,16 +74,21 @@ class TorchBackend:
         workers: Sequence[WorkerChannel],
         num_threads: int,
         rendezvous_host: str = "127.0.0.1",
+        accelerator: Accelerator = "cpu",
+        devices: Sequence[int] = (),
     ) -> TorchTrainer:
         """An elastic data-parallel trainer over ``workers`` (started by the launcher
         with :func:`trainer_main`; not joined yet), rendezvousing at worker 0's
-        ``rendezvous_host``."""
+        ``rendezvous_host``; worker ``i`` runs on ``accelerator``, as the run's device
+        ``devices[i]`` (empty: ``i``)."""
         config = TrainerConfig(
             micro_batch_size=actor.micro_batch_size,
             lr=actor.lr,
             weight_decay=actor.weight_decay,
             grad_clip=actor.grad_clip,
             seed=seed,
+            device=accelerator,
+            device_ids=tuple(devices),
             num_threads=num_threads,
         )
         pool = TrainerPool(

@@ -22,7 +22,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         grad_clip: clip the global gradient norm to this value; ``None`` never clips.
         seed: seeds the initial model; the first members build identical weights.
         device: ``cpu`` (gloo) or ``cuda`` (NCCL; worker ``i`` uses GPU
-            ``i % device_count``).
+            ``device_ids[i] % device_count``, or ``i % device_count`` without them).
+        device_ids: the run's device of each worker, in worker order (``cuda``: the
+            GPU it maps to); empty: worker ``i`` is device ``i``.
         num_threads: torch intra-op threads per worker process (a CPU device slot).
         bucket_bytes: tensors smaller than this are coalesced into buckets of this
             size for broadcasts and all-reduces; larger ones travel on their own.
@@ -40,6 +42,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     grad_clip: PositiveFloat | None = 1.0
     seed: int = 0
     device: Literal["cpu", "cuda"] = "cpu"
+    device_ids: tuple[Annotated[int, msgspec.Meta(ge=0)], ...] = ()
     num_threads: PositiveInt = 1
     bucket_bytes: PositiveInt = 32 * 1024 * 1024
     timeout_s: PositiveFloat = 120.0

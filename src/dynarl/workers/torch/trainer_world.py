@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dynarl.workers.errors import TrainerError
 from dynarl.workers.torch import reshard
+from dynarl.workers.torch.device import torch_device
 from dynarl.workers.torch.rendezvous import TCPStore, connect_store
 from dynarl.workers.torch.trainer import ElasticTrainer
 from dynarl.workers.torch.trainer_commands import Join, Rejoin, Restore
@@ -34,10 +35,8 @@ def join_world(command: Join, store: TCPStore | None) -> tuple[torch.device, Any
     (blocks until every worker of the world joined); returns this worker's device and
     the unpickled model factory and loss."""
     config = command.config
-    device = torch.device("cpu")
-    if config.device == "cuda":
-        device = torch.device("cuda", command.worker % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    ids = config.device_ids
+    device = torch_device(config.device, ids[command.worker] if ids else command.worker)
     model_factory, loss_fn = pickle.loads(command.code)
     world = command.world
     if store is None:
