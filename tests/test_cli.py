@@ -23,3 +23,12 @@ def test_an_unknown_recipe_is_an_error_naming_the_known_ones(
 def test_overrides_apply_to_a_named_recipe() -> None:
     cfg = resolve_config("math_tiny", ["scheduler.mode=static-colocated", "run.seed=7"])
     assert cfg.scheduler.mode == "static-colocated" and cfg.run.seed == 7
+
+
+def test_profiling_gpus_is_refused_rather_than_measuring_the_cpu(
+    capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--set", "cluster.accelerator=cuda", "--out", str(out)]) == 2
+    assert "set cluster.accelerator=cpu" in capsys.readouterr().err
+    assert not out.exists()

@@ -242,6 +242,12 @@ def _profile(args: argparse.Namespace) -> int:
     from dynarl.workers.backends import reference_profiler
 
     cfg = resolve_config(args.config, args.set)
+    if cfg.cluster.accelerator != "cpu":
+        raise ConfigError(
+            f"dynarl profile measures the reference workers on this machine's CPU, not "
+            f"cluster.accelerator={cfg.cluster.accelerator}: set cluster.accelerator=cpu",
+            field="cluster.accelerator",
+        )
     print(
         f"profiling the reference workers on this machine: {args.threads} thread(s) per "
         f"slot, model {cfg.model.arch} {cfg.model.num_layers}x{cfg.model.hidden_size} "
