@@ -30,7 +30,7 @@ REWARD_NOISE = 0.06
 KILLS = [
     WorkerKill(target="rollout", point="rollout", iteration=1),
     WorkerKill(target="inference", point="scoring", iteration=2),
-    WorkerKill(target="rollout", point="migration", iteration=3),
+    WorkerKill(target="rollout", point="migration", iteration=0),
     WorkerKill(target="rollout", point="weight_sync", iteration=4),
 ]
 
@@ -54,7 +54,7 @@ async def test_killed_rollout_and_inference_slots_lose_no_sample(tmp_path: Path)
     cfg = job(tmp_path / "run", "run.num_iterations=5")
     rl, injector = await run_with(cfg, KILLS)
     fired = [(k.kill.target, k.kill.point, k.kill.iteration) for k in injector.kills]
-    assert fired, "no worker was killed"
+    assert len(fired) == len(KILLS), fired  # every planned kill found its moment
     samples = cfg.algorithm.samples_per_iteration
     for (iteration, edge), counts in injector.completions().items():
         assert len(counts) == samples, (iteration, edge, len(counts))  # none lost

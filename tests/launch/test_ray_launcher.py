@@ -159,6 +159,18 @@ async def test_workers_run_as_actors_a_tp_group_per_node_and_a_killed_actor_fail
             assert "w-2" not in c.router.instances
             stats = c.router.statistics()
             assert stats.num_workers_failed == 1 and stats.num_pending == 0
+
+            # The dead worker is started again (the reboot of its device): a new actor
+            # on the same device's bundle, the same entry, reachable as before.
+            restarted = await launcher.restart_worker("w-2")
+            assert restarted.pid is not None and restarted.pid != victim.handle.pid
+            assert alive(restarted.pid)
+            assert "w-2" in c.router.instances
+            assert launcher.locations["w-2"].node == where["w-2"].node  # its group's node
+            assert await c.router.call(InstanceId("w-2"), b"again") == b"pong:again"
+            pids.append(restarted.pid)
+            with pytest.raises(LaunchError, match="still runs"):
+                await launcher.restart_worker("w-2")
         finally:
             await launcher.aclose()
         await launcher.aclose()  # closing twice is harmless

@@ -72,7 +72,7 @@ async def kill_when_busy(router: Any, victim: Any, instance: str, killed: list[i
 
 
 @pytest.mark.timeout(300)
-async def test_a_rollout_actor_killed_mid_iteration_is_handled_and_the_run_goes_on(
+async def test_a_rollout_actor_killed_mid_iteration_is_handled_and_restarted(
     tmp_path: Path, ray_cluster: Any
 ) -> None:
     cfg = config(
@@ -103,6 +103,9 @@ async def test_a_rollout_actor_killed_mid_iteration_is_handled_and_the_run_goes_
                     tg.start_soon(kill_when_busy, world.router, victim, instance, killed)
         stats = world.router.statistics()
         graph = rl.controller.graph if rl.controller is not None else None
+        # The crashed device was rebooted: a new actor runs its slot again.
+        slots = {w.name: w for w in launcher._slots}
+        assert slots[victim.name] is not victim and slots[victim.name].alive
     # It held requests when it died; they went back to the router and finished on the
     # other engine: every sample of every iteration was trained on.
     assert killed and killed[0] > 0 and stats.num_workers_failed == 1
@@ -111,3 +114,45 @@ async def test_a_rollout_actor_killed_mid_iteration_is_handled_and_the_run_goes_
     samples = cfg.algorithm.num_prompts * cfg.algorithm.group_size
     assert graph.components["actor"].items_completed == 3 * samples
     assert all(s.gen_tokens > 0 for s in history)
+    assert sum(s.restarts.get("slot", 0) for s in history) == 1
+
+
+@pytest.mark.timeout(300)
+async def test_a_trainer_actor_killed_mid_step_is_survived_restarted_and_rejoins(
+    tmp_path: Path, ray_cluster: Any
+) -> None:
+    from dynarl.testing.faults import FaultInjector, WorkerKill
+
+    # The static split keeps the actor on its two devices, so the crashed one is
+    # rebooted into the actor at once (as tests/faults' local twin of this test).
+    cfg = config(
+        tmp_path / "trainer",
+        "cluster.launcher=ray",
+        "scheduler.mode=static-disaggregated",
+        "rollout.initial_devices=1",
+        "actor.initial_devices=2",
+        "run.num_iterations=3",
+    )
+    kill = WorkerKill(target="trainer", point="optimizer_step", iteration=1, index=1)
+    async with DynaRL(cfg) as rl:
+        injector = FaultInjector(rl, [kill])
+        injector.attach()
+        history = await rl.run()
+        world = rl._world
+        assert world is not None and world.trainer is not None
+        assert len(injector.kills) == 1, "no trainer rank was killed"
+        record = injector.kills[0]
+        launcher = world.launcher
+        assert isinstance(launcher, RayLauncher)
+        restarted = next(w for w in launcher._workers if w.name == record.worker)
+        assert restarted.alive and restarted.handle.pid != record.pid  # a new actor
+        assert world.trainer.dead == frozenset()
+        assert record.worker in world.trainer.rank_instances()  # a rank again
+        assert len(world.trainer.rank_instances()) == 2
+    assert [s.iteration for s in history] == [0, 1, 2]
+    completions = injector.completions()
+    for iteration in range(3):
+        counts = completions[(iteration, "to_actor")]
+        assert len(counts) == cfg.algorithm.samples_per_iteration, iteration  # none lost
+        assert set(counts.values()) == {1}, iteration  # none twice
+    assert sum(s.restarts.get("trainer", 0) for s in history) == 1

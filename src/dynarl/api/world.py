@@ -77,6 +77,7 @@ class RealWorld:
         """Devices with a trainer worker, in worker order."""
         self._trainer_names = [f"trainer-{i}" for i in range(len(self.trainer_devices))]
         self._trainer_device = dict(zip(self._trainer_names, self.trainer_devices, strict=True))
+        self._respawned: set[int] = set()  # trainer workers restarted, not admitted yet
         self.launcher: Launcher = build_launcher(
             cfg.cluster,
             router,
@@ -418,8 +419,15 @@ class RealWorld:
             d
             for d in devices
             if d in self.trainer_devices
-            and ((w := self.trainer_devices.index(d)) in dead or not self.trainer_workers[w].alive)
+            and ((w := self.trainer_devices.index(d)) in dead or self._trainer_worker_gone(w))
         ]
+
+    def _trainer_worker_gone(self, w: int) -> bool:
+        """Whether trainer worker ``w``'s process is gone: its launcher says so, or the
+        router lost its connection (a Ray launcher hears of an actor's end a moment
+        after the router does)."""
+        name = InstanceId(self._trainer_names[w])
+        return not self.trainer_workers[w].alive or name not in self.router.instances
 
     async def restart_trainer_workers(self, devices: Sequence[DeviceId]) -> None:
         """Start the dead trainer workers of ``devices`` again (the reboot of a device
@@ -435,12 +443,17 @@ class RealWorld:
         started = time.perf_counter()
         for w in workers:
             name = self._trainer_names[w]
-            if not self.trainer_workers[w].alive:
+            # Dead: its process is gone, or the trainer met its death (and it was not
+            # restarted since).
+            died = w in trainer.dead and w not in self._respawned
+            if died or self._trainer_worker_gone(w):
                 self.restarts.take(name, kind="trainer")
                 self.router.hold(InstanceId(name))  # no samples until it is a rank
                 self.trainer_workers[w] = await launcher.restart_worker(name)
+                self._respawned.add(w)
         spawned = time.perf_counter()
         await trainer.admit(tuple(workers))
+        self._respawned.difference_update(workers)
         logger.warning(
             "trainer workers %s restarted (%.2f s) and back in the trainer's world (%.2f s more)",
             workers,

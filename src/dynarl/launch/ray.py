@@ -43,15 +43,28 @@ logger = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.5
 """How often the watcher thread looks at the actors and copies their logs."""
 
+RESTART_WAIT_S = 5.0
+"""Most time a restart waits for the watcher to see the old worker end."""
+
 
 class RayWorker:
     """One worker the launcher started: its actor, the call that runs it, where it
     runs, and how it ended."""
 
-    def __init__(self, name: str, device: int, actor: Any, router: Router) -> None:
+    def __init__(
+        self,
+        name: str,
+        device: int,
+        actor: Any,
+        router: Router,
+        run: tuple[Callable[..., None], tuple[Any, ...]],
+    ) -> None:
         self.name = name
         self.device = device
         self.actor = actor
+        self.run = run
+        """What the actor runs: the worker's entry and its arguments (a restart runs
+        the same)."""
         self.handle = SlotHandle(router, name, alive=lambda: self.alive)
         self.run_ref: Any = None
         self.where: Whereabouts | None = None
@@ -177,6 +190,45 @@ class RayLauncher:
         self._workers += started
         return [w.handle for w in started]
 
+    async def restart_slot(self, index: int) -> SlotHandle:
+        """Start slot ``index`` again in a new actor on its device's bundle, after its
+        worker ended (its process died, its actor was killed, or its node was lost:
+        Ray places the bundle of a lost node on another node with room), and wait
+        until it has said hello as a free slot; returns its new handle. Raises
+        :class:`LaunchError` if the old worker still runs or the new one does not
+        start in time."""
+        self._slots[index] = await self._restart(self._slots[index])
+        return self._slots[index].handle
+
+    async def restart_worker(self, name: str) -> SlotHandle:
+        """Start worker ``name`` again as :meth:`start_workers` started it, in a new
+        actor on its device's bundle, after it ended; wait until it has said hello and
+        return its new handle (raises as :meth:`restart_slot` does)."""
+        index = next((i for i, w in enumerate(self._workers) if w.name == name), None)
+        if index is None:
+            raise LaunchError(f"no worker {name} was started")
+        self._workers[index] = await self._restart(self._workers[index])
+        return self._workers[index].handle
+
+    async def _restart(self, old: RayWorker) -> RayWorker:
+        if self._closing:
+            raise LaunchError(f"the launcher is closing; {old.name} is not restarted")
+        if old.alive and old.name not in self.router.instances:
+            # The router heard of its death (a closed connection) before the watcher
+            # saw the actor's run end.
+            with anyio.move_on_after(RESTART_WAIT_S):
+                await old.exited.wait()
+        if old.alive:
+            raise LaunchError(f"{old.name} still runs; it needs no restart")
+        import ray
+
+        # Its actor may outlive its process (the process exited, the actor did not).
+        await anyio.to_thread.run_sync(lambda: ray.kill(old.actor, no_restart=True))
+        entry, arg = old.run
+        [worker] = await self._start(entry, [old.name], [old.device], [arg])
+        logger.info("restarted %s (device %d)", worker.name, worker.device)
+        return worker
+
     async def aclose(self) -> None:
         """Retire every worker, end what is left (its process, then its actor), copy
         the last of the logs, release the devices and leave Ray. Idempotent; finishes
@@ -247,7 +299,7 @@ class RayLauncher:
                 scheduling_strategy=self._placement.strategy(device),
                 **resources,
             ).remote(name)
-            worker = RayWorker(name, device, actor, self.router)
+            worker = RayWorker(name, device, actor, self.router, (entry, arg))
             worker.run_ref = actor.run.remote(entry, arg)
             started.append(worker)
         with self._lock:
