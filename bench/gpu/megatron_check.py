@@ -35,20 +35,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dynarl.testing.minibatches import random_minibatch
+
 MODEL_FIELDS = {"max_seq_len": 64, "num_layers": 2}
-
-
-def minibatch(step: int, n: int = 8, length: int = 20) -> dict[str, Any]:
-    rng = np.random.default_rng(step)
-    mask = np.zeros((n, length), dtype=np.float32)
-    mask[:, 6:] = 1.0
-    return {
-        "input_ids": rng.integers(4, 90, size=(n, length)),
-        "attention_mask": np.ones((n, length), dtype=np.int64),
-        "loss_mask": mask,
-        "old_logprobs": np.full((n, length), -4.0, dtype=np.float32),
-        "advantages": rng.standard_normal(n).astype(np.float32),
-    }
 
 
 def check_logits() -> dict[str, Any]:
@@ -99,18 +88,18 @@ async def check_train(
             await pool.start_training([0])
             start = f"/tmp/dynarl_megatron_check_start_{int(distributed_optimizer)}.pt"
             await pool.save_checkpoint(start)
-            fixed = [(await pool.train_step(minibatch(s))).loss for s in range(4)]
+            fixed = [(await pool.train_step(random_minibatch(s))).loss for s in range(4)]
             out["fixed"] = fixed
             if num_workers >= 2:
                 await pool.load_checkpoint(start)
-                moved = [(await pool.train_step(minibatch(0))).loss]
+                moved = [(await pool.train_step(random_minibatch(0))).loss]
                 grow = await pool.resize([0, 1])
-                moved.append((await pool.train_step(minibatch(1))).loss)
+                moved.append((await pool.train_step(random_minibatch(1))).loss)
                 await pool.resize([0])
                 tp = await pool.reshard([0, 1], tp=2, pp=1)
-                moved.append((await pool.train_step(minibatch(2))).loss)
+                moved.append((await pool.train_step(random_minibatch(2))).loss)
                 await pool.reshard([0], tp=1, pp=1)
-                moved.append((await pool.train_step(minibatch(3))).loss)
+                moved.append((await pool.train_step(random_minibatch(3))).loss)
                 shrink = await pool.resize([0])
                 out.update(
                     moved=moved,
