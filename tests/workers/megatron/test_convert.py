@@ -76,15 +76,25 @@ def test_a_saved_checkpoint_loads_into_megatron_with_transformers_logits(
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (2, 2), (1, 4)])
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_hf_to_megatron_to_hf_is_exact(family: str, tp: int, pp: int) -> None:
-    hf = tiny_hf(family, tied=False, seed=2)
+@pytest.mark.parametrize(("family", "tied"), [("qwen2", False), ("llama", False), ("qwen2", True)])
+def test_hf_to_megatron_to_hf_is_exact(family: str, tied: bool, tp: int, pp: int) -> None:
+    hf = tiny_hf(family, tied=tied, seed=2)
     arch = Architecture.from_hf_config(hf.config)
     state = {n: p.detach() for n, p in hf.named_parameters()}
     stages = [
         [convert.to_megatron(state, arch, tp_rank=t, tp=tp, pp_rank=p, pp=pp) for t in range(tp)]
         for p in range(pp)
     ]
+    if tied and pp > 1:  # the last stage's output layer is a copy of the embedding
+        for t in range(tp):
+            torch.testing.assert_close(
+                stages[-1][t]["output_layer.weight"],
+                stages[0][t]["embedding.word_embeddings.weight"],
+                rtol=0,
+                atol=0,
+            )
+    else:
+        assert all("output_layer.weight" in s for s in stages[-1]) != tied
     if tp == 2:  # a real shard: half the heads, padded vocabulary
         first = stages[0][0]
         assert first["embedding.word_embeddings.weight"].shape == (51, 64)
@@ -108,3 +118,16 @@ def test_configs_it_cannot_reproduce_are_refused() -> None:
     )
     with pytest.raises(ConfigError, match=r"actor\.tp=4"):
         arch.check_parallel(4, 1)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_a_tied_model_builds_every_pipeline_stage(pp: int) -> None:
+    """Tied embeddings split over stages: the last stage has an output layer of its own
+    (the embedding's copy), the middle ones neither, and a split is not refused."""
+    arch = Architecture.from_hf_config(tiny_hf("qwen2", tied=True, seed=0).config)
+    arch.check_parallel(1, pp)
+    names = [set(convert.megatron_names(arch, pp_rank=p, pp=pp)) for p in range(pp)]
+    assert "embedding.word_embeddings.weight" in names[0] - names[-1]
+    assert "output_layer.weight" in names[-1] - names[0]
+    for middle in names[1:-1]:
+        assert not {n for n in middle if "embedding" in n or "output" in n}

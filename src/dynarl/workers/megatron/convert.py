@@ -5,7 +5,10 @@ Megatron fuses q/k/v into ``linear_qkv`` (grouped by key/value head: each group'
 query heads, then its key, then its value) and gate/up into ``linear_fc1``; it shards
 column-parallel weights on dimension 0 (``linear_fc1``'s gate and up halves each), row-
 parallel ones on dimension 1, and pads the vocabulary to a multiple of the
-tensor-parallel size; each pipeline stage numbers its layers from 0.
+tensor-parallel size; each pipeline stage numbers its layers from 0. A model with tied
+embeddings split over more than one stage has a second copy of the word embedding, the
+last stage's ``output_layer.weight``: it is cut from the HF embedding, and the HF
+export takes the embedding from the first stage alone (the copies are equal).
 
 :func:`to_megatron` cuts one rank's tensors out of an HF state dict; :func:`to_hf`
 merges every rank's tensors back. Both are exact (pure rearrangements), and they apply
@@ -53,7 +56,7 @@ def megatron_names(arch: Architecture, *, pp_rank: int, pp: int) -> list[str]:
         ]
     if pp_rank == pp - 1:
         names.append("decoder.final_layernorm.weight")
-        if not arch.tied_embeddings:
+        if not arch.tied_embeddings or pp_rank > 0:  # tied, one stage: no output weight
             names.append("output_layer.weight")
     return names
 
@@ -107,7 +110,7 @@ def _full_from_hf(hf: Tensors, name: str, arch: Architecture, offset: int) -> to
     if name == "embedding.word_embeddings.weight":
         return hf["model.embed_tokens.weight"]
     if name == "output_layer.weight":
-        return hf["lm_head.weight"]
+        return hf["model.embed_tokens.weight" if arch.tied_embeddings else "lm_head.weight"]
     if name == "decoder.final_layernorm.weight":
         return hf["model.norm.weight"]
     match = _LAYER.match(name)
@@ -137,7 +140,8 @@ def _hf_from_full(
     if name == "embedding.word_embeddings.weight":
         return {"model.embed_tokens.weight": full}
     if name == "output_layer.weight":
-        return {"lm_head.weight": full}
+        # a tied model's copy on the last stage equals the first stage's embedding
+        return {} if arch.tied_embeddings else {"lm_head.weight": full}
     if name == "decoder.final_layernorm.weight":
         return {"model.norm.weight": full}
     match = _LAYER.match(name)

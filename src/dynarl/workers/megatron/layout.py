@@ -9,9 +9,12 @@ samples there, and it shares them with the rest of its replica.
 :func:`build_groups` creates every group of a layout with ``torch.distributed``
 (collective over the world: every worker calls it with the same layout, members or
 not) and returns this worker's: megatron-core's ``ProcessGroupCollection`` (tensor,
-pipeline, data parallel), its replica (model-parallel) group and the group of all
-members. The groups are explicit, never ``parallel_state`` globals, so a resize builds
-the next layout's beside the running one.
+pipeline, data parallel), its replica (model-parallel) group, the group of all
+members, and with more than one stage the *embedding group*: each pipeline's first and
+last stage (a model with tied embeddings keeps a copy of the word embedding on the last
+stage as its output layer, and the two copies' gradients are summed over it). The
+groups are explicit, never ``parallel_state`` globals, so a resize builds the next
+layout's beside the running one.
 """
 
 import datetime
@@ -102,6 +105,9 @@ class RankGroups:
     """The replica's workers (model parallel: tensor x pipeline)."""
     members: dist.ProcessGroup
     """Every member of the layout."""
+    embedding: dist.ProcessGroup | None
+    """This pipeline's first and last stage, on those two stages of a layout of more
+    than one stage (``None`` elsewhere): the word embedding and a tied output layer."""
     created: list[dist.ProcessGroup]
     """Every group this worker is in (destroyed with the layout)."""
 
@@ -156,6 +162,8 @@ def build_groups(layout: Layout, *, worker: int, timeout_s: float) -> RankGroups
             keep("tp", new([at(d, p, t) for t in range(layout.tp)]))
         for t in range(layout.tp):
             keep("pp", new([at(d, p, t) for p in range(layout.pp)]))
+            if layout.pp > 1:
+                keep("embedding", new([at(d, 0, t), at(d, layout.pp - 1, t)]))
     for p in range(layout.pp):
         for t in range(layout.tp):
             keep("dp", new([at(d, p, t) for d in range(layout.dp)]))
@@ -169,8 +177,9 @@ def build_groups(layout: Layout, *, worker: int, timeout_s: float) -> RankGroups
             f"members {layout.members}: inside a replica the workers must come in "
             "increasing order (tensor ranks and pipeline stages follow world ranks)"
         )
+    embedding = found.get("embedding")
     collection = groups_of(
-        tp=found["tp"], pp=found["pp"], dp=found["dp"], mp=found["replica"], embd=found["pp"]
+        tp=found["tp"], pp=found["pp"], dp=found["dp"], mp=found["replica"], embd=embedding
     )
     # the distributed optimizer sums gradient statistics over every member
     collection.intra_dist_opt = found["members"]
@@ -180,5 +189,6 @@ def build_groups(layout: Layout, *, worker: int, timeout_s: float) -> RankGroups
         collection=collection,
         replica=found["replica"],
         members=found["members"],
+        embedding=embedding,
         created=mine,
     )

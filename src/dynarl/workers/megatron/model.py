@@ -15,6 +15,7 @@ explicit causal mask, logits ``[batch, seq, vocab]`` cut to the real vocabulary 
 embedding is padded to a multiple of the tensor-parallel size).
 """
 
+import copy
 import datetime
 import logging
 from dataclasses import dataclass
@@ -46,7 +47,11 @@ class Architecture:
             transformer shape.
         rms_norm_eps, rope_theta: RMSNorm epsilon and rotary base.
         qkv_bias: q/k/v projections have a bias.
-        tied_embeddings: the output layer is the input embedding.
+        tied_embeddings: the output layer is the input embedding. Split over more than
+            one pipeline stage, the last stage keeps its own copy of the embedding as
+            its output layer (loaded from the same HF tensor), and the trainer sums the
+            two copies' gradients over the embedding group before each step, so they
+            stay equal.
         max_positions: longest sequence.
         dtype: ``float32`` or ``bfloat16``.
         padding_idx: the embedding row of the config's ``pad_token_id`` (``None``:
@@ -147,12 +152,6 @@ class Architecture:
                 f"actor.pp={pp} must divide the model's {self.num_layers} layers",
                 field="actor.pp",
             )
-        if pp > 1 and self.tied_embeddings:
-            raise ConfigError(
-                f"actor.pp={pp} with tied embeddings (tie_word_embeddings=True) is not "
-                "supported by this backend yet; set actor.pp=1",
-                field="actor.pp",
-            )
 
 
 def _refuse(condition: bool, what: str) -> None:
@@ -235,6 +234,12 @@ def build_gpt(
         from megatron.core.models.gpt.gpt_model import GPTModel
 
         stage = groups.pp.rank()
+        # Without an embedding group megatron-core skips its all-reduce of a tied
+        # embedding's two copies at construction (uninitialised memory here: weights are
+        # loaded after), so a worker builds its rank without waiting for the other
+        # stage's (a joiner of a resize). The trainer sums their gradients itself.
+        building = copy.copy(groups)
+        building.embd = None
         model = GPTModel(
             transformer_config(arch, tp=tp, pp=pp),
             get_gpt_layer_local_spec(normalization="RMSNorm"),
@@ -246,8 +251,10 @@ def build_gpt(
             share_embeddings_and_output_weights=arch.tied_embeddings,
             position_embedding_type="rope",
             rotary_base=int(arch.rope_theta),
-            pg_collection=groups,
+            pg_collection=building,
         )
+    model.pg_collection = groups
+    model.embd_group = groups.embd
     module: torch.nn.Module = model
     _mark_sharded(module)
     if stage == 0 and arch.padding_idx is not None:
@@ -335,7 +342,9 @@ def groups_of(
     embd: dist.ProcessGroup | None = None,
 ) -> "ProcessGroupCollection":
     """A ``ProcessGroupCollection`` of the given groups (context and expert parallel
-    sizes are 1: their groups are the tensor-parallel and data-parallel ones)."""
+    sizes are 1: their groups are the tensor-parallel and data-parallel ones; ``embd``:
+    the pipeline's first and last stage on those stages, else ``None``; no position
+    embedding group, the models use rotary embeddings)."""
     with quiet():
         from megatron.core.process_groups_config import ProcessGroupCollection
     groups = ProcessGroupCollection()
@@ -346,8 +355,8 @@ def groups_of(
     groups.cp = _self_group(tp)
     groups.tp_cp = tp
     groups.mp = mp if mp is not None else tp
-    groups.embd = embd if embd is not None else pp
-    groups.pos_embd = embd if embd is not None else pp
+    groups.embd = embd
+    groups.pos_embd = None
     groups.tp_dp_cp = dp if tp.size() == 1 else tp
     groups.expt_dp = dp
     groups.ep = _self_group(tp)

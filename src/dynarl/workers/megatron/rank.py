@@ -8,7 +8,9 @@ the 1F1B ``forward_backward_pipelining_without_interleaving`` across stages) ove
 replica's micro-batches with ``calculate_per_token_loss``: each micro-batch adds the
 gradient of its loss *sum* to the wrapper's buffers and its normaliser to a count, as
 the torch trainer does. The wrapper sums the buffers over the data-parallel group
-(``finish_grad_sync``, gradient scaling 1); every member learns the global loss,
+(``finish_grad_sync``, gradient scaling 1), and a model with tied embeddings split over
+stages sums its two copies' gradients over the embedding group (first and last stage);
+every member learns the global loss,
 normaliser and gradient norm (each shard counted once: tensor-parallel duplicates only
 on tensor rank 0); the gradients are divided by the global normaliser and clipped, and
 AdamW steps on them. With the distributed optimizer the wrapper reduce-scatters
@@ -223,11 +225,25 @@ class MegatronRank(ElasticTrainer):
         self.ddp.zero_grad_buffer()
         totals = self._forward_backward(batch) if batch else (0.0, 0.0)
         self.ddp.finish_grad_sync()
+        self._sum_tied_embedding_grads()
         if self.distributed is None:
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.grad = p.main_grad  # type: ignore[attr-defined]
         return totals
+
+    def _sum_tied_embedding_grads(self) -> None:
+        """With tied embeddings split over stages, add the gradient of the last stage's
+        output layer to the first stage's embedding's and back (an all-reduce over the
+        embedding group, as megatron-core's ``finalize_model_grads`` does): both copies
+        then take the single-stage model's gradient and stay equal. With the
+        distributed optimizer the copy has a gradient bucket of its own, sliced the same
+        way on both stages, so the sum of the reduce-scattered slices is exact."""
+        embedding = self.groups.embedding
+        if embedding is None or not self.arch.tied_embeddings:
+            return
+        weight = self.model.shared_embedding_or_output_weight()  # type: ignore[operator]
+        dist.all_reduce(weight.main_grad, group=embedding)
 
     def _forward_backward(self, batch: TensorBatch) -> tuple[float, float]:
         """Forward and backward over ``batch`` in micro-batches with megatron-core's
@@ -269,11 +285,14 @@ class MegatronRank(ElasticTrainer):
 
     def _local_grad_square(self, params: list[torch.nn.Parameter]) -> float:
         """Sum of squared gradients of this shard's parameters, tensor-parallel
-        duplicates (norms) counted on tensor rank 0 only."""
+        duplicates (norms) counted on tensor rank 0 only, and a tied embedding's copy
+        on the last stage (megatron-core marks it ``shared``) not at all."""
         first = self.groups.position.tp_rank == 0
         total = 0.0
         for p in params:
-            if p.grad is not None and (first or getattr(p, "tensor_model_parallel", False)):
+            if p.grad is None or getattr(p, "shared", False):
+                continue
+            if first or getattr(p, "tensor_model_parallel", False):
                 total += float(p.grad.detach().double().pow(2).sum())
         return total
 
