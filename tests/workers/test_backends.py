@@ -83,6 +83,41 @@ def test_the_default_backends_run_here() -> None:
     assert backends.preload_modules(DynaRLConfig().rollout) == ("torch", "transformers")
 
 
+_PRELOAD = """
+import sys
+import anyio
+from dynarl.workers.slot import SlotConfig, SlotServer
+config = SlotConfig(preload_modules={modules!r}, import_warnings={warnings!r})
+anyio.run(SlotServer("slot-0", config).preload)
+assert "megatron.core.optimizer" in sys.modules
+"""
+
+
+def test_a_slot_preloading_megatron_does_not_warn_about_absent_fused_kernels() -> None:
+    """megatron-core warns when it loads that Transformer Engine and Apex are absent
+    (four times a process); a slot that preloads it for the Megatron backends says
+    nothing of it, and still shows other warnings."""
+    pytest.importorskip("megatron.core")
+    cfg = apply_overrides(DynaRLConfig(), ["inference.backend=megatron"])
+    modules = backends.preload_modules(cfg.rollout, cfg.inference)
+    assert "megatron.core" in modules
+    script = _PRELOAD.format(
+        modules=modules, warnings=backends.import_warnings(cfg.rollout, cfg.inference)
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "are not installed" not in out.stderr
+    bare = subprocess.run(
+        [sys.executable, "-c", _PRELOAD.format(modules=modules, warnings=())],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert bare.stderr.count("Transformer Engine and Apex are not installed") == 4
+
+
 def test_a_missing_package_is_named_before_the_backend_is_imported(monkeypatch) -> None:
     """A built backend whose package is absent names its extra (torch's here)."""
     monkeypatch.setattr(backends, "_installed", lambda module: module != "transformers")

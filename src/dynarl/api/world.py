@@ -85,6 +85,7 @@ class RealWorld:
             slot=SlotConfig(
                 num_threads=cfg.cluster.threads_per_device,
                 preload_modules=backends.preload_modules(cfg.rollout, cfg.inference),
+                import_warnings=backends.import_warnings(cfg.rollout, cfg.inference),
             ),
             slot_devices=self.slot_devices,
             worker_devices=self._trainer_device,

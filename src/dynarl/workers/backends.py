@@ -52,6 +52,8 @@ class Backend:
         note: what to use instead, or where it stands, for the error message.
         check_section: refuses section values it cannot honour here (raises
             :class:`~dynarl.ConfigError`), beyond the parallel sizes.
+        import_warnings: how the warnings its modules give when they load begin,
+            where they concern no user (silenced where those modules are preloaded).
     """
 
     requires: tuple[str, ...]
@@ -61,17 +63,21 @@ class Backend:
     max_pp: int | None = 1
     note: str = ""
     check_section: Callable[[Any], None] | None = None
+    import_warnings: tuple[str, ...] = ()
 
 
 _TORCH = Backend(requires=("torch", "transformers"), extra="torch", built=True, max_tp=1)
 
 
+# megatron-core says so once per module when it loads; its local layers are used here
+_NO_FUSED_KERNELS = ("Transformer Engine and Apex are not installed",)
 _MEGATRON_INFERENCE = Backend(
     requires=("torch", "transformers", "megatron.core"),
     extra="megatron",
     built=True,
     max_tp=1,
     note="one inference replica per process; set inference.tp=1",
+    import_warnings=_NO_FUSED_KERNELS,
 )
 _MEGATRON_ACTOR = Backend(
     requires=("torch", "transformers", "megatron.core"),
@@ -79,6 +85,7 @@ _MEGATRON_ACTOR = Backend(
     built=True,
     max_tp=None,
     max_pp=None,
+    import_warnings=_NO_FUSED_KERNELS,
 )
 
 
@@ -326,12 +333,27 @@ def trainer_backend(section: ActorConfig) -> TrainerBackend:
 
 def preload_modules(*sections: RolloutConfig | InferenceConfig | ActorConfig) -> tuple[str, ...]:
     """The modules the backends of ``sections`` import, to load ahead of their first use."""
+    names: dict[str, None] = {}
+    for backend in _backends_of(sections):
+        names.update(dict.fromkeys(backend.requires))
+    return tuple(names)
+
+
+def import_warnings(*sections: RolloutConfig | InferenceConfig | ActorConfig) -> tuple[str, ...]:
+    """How the warnings begin that the :func:`preload_modules` of ``sections`` give when
+    they load and that concern no user (a process preloading them silences these)."""
+    starts: dict[str, None] = {}
+    for backend in _backends_of(sections):
+        starts.update(dict.fromkeys(backend.import_warnings))
+    return tuple(starts)
+
+
+def _backends_of(
+    sections: Sequence[RolloutConfig | InferenceConfig | ActorConfig],
+) -> list[Backend]:
     roles: dict[type, Role] = {
         RolloutConfig: "rollout",
         InferenceConfig: "inference",
         ActorConfig: "actor",
     }
-    names: dict[str, None] = {}
-    for section in sections:
-        names.update(dict.fromkeys(BACKENDS[roles[type(section)]][section.backend].requires))
-    return tuple(names)
+    return [BACKENDS[roles[type(section)]][section.backend] for section in sections]

@@ -20,6 +20,8 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
+import warnings
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -64,6 +66,8 @@ class SlotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         preload_modules: modules to import in the background right after start (the
             backends' own, e.g. torch and transformers), so that the first role is
             built without that cost.
+        import_warnings: how the warnings begin (``UserWarning``) that those modules
+            give when they load and that concern no user: this process ignores them.
     """
 
     num_threads: int = 1
@@ -71,6 +75,7 @@ class SlotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     stats_interval_s: float = 1.0
     hello_timeout_s: float = 30.0
     preload_modules: tuple[str, ...] = ()
+    import_warnings: tuple[str, ...] = ()
 
 
 class SlotServer:
@@ -150,6 +155,8 @@ class SlotServer:
             for module in self.config.preload_modules:
                 importlib.import_module(module)
 
+        for start in self.config.import_warnings:  # before the thread: filters are global
+            warnings.filterwarnings("ignore", message=re.escape(start), category=UserWarning)
         try:
             await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
         finally:
