@@ -56,6 +56,14 @@ def _save_tied_model(path: Path) -> None:
     save_pretrained(model, tokenizer, path)
 
 
+def _config() -> Any:
+    from dynarl.workers.torch.trainer_config import TrainerConfig
+
+    return TrainerConfig(
+        micro_batch_size=4, lr=1e-2, grad_clip=CLIP, timeout_s=90.0, reshard_timeout_s=30.0
+    )
+
+
 def _worker(worker: int, port: int, path: str, results: Any) -> None:
     import torch.distributed as dist
 
@@ -67,7 +75,6 @@ def _worker(worker: int, port: int, path: str, results: Any) -> None:
     from dynarl.workers.megatron.layout import Layout, build_groups
     from dynarl.workers.megatron.rank import MegatronRank
     from dynarl.workers.megatron.spec import ModelSpec
-    from dynarl.workers.torch.trainer_config import TrainerConfig
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -75,7 +82,7 @@ def _worker(worker: int, port: int, path: str, results: Any) -> None:
     )
     model = ModelConfig(path=path, max_seq_len=64, num_layers=4)
     loss = GrpoLoss.from_config(AlgorithmConfig())
-    config = TrainerConfig(micro_batch_size=4, lr=1e-2, grad_clip=CLIP)
+    config = _config()
     hf_state = ModelSpec(model=model).hf_state()
     checkpoint = f"{path}/pp4-after-2-steps.pt"
     for name, (members, tp, pp, distributed, first) in LAYOUTS.items():
@@ -131,9 +138,15 @@ def _arrays(out: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tied")
     _save_tied_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def outcomes(checkpoint: Path) -> dict[str, dict[str, Any]]:
+    path = checkpoint
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -190,3 +203,50 @@ def test_the_embedding_trains(outcomes: dict[str, Any], tmp_path: Path) -> None:
     before = start.model.embed_tokens.weight.detach().numpy()
     after = outcomes["pp1"]["model"]["model.embed_tokens.weight"]
     assert np.abs(after - before).max() > 1e-3
+
+
+@pytest.mark.asyncio
+async def test_reshard_to_pp2_and_dp_resizes_of_a_tied_model_equal_one_rank(
+    outcomes: dict[str, Any], checkpoint: Path, tmp_path: Path
+) -> None:
+    """Through the trainer pool's workers: PP=1 -> (reshard) PP=2 -> (resize) PP=2 x
+    DP=2 -> (resize, the first replica leaves) PP=2 on the joiners, one step each,
+    equals the fixed PP=1 run: each layout's embedding group is built, the reshard cuts
+    the copy from the embedding, and the data-parallel resize moves it."""
+    from dynarl.api.config import AlgorithmConfig
+    from dynarl.rl.grpo import GrpoLoss
+    from dynarl.testing.minibatches import random_minibatch
+    from dynarl.testing.workers import LocalWorkers
+    from dynarl.workers.config import ModelConfig
+    from dynarl.workers.megatron.main import megatron_trainer_main
+    from dynarl.workers.megatron.pool import MegatronPool
+    from dynarl.workers.megatron.spec import ModelSpec
+
+    spec = ModelSpec(model=ModelConfig(path=str(checkpoint), max_seq_len=64, num_layers=4))
+    loss = GrpoLoss.from_config(AlgorithmConfig())
+    names = [f"tied-{i}" for i in range(WORLD)]
+    async with LocalWorkers(megatron_trainer_main, names) as workers:
+        pool = MegatronPool(_config(), workers=workers.channels, model_factory=spec, loss_fn=loss)
+        await pool.start()
+        try:
+            await pool.start_training([0])
+            losses = [(await pool.train_step(random_minibatch(0))).loss]
+            await pool.reshard([0, 1], tp=1, pp=2)
+            losses.append((await pool.train_step(random_minibatch(1))).loss)
+            grown = await pool.resize([0, 1, 2, 3])
+            assert grown.bytes_moved > 0
+            losses.append((await pool.train_step(random_minibatch(2))).loss)
+            await pool.resize([2, 3])
+            losses.append((await pool.train_step(random_minibatch(3))).loss)
+            await pool.save_checkpoint(tmp_path / "end.pt")
+        finally:
+            await pool.close()
+    one = outcomes["pp1"]
+    np.testing.assert_allclose(losses, one["losses"], rtol=1e-5)
+    saved = torch.load(tmp_path / "end.pt", weights_only=True)["model"]
+    assert sorted(saved) == sorted(one["model"])
+    for name, expected in one["model"].items():
+        if not name.endswith(NOISE_ONLY):
+            np.testing.assert_allclose(
+                saved[name].numpy(), expected, rtol=1e-4, atol=2e-5, err_msg=name
+            )
