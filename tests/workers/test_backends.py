@@ -159,3 +159,14 @@ def test_megatron_trainer_settings_are_refused_for_another_trainer() -> None:
         DynaRLConfig(), ["actor.backend=megatron", "actor.megatron.distributed_optimizer=true"]
     )
     assert chosen.actor.megatron.distributed_optimizer
+
+
+def test_the_distributed_optimizer_follows_the_accelerator_unless_set() -> None:
+    unset = apply_overrides(DynaRLConfig(), ["actor.backend=megatron"]).actor.megatron
+    assert unset.distributed_optimizer is None
+    assert unset.uses_distributed_optimizer("cuda")
+    assert not unset.uses_distributed_optimizer("cpu")
+    off = apply_overrides(
+        DynaRLConfig(), ["actor.backend=megatron", "actor.megatron.distributed_optimizer=false"]
+    ).actor.megatron
+    assert not off.uses_distributed_optimizer("cuda")

@@ -126,10 +126,17 @@ class MegatronActorConfig(Section, frozen=True, kw_only=True):
             parameters) are sliced over the data-parallel group, gradients are
             reduce-scattered and parameters all-gathered; the update equals torch's
             AdamW's (fp32 tolerance). Off: torch's AdamW on every data-parallel rank.
-            Resizes and checkpoints carry the state whole either way.
+            Resizes and checkpoints carry the state whole either way. Unset: on with
+            ``cluster.accelerator=cuda`` (what Megatron does on GPUs), off on CPU.
     """
 
-    distributed_optimizer: bool = False
+    distributed_optimizer: bool | None = None
+
+    def uses_distributed_optimizer(self, accelerator: str) -> bool:
+        """Whether the trainer runs the distributed optimizer on ``accelerator``."""
+        if self.distributed_optimizer is None:
+            return accelerator == "cuda"
+        return self.distributed_optimizer
 
 
 class ActorConfig(Section, frozen=True, kw_only=True):

@@ -66,7 +66,7 @@ class MegatronBackend:
             tp=actor.tp,
             pp=actor.pp,
             seed=seed,
-            distributed_optimizer=actor.megatron.distributed_optimizer,
+            distributed_optimizer=actor.megatron.uses_distributed_optimizer(accelerator),
         )
         spec.architecture()  # refuses a model or split it cannot build, before any start
         config = TrainerConfig(
