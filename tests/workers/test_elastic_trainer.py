@@ -121,12 +121,16 @@ NOISE_ONLY = ".self_attn.k_proj.bias"
 PIDS: dict[str, int | None] = {}
 """The shared pool's worker processes, by name."""
 
+WORKERS: list[LocalWorkers] = []
+"""The shared pool's workers (to restart a dead one)."""
+
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool() -> AsyncIterator[TrainerPool]:
     names = [f"trainer-{i}" for i in range(4)]
     async with LocalWorkers(trainer_main, names) as workers:
         PIDS.update({h.name: h.pid for h in workers.handles})
+        WORKERS.append(workers)
         started = TrainerPool(
             CONFIG, workers=workers.channels, model_factory=TINY_QWEN2, loss_fn=weighted_nll
         )
@@ -371,4 +375,50 @@ async def test_a_worker_killed_mid_resize_leaves_the_old_group_training(pool: Tr
     assert recovery.lost == (3,) and recovery.members == (0, 2) == pool.members
     assert recovery.num_steps == 1 and not recovery.step_applied
     losses += [(await pool.train_step(batch)).loss for batch in batches[1:]]
+    np.testing.assert_allclose(losses, reference_run(batches)["losses"], rtol=1e-5)
+
+
+@pytest.mark.timeout(180)
+async def test_a_restarted_worker_that_dies_while_joining_leaves_the_survivors_training(
+    pool: TrainerPool,
+) -> None:
+    """After the previous tests the pool trains on workers 0 and 2; 1 and 3 are dead.
+    Worker 1 is started again and admitted, but its new process dies before it joins:
+    the survivors, already waiting for it in the new world's rendezvous, are
+    interrupted and rebuild their world without it (not after the rendezvous's
+    ``timeout_s``); a second restart is admitted and becomes a rank, and the steps are
+    a single rank's steps throughout."""
+    import os
+    import signal
+
+    from dynarl.workers.errors import RankLostError
+
+    assert pool.members == (0, 2) and pool.dead == {1, 3}, "runs after the tests above"
+    batches = [b for b, _ in zip(minibatches(5), range(3), strict=False)]
+    await pool.start_training([0, 2])
+    losses = [(await pool.train_step(batches[0])).loss]
+
+    doomed = await WORKERS[0].restart(1)
+    assert doomed.pid is not None
+    os.kill(doomed.pid, signal.SIGSTOP)  # says nothing more, keeps its connection
+
+    async def kill_it_once_the_others_wait() -> None:
+        await anyio.sleep(1.0)
+        os.kill(doomed.pid, signal.SIGKILL)  # type: ignore[arg-type]
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(kill_it_once_the_others_wait)
+        with pytest.raises(RankLostError):
+            await pool.admit([1])
+    # A hang guard, well inside the rendezvous timeout the survivors were waiting on.
+    with anyio.fail_after(CONFIG.timeout_s / 2):
+        recovery = await pool.recover()
+    assert recovery.lost == (1,) and recovery.members == (0, 2) == pool.members
+    losses.append((await pool.train_step(batches[1])).loss)
+
+    await WORKERS[0].restart(1)
+    await pool.admit([1])
+    await pool.resize([0, 1, 2])
+    assert pool.members == (0, 1, 2) and pool.dead == {3}
+    losses.append((await pool.train_step(batches[2])).loss)
     np.testing.assert_allclose(losses, reference_run(batches)["losses"], rtol=1e-5)

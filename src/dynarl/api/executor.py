@@ -96,14 +96,14 @@ class WorldExecutor:
         supported = (src in _SLOT_ROLES or src == ACTOR) and (dst in _SLOT_ROLES or dst == ACTOR)
         lost = self._lost_devices(migration)
         dead = self._dead_trainer_devices(migration)
-        if (lost or dead) and not self.world.can_restart:
+        if (lost or dead) and not self.world.reboots.can_restart:
             raise MigrationNotSupportedError(
                 f"migration {migration.id} needs devices {lost or dead}, whose "
                 f"{'slot' if lost else 'trainer worker'} died, and the launcher cannot "
                 "restart a worker"
             )
         for device in lost:  # the reboot: a new process on the crashed device
-            await self.world.restart_slot(DeviceId(device))
+            await self.world.reboots.restart_slot(DeviceId(device))
         # A reboot from the free pool is a move once dead slots are restarted.
         rebootable = migration.kind != "reboot" or src is None
         if not (supported and rebootable):
@@ -114,7 +114,7 @@ class WorldExecutor:
         if ACTOR in (src, dst):
             try:
                 if dead:  # the reboot: new trainer workers, in the trainer's world
-                    await self.world.restart_trainer_workers(dead)
+                    await self.world.reboots.restart_trainer_workers(dead)
                 waited = await self._reshard(migration)
             except Exception as error:
                 rank_loss = trainer_rank_loss(error)
@@ -144,7 +144,7 @@ class WorldExecutor:
         if migration.dst != ACTOR:
             return []
         devices = [d for spec in migration.create for d in spec.devices]
-        return self.world.dead_trainer_devices(devices)
+        return self.world.reboots.dead_trainer_devices(devices)
 
     async def _reshard(self, migration: Migration) -> float:
         world = self.world

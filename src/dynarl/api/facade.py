@@ -286,7 +286,7 @@ class DynaRL:
             device_s=device_s,
             allocation=self._meter.allocation(),
             migrations=migrations,
-            restarts={} if self._world is None else self._world.restarts.taken(),
+            restarts={} if self._world is None else self._world.reboots.budget.taken(),
         )
         self.history.append(stats)
         self._metrics.write(stats)

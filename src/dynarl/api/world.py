@@ -30,14 +30,13 @@ import anyio
 
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.engine_weights import EngineWeights
-from dynarl.api.restarts import RestartBudget
+from dynarl.api.reboots import Reboots
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
 from dynarl.core.ids import ComponentId, DeviceId, InstanceId
 from dynarl.data.router import Router
-from dynarl.launch.launcher import Launcher, RestartsWorkers, build_launcher
+from dynarl.launch.launcher import Launcher, build_launcher
 from dynarl.workers import backends
-from dynarl.workers.errors import LaunchError
 from dynarl.workers.handles import CallChannel, SlotHandle
 from dynarl.workers.protocol import InferenceRole, RoleKind, RolloutRole
 from dynarl.workers.slot import SlotConfig
@@ -75,9 +74,9 @@ class RealWorld:
             d for d in all_devices if elastic or d in actor_devices
         ]
         """Devices with a trainer worker, in worker order."""
-        self._trainer_names = [f"trainer-{i}" for i in range(len(self.trainer_devices))]
-        self._trainer_device = dict(zip(self._trainer_names, self.trainer_devices, strict=True))
-        self._respawned: set[int] = set()  # trainer workers restarted, not admitted yet
+        self.trainer_names = [f"trainer-{i}" for i in range(len(self.trainer_devices))]
+        """The trainer workers' names, in worker order."""
+        self._trainer_device = dict(zip(self.trainer_names, self.trainer_devices, strict=True))
         self.launcher: Launcher = build_launcher(
             cfg.cluster,
             router,
@@ -104,8 +103,8 @@ class RealWorld:
             serving=lambda: self.serving_slots, sender_host=self._sender_host, lost=self.lost
         )
         """The weight-sync group and the version the engines run."""
-        self.restarts = RestartBudget()
-        """How often dead slots and trainer workers may still be started again."""
+        self.reboots = Reboots(self)
+        """Starts dead slots and trainer workers again (the reboot of a crashed device)."""
         self.on_failure: Callable[[BaseException], None] | None = None
         self.switch_listeners: list[Callable[[ComponentId, list[SlotHandle]], None]] = []
         self.resize_listeners: list[Callable[[tuple[int, ...]], None]] = []
@@ -165,15 +164,15 @@ class RealWorld:
         ranks = trainer.rank_instances()
         if ranks:
             return self.host_of(ranks[0])
-        hosts = {self.host_of(name) for name in self._trainer_names}
+        hosts = {self.host_of(name) for name in self.trainer_names}
         if len(hosts) > 1:
             logger.warning(
                 "the parked trainer's workers span nodes %s: the weight-sync group "
                 "rendezvous at %s (trainer-0's node) may not be its sender's",
                 sorted(hosts),
-                self.host_of(self._trainer_names[0]),
+                self.host_of(self.trainer_names[0]),
             )
-        return self.host_of(self._trainer_names[0])
+        return self.host_of(self.trainer_names[0])
 
     def trainer_members(self, devices: Sequence[DeviceId]) -> list[int]:
         """The trainer workers of ``devices``."""
@@ -198,7 +197,7 @@ class RealWorld:
         cfg = self.cfg
         threads = cfg.cluster.threads_per_device
         backend = backends.trainer_backend(cfg.actor)
-        names = self._trainer_names
+        names = self.trainer_names
 
         async def start_trainer_workers() -> None:
             self.trainer_workers = await self.launcher.start_workers(
@@ -382,86 +381,6 @@ class RealWorld:
         if self.on_failure is not None:
             self.on_failure(error)
 
-    @property
-    def can_restart(self) -> bool:
-        """Whether the launcher can start a dead slot's or trainer worker's process
-        again."""
-        return isinstance(self.launcher, RestartsWorkers)
-
-    def _restarter(self, device: DeviceId, what: str) -> RestartsWorkers:
-        launcher = self.launcher
-        if not isinstance(launcher, RestartsWorkers):
-            raise LaunchError(
-                f"the {type(launcher).__name__} cannot restart a dead worker; device "
-                f"{device} serves {what} only"
-            )
-        return launcher
-
-    async def restart_slot(self, device: DeviceId) -> SlotHandle:
-        """Start ``device``'s dead slot again (the reboot of a crashed device): a new
-        process, free, holding the seed's weights until it assumes a role (then it is
-        brought to the engines' version like any slot taking a role). Raises
-        :class:`LaunchError` if the restart budget refuses it."""
-        launcher = self._restarter(device, "the actor")
-        index = self.slot_devices.index(device)
-        self.restarts.take(self.launcher.handles[index].name, kind="slot")
-        handle = await launcher.restart_slot(index)
-        self.lost.discard(handle.name)
-        self.weights.forget_slot(handle.name)
-        return handle
-
-    def dead_trainer_devices(self, devices: Sequence[DeviceId]) -> list[DeviceId]:
-        """Those of ``devices`` whose trainer worker died (the trainer went on without
-        it, or its process is gone and the trainer has yet to notice): the actor can
-        use them again only once it is restarted."""
-        assert self.trainer is not None, "start the world first"
-        dead = self.trainer.dead
-        return [
-            d
-            for d in devices
-            if d in self.trainer_devices
-            and ((w := self.trainer_devices.index(d)) in dead or self._trainer_worker_gone(w))
-        ]
-
-    def _trainer_worker_gone(self, w: int) -> bool:
-        """Whether trainer worker ``w``'s process is gone: its launcher says so, or the
-        router lost its connection (a Ray launcher hears of an actor's end a moment
-        after the router does)."""
-        name = InstanceId(self._trainer_names[w])
-        return not self.trainer_workers[w].alive or name not in self.router.instances
-
-    async def restart_trainer_workers(self, devices: Sequence[DeviceId]) -> None:
-        """Start the dead trainer workers of ``devices`` again (the reboot of a device
-        whose trainer worker died; one restarted before and not admitted yet is not
-        started twice): new processes, which join the trainer's world at its next step
-        boundary, holding no state (a resize makes them ranks, their state coming peer
-        to peer). Raises :class:`LaunchError` if the launcher cannot or the restart
-        budget refuses."""
-        trainer = self.trainer
-        assert trainer is not None, "start the world first"
-        launcher = self._restarter(devices[0], "the slots")
-        workers = self.trainer_members(devices)
-        started = time.perf_counter()
-        for w in workers:
-            name = self._trainer_names[w]
-            # Dead: its process is gone, or the trainer met its death (and it was not
-            # restarted since).
-            died = w in trainer.dead and w not in self._respawned
-            if died or self._trainer_worker_gone(w):
-                self.restarts.take(name, kind="trainer")
-                self.router.hold(InstanceId(name))  # no samples until it is a rank
-                self.trainer_workers[w] = await launcher.restart_worker(name)
-                self._respawned.add(w)
-        spawned = time.perf_counter()
-        await trainer.admit(tuple(workers))
-        self._respawned.difference_update(workers)
-        logger.warning(
-            "trainer workers %s restarted (%.2f s) and back in the trainer's world (%.2f s more)",
-            workers,
-            spawned - started,
-            time.perf_counter() - spawned,
-        )
-
     # ------------------------------------------------------------------ the actor
 
     @contextlib.asynccontextmanager
@@ -501,7 +420,7 @@ class RealWorld:
         assert self.trainer is not None, "start the world first"
         ranks = set(self.trainer.rank_instances())
         connected = set(self.router.instances)
-        for name in map(InstanceId, self._trainer_names):
+        for name in map(InstanceId, self.trainer_names):
             if name in ranks and name in connected:
                 self.router.reactivate(name)
             elif name in connected:

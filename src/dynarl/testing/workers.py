@@ -68,6 +68,7 @@ class LocalWorkers:
         self.handles: list[SlotHandle] = []
         """The workers' process handles (pid, liveness), in order."""
         self._host = RunHost()
+        self._launcher: LocalLauncher | None = None
 
     async def __aenter__(self) -> Self:
         await self._host.start(self._open)
@@ -96,6 +97,17 @@ class LocalWorkers:
             self.entry, self.names, num_threads=self.num_threads
         )
         self.channels = [CallChannel(router, name) for name in self.names]
+        self._launcher = launcher
+
+    async def restart(self, index: int) -> SlotHandle:
+        """Start worker ``index`` again after its process died (a new process under
+        its name, as the reboot of its device does) and wait for its hello; returns
+        its new handle (also in :attr:`handles`)."""
+        if self._launcher is None:
+            raise RuntimeError("start the workers first: `async with LocalWorkers(...)`")
+        handle = await self._launcher.restart_worker(self.names[index])
+        self.handles[index] = handle
+        return handle
 
 
 async def train_through(
