@@ -103,9 +103,17 @@ async def test_a_rollout_actor_killed_mid_iteration_is_handled_and_restarted(
                     tg.start_soon(kill_when_busy, world.router, victim, instance, killed)
         stats = world.router.statistics()
         graph = rl.controller.graph if rl.controller is not None else None
-        # The crashed device was rebooted: a new actor runs its slot again.
-        slots = {w.name: w for w in launcher._slots}
-        assert slots[victim.name] is not victim and slots[victim.name].alive
+
+        # The crashed device is rebooted: a new actor runs its slot again (its start
+        # may end after the last iteration: the run is still open here).
+        def restarted() -> bool:
+            now = next(w for w in launcher._slots if w.name == victim.name)
+            return now is not victim and now.alive
+
+        with anyio.fail_after(120):
+            while not restarted():  # noqa: ASYNC110 (the launcher signals no event for it)
+                await anyio.sleep(0.2)
+        assert world.reboots.budget.restarts(victim.name) == 1
     # It held requests when it died; they went back to the router and finished on the
     # other engine: every sample of every iteration was trained on.
     assert killed and killed[0] > 0 and stats.num_workers_failed == 1
@@ -114,7 +122,6 @@ async def test_a_rollout_actor_killed_mid_iteration_is_handled_and_restarted(
     samples = cfg.algorithm.num_prompts * cfg.algorithm.group_size
     assert graph.components["actor"].items_completed == 3 * samples
     assert all(s.gen_tokens > 0 for s in history)
-    assert sum(s.restarts.get("slot", 0) for s in history) == 1
 
 
 @pytest.mark.timeout(300)
@@ -144,15 +151,24 @@ async def test_a_trainer_actor_killed_mid_step_is_survived_restarted_and_rejoins
         record = injector.kills[0]
         launcher = world.launcher
         assert isinstance(launcher, RayLauncher)
+        trainer = world.trainer
+
+        def back() -> bool:
+            return record.worker in trainer.rank_instances()
+
+        # The reboot's actor start and resize may end after the last iteration (the
+        # run is still open here).
+        with anyio.fail_after(120):
+            while not back():  # noqa: ASYNC110 (the trainer signals no event for it)
+                await anyio.sleep(0.2)
         restarted = next(w for w in launcher._workers if w.name == record.worker)
         assert restarted.alive and restarted.handle.pid != record.pid  # a new actor
-        assert world.trainer.dead == frozenset()
-        assert record.worker in world.trainer.rank_instances()  # a rank again
-        assert len(world.trainer.rank_instances()) == 2
+        assert trainer.dead == frozenset()
+        assert len(trainer.rank_instances()) == 2
+        assert world.reboots.budget.restarts(record.worker) == 1
     assert [s.iteration for s in history] == [0, 1, 2]
     completions = injector.completions()
     for iteration in range(3):
         counts = completions[(iteration, "to_actor")]
         assert len(counts) == cfg.algorithm.samples_per_iteration, iteration  # none lost
         assert set(counts.values()) == {1}, iteration  # none twice
-    assert sum(s.restarts.get("trainer", 0) for s in history) == 1
