@@ -6,13 +6,11 @@ The four processes are started once for the module; each layout is built on them
 turn (every layout's groups are created by all four, members or not), from the same HF
 weights, and runs the same micro-batches."""
 
-import multiprocessing
-import queue
-import socket
 from typing import Any
 
 import numpy as np
 import pytest
+from gloo_processes import gather_from_workers
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
@@ -110,27 +108,8 @@ def _tensors(out: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, dict[str, Any]]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = [context.Process(target=_worker, args=(w, port, results)) for w in range(WORLD)]
-    for p in processes:
-        p.start()
-    got: dict[str, dict[str, Any]] = {}
-    try:
-        while len(got) < len(LAYOUTS):
-            name, out = results.get(timeout=100)
-            got[name] = _tensors(out)
-    except queue.Empty:
-        pytest.fail(f"the workers reported only {sorted(got)}")
-    finally:
-        for p in processes:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return got
+    got = gather_from_workers(_worker, world=WORLD, expected=len(LAYOUTS), timeout_s=100)
+    return {name: _tensors(out) for name, out in got.items()}
 
 
 def test_tensor_parallel_logits_and_gradients_equal_one_rank(outcomes: dict[str, Any]) -> None:

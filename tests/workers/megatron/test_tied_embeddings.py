@@ -8,14 +8,12 @@ the PP=4 run resumed at TP=2 x PP=2 all give PP=1's losses and weights.
 Four processes are started once for the module; each layout is built on them in turn,
 from the same saved checkpoint, and runs the same minibatches."""
 
-import multiprocessing
-import queue
-import socket
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from gloo_processes import gather_from_workers
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
@@ -146,30 +144,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def outcomes(checkpoint: Path) -> dict[str, dict[str, Any]]:
-    path = checkpoint
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    processes = [
-        context.Process(target=_worker, args=(w, port, str(path), results)) for w in range(WORLD)
-    ]
-    for p in processes:
-        p.start()
-    got: dict[str, dict[str, Any]] = {}
-    try:
-        while len(got) < len(LAYOUTS):
-            name, out = results.get(timeout=120)
-            got[name] = out
-    except queue.Empty:
-        pytest.fail(f"the workers reported only {sorted(got)}")
-    finally:
-        for p in processes:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return got
+    return gather_from_workers(_worker, world=WORLD, expected=len(LAYOUTS), args=(str(checkpoint),))
 
 
 @pytest.mark.parametrize("layout", ["pp2", "pp4", "tp2pp2_resumed", "pp2dp2_distributed"])
