@@ -5,7 +5,9 @@ What changes from :class:`~dynarl.workers.torch.trainer_pool.TrainerPool`: membe
 come in whole replicas; the data router's instance of a data-parallel rank is its
 replica's leader (the other workers of the replica take no items and receive the
 leader's); a resize's source is a whole replica (the first that stays whole, else the
-first); parking keeps replica 0; a checkpoint and a weight sync gather replica 0.
+first); parking keeps replica 0; a checkpoint and a weight sync gather replica 0; a
+lost worker is survived only when every worker is a whole replica holding a whole
+copy of the state (:mod:`~dynarl.workers.megatron.recovery`).
 """
 
 import dataclasses
@@ -14,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dynarl.workers.errors import TrainerError
+from dynarl.workers.megatron import recovery
 from dynarl.workers.megatron.layout import Layout
 from dynarl.workers.torch.trainer_commands import (
     Done,
@@ -50,11 +53,13 @@ class MegatronPool(TrainerPool):
         return [self.workers[w].name for w in self.layout().leaders()]
 
     @property
-    def can_recover(self) -> bool:
-        """No: a dead worker takes a shard of its replica's state with it, and the
-        Megatron workers' groups are built on fixed world ranks. The run stops and
-        resumes from its last checkpoint."""
-        return False
+    def cannot_recover(self) -> str | None:
+        """Why a lost worker cannot be survived in the current layout: with tp = pp = 1
+        and torch's AdamW every member holds a whole copy of the state and the pool
+        rebuilds itself from the survivors as a torch pool does (see
+        :mod:`~dynarl.workers.megatron.recovery`); otherwise the run stops and resumes
+        from its last checkpoint."""
+        return recovery.unrecoverable(self._model_factory)
 
     async def train_on_items(
         self, shards: Sequence[Sequence[str]], *, apply: bool = True

@@ -28,13 +28,14 @@ import dataclasses
 import datetime
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from dynarl.workers.errors import ReshardError, TrainerError, WeightSyncError
-from dynarl.workers.megatron import state
+from dynarl.workers.megatron import recovery, state
 from dynarl.workers.megatron.layout import Layout, RankGroups, build_groups
 from dynarl.workers.megatron.model import preload
 from dynarl.workers.megatron.rank import MegatronRank
@@ -51,6 +52,7 @@ from dynarl.workers.torch.trainer_commands import (
     PrepareReshard,
     PrepareResize,
     Reply,
+    Restore,
     SaveCheckpoint,
     StartTraining,
     StepDone,
@@ -129,12 +131,13 @@ class MegatronWorker(TrainerWorker):
         mine = to_tensors(shard, self.device) if shard else {}
         if rank.groups.layout.replica_size > 1:
             mine = state.share_batch(
-                mine if self.worker == rank.groups.leader else None,
+                mine if self.me == rank.groups.leader else None,
                 group=rank.groups.replica,
                 src=rank.groups.leader,
                 device=self.device,
             )
-        metrics = rank.train_step(mine, local=True)
+        self.attempted = rank.num_steps
+        metrics = self.last_step = rank.train_step(mine, local=True)
         return StepDone(
             worker=self.worker, metrics=metrics, elapsed_s=time.perf_counter() - started
         )
@@ -150,8 +153,8 @@ class MegatronWorker(TrainerWorker):
             self.rank.release()
             reshard.release_memory(self.rank)
             self.rank = None
-        layout = Layout(command.members, self.spec.tp, self.spec.pp)
-        groups = build_groups(layout, worker=self.worker, timeout_s=self.config.timeout_s)
+        layout = self.layout(command.members, self.spec)
+        groups = build_groups(layout, worker=self.me, timeout_s=self.config.timeout_s)
         if groups is not None:
             self.rank = MegatronRank.create(
                 self.spec,
@@ -174,8 +177,8 @@ class MegatronWorker(TrainerWorker):
         started = time.perf_counter()
         if self.resizing is not None:
             raise TrainerError(f"resize {self.resizing.epoch} is still pending; abort it first")
-        old = Layout(command.old_members, self.spec.tp, self.spec.pp)
-        new = Layout(command.new_members, self.spec.tp, self.spec.pp)
+        old = self.layout(command.old_members, self.spec)
+        new = self.layout(command.new_members, self.spec)
         if self.spec.distributed_optimizer:
             moved = self._prepare_sliced(command, old, new)
             return self._done(started, bytes_moved=moved)
@@ -188,7 +191,7 @@ class MegatronWorker(TrainerWorker):
         moved = 0
         for move, group in transfer_groups:
             src_rank = sorted(move.ranks).index(move.source)
-            if self.worker == move.source:
+            if self.me == move.source:
                 moved += reshard.send_state(
                     self._rank(), group=group, src=src_rank, bucket_bytes=self.config.bucket_bytes
                 )
@@ -218,19 +221,17 @@ class MegatronWorker(TrainerWorker):
     def _begin_transfer(
         self, command: PrepareResize, old: Layout, new: Layout
     ) -> tuple[_Pending, RankGroups | None, list[tuple[state.Move, dist.ProcessGroup]]]:
-        """The start of a data-parallel resize ``old -> new``: the new layout's groups
-        (``None`` where this worker is not a member), the pending resize, and the
-        transfer group of each move of the plan this worker takes part in."""
+        """The start of a data-parallel resize ``old -> new`` (layouts of world ranks):
+        the new layout's groups (``None`` where this worker is not a member), the
+        pending resize, and the transfer group of each move of the plan this worker
+        takes part in."""
         timeout_s = self.config.reshard_timeout_s
-        groups = build_groups(new, worker=self.worker, timeout_s=timeout_s)
-        pending = _Pending(epoch=command.epoch, layout=new, groups=groups)
-        self.resizing = pending
-        plan = state.transfer_plan(old, new, source=command.source)
-        transfer_groups = state.create_transfer_groups(
-            plan, worker=self.worker, timeout_s=timeout_s
-        )
+        pending = self._pend(command.epoch, new, spec=None)
+        source = self.ranks([command.source])[0]
+        plan = state.transfer_plan(old, new, source=source)
+        transfer_groups = state.create_transfer_groups(plan, worker=self.me, timeout_s=timeout_s)
         pending.transfers = [g for _, g in transfer_groups]
-        return pending, groups, transfer_groups
+        return pending, pending.groups, transfer_groups
 
     def _prepare_sliced(self, command: PrepareResize, old: Layout, new: Layout) -> int:
         """A data-parallel resize with the distributed optimizer, whose slices depend on
@@ -241,12 +242,12 @@ class MegatronWorker(TrainerWorker):
         or its own when it keeps its position). Returns the bytes this worker sent."""
         pending, groups, transfer_groups = self._begin_transfer(command, old, new)
         mine = state.local_cut(self.rank) if self.rank is not None else None
-        before, after = old.position(self.worker), new.position(self.worker)
+        before, after = old.position(self.me), new.position(self.me)
         kept = before is not None and after is not None and before.model_rank == after.model_rank
         own = mine if kept else None
         moved = 0
         for move, group in transfer_groups:
-            if self.worker == move.source:
+            if self.me == move.source:
                 assert mine is not None
                 state.share_batch(mine, group=group, src=move.source, device=self.device)
                 moved += state.nbytes(mine)
@@ -275,23 +276,23 @@ class MegatronWorker(TrainerWorker):
             raise TrainerError(f"resize {self.resizing.epoch} is still pending; abort it first")
         spec = dataclasses.replace(self.spec, tp=command.tp, pp=command.pp)
         spec.architecture()  # refuses a split the model cannot take, on every worker
-        old = Layout(command.old_members, self.spec.tp, self.spec.pp)
-        new = Layout(command.new_members, spec.tp, spec.pp)
-        moved = self._through_leader(command.epoch, old, new, command.source, spec)
+        old = self.layout(command.old_members, self.spec)
+        new = self.layout(command.new_members, spec)
+        source = self.ranks([command.source])[0]
+        moved = self._through_leader(command.epoch, old, new, source, spec)
         return self._done(started, bytes_moved=moved)
 
     def _through_leader(
         self, epoch: int, old: Layout, new: Layout, source_worker: int, spec: ModelSpec
     ) -> int:
-        """Prepare ``old -> new``: the replica of ``source_worker`` gathers the full
-        state in the HF layout to its leader, which cuts every new member's shard and
-        sends it that alone; each new member builds a new rank of ``spec`` holding it.
-        Returns the bytes this worker sent."""
+        """Prepare ``old -> new`` (layouts of world ranks): the replica of
+        ``source_worker`` (a world rank) gathers the full state in the HF layout to its
+        leader, which cuts every new member's shard and sends it that alone; each new
+        member builds a new rank of ``spec`` holding it. Returns the bytes this worker
+        sent."""
         timeout_s = self.config.reshard_timeout_s
-        groups = build_groups(new, worker=self.worker, timeout_s=timeout_s)
-        changed = None if spec == self.spec else spec
-        pending = _Pending(epoch=epoch, layout=new, groups=groups, spec=changed)
-        self.resizing = pending
+        pending = self._pend(epoch, new, spec=None if spec == self.spec else spec)
+        groups = pending.groups
         where = old.position(source_worker)
         if where is None:
             raise ReshardError(f"source worker {source_worker} is not a member")
@@ -304,7 +305,7 @@ class MegatronWorker(TrainerWorker):
         for member in new.members:
             if member != leader:
                 group = dist.new_group(sorted([leader, member]), timeout=timeout)
-                if self.worker in (leader, member):
+                if self.me in (leader, member):
                     pairs[member] = group
         pending.transfers.extend(pairs.values())
         full = None
@@ -326,7 +327,7 @@ class MegatronWorker(TrainerWorker):
                 state.share_batch(cut, group=pairs[member], src=leader, device=self.device)
                 moved += state.nbytes(cut)
         elif groups is not None:
-            own = state.share_batch(None, group=pairs[self.worker], src=leader, device=self.device)
+            own = state.share_batch(None, group=pairs[self.me], src=leader, device=self.device)
         if groups is not None:
             assert own is not None
             receiver = MegatronRank.empty(
@@ -412,7 +413,61 @@ class MegatronWorker(TrainerWorker):
             self._hf = self.spec.hf_model(device=self.device)
         return self._hf
 
+    # -- a lost peer (see recovery) --------------------------------------------------
+
+    def detach_from_world(self) -> int:
+        """Drop a prepared resize and keep the rank (its groups go with the world);
+        returns its optimizer steps (``-1``: no rank)."""
+        if self.resizing is not None:
+            self._drop(self.resizing, destroy=False)
+            self.resizing = None
+        return -1 if self.rank is None else self.rank.num_steps
+
+    def _restore(self, command: Restore) -> Reply:
+        """Build the survivors' layout in the new world; the source's state becomes
+        every member's (see :func:`~dynarl.workers.megatron.recovery.restore`)."""
+        started = time.perf_counter()
+        why = recovery.unrecoverable(self.spec)
+        if why is not None:
+            raise TrainerError(why)
+        layout = self.layout(command.members, self.spec)
+        groups = build_groups(layout, worker=self.me, timeout_s=self.config.timeout_s)
+        source = None if command.source is None else self.ranks([command.source])[0]
+        self.rank, moved = recovery.restore(
+            self.rank,
+            groups=groups,
+            source=source,
+            make_empty=lambda g: MegatronRank.empty(
+                self.spec, loss_fn=self.loss_fn, config=self.config, groups=g, device=self.device
+            ),
+            bucket_bytes=self.config.bucket_bytes,
+        )
+        return self._done(started, bytes_moved=moved)
+
     # -- helpers --------------------------------------------------------------------
+
+    @property
+    def me(self) -> int:
+        """This worker's world rank (its pool index until a peer died)."""
+        return self.ranks([self.worker])[0]
+
+    def layout(self, members: Sequence[int], spec: ModelSpec) -> Layout:
+        """The layout of pool workers ``members`` in world ranks (what its groups are
+        built on): after a peer died the survivors' world ranks are not their pool
+        indices."""
+        return Layout(tuple(self.ranks(members)), spec.tp, spec.pp)
+
+    def _pend(self, epoch: int, new: Layout, *, spec: ModelSpec | None) -> _Pending:
+        """Build ``new``'s groups and make them the pending resize ``epoch``, unless
+        this worker left the world meanwhile (an interrupted prepare: what it built
+        belongs to the world it began in)."""
+        generation = self.world.generation
+        groups = build_groups(new, worker=self.me, timeout_s=self.config.reshard_timeout_s)
+        with self._leaving:
+            if self.world.generation != generation:
+                raise TrainerError(f"worker {self.worker} left the world during the resize")
+            self.resizing = _Pending(epoch=epoch, layout=new, groups=groups, spec=spec)
+        return self.resizing
 
     def _rank(self) -> MegatronRank:
         if self.rank is None:
@@ -425,11 +480,13 @@ class MegatronWorker(TrainerWorker):
             raise TrainerError(f"no prepared resize {epoch} on worker {self.worker} (have {have})")
         return self.resizing
 
-    def _drop(self, pending: _Pending) -> None:
-        for group in pending.transfers:
+    def _drop(self, pending: _Pending, *, destroy: bool = True) -> None:
+        """Release what ``pending`` prepared (its groups too, unless they went with the
+        world: ``destroy`` false)."""
+        for group in pending.transfers if destroy else ():
             dist.destroy_process_group(group)
         pending.transfers.clear()
-        if pending.groups is not None:
+        if pending.groups is not None and destroy:
             pending.groups.destroy()
         if pending.received is not None:
             pending.received.release()

@@ -156,8 +156,9 @@ class TorchTrainer:
         try:
             return await fn(*args)
         except RankLostError as lost:
-            if not self.pool.can_recover:
-                raise
+            why = self.pool.cannot_recover
+            if why is not None:
+                raise RankLostError(f"{lost}; {why}", worker=lost.worker) from lost
             error = lost
         with anyio.CancelScope(shield=True):  # a half-rebuilt world is worse than a wait
             recovery = await self.pool.recover()

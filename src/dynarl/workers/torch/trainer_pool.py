@@ -137,7 +137,14 @@ class TrainerPool:
     @property
     def can_recover(self) -> bool:
         """Whether :meth:`recover` can rebuild the trainer around a lost worker."""
-        return True
+        return self.cannot_recover is None
+
+    @property
+    def cannot_recover(self) -> str | None:
+        """Why :meth:`recover` cannot rebuild the trainer around a lost worker now
+        (``None``: it can; a torch trainer always can, a backend whose layout spreads
+        one copy of the state over several workers may not)."""
+        return None
 
     @property
     def num_steps(self) -> int | None:
@@ -295,9 +302,13 @@ class TrainerPool:
         A step the loss interrupted is applied by every rank or by none
         (:attr:`Recovery.step_applied` says which; the caller re-runs it if none); a
         resize it interrupted is rolled back. Raises :class:`TrainerError` (the pool is
-        then broken) if no rank survived with the trainer's state, or a survivor fails
-        meanwhile.
+        then broken) if no rank survived with the trainer's state, a survivor fails
+        meanwhile, or the trainer cannot survive a lost worker (:attr:`cannot_recover`).
         """
+        why = self.cannot_recover
+        if why is not None:
+            self._calls.broken = True
+            raise TrainerError(why)
         try:
             rebuilt = await trainer_recovery.rebuild(
                 self,

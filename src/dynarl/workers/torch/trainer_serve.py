@@ -16,11 +16,11 @@ answered ``Failed`` (``Interrupted``) at once and its thread, which may be block
 gloo with the dead peer (a ``new_group`` waits for it up to several times the group's
 timeout), is abandoned; it cannot install what it built (see
 :class:`~dynarl.workers.torch.trainer_world.WorldGroup`'s generations). Only a resize's
-prepare and a ``Rejoin`` (its rendezvous waits for every worker of the new world, and a
-restarted worker may die before it gets there) are interrupted so: a train step ends at
-once when a peer dies (gloo reports the closed connection) and must not be abandoned
-halfway through its optimizer update.
-Any other command waits for the running one.
+(or a Megatron reshard's) prepare and a ``Rejoin`` (its rendezvous waits for every worker
+of the new world, and a restarted worker may die before it gets there) are interrupted
+so: a train step ends at once when a peer dies (gloo reports the closed connection) and
+must not be abandoned halfway through its optimizer update. Any other command waits for
+the running one.
 """
 
 import logging
@@ -47,6 +47,7 @@ from dynarl.workers.torch.trainer_commands import (
     Join,
     LeaveWorld,
     OpenStore,
+    PrepareReshard,
     PrepareResize,
     Rejoin,
     Reply,
@@ -248,7 +249,7 @@ def _join(command: Join, store: TCPStore | None) -> TrainerWorker:
     )
 
 
-_INTERRUPTIBLE = (PrepareResize, Rejoin)
+_INTERRUPTIBLE = (PrepareResize, PrepareReshard, Rejoin)
 """Commands that ``LeaveWorld`` interrupts (see the module)."""
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -237,19 +237,25 @@ class TrainerWorker:
 
     def _leave_world(self, command: LeaveWorld) -> Reply:
         with self._leaving:
-            if self.pending is not None:
-                reshard.abort_resize(self.pending)
-                self.pending = None
-            trainer = self.trainer
-            if trainer is not None:
-                trainer.group = None  # destroyed with the world below
+            num_steps = self.detach_from_world()
             self.world.leave()
         return Left(
-            worker=self.worker,
-            num_steps=-1 if trainer is None else trainer.num_steps,
-            attempted=self.attempted,
-            last=self.last_step,
+            worker=self.worker, num_steps=num_steps, attempted=self.attempted, last=self.last_step
         )
+
+    def detach_from_world(self) -> int:
+        """Before this worker leaves the world (a peer died): drop a prepared resize
+        and let go of the groups built on the world, keeping the trainer state; returns
+        the optimizer steps that state holds (``-1``: none). A backend whose state is
+        not an :class:`ElasticTrainer` overrides this and ``Restore``'s handler."""
+        if self.pending is not None:
+            reshard.abort_resize(self.pending)
+            self.pending = None
+        trainer = self.trainer
+        if trainer is None:
+            return -1
+        trainer.group = None  # destroyed with the world
+        return trainer.num_steps
 
     def _rejoin(self, command: Rejoin) -> Reply:
         started = time.perf_counter()

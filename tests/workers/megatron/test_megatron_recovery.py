@@ -1,0 +1,135 @@
+"""A Megatron trainer that loses a worker, on three real worker processes (gloo, real
+megatron-core on the CPU): with tp = pp = 1 and torch's AdamW the survivors rebuild
+the world (with new world ranks: worker 0 dies), the interrupted step runs again on
+them as a single rank's step, and a restarted worker is admitted and grows the trainer
+back; with tp = 2 the loss is refused and the refusal says why."""
+
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+import pytest_asyncio
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+from dynarl.api.config import AlgorithmConfig  # noqa: E402
+from dynarl.rl.grpo import GrpoLoss  # noqa: E402
+from dynarl.testing.minibatches import random_minibatch  # noqa: E402
+from dynarl.testing.workers import LocalWorkers  # noqa: E402
+from dynarl.workers.config import ModelConfig  # noqa: E402
+from dynarl.workers.errors import RankLostError, TrainerError  # noqa: E402
+from dynarl.workers.megatron.main import megatron_trainer_main  # noqa: E402
+from dynarl.workers.megatron.pool import MegatronPool  # noqa: E402
+from dynarl.workers.megatron.spec import ModelSpec  # noqa: E402
+from dynarl.workers.torch.trainer_config import TrainerConfig  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+MODEL = ModelConfig(max_seq_len=64, num_layers=2)
+CONFIG = TrainerConfig(micro_batch_size=4, lr=1e-2, timeout_s=60.0, reshard_timeout_s=30.0)
+
+WORKERS: list[LocalWorkers] = []
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pool() -> AsyncIterator[MegatronPool]:
+    async with LocalWorkers(megatron_trainer_main, ["mt-0", "mt-1", "mt-2"]) as workers:
+        WORKERS.append(workers)
+        started = MegatronPool(
+            CONFIG,
+            workers=workers.channels,
+            model_factory=ModelSpec(model=MODEL, seed=3),
+            loss_fn=GrpoLoss.from_config(AlgorithmConfig()),
+        )
+        await started.start()
+        try:
+            yield started
+        finally:
+            await started.close()
+
+
+def kill(index: int) -> None:
+    pid = WORKERS[0].handles[index].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+
+
+async def step_meeting_a_death(pool: MegatronPool, seed: int, dying: int) -> None:
+    """A step during which worker ``dying`` dies: it is stopped first (it never
+    answers), the step is sent, and it is killed while the others are inside the step,
+    waiting for it in the gradient all-reduce."""
+    pid = WORKERS[0].handles[dying].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+
+    async def kill_it_mid_step() -> None:
+        await anyio.sleep(1.0)
+        os.kill(pid, signal.SIGKILL)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(kill_it_mid_step)
+        with pytest.raises(RankLostError):
+            await pool.train_step(random_minibatch(seed))
+
+
+def model_of(path: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = torch.load(path, weights_only=True)["model"]
+    return state
+
+
+@pytest.mark.timeout(240)  # includes starting the pool and a worker again
+async def test_a_killed_worker_is_survived_its_step_rerun_and_a_restart_admitted(
+    pool: MegatronPool, tmp_path: Path
+) -> None:
+    await pool.start_training([0, 1, 2])
+    metrics = [await pool.train_step(random_minibatch(0))]
+    await step_meeting_a_death(pool, 1, dying=0)
+    assert pool.dead == {0} and pool.can_recover
+    recovery = await pool.recover()
+    assert recovery.lost == (0,) and recovery.members == (1, 2) == pool.members
+    assert recovery.num_steps == 1 and not recovery.step_applied
+    assert recovery.source == 1 and recovery.bytes_moved > 0  # worker 2 took 1's state
+    metrics.append(await pool.train_step(random_minibatch(1)))  # the re-run, on two ranks
+
+    await WORKERS[0].restart(0)
+    await pool.admit([0])
+    assert pool.dead == frozenset()
+    grown = await pool.resize([0, 1, 2])
+    assert grown.bytes_moved > 0 and pool.members == (0, 1, 2)
+    metrics.append(await pool.train_step(random_minibatch(2)))  # three ranks again
+    await pool.save_checkpoint(tmp_path / "survived.pt")
+
+    await pool.start_training([0])  # the same steps on one rank from the seed's weights
+    fixed = [await pool.train_step(random_minibatch(s)) for s in range(3)]
+    await pool.save_checkpoint(tmp_path / "fixed.pt")
+    np.testing.assert_allclose(
+        [(m.loss, m.grad_norm) for m in metrics], [(m.loss, m.grad_norm) for m in fixed], rtol=1e-5
+    )
+    assert [m.num_steps for m in metrics] == [1, 2, 3]
+    # The weights as one vector: Adam turns the rounding of a different data-parallel
+    # sum into ~1e-5 relative noise; a state that did not survive whole (moments or
+    # step count lost) is off by orders of magnitude more.
+    survived, expected = model_of(tmp_path / "survived.pt"), model_of(tmp_path / "fixed.pt")
+    assert survived.keys() == expected.keys()
+    diff = sum(float((survived[k] - expected[k]).double().square().sum()) for k in expected)
+    norm = sum(float(expected[k].double().square().sum()) for k in expected)
+    assert (diff / norm) ** 0.5 < 1e-4
+
+
+# Last in this module: it leaves the pool broken.
+@pytest.mark.timeout(180)
+async def test_a_tensor_parallel_trainer_refuses_to_survive_a_loss_and_says_why(
+    pool: MegatronPool,
+) -> None:
+    await pool.start_training([0, 1])
+    await pool.reshard([0, 1], tp=2, pp=1)
+    assert not pool.can_recover and "tp=2" in (pool.cannot_recover or "")
+    await pool.train_step(random_minibatch(5))
+    await step_meeting_a_death(pool, 6, dying=1)
+    with pytest.raises(TrainerError, match=r"tp=2, pp=1 cannot survive a lost worker"):
+        await pool.recover()
