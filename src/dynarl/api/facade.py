@@ -65,7 +65,8 @@ class TrainerRankLostError(DynaRLError):
     """A trainer worker died (or stopped answering) during an iteration and the trainer
     could not rebuild itself from the survivors: no rank survived with the state, a
     worker stopped answering (a hung collective, ended by its timeout), or the backend
-    cannot (Megatron: a replica's shards die with any of its workers). The run stops;
+    cannot (Megatron with tp or pp > 1, whose replica's shards die with any of its
+    workers, or with the distributed optimizer: the message says which). The run stops;
     it resumes from its last checkpoint."""
 
 
