@@ -95,22 +95,27 @@ async def test_a_killed_worker_is_survived_its_step_rerun_and_a_restart_admitted
     assert recovery.num_steps == 1 and not recovery.step_applied
     assert recovery.source == 1 and recovery.bytes_moved > 0  # worker 2 took 1's state
     metrics.append(await pool.train_step(random_minibatch(1)))  # the re-run, on two ranks
+    await pool.resize([2])  # in the survivors' world, where worker 2 is world rank 1
+    metrics.append(await pool.train_step(random_minibatch(2)))
 
     await WORKERS[0].restart(0)
     await pool.admit([0])
     assert pool.dead == frozenset()
     grown = await pool.resize([0, 1, 2])
     assert grown.bytes_moved > 0 and pool.members == (0, 1, 2)
-    metrics.append(await pool.train_step(random_minibatch(2)))  # three ranks again
+    metrics.append(await pool.train_step(random_minibatch(3)))  # three ranks again
     await pool.save_checkpoint(tmp_path / "survived.pt")
 
     await pool.start_training([0])  # the same steps on one rank from the seed's weights
-    fixed = [await pool.train_step(random_minibatch(s)) for s in range(3)]
+    fixed = [await pool.train_step(random_minibatch(s)) for s in range(4)]
     await pool.save_checkpoint(tmp_path / "fixed.pt")
+    np.testing.assert_allclose([m.loss for m in metrics], [m.loss for m in fixed], rtol=1e-5)
+    # The gradient norm is the more sensitive to the rounding of a different data-
+    # parallel sum (2.8e-5 at the fourth step); a lost moment moves it by 1e-3 and more.
     np.testing.assert_allclose(
-        [(m.loss, m.grad_norm) for m in metrics], [(m.loss, m.grad_norm) for m in fixed], rtol=1e-5
+        [m.grad_norm for m in metrics], [m.grad_norm for m in fixed], rtol=1e-4
     )
-    assert [m.num_steps for m in metrics] == [1, 2, 3]
+    assert [m.num_steps for m in metrics] == [1, 2, 3, 4]
     # The weights as one vector: Adam turns the rounding of a different data-parallel
     # sum into ~1e-5 relative noise; a state that did not survive whole (moments or
     # step count lost) is off by orders of magnitude more.
