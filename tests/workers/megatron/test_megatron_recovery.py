@@ -91,6 +91,7 @@ async def test_a_killed_worker_is_survived_its_step_rerun_and_a_restart_admitted
     await step_meeting_a_death(pool, 1, dying=0)
     assert pool.dead == {0} and pool.can_recover
     recovery = await pool.recover()
+    print(f"\nkilled inside a step: rebuilt in {recovery.elapsed_s:.2f} s")
     assert recovery.lost == (0,) and recovery.members == (1, 2) == pool.members
     assert recovery.num_steps == 1 and not recovery.step_applied
     assert recovery.source == 1 and recovery.bytes_moved > 0  # worker 2 took 1's state
@@ -124,6 +125,38 @@ async def test_a_killed_worker_is_survived_its_step_rerun_and_a_restart_admitted
     diff = sum(float((survived[k] - expected[k]).double().square().sum()) for k in expected)
     norm = sum(float(expected[k].double().square().sum()) for k in expected)
     assert (diff / norm) ** 0.5 < 1e-4
+
+
+@pytest.mark.timeout(180)
+async def test_a_worker_killed_as_a_reshard_starts_leaves_the_old_layout_training(
+    pool: MegatronPool,
+) -> None:
+    """After the test above every worker lives. Worker 2 dies as a reshard onto it
+    starts (tp = 1 on [0, 1] -> tp = 2 on [1, 2]): the survivors, which may be waiting
+    for it in the new layout's groups, are interrupted rather than waiting for the
+    groups' timeout, and the reshard is rolled back onto the old ranks, whose steps go
+    on as a single rank's would."""
+    await pool.start_training([0, 1])
+    metrics = [await pool.train_step(random_minibatch(0))]
+
+    def kill_the_joiner(_: object) -> None:
+        kill(2)
+
+    pool.resize_listeners.append(kill_the_joiner)
+    try:
+        with pytest.raises(RankLostError):
+            await pool.reshard([1, 2], tp=2, pp=1)
+    finally:
+        pool.resize_listeners.remove(kill_the_joiner)
+    with anyio.fail_after(CONFIG.reshard_timeout_s / 2):  # a hang guard
+        recovery = await pool.recover()
+    print(f"\nkilled as a reshard started: rebuilt in {recovery.elapsed_s:.2f} s")
+    assert recovery.lost == (2,) and recovery.members == (0, 1) == pool.members
+    assert pool.replica_size == 1 and recovery.num_steps == 1
+    metrics.append(await pool.train_step(random_minibatch(1)))
+    await pool.start_training([0])
+    fixed = [await pool.train_step(random_minibatch(s)) for s in range(2)]
+    np.testing.assert_allclose([m.loss for m in metrics], [m.loss for m in fixed], rtol=1e-5)
 
 
 # Last in this module: it leaves the pool broken.
