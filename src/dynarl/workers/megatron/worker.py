@@ -21,7 +21,11 @@ What differs is what a layout of replicas needs:
   as the plan says, and every member of the new layout builds a new rank that keeps
   its own slices;
 - *checkpoints and weight sync* gather replica 0's shards to its leader in the HF
-  layout (:mod:`~dynarl.workers.megatron.state`).
+  layout (:mod:`~dynarl.workers.megatron.state`);
+- *a lost peer* (tp = pp = 1, torch's AdamW): the rank outlives the world, and the
+  survivors' layout is restored on the new one (:mod:`~dynarl.workers.megatron.recovery`).
+
+Layouts are built on world ranks, which are the pool indices only until a peer dies.
 """
 
 import dataclasses
