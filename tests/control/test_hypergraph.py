@@ -102,6 +102,40 @@ def test_failed_migration_leaves_the_old_placement_running() -> None:
     g.check()
 
 
+@pytest.mark.parametrize("outcome", ["failed", "done"])
+def test_an_instance_that_crashes_while_its_migration_drains_it_leaves_its_devices_crashed(
+    outcome: str,
+) -> None:
+    # Two rollout engines move to the actor; one dies as the move starts. Whether the
+    # move then fails or completes without its device, the device is free and crashed
+    # (the scheduler reboots it); the survivor's device is not.
+    g = make_graph(rollout=2, inference=1, actor=1)
+    r0, r1 = (g.instances[InstanceId(f"rollout-{k}")].devices for k in (0, 1))
+    m = Migration(
+        id=MigrationId(0),
+        kind="reshard",
+        src=ROLLOUT,
+        dst=ACTOR,
+        devices=(*r0, *r1),
+        drain=(InstanceId("rollout-0"), InstanceId("rollout-1")),
+        create=(InstanceSpec(id=InstanceId("actor-1"), devices=r1),),
+    )
+    g.apply(ev.MigrationStarted(migration=m))
+    g.apply(ev.WorkerFailed(instance=InstanceId("rollout-0"), reason="killed"))
+    assert not g.crashed_devices  # the migration holds the device meanwhile
+    g.check()
+    if outcome == "failed":
+        g.apply(ev.MigrationFailed(migration=MigrationId(0), reason="rollout-0 is gone"))
+        assert g.instances[InstanceId("rollout-1")].state == "active"
+        assert set(r1).isdisjoint(g.free_devices)
+    else:
+        g.apply(ev.MigrationDone(migration=MigrationId(0)))
+        assert InstanceId("actor-1") in g.instances
+    assert g.crashed_devices == set(r0) <= g.free_devices
+    assert not g.crashed_in_migration
+    g.check()
+
+
 def test_migration_cannot_take_busy_devices_or_drain_another_component() -> None:
     g = make_graph(rollout=2, inference=1, actor=1)
     actor_dev = g.instances[InstanceId("actor-0")].devices

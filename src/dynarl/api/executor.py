@@ -25,6 +25,7 @@ protocol asks.
 """
 
 import logging
+from collections.abc import Sequence
 
 import anyio
 
@@ -34,6 +35,7 @@ from dynarl.control.plan import Migration
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
 from dynarl.core.errors import DynaRLError
 from dynarl.core.ids import DeviceId, InstanceId, MigrationId
+from dynarl.workers.handles import SlotHandle
 
 logger = logging.getLogger(__name__)
 
@@ -123,11 +125,46 @@ class WorldExecutor:
                 raise
         else:
             waited = None
-            for instance in migration.drain:
-                await self.world.release(instance)
-            await self._create(migration)
+            released = await self._release(migration)
+            try:
+                await self._create(migration)
+            except BaseException:
+                # The slots that did not take the new role go back to the old one.
+                await self._restore(migration, released)
+                raise
         logger.info("migration %d done: %s -> %s", migration.id, src, dst)
         return waited
+
+    async def _release(self, migration: Migration) -> list[tuple[InstanceId, SlotHandle]]:
+        """Release ``migration``'s drained instances (:meth:`RealWorld.release`); if one cannot be
+        (its slot died as the move started), those released before it run again and
+        the error propagates: a move that fails leaves every survivor serving, as the
+        controller's restored placement says."""
+        released: list[tuple[InstanceId, SlotHandle]] = []
+        try:
+            for instance in migration.drain:
+                slot = await self.world.release(instance)
+                if slot is not None:
+                    released.append((instance, slot))
+        except BaseException:
+            await self._restore(migration, released)
+            raise
+        return released
+
+    async def _restore(
+        self, migration: Migration, released: Sequence[tuple[InstanceId, SlotHandle]]
+    ) -> None:
+        """Undo :meth:`_release` for the slots still alive and still holding the
+        released role (one that took the new role, or died, is not put back: the
+        router reports a dead one and the controller forgets its instance)."""
+        with anyio.CancelScope(shield=True):
+            for instance, slot in released:
+                if not (slot.alive and slot.instance == instance and slot.role == migration.src):
+                    continue
+                try:
+                    await self.world.restore(instance, slot)
+                except Exception as error:  # it died meanwhile: the router reports it
+                    logger.warning("could not restore %s on %s: %s", instance, slot.name, error)
 
     def _lost_devices(self, migration: Migration) -> list[int]:
         """Devices of ``migration``'s new instances whose slot process died."""
@@ -160,16 +197,12 @@ class WorldExecutor:
                 ]
                 await world.resize_actor(leaving=leaving)
             else:
-                released = [(i, await world.release(i)) for i in migration.drain]
+                released = await self._release(migration)
                 joining = [DeviceId(d) for spec in migration.create for d in spec.devices]
                 try:
                     await world.resize_actor(joining=joining)
                 except BaseException:
-                    # Create-before-destroy: the released instances run again.
-                    with anyio.CancelScope(shield=True):
-                        for instance, slot in released:
-                            if slot is not None:
-                                await world.restore(instance, slot)
+                    await self._restore(migration, released)  # create-before-destroy
                     raise
         if migration.dst != ACTOR:
             try:

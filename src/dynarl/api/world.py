@@ -347,9 +347,12 @@ class RealWorld:
         finishes first). The slot keeps a host copy of the role, to resume it later
         (:meth:`restore`). Returns the slot."""
         await self.router.drain(instance)
-        slot = self._serving.pop(instance, None)
+        slot = self._serving.get(instance)
         if slot is not None:
+            # Forgotten only once released: a slot that dies meanwhile is still found
+            # by :meth:`forget` when the router reports it (lost, out of the group).
             await slot.release_memory(host_backup=True)
+            self._serving.pop(instance, None)
         return slot
 
     async def restore(self, instance: InstanceId, slot: SlotHandle) -> None:
@@ -367,10 +370,14 @@ class RealWorld:
         members replace their old group by joining it."""
         slot = self._serving.pop(instance, None)
         if slot is None:
+            # Released by a move (not serving), or dying as its move started.
+            slot = next((h for h in self.launcher.handles if h.instance == instance), None)
+        if slot is None:
             return
-        self.lost.add(slot.name)
+        if slot.name not in self.lost:
+            self.lost.add(slot.name)
+            logger.warning("slot %s (%s) died; the run goes on without it", slot.name, instance)
         self.weights.member_died(slot.name)
-        logger.warning("slot %s (%s) died; the run goes on without it", slot.name, instance)
 
     def fail(self, error: BaseException) -> None:
         """The world cannot go on (``error``: a trainer rank died); tell the run once."""

@@ -1,11 +1,11 @@
 """Device placement in the hypergraph: which instance, migration or pool holds each device.
 
 The hypergraph keeps the placement state (``instances``, ``device_owner``,
-``free_devices``, ``crashed_devices``, ``migrations``, ``next_migration_id`` and the
-per-component instance serials behind :meth:`Hypergraph.new_instance_id`); this module
-holds the code that changes it: the initial placement, instance creation and removal,
-and the handlers for :class:`~dynarl.control.events.MigrationStarted`,
-:class:`~dynarl.control.events.MigrationDone`,
+``free_devices``, ``crashed_devices``, ``crashed_in_migration``, ``migrations``,
+``next_migration_id`` and the per-component instance serials behind
+:meth:`Hypergraph.new_instance_id`); this module holds the code that changes it: the
+initial placement, instance creation and removal, and the handlers for
+:class:`~dynarl.control.events.MigrationStarted`, :class:`~dynarl.control.events.MigrationDone`,
 :class:`~dynarl.control.events.MigrationFailed` and
 :class:`~dynarl.control.events.WorkerFailed`, which :class:`Hypergraph` registers in its
 handler table.
@@ -107,7 +107,8 @@ def on_migration_done(graph: "Hypergraph", e: ev.MigrationDone) -> None:
         placed.update(spec.devices)
     if m.create and m.dst is not None:
         graph.components[m.dst].restart_rate(e.time_s)  # resized: see on_migration_started
-    graph.free_devices.update(d for d in m.devices if d not in placed)
+    _free(graph, [d for d in m.devices if d not in placed])
+    graph.crashed_in_migration.difference_update(m.devices)
 
 
 def on_migration_failed(graph: "Hypergraph", e: ev.MigrationFailed) -> None:
@@ -126,7 +127,17 @@ def on_migration_failed(graph: "Hypergraph", e: ev.MigrationFailed) -> None:
     for d in m.devices:
         if graph.device_owner.get(d) == m.id:
             del graph.device_owner[d]
-            graph.free_devices.add(d)
+            _free(graph, [d])
+    graph.crashed_in_migration.difference_update(m.devices)
+
+
+def _free(graph: "Hypergraph", devices: Iterable[DeviceId]) -> None:
+    """Return ``devices`` to the free pool; those whose instance crashed during the
+    migration that held them are marked crashed (the scheduler reboots them)."""
+    for d in devices:
+        graph.free_devices.add(d)
+        if d in graph.crashed_in_migration:
+            graph.crashed_devices.add(d)
 
 
 def on_worker_failed(graph: "Hypergraph", e: ev.WorkerFailed) -> None:
@@ -140,8 +151,10 @@ def on_worker_failed(graph: "Hypergraph", e: ev.WorkerFailed) -> None:
     remove_instance(graph, node, e.time_s)
     migration = next((m for m in graph.migrations.values() if node.id in m.drain), None)
     if migration is not None:
-        # A draining instance's devices already belong to its migration.
+        # A draining instance's devices already belong to its migration; if it
+        # leaves them free, they are crashed (see _free).
         graph.device_owner.update(dict.fromkeys(node.devices, migration.id))
+        graph.crashed_in_migration.update(node.devices)
     else:
         # The devices go back to the pool: the scheduler may reboot an instance there.
         graph.free_devices.update(node.devices)

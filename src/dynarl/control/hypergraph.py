@@ -94,6 +94,9 @@ class Hypergraph:
         self.free_devices: set[DeviceId] = set(DeviceId(d) for d in range(num_devices))
         # Free devices whose worker crashed: using them again means a reboot.
         self.crashed_devices: set[DeviceId] = set()
+        self.crashed_in_migration: set[DeviceId] = set()
+        """Devices whose instance crashed while a migration drained it: they belong to
+        the migration, and join :attr:`crashed_devices` if it leaves them free."""
         self.migrations: dict[MigrationId, Migration] = {}
         self.next_migration_id = MigrationId(0)
         # The serial of each component's next instance (device_placement keeps it).

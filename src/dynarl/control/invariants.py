@@ -44,6 +44,9 @@ def check_invariants(graph: "Hypergraph") -> None:
         raise InvariantError(f"devices {lost} are held by nobody: device count not conserved")
     if not graph.crashed_devices <= graph.free_devices:
         raise InvariantError("a crashed device is not in the free pool")
+    in_migrations = {d for m in graph.migrations.values() for d in m.devices}
+    if not graph.crashed_in_migration <= in_migrations:
+        raise InvariantError("a device crashed in a migration that no longer holds it")
     if len(graph.device_owner) + len(graph.free_devices) != graph.num_devices:
         raise InvariantError("device_owner holds stale entries")
     for hn in graph.components.values():
