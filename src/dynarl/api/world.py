@@ -347,12 +347,9 @@ class RealWorld:
         finishes first). The slot keeps a host copy of the role, to resume it later
         (:meth:`restore`). Returns the slot."""
         await self.router.drain(instance)
-        slot = self._serving.get(instance)
+        slot = self._serving.pop(instance, None)
         if slot is not None:
-            # Forgotten only once released: a slot that dies meanwhile is still found
-            # by :meth:`forget` when the router reports it (lost, out of the group).
             await slot.release_memory(host_backup=True)
-            self._serving.pop(instance, None)
         return slot
 
     async def restore(self, instance: InstanceId, slot: SlotHandle) -> None:
@@ -370,7 +367,8 @@ class RealWorld:
         members replace their old group by joining it."""
         slot = self._serving.pop(instance, None)
         if slot is None:
-            # Released by a move (not serving), or dying as its move started.
+            # Released by a move (no longer serving: a weight sync leaves it out),
+            # or dying as its move released it: still the slot of that instance.
             slot = next((h for h in self.launcher.handles if h.instance == instance), None)
         if slot is None:
             return
