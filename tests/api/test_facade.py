@@ -1,9 +1,11 @@
 """The DynaRL facade on real worker processes: a short run learns and writes its run
 directory; leaving the context, by error or cancellation, leaves no process behind; it
-runs inside an already-running loop (the test's own, like a notebook's)."""
+runs inside an already-running loop (the test's own, like a notebook's); an iteration
+that stops making progress stops the run."""
 
 import multiprocessing
 import os
+import time
 from pathlib import Path
 
 import anyio
@@ -15,6 +17,8 @@ pytest.importorskip("torch")
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
 from dynarl.api.facade import DynaRL
+from dynarl.api.stall import RunStalledError
+from dynarl.core.ids import InstanceId
 from dynarl.obs.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -141,3 +145,31 @@ async def test_a_kl_penalty_trains_on_the_reference_logprobs_inference_computes(
         history = await rl.run()
     assert [s.iteration for s in history] == [0, 1]
     assert all(np.isfinite(s.loss) and s.grad_norm > 0 for s in history)
+
+
+@pytest.mark.timeout(90)
+async def test_an_iteration_that_stops_making_progress_stops_the_run_and_says_where(
+    tmp_path: Path,
+) -> None:
+    # The router stops routing to the only rollout engine (as a move that failed to put
+    # it back once did): the prompts wait in the router's backlog with nothing to take
+    # them. The run stops after run.stall_timeout_s and says so, with the two views.
+    cfg = config(tmp_path, *SMALL, "run.stall_timeout_s=2")
+    with pytest.raises(RunStalledError) as caught:
+        async with DynaRL(cfg) as rl:
+            pids = worker_pids(rl)
+            assert rl._world is not None
+            rl._world.router.hold(InstanceId("rollout-0"))
+            started = time.monotonic()
+            await rl.step()
+    waited = time.monotonic() - started
+    message = str(caught.value)
+    assert "iteration 0 made no progress for 2 s" in message, message
+    assert (
+        "rollout: active instances ['rollout-0']; the router routes to none "
+        "(not to ['rollout-0'])" in message
+    ), message
+    prompts = cfg.algorithm.samples_per_iteration
+    assert f"router: {prompts} items in its backlog" in message, message
+    assert waited >= 2, waited  # it waited the timeout out
+    assert not [p for p in pids if alive(p)]

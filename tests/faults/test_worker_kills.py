@@ -41,7 +41,14 @@ KILLS = [
 
 def job(run_dir: Path, *overrides: str) -> DynaRLConfig:
     return apply_overrides(
-        DynaRLConfig(), ["run.checkpoint_every=0", f"run.run_dir={run_dir}", *overrides]
+        DynaRLConfig(),
+        [
+            "run.checkpoint_every=0",
+            # A run that hangs says where its work stands instead of idling to the timeout.
+            "run.stall_timeout_s=120",
+            f"run.run_dir={run_dir}",
+            *overrides,
+        ],
     )
 
 

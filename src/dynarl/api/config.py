@@ -17,7 +17,7 @@ import msgspec
 
 from dynarl.control.config import SchedulerConfig
 from dynarl.control.layout import PipelineLayout
-from dynarl.core.config import NonNegativeInt, PositiveInt, Section
+from dynarl.core.config import NonNegativeFloat, NonNegativeInt, PositiveInt, Section
 from dynarl.core.errors import ConfigError
 from dynarl.envs.config import DataConfig, EnvConfig
 from dynarl.launch.config import ClusterConfig
@@ -47,12 +47,16 @@ class RunConfig(Section, frozen=True, kw_only=True):
         run_dir: where the run directory is written.
         seed: seed of data order, sampling and initial weights.
         checkpoint_every: iterations between checkpoints (0: only at the end).
+        stall_timeout_s: seconds an iteration may go without any progress (no item
+            routed or completed, no tool call, optimizer step or migration ending)
+            before the run stops and says where its work stands (0: wait forever).
     """
 
     num_iterations: PositiveInt = 20
     run_dir: str = "runs/latest"
     seed: int = 0
     checkpoint_every: NonNegativeInt = 5
+    stall_timeout_s: NonNegativeFloat = 1800.0
 
 
 class DynaRLConfig(Section, frozen=True, kw_only=True):

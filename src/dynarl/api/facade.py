@@ -19,10 +19,10 @@ lazily, when a run starts.
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 import msgspec
@@ -39,6 +39,7 @@ from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import dump_config
 from dynarl.api.host import RunFailedError, RunHost
 from dynarl.api.run_dir import RunDirectory
+from dynarl.api.stall import RunStalledError, StallWatch, describe
 from dynarl.core.errors import ConfigError, DynaRLError
 from dynarl.obs.metrics import DeviceMeter, FlatValue, IterationStats, MetricsWriter, flat_record
 from dynarl.obs.timeline import TimelineLine, TimelineRecorder
@@ -111,6 +112,8 @@ class DynaRL:
         self.environment = environment
         self.run_dir = Path(run_dir if run_dir is not None else cfg.run.run_dir)
         self.on_progress = on_progress
+        timeout = cfg.run.stall_timeout_s
+        self._stall = StallWatch(timeout) if timeout else None
         self.resume_from = None if resume_from is None else Path(resume_from)
         self.resume_at = resume_at
         self._files = RunDirectory(self.run_dir)
@@ -211,10 +214,12 @@ class DynaRL:
             environment=environment,
             run_dir=self.run_dir,
             resumed=None if resumed is None else resumed.checkpoint,
-            on_progress=lambda p: self.on_progress(p) if self.on_progress else None,
+            on_progress=self._progressed,
             before_controller=functools.partial(stack.callback, self._write_timeline_at_exit),
         )
         self.controller, self._world, self._pipeline = run.controller, run.world, run.pipeline
+        if self._stall is not None:
+            self.controller.listeners.append(self._stall.on_event)
         run.world.on_failure = self._world_failed
         self._meter, self._recorder, self._sampler = run.meter, run.recorder, run.sampler
         self._closed_s = None
@@ -262,7 +267,7 @@ class DynaRL:
         scope = self._step_scope = anyio.CancelScope()
         try:
             with self._host.call(), scope:
-                stats = await self._pipeline.run(index)
+                stats = await self._watched(self._pipeline.run(index), scope)
         except BaseException as error:
             self._note_interrupted(sampler)
             from dynarl.api.executor import trainer_rank_loss
@@ -276,6 +281,9 @@ class DynaRL:
         if scope.cancelled_caught and self._world is not None and self._world.failure:
             self._note_interrupted(sampler)
             raise self._rank_lost(index, self._world.failure)
+        if scope.cancelled_caught and self._stall is not None and self._stall.stalled_s:
+            self._note_interrupted(sampler)
+            raise self._stalled(index, self._stall.stalled_s)
         if scope.cancelled_caught:
             self._note_interrupted(sampler)
             raise IterationInterruptedError(
@@ -295,6 +303,41 @@ class DynaRL:
         if every and (index + 1) % every == 0:
             await self.save_checkpoint()
         return stats
+
+    async def _watched(
+        self, iteration: Coroutine[Any, Any, IterationStats], scope: anyio.CancelScope
+    ) -> IterationStats:
+        """Run ``iteration`` beside the stall watch, which cancels ``scope`` if it stops
+        making progress (``run.stall_timeout_s``)."""
+        if self._stall is None:
+            return await iteration
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._stall.watch, scope.cancel)
+            stats = await iteration
+            tg.cancel_scope.cancel()
+        return stats
+
+    def _progressed(self, progress: "Progress") -> None:
+        if self._stall is not None:
+            self._stall.progress()
+        if self.on_progress is not None:
+            self.on_progress(progress)
+
+    def _stalled(self, index: int, idle_s: float) -> RunStalledError:
+        assert self.controller is not None and self._world is not None
+        last = self.last_checkpoint()
+        where = (
+            f"`dynarl run --resume {self.run_dir}` continues after iteration "
+            f"{last.state.num_iterations - 1}"
+            if last is not None
+            else "no checkpoint exists yet"
+        )
+        state = describe(self.controller.graph, self._world.router)
+        return RunStalledError(
+            f"iteration {index} made no progress for {idle_s:.0f} s "
+            f"(run.stall_timeout_s={self.cfg.run.stall_timeout_s:g}); the run stops ({where}). "
+            f"Where its work stands:\n{state}"
+        )
 
     def _rank_lost(self, index: int, failure: BaseException) -> "TrainerRankLostError":
         last = self.last_checkpoint()

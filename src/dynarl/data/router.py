@@ -232,6 +232,16 @@ class Router:
         """Connected instances, active or draining."""
         return list(self._placement.workers)
 
+    def workers_of(self, component: ComponentId) -> tuple[list[InstanceId], list[InstanceId]]:
+        """``component``'s connected instances: those it routes to, and the others
+        (drained or held)."""
+        active: list[InstanceId] = []
+        idle: list[InstanceId] = []
+        for instance, w in self._placement.workers.items():
+            if w.component == component:
+                (active if w.active else idle).append(instance)
+        return active, idle
+
     async def drain(self, instance: InstanceId, *, abort: bool = True) -> None:
         """Stop routing to ``instance``, route its queued items elsewhere and wait until
         it holds nothing; with ``abort``, ask it to hand in-flight items back now (they
