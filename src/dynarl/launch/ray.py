@@ -225,7 +225,27 @@ class RayLauncher:
         # Its actor may outlive its process (the process exited, the actor did not).
         await anyio.to_thread.run_sync(lambda: ray.kill(old.actor, no_restart=True))
         entry, arg = old.run
-        [worker] = await self._start(entry, [old.name], [old.device], [arg])
+        # Its node may be gone with it: until Ray's control store declares that node
+        # dead (its health check, tens of seconds), the device's bundle still points
+        # there and a new actor dies with it; then Ray re-places the bundle on a node
+        # with room (a replacement joining, or spare capacity) and the actor starts.
+        deadline = anyio.current_time() + self.start_timeout_s
+        delay_s = 1.0
+        while True:
+            try:
+                [worker] = await self._start(entry, [old.name], [old.device], [arg])
+                break
+            except LaunchError as error:
+                if not _node_died(error) or anyio.current_time() + delay_s > deadline:
+                    raise
+                logger.warning(
+                    "%s: its device's bundle was on a node that died; retrying in %.0f s "
+                    "while Ray places it again",
+                    old.name,
+                    delay_s,
+                )
+                await anyio.sleep(delay_s)
+                delay_s = min(2 * delay_s, 10.0)
         logger.info("restarted %s (device %d)", worker.name, worker.device)
         return worker
 
@@ -397,6 +417,14 @@ class RayLauncher:
         for w in workers:
             with contextlib.suppress(RuntimeError):
                 anyio.from_thread.run_sync(w.exited.set, token=self._token)
+
+
+def _node_died(error: LaunchError) -> bool:
+    """Whether ``error`` is an actor's start failing because its node died."""
+    import ray
+
+    cause = error.__cause__
+    return isinstance(cause, ray.exceptions.ActorDiedError) and "node has died" in str(cause)
 
 
 async def _get(refs: Sequence[Any], timeout_s: float) -> list[Any]:
