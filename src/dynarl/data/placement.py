@@ -12,6 +12,7 @@ one instance generated for it, on top of any partial output it resumed from), so
 turn's and every instance's: the counts the hypergraph keeps per request.
 """
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -28,6 +29,16 @@ from dynarl.data.routing import RoutingPolicy
 logger = logging.getLogger(__name__)
 
 _MAX_REFILL_MISSES = 4
+
+
+def _movable(item: wire.Item, *, edges: set[EdgeId], sticky: WorkerState | None) -> bool:
+    """Whether ``steal_for`` may move ``item``: never one that must return to its
+    instance, and none whose prefix ``sticky`` holds."""
+    return (
+        item.affinity != "must"
+        and item.edge in edges
+        and (sticky is None or item.instance != sticky.instance)
+    )
 
 
 class RoutedResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,7 +94,9 @@ class Placement:
         self.num_requeued = 0
         self.num_workers_failed = 0
         self.num_stolen = 0
-        """Queued items an idle instance took from another's queue."""
+        """Queued items an instance with room took from another's queue."""
+        self.planned: dict[ItemId, InstanceId] = {}
+        """Where items taken back from a drained instance go next (see :meth:`plan`)."""
 
     # ------------------------------------------------------------------ workers
 
@@ -94,6 +107,7 @@ class Placement:
             w.active = False
         self._refresh_candidates()
         self.refill(now)
+        self.steal_for(w, now)
 
     def set_active(self, w: WorkerState, active: bool, now: float) -> None:
         """Stop (drain) or resume routing to ``w``; stopping takes back its queued
@@ -105,6 +119,7 @@ class Placement:
             self._refresh_candidates()
         if active:
             self.refill(now)
+            self.steal_for(w, now)
         else:
             self._requeue(w.queue.take_all(), now)
 
@@ -128,6 +143,13 @@ class Placement:
         self.emit(ev.WorkerFailed(time_s=now, instance=w.instance, reason=reason))
         for item in items:
             self._place(item, now)
+
+    def plan(self, targets: Iterable[tuple[ItemId, InstanceId]]) -> None:
+        """A migration's instance-level decision (``Migration.reassign``): each item,
+        when next routed (taken back from the instance it drains), goes to its target
+        if that is an active candidate with queue space; otherwise the policy decides.
+        Call it before draining."""
+        self.planned.update(targets)
 
     def _refresh_candidates(self) -> None:
         for edge, components in self.consumers.items():
@@ -207,6 +229,8 @@ class Placement:
         generated = self.generated_tokens.pop(item.id, 0) + r.num_tokens
         if r.status in ("done", "refused"):
             self.pending.discard(item.id)
+            if self.planned:
+                self.planned.pop(item.id, None)
             self.num_completed += 1
             if r.status == "refused":
                 self.num_refused += 1
@@ -255,7 +279,10 @@ class Placement:
             prev = self.workers.get(item.instance)
             if prev is not None and prev.active and prev in candidates:
                 previous = prev
-        target = self.policy.select(item, previous, candidates)
+        planned = self.planned.pop(item.id, None) if self.planned else None
+        target = self.workers.get(planned) if planned is not None else None
+        if target is None or target not in candidates or target.is_full:
+            target = self.policy.select(item, previous, candidates)
         if target is None:
             self.backlog.append(item)
             return
@@ -264,33 +291,41 @@ class Placement:
         self.emit(ev.ItemRouted(time_s=now, edge=item.edge, item=item.id, instance=target.instance))
 
     def steal_for(self, w: WorkerState, now: float) -> None:
-        """``w`` went idle: give it the oldest item another active instance of its
-        component has queued, from the one with the most items waiting for room (never
-        one that must return there). An idle instance's time is worth the item's
-        re-prefill; waiting, the item would start only when its instance has room."""
-        if not (w.active and w.is_idle):
+        """``w`` has room (an item routed to it now would start at once): give it items
+        other active instances of its component queue beyond their room, oldest first,
+        from the one with the most items waiting, until ``w`` is full or none is left.
+        An item whose KV prefix its instance holds moves only to an idle ``w``: an idle
+        instance's time is worth the re-prefill, while a busy one would stall its batch
+        for it; an item that must return to its instance never moves. Called when
+        ``w`` joins, resumes, or gets results back."""
+        if not (w.active and w.can_start_now):
             return
         donors = [
             c
             for c in self.workers.values()
             if c is not w and c.active and c.component == w.component and c.num_waiting
         ]
-        if not donors:
-            return
-        donor = max(donors, key=lambda c: c.num_waiting)
         edges = {e for e, components in self.consumers.items() if w.component in components}
-        item = donor.queue.take_oldest(lambda it: it.affinity != "must" and it.edge in edges)
-        if item is None:
-            return
-        generated = (self.generated_tokens.get(item.id, 0),)
-        self.emit(
-            ev.ItemsRequeued(time_s=now, edge=item.edge, items=(item.id,), generated=generated)
-        )
-        self.num_requeued += 1
-        self.num_stolen += 1
-        w.queue.put_nowait(item, now_s=now)
-        self.num_routed += 1
-        self.emit(ev.ItemRouted(time_s=now, edge=item.edge, item=item.id, instance=w.instance))
+        while donors and w.can_start_now:
+            donor = max(donors, key=lambda c: c.num_waiting)
+            # Once ``w`` holds an item it is busy: only items whose prefix the donor
+            # does not hold may follow.
+            item = donor.queue.take_oldest(
+                functools.partial(_movable, edges=edges, sticky=None if w.is_idle else donor)
+            )
+            if item is None or not donor.num_waiting:
+                donors.remove(donor)
+            if item is None:
+                continue
+            generated = (self.generated_tokens.get(item.id, 0),)
+            self.emit(
+                ev.ItemsRequeued(time_s=now, edge=item.edge, items=(item.id,), generated=generated)
+            )
+            self.num_requeued += 1
+            self.num_stolen += 1
+            w.queue.put_nowait(item, now_s=now)
+            self.num_routed += 1
+            self.emit(ev.ItemRouted(time_s=now, edge=item.edge, item=item.id, instance=w.instance))
 
     def refill(self, now: float) -> None:
         """Route backlogged items, oldest first, until a few in a row find no instance

@@ -446,6 +446,5 @@ class Router:
                 continue
             if completion is not None:
                 outbox.append(completion)
-        if w.is_idle:
-            self._placement.steal_for(w, now)
+        self._placement.steal_for(w, now)
         w.after_results()

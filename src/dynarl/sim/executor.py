@@ -1,8 +1,11 @@
 """The simulated executor: carries out the controller's migrations in a :class:`SimWorld`.
 
-A workload migration aborts the drained engines' requests (keeping every generated
-token), puts them back in the queue and routes them as the plan's ``reassign`` says;
-a drained inference replica's samples go back to the front of its queue. A migration
+A workload migration drains engines through the data plane's placement: nothing more
+is routed to them from the migration's start, their queued requests are routed
+elsewhere and their running ones, aborted (keeping every generated token), with them,
+each to the engine the plan's ``reassign`` names (``Placement.plan``) if it can take
+it; a drained inference replica's samples go back to the front of its queue and are
+routed as ``reassign`` says. A migration
 that touches the trainer first waits for the optimizer-step boundary (the trainer is
 resized only between steps). Each then takes the
 :class:`~dynarl.sim.costs.MigrationCostModel` time on the virtual clock, after which
@@ -13,8 +16,8 @@ from typing import TYPE_CHECKING
 
 from dynarl.control import events as ev
 from dynarl.control.plan import Migration
-from dynarl.control.topology import PROMPTS, TO_INFERENCE
-from dynarl.core.ids import InstanceId, ItemId
+from dynarl.control.topology import TO_INFERENCE
+from dynarl.core.ids import ItemId
 
 if TYPE_CHECKING:
     from dynarl.sim.world import SimWorld
@@ -34,6 +37,12 @@ class SimExecutor:
         src = comps[migration.src].spec.kind if migration.src is not None else None
         dst = comps[migration.dst].spec.kind if migration.dst is not None else None
         t0 = world.now()
+        # Nothing more is routed to the drained engines; they finish what runs until
+        # they are released (after the step boundary, for the trainer's migrations).
+        world.fleet.placement.plan(
+            (item, target) for item, target in migration.reassign if target in world.engines
+        )
+        world.hold_engines(migration.drain, t0)
         if "actor" in (src, dst):
             await world.step_boundary()
         waited = world.now() - t0
@@ -49,33 +58,20 @@ class SimExecutor:
         return waited
 
     def release(self, migration: Migration, now: float) -> None:
-        """Abort the drained instances' work, requeue it and route it as planned."""
+        """Drain the released instances: their requests are routed elsewhere, their
+        samples requeued and routed as planned."""
         world = self.world
-        requeued: dict[ItemId, None] = {}
         inf_requeued: list[ItemId] = []
         for iid in migration.drain:
             if iid in world.engines:
-                requeued.update(dict.fromkeys(world.remove_engine(iid, now)))
+                world.remove_engine(iid, now)
             elif iid in world.inference.replicas:
                 inf_requeued += world.inference.drain(iid, now)
-        if requeued:
-            generated = tuple(world.seqs[item].generated() for item in requeued)
-            world.emit(ev.ItemsRequeued(edge=PROMPTS, items=tuple(requeued), generated=generated))
-            for item in requeued:
-                world.router.add(item, now_s=now, tool_calls=world.seqs[item].tool_calls)
         if inf_requeued:
             world.emit(ev.ItemsRequeued(edge=TO_INFERENCE, items=tuple(inf_requeued)))
             world.requeue_inference(inf_requeued)
-        moved: dict[InstanceId, list[ItemId]] = {}
         for item, target in migration.reassign:
             node = world.graph.instances.get(target)
-            if node is None or node.state != "active":
-                continue
-            if item in requeued and item in world.router and target in world.engines:
-                world.router.remove(item)
-                moved.setdefault(target, []).append(item)
-            elif target in world.inference.replicas:
+            if node is not None and node.state == "active" and target in world.inference.replicas:
                 world.assign_inference(target, item)
-        for target, items in moved.items():
-            world.assign_rollout(target, items, now)
         world.share_host(now)

@@ -27,7 +27,7 @@ import numpy as np
 
 from dynarl.control import events as ev
 from dynarl.control.plan import Migration
-from dynarl.control.topology import INFERENCE, PROMPTS, ROLLOUT, TO_INFERENCE
+from dynarl.control.topology import INFERENCE, ROLLOUT, TO_INFERENCE
 from dynarl.core.ids import InstanceId, ItemId
 from dynarl.sim.errors import SimError
 
@@ -174,14 +174,9 @@ class SimFaults:
         devices = tuple(int(d) for d in graph.instances[iid].devices)
         now = world.now()
         if component == ROLLOUT:
-            items = world.remove_engine(iid, now)
-            if items:
-                generated = tuple(world.seqs[i].generated() for i in items)
-                world.emit(ev.ItemsRequeued(edge=PROMPTS, items=tuple(items), generated=generated))
-            world.emit(ev.WorkerFailed(instance=iid, reason="fault injection: killed"))
-            for item in items:
-                world.router.add(item, now_s=now, tool_calls=world.seqs[item].tool_calls)
-            held = list(items)
+            w = world.engines[iid].worker
+            held = sorted([*w.in_flight, *(item.id for item in w.queue.queued())])
+            world.remove_engine(iid, now, failed="fault injection: killed")
             kind: FaultKind = "rollout_killed"
         else:
             assert component == INFERENCE

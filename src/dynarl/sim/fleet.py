@@ -1,72 +1,97 @@
-"""The rollout side of :class:`~dynarl.sim.world.SimWorld`: its modelled engines.
+"""The rollout side of :class:`~dynarl.sim.world.SimWorld`: its modelled engines
+behind the real data plane's placement.
 
-Requests wait in a :class:`~dynarl.sim.router.RequestRouter` until an engine has a
-free slot (``max_running_requests``); multi-turn requests prefer the engine holding
-their KV prefix. Each engine (a :class:`~dynarl.sim.engine.SimEngine`) advances only
-when it has an event due; a turn ending in a tool call leaves the engine for the
-call's latency and then returns to the router. Finished requests go to the world's
-``finished`` callback, which hands them downstream.
+Requests are routed by :class:`~dynarl.data.placement.Placement`, the data router's own
+bookkeeping and decisions, as in a real run: each modelled engine is a
+:class:`~dynarl.data.peers.WorkerState` (``capacity = max_running_requests``) with the
+real :class:`~dynarl.data.request_queue.RequestQueue` in front of it (FIFO or tool-call
+priority, with the aging bound), the :class:`~dynarl.data.routing.AffinityRouting`
+policy (seeded with the run's seed) places each request, and an engine with room takes
+the requests waiting elsewhere (``Placement.steal_for``). What a worker's link would
+carry is played here: an engine is fed from its queue up to its capacity, and what it
+finishes, aborts or stops for a tool call comes back as the
+:class:`~dynarl.data.wire.ItemResult` a real engine would send. Placement reports every
+move (``ItemsEnqueued``, ``ItemRouted``, ``ItemsRequeued``, ``ToolCallStarted``,
+``ToolCallFinished``, ``ItemCompleted``, ``WorkerFailed``). Each engine (a
+:class:`~dynarl.sim.engine.SimEngine`) advances only when it has an event due; a turn
+ending in a tool call leaves the engine for the call's latency. Finished requests go to
+the world's ``finished`` callback, which hands them downstream.
 """
 
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dynarl.control import events as ev
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.topology import PROMPTS, ROLLOUT
+from dynarl.core.clock import Clock
 from dynarl.core.ids import InstanceId, ItemId
-from dynarl.data.request_order import FifoOrder, ToolCallPriorityOrder
+from dynarl.data import wire
+from dynarl.data.peers import RouterConfig, WorkerState
+from dynarl.data.placement import Placement
+from dynarl.data.request_order import order_named
+from dynarl.data.request_queue import RequestQueue
+from dynarl.data.routing import AffinityRouting
+from dynarl.data.transport import PeerId
+from dynarl.obs.trace_records import Request
 from dynarl.sim.cluster import ClusterModel
 from dynarl.sim.engine import SimEngine
-from dynarl.sim.jobs import Job, JobDone
+from dynarl.sim.jobs import JobDone
 from dynarl.sim.metrics import WorldTotals
 from dynarl.sim.progress import EngineSlot, SeqProgress
-from dynarl.sim.router import RequestRouter
 from dynarl.workers.config import RolloutConfig
 
 
 class EngineFleet:
-    """The live rollout engines, the requests waiting for them and the tool calls out.
+    """The live rollout engines, the data plane's placement in front of them and the
+    tool calls out.
 
     Args:
         graph: the controller's hypergraph, read to see the rollout instances.
         emit: where events go (``Controller.handle``).
+        clock: the controller's clock (where the request queues measure waits).
         rollout: the engines' limits.
-        request_order: the order of the queue in front of the engines (``fifo`` or
+        request_order: the order of the queue in front of each engine (``fifo`` or
             ``priority``).
+        seed: seed of the routing policy's random choices.
         cluster: the cost models (the engines' model).
         seqs: every request's progress, shared with the world.
         totals: the world's counters.
-        finished: called with an engine and the requests it finished (their last turn).
+        finished: called with an engine and the requests it finished (their last turn),
+            before their ``ItemCompleted`` is reported.
+        router: the data router's configuration (queue sizes, stickiness, aging).
     """
 
     def __init__(
         self,
         graph: Hypergraph,
         emit: Callable[[ev.Event], None],
+        clock: Clock,
         rollout: RolloutConfig,
         *,
         request_order: str,
+        seed: int,
         cluster: ClusterModel,
         seqs: dict[ItemId, SeqProgress],
         totals: WorldTotals,
         finished: Callable[[InstanceId, list[SeqProgress]], None],
+        router: RouterConfig | None = None,
     ) -> None:
         self.graph = graph
         self.emit = emit
+        self.clock = clock
         self.cluster = cluster
         self.seqs = seqs
         self.totals = totals
         self.finished = finished
-        priority = request_order == "priority"
-        self.router = RequestRouter(
-            ToolCallPriorityOrder() if priority else FifoOrder(),
-            aging_factor=4.0 if priority else None,
+        self.router = router or RouterConfig()
+        self.order = order_named("priority" if request_order == "priority" else "fifo")
+        self.placement = Placement(
+            {PROMPTS: (ROLLOUT,)}, policy=AffinityRouting(seed=seed), emit=emit
         )
         self.cap = rollout.max_running_requests
         self.engines: dict[InstanceId, EngineSlot] = {}
-        self._room: dict[InstanceId, None] = {}  # active engines with a free slot
         self._eheap: list[tuple[float, InstanceId]] = []
         self._tools: list[tuple[float, int, ItemId]] = []
         self._tool_seq = 0
@@ -74,26 +99,54 @@ class EngineFleet:
         self.slowdown = 1.0  # the host's: engines' work takes this many times its alone time
 
     def sync(self, now: float) -> None:
-        """Create modelled engines for active rollout instances that have none."""
+        """Create modelled engines for active rollout instances that have none; each
+        joins the placement (taking the backlog and requests waiting elsewhere)."""
         for node in self.graph.components[ROLLOUT].active_instances():
             if node.id not in self.engines:
                 sim = SimEngine(self.cluster.engine, instance=node.id, start_s=now)
                 sim.set_slowdown(self.slowdown)
-                self.engines[node.id] = EngineSlot(sim)
-                self._room[node.id] = None
+                w = WorkerState(
+                    PeerId(node.id.encode()),
+                    instance=node.id,
+                    component=ROLLOUT,
+                    capacity=self.cap,
+                    queue=RequestQueue(
+                        self.order,
+                        max_size=self.router.max_queued_per_instance,
+                        clock=self.clock,
+                        aging=self.router.aging,
+                    ),
+                    now_s=now,
+                    sticky_max_queued=self.router.sticky_max_queued,
+                    kv_full=self.router.kv_full,
+                )
+                self.engines[node.id] = EngineSlot(sim, w)
                 self._touched[node.id] = None
+                self.placement.add_worker(w, now)
+
+    def admit(self, requests: Sequence[Request], now: float) -> None:
+        """New requests: reported and routed (``ItemsEnqueued``, ``ItemRouted``)."""
+        self.placement.admit(
+            [
+                wire.Item(
+                    id=r.id, group=r.group, edge=PROMPTS, affinity="prefer", tokens=r.prompt_tokens
+                )
+                for r in requests
+            ],
+            now,
+        )
 
     def set_slowdown(self, factor: float, now: float) -> None:
         """From ``now`` on, every engine's work takes ``factor`` times its alone time
         (what is left of a running step or prefill included)."""
         self.slowdown = factor
-        for iid, e in self.engines.items():
+        for iid, e in list(self.engines.items()):
             if e.sim.next_event_time() == math.inf:
                 e.sim.set_slowdown(factor)
                 continue
             done = e.sim.advance_to(max(now, e.sim.now))
             if done:  # due within the clock's tolerance: handle them first
-                self._completed(iid, e, done)
+                self._completed(iid, e, done, now)
             e.sim.set_slowdown(factor)
             if done:
                 self._schedule(iid, e, now)
@@ -132,15 +185,19 @@ class EngineFleet:
     def report(self, now: float, *, all_engines: bool) -> None:
         """Emit the stats of the engines touched since the last report (or of all), as
         of ``now``: the controller stamps a report with its arrival time, so an engine
-        whose clock lags (no event of its own since) is brought to ``now`` first."""
+        whose clock lags (no event of its own since) is brought to ``now`` first. The
+        placement reads each report's KV usage, as the data router does."""
         if all_engines:
             self._touched.update(dict.fromkeys(self.engines))
         touched, self._touched = self._touched, {}
         for iid in touched:
             if iid in self.engines:
-                if self.engines[iid].sim.now < now:
+                e = self.engines[iid]
+                if e.sim.now < now:
                     self._touch(iid, now)
-                self.emit(self.engines[iid].sim.stats())
+                stats = e.sim.stats()
+                e.worker.kv_usage = stats.kv_usage
+                self.emit(stats)
         self._touched.clear()
 
     def _touch(self, iid: InstanceId, now: float) -> None:
@@ -148,7 +205,7 @@ class EngineFleet:
         e = self.engines[iid]
         done = e.sim.advance_to(max(now, e.sim.now))
         if done:
-            self._completed(iid, e, done)
+            self._completed(iid, e, done, now)
         self._schedule(iid, e, now)
 
     def _schedule(self, iid: InstanceId, e: EngineSlot, now: float) -> None:
@@ -162,29 +219,34 @@ class EngineFleet:
             e.busy_since = None
         self._touched[iid] = None
 
-    def _completed(self, iid: InstanceId, e: EngineSlot, done: list[JobDone]) -> None:
-        finals: list[SeqProgress] = []
+    def _completed(self, iid: InstanceId, e: EngineSlot, done: list[JobDone], now: float) -> None:
+        """Hand what engine ``iid`` finished back to the placement, as its worker's
+        results would be: a tool call, or a request's last turn (reported downstream
+        first)."""
+        w, on_result = e.worker, self.placement.on_result
+        finals: list[JobDone] = []
         for d in done:
             seq = self.seqs[d.id]
             seq.done += d.generated_tokens
             self.totals.generated_tokens += d.generated_tokens
-            e.held.discard(d.id)
-            seq.engine = iid
             if d.tool_call:
-                self.emit(
-                    ev.ToolCallStarted(
-                        edge=PROMPTS, item=d.id, instance=iid, prefix_tokens=d.context_tokens
-                    )
+                result = wire.ItemResult(
+                    item=d.id,
+                    status="tool_call",
+                    num_tokens=d.generated_tokens,
+                    prefix_tokens=d.context_tokens,
                 )
+                on_result(w, result, now)
                 self._tool_seq += 1
                 latency = seq.request.tool_latency_s[seq.turn]
                 heapq.heappush(self._tools, (d.time_s + latency, self._tool_seq, d.id))
             else:
-                finals.append(seq)
+                finals.append(d)
         if finals:
-            self.finished(iid, finals)
-        if self.graph.instances[iid].state == "active" and len(e.held) < self.cap:
-            self._room[iid] = None
+            self.finished(iid, [self.seqs[d.id] for d in finals])
+            for d in finals:
+                on_result(w, wire.ItemResult(item=d.id, num_tokens=d.generated_tokens), now)
+        self.placement.steal_for(w, now)
 
     def _tool_returned(self, item: ItemId, now: float) -> None:
         seq = self.seqs[item]
@@ -194,79 +256,59 @@ class EngineFleet:
         seq.done = 0
         seq.tool_calls += 1
         self.totals.tool_calls += 1
-        self.emit(ev.ToolCallFinished(edge=PROMPTS, item=item, latency_s=latency, ok=ok))
-        sticky = self.engines.get(seq.engine) if seq.engine is not None else None
-        prefix = sticky.sim.cached_prefix(item) if sticky is not None else 0
-        node = self.graph.instances.get(seq.engine) if prefix and seq.engine else None
-        engine = seq.engine if node is not None and node.state == "active" else None
-        self.router.add(
-            item,
-            now_s=now,
-            tool_calls=seq.tool_calls,
-            prefix_tokens=prefix if engine else 0,
-            engine=engine,
-        )
+        self.placement.resume(item, b"", now, latency_s=latency, ok=ok)
 
     def route(self, now: float) -> None:
-        """Give engines with a free slot the requests waiting for them."""
-        for iid in list(self._room):
-            if not self.router:
-                return
-            node = self.graph.instances.get(iid)
-            e = self.engines.get(iid)
-            if node is None or e is None or node.state != "active":
-                del self._room[iid]
+        """Feed each engine from its queue up to its capacity (a worker link's pump)."""
+        p = self.placement
+        if p.backlog:
+            p.refill(now)
+        for iid, e in self.engines.items():
+            w = e.worker
+            room = self.cap - len(w.in_flight)
+            if room <= 0 or not len(w.queue):
                 continue
-            jobs = []
-            # Only an idle engine takes a request whose KV prefix another engine holds:
-            # a busy one gains next to nothing from one more request in its batch
-            # (decode is memory-bound) and would stall its batch to re-prefill it.
-            while (
-                len(e.held) < self.cap
-                and (item := self.router.pop_for(iid, now, steal=not e.held)) is not None
-            ):
-                jobs.append(self._route_to(iid, e, item))
-            if jobs:
-                self._submit(iid, e, jobs, now)
-            if len(e.held) >= self.cap:
-                del self._room[iid]
+            batch = w.queue.get_batch_nowait(room)
+            for item in batch:
+                w.in_flight[item.id] = item
+            done = e.sim.advance_to(max(now, e.sim.now))
+            e.sim.submit([self.seqs[item.id].job() for item in batch])
+            if done:
+                self._completed(iid, e, done, now)
+            self._schedule(iid, e, now)
 
-    def _route_to(self, iid: InstanceId, e: EngineSlot, item: ItemId) -> Job:
-        self.emit(ev.ItemRouted(edge=PROMPTS, item=item, instance=iid))
-        e.held.add(item)
-        return self.seqs[item].job()
+    def hold(self, iid: InstanceId, now: float) -> None:
+        """Route nothing more to engine ``iid``: the placement routes its queued
+        requests elsewhere; those running go on until :meth:`remove`."""
+        self.placement.set_active(self.engines[iid].worker, False, now)
 
-    def _submit(self, iid: InstanceId, e: EngineSlot, jobs: list[Job], now: float) -> None:
-        done = e.sim.advance_to(max(now, e.sim.now))
-        e.sim.submit(jobs)
-        if done:
-            self._completed(iid, e, done)
-        self._schedule(iid, e, now)
-
-    def remove(self, iid: InstanceId, now: float) -> list[ItemId]:
-        """Stop engine ``iid``, keeping every token it generated; return the requests
-        it held (in id order), now unrouted."""
+    def remove(self, iid: InstanceId, now: float, *, failed: str | None = None) -> None:
+        """Stop engine ``iid``, keeping every token it generated: the placement stops
+        routing to it and routes its requests elsewhere (queued ones as they are,
+        running ones aborted with their partial output); with ``failed`` (a reason), its
+        worker is then reported failed (``WorkerFailed``)."""
         self._touch(iid, now)
         e = self.engines.pop(iid)
         self.emit(e.sim.stats())  # its last window, which would be lost with it
-        for p in e.sim.abort_all():
-            self.seqs[p.id].done += p.generated_tokens
-            self.totals.generated_tokens += p.generated_tokens
+        w, p = e.worker, self.placement
+        p.set_active(w, False, now)
+        for aborted in e.sim.abort_all():
+            self.seqs[aborted.id].done += aborted.generated_tokens
+            self.totals.generated_tokens += aborted.generated_tokens
+            result = wire.ItemResult(
+                item=aborted.id, status="aborted", num_tokens=aborted.generated_tokens
+            )
+            p.on_result(w, result, now)
+        assert w.is_idle, "a drained engine holds nothing"
+        if failed is None:
+            p.remove_worker(w)
+        else:
+            p.fail_worker(w, failed, now)
         if e.busy_since is not None:
             e.busy_s += now - e.busy_since
         self.totals.rollout_device_s += e.busy_s * self.cluster.engine.tp
         self.totals.preemptions += e.sim.totals().num_preemptions
         self.totals.engine_tokens += e.sim.totals().generated_tokens
-        self._room.pop(iid, None)
-        self.router.forget_engine(iid)
-        return sorted(e.held)
-
-    def assign(self, iid: InstanceId, items: list[ItemId], now: float) -> None:
-        """Submit unrouted ``items`` to engine ``iid`` now (a plan's reassignment)."""
-        e = self.engines[iid]
-        self._submit(iid, e, [self._route_to(iid, e, item) for item in items], now)
-        if len(e.held) >= self.cap:
-            self._room.pop(iid, None)
 
     def generated_tokens(self) -> int:
         """Tokens every engine, live or removed, reports having generated."""

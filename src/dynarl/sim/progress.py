@@ -1,8 +1,9 @@
 """Per-request and per-engine bookkeeping of the simulated world: how far a request
 has got (its turn and the tokens of it generated so far, kept across aborts) and what
-a modelled engine holds (its requests and its busy time)."""
+a modelled engine is (its model, its worker as the data plane sees it, its busy
+time)."""
 
-from dynarl.core.ids import InstanceId, ItemId
+from dynarl.data.peers import WorkerState
 from dynarl.obs.trace_records import Request
 from dynarl.sim.engine import SimEngine
 from dynarl.sim.jobs import Job
@@ -11,16 +12,15 @@ from dynarl.sim.rollout import turn_job
 
 class SeqProgress:
     """One request's progress: its turn, tokens of the turn generated so far (kept
-    across aborts), completed tool calls and the engine it last ran on."""
+    across aborts) and completed tool calls."""
 
-    __slots__ = ("done", "engine", "request", "tool_calls", "turn")
+    __slots__ = ("done", "request", "tool_calls", "turn")
 
     def __init__(self, request: Request) -> None:
         self.request = request
         self.turn = 0
         self.done = 0
         self.tool_calls = 0
-        self.engine: InstanceId | None = None
 
     def generated(self) -> int:
         """Tokens it has generated so far, every turn's (as of its last abort)."""
@@ -41,13 +41,14 @@ class SeqProgress:
 
 
 class EngineSlot:
-    """A live engine: the modelled engine, the requests routed to it and its busy time
-    (an engine with any request running counts as busy)."""
+    """A live engine: the modelled engine, its worker as the data plane's placement
+    sees it (its request queue and the requests in flight on it) and its busy time (an
+    engine with any request running counts as busy)."""
 
-    __slots__ = ("busy_s", "busy_since", "held", "sim")
+    __slots__ = ("busy_s", "busy_since", "sim", "worker")
 
-    def __init__(self, sim: SimEngine) -> None:
+    def __init__(self, sim: SimEngine, worker: WorkerState) -> None:
         self.sim = sim
-        self.held: set[ItemId] = set()
+        self.worker = worker
         self.busy_since: float | None = None
         self.busy_s = 0.0

@@ -2,18 +2,20 @@
 
 :class:`SimWorld` is the calibrated counterpart of :class:`dynarl.testing.world.FakeWorld`.
 It plays rollout engines (:class:`~dynarl.sim.engine.SimEngine`), tool calls, inference
-replicas and the trainer on the controller's clock, routes items as a data router
-would, and reports only through real events. Its ``fleet``
+replicas and the trainer on the controller's clock, routes rollout requests with the
+data plane's own placement, and reports only through real events. Its ``fleet``
 (:class:`~dynarl.sim.fleet.EngineFleet`) runs the rollout engines and tool calls, its
 ``actor`` (:class:`~dynarl.sim.actor.SimActor`) assembles groups and runs optimizer
 steps, and its ``executor`` (:class:`~dynarl.sim.executor.SimExecutor`) carries out the
 controller's migrations.
 
-* **Routing.** Requests wait in a :class:`~dynarl.sim.router.RequestRouter` until an
-  engine has a free slot (``max_running_requests``); multi-turn requests prefer the
-  engine holding their KV prefix; the order is FIFO or tool-call priority. Inference
-  replicas take finished responses least-loaded first; the trainer takes a minibatch
-  of whole groups once one is complete.
+* **Routing.** Requests are routed by the data router's
+  :class:`~dynarl.data.placement.Placement` (see :mod:`dynarl.sim.fleet`): each engine
+  has a request queue (FIFO or tool-call priority) and runs up to
+  ``max_running_requests`` of it; multi-turn requests prefer the engine holding their
+  KV prefix; an engine with room takes requests waiting at others. Inference replicas
+  take finished responses least-loaded first; the trainer takes a minibatch of whole
+  groups once one is complete.
 * **Time.** Nothing steps at a fixed ``dt``: the world sleeps (on the virtual clock)
   until the next engine event, tool return, micro-batch or optimizer-step end, or the
   next periodic stats report, and is woken early when a migration finishes.
@@ -22,20 +24,21 @@ controller's migrations.
   speed the number of busy slots allows, reset whenever that number changes; devices
   are otherwise independent.
 * **Migrations.** The executor drains instances through :meth:`SimWorld.remove_engine`
-  and the inference stage, and routes their work with :meth:`SimWorld.assign_rollout`
-  and :meth:`SimWorld.assign_inference`; a finished migration wakes the world.
+  (the placement routes a drained engine's requests elsewhere, as the data router
+  does) and the inference stage (routing its samples with
+  :meth:`SimWorld.assign_inference`); a finished migration wakes the world.
 
 Producers report the downstream ``ItemsEnqueued`` before the upstream ``ItemCompleted``.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import anyio
 import numpy as np
 
 from dynarl.control import events as ev
 from dynarl.control.hypergraph import Hypergraph
-from dynarl.control.topology import INFERENCE, PROMPTS, TO_ACTOR, TO_INFERENCE
+from dynarl.control.topology import INFERENCE, TO_ACTOR, TO_INFERENCE
 from dynarl.core.clock import Clock
 from dynarl.core.ids import InstanceId, ItemId
 from dynarl.obs.trace_records import Request
@@ -99,14 +102,15 @@ class SimWorld:
         self.fleet = EngineFleet(
             graph,
             emit,
+            clock,
             cfg.rollout,
             request_order=run.sim.request_order,
+            seed=cfg.run.seed,
             cluster=self.cluster,
             seqs=self.seqs,
             totals=self.totals,
             finished=self._rollout_done,
         )
-        self.router = self.fleet.router
         self.engines = self.fleet.engines
         self.actor = SimActor(
             graph,
@@ -137,13 +141,9 @@ class SimWorld:
         self.workloads.append(requests)
         for r in requests:
             self.seqs[r.id] = SeqProgress(r)
-            self.router.add(r.id, now_s=start)
-        self.emit(
-            ev.ItemsEnqueued(
-                edge=PROMPTS,
-                items=tuple(ev.ItemRef(r.id, r.group, r.prompt_tokens) for r in requests),
-            )
-        )
+        if self._dirty:  # the engines join before the batch arrives, as real workers do
+            self._sync_instances(start)
+        self.fleet.admit(requests, start)
         n_steps = self.cfg.algorithm.n_minibatches
         while self.actor.steps_done < n_steps:
             self._advance()
@@ -251,7 +251,8 @@ class SimWorld:
     # ------------------------------------------------------------------ downstream
 
     def _rollout_done(self, iid: InstanceId, finals: list[SeqProgress]) -> None:
-        """Engine ``iid`` finished ``finals``: hand them to inference (or the actor)."""
+        """Engine ``iid`` finished ``finals``: hand them to inference (or the actor);
+        the placement then reports them completed."""
         refs = tuple(
             ev.ItemRef(s.request.id, s.request.group, s.request.total_tokens) for s in finals
         )
@@ -261,14 +262,6 @@ class SimWorld:
                 self.actor.arrived(s.request.id, s.request.group)
             else:
                 self._inf_queue[s.request.id] = None
-            self.emit(
-                ev.ItemCompleted(
-                    edge=PROMPTS,
-                    item=s.request.id,
-                    instance=iid,
-                    num_tokens=s.request.total_output_tokens,
-                )
-            )
             self.totals.requests_done += 1
 
     def _tokens(self, item: ItemId) -> int:
@@ -322,14 +315,17 @@ class SimWorld:
         self._dirty = True
         self._wake.set()
 
-    def remove_engine(self, iid: InstanceId, now: float) -> list[ItemId]:
-        """Stop engine ``iid``, keeping every token it generated; return the requests
-        it held (in id order), now unrouted."""
-        return self.fleet.remove(iid, now)
+    def hold_engines(self, iids: Iterable[InstanceId], now: float) -> None:
+        """Route nothing more to those of ``iids`` that are engines (a migration
+        drains them); their queued requests go elsewhere, their running ones go on."""
+        for iid in iids:
+            if iid in self.engines:
+                self.fleet.hold(iid, now)
 
-    def assign_rollout(self, iid: InstanceId, items: list[ItemId], now: float) -> None:
-        """Submit unrouted ``items`` to engine ``iid`` now (a plan's reassignment)."""
-        self.fleet.assign(iid, items, now)
+    def remove_engine(self, iid: InstanceId, now: float, *, failed: str | None = None) -> None:
+        """Stop engine ``iid``, keeping every token it generated; the placement routes
+        the requests it held elsewhere (see :meth:`EngineFleet.remove`)."""
+        self.fleet.remove(iid, now, failed=failed)
 
     def requeue_inference(self, items: list[ItemId]) -> None:
         """Put a drained replica's samples back at the front of the inference queue."""

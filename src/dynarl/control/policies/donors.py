@@ -28,7 +28,7 @@ def underused_engines(
 ) -> int:
     """How many of ``rollout``'s engines are under-used, or 0 unless more than
     ``cfg.theta`` of them are (and no request waits for a slot)."""
-    if graph.queue_depth(rollout):
+    if graph.waiting_for_slot(rollout):
         # Requests are waiting for a slot: the engines are full, however little KV
         # their (young, short-context) requests hold yet.
         return 0
@@ -45,7 +45,7 @@ def spare_engines(graph: Hypergraph, rollout: ComponentId) -> int:
     engine's KV prefix), else the engines beyond those that hold its requests at
     ``_PACK_FILL`` of their slots and of their KV cache (its engines are alike: their
     KV usages add up)."""
-    if graph.queue_depth(rollout) or any(e.num_in_tool for e in graph.edges_into(rollout)):
+    if graph.waiting_for_slot(rollout) or any(e.num_in_tool for e in graph.edges_into(rollout)):
         return 0
     node = graph.components[rollout]
     active = list(node.active_instances())

@@ -70,10 +70,11 @@ class RlhfusePolicy:
 
 
 def tail_engines(engines: Sequence[Node], max_running: int, *, waiting: int = 0) -> int:
-    """Engines the requests of ``engines`` (running and queued, plus ``waiting`` not
-    yet routed) fit on without any engine holding more requests than ``max_running``
-    (0: no cap) or more KV than the busiest holds now (so no decode step gets slower)."""
-    running = waiting + sum(n.num_running + n.num_queued for n in engines)
+    """Engines the requests of ``engines`` (running and queued there or at the data
+    router, plus ``waiting`` not yet routed) fit on without any engine holding more
+    requests than ``max_running`` (0: no cap) or more KV than the busiest holds now (so
+    no decode step gets slower)."""
+    running = waiting + sum(max(len(n.items), n.num_running + n.num_queued) for n in engines)
     by_count = math.ceil(running / max_running) if max_running else 1
     busiest = max((n.kv_usage for n in engines), default=0.0)
     by_kv = math.ceil(sum(n.kv_usage for n in engines) / busiest - 1e-9) if busiest > 0 else 1
