@@ -5,14 +5,15 @@ from dynarl.control.config import SchedulerConfig
 from dynarl.control.controller import Controller
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.modes import make_hold
+from dynarl.control.plan import InstanceSpec, Migration
 from dynarl.control.policies.hold import HoldForDevices
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Trigger
 from dynarl.control.scoring import finish_times
-from dynarl.control.topology import ACTOR, INFERENCE, TO_ACTOR, TO_INFERENCE
+from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT, TO_ACTOR, TO_INFERENCE
 from dynarl.control.trainer_steps import trainers_to_hold
 from dynarl.core.clock import ManualClock
-from dynarl.core.ids import ComponentId, GroupId, ItemId
+from dynarl.core.ids import ComponentId, GroupId, InstanceId, ItemId, MigrationId
 
 from .graphs import make_graph
 from .test_controller_observe import DoNothing, NoMoves
@@ -56,6 +57,30 @@ def test_the_next_step_waits_when_the_freed_devices_finish_it_sooner() -> None:
     # The model's finish counts the wait: both steps on 8 devices after the join.
     devices = {c: n.num_active_devices for c, n in g.components.items()}
     assert finish_times(g, p, devices)[ACTOR] < 30.0
+
+
+def test_the_hold_is_decided_while_another_stage_moves_devices() -> None:
+    # A step boundary can come while a move the trainer takes no part in is under
+    # way (in simulated 32B math, rollout's last devices going to inference as the
+    # trainer's step ended). The devices in transit count where they go: the freed
+    # devices still finish the step sooner, so the trainer is held. (Keeping the hold
+    # as it was while any move ran let a 16-device step start and the cluster wait
+    # 800 s behind it.)
+    g = last_minibatch(at_inference=60)
+    replica = min(g.components[INFERENCE].active_instances(), key=lambda n: n.id)
+    move = Migration(
+        id=MigrationId(0),
+        kind="workload",
+        src=INFERENCE,
+        dst=ROLLOUT,
+        devices=replica.devices,
+        drain=(replica.id,),
+        create=(InstanceSpec(id=InstanceId("rollout-0"), devices=replica.devices),),
+    )
+    g.apply(ev.MigrationStarted(migration=move))
+    assert not g.components[ComponentId(ACTOR)].hold_steps
+    p = predictor_for(g)
+    assert HoldForDevices(p).holds(g) == frozenset({ACTOR})
 
 
 def test_no_hold_when_the_devices_come_too_late_or_never() -> None:

@@ -240,12 +240,32 @@ def trainers_to_hold(
     """Trainers that should not start their next step yet: the placement as it is
     finishes sooner if that step waits for the devices their predecessors free when
     they finish (a step runs to its end on the devices it started on: started on a
-    few, it keeps the freed devices waiting at its boundary)."""
+    few, it keeps the freed devices waiting at its boundary).
+
+    The devices of a move under way count where they go, once the move is done (its
+    kind's cost from now, at most): a step boundary can come while another stage's
+    devices are in transit, and the trainer must not start a long step on its few
+    devices then because those devices were counted nowhere."""
     # Imported here: scoring plays the trainer's steps out with this module's
     # actor_finish, so it imports this module, not the other way round.
     from dynarl.control.scoring import finish_times
 
-    devices = {c: n.num_active_devices for c, n in graph.components.items()}
+    before = {c: n.num_active_devices for c, n in graph.components.items()}
+    devices = dict(before)
+    delays: dict[ComponentId, float] = {}
+    for m in graph.migrations.values():
+        if m.dst is None or not m.create:
+            continue
+        devices[m.dst] += sum(len(spec.devices) for spec in m.create)
+        delays[m.dst] = max(delays.get(m.dst, 0.0), predictor.migration_cost(m.kind))
     waiting: set[ComponentId] = set()
-    finish_times(graph, predictor, devices, waiting=waiting, estimates=estimates)
+    finish_times(
+        graph,
+        predictor,
+        devices,
+        before=before,
+        delays=delays,
+        waiting=waiting,
+        estimates=estimates,
+    )
     return waiting

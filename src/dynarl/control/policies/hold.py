@@ -6,8 +6,9 @@ waiting at its boundary (in a simulated 32B iteration, 32 devices for 270 s). Wh
 predictor says the step ends sooner if it waits for those devices (their stages'
 predicted finish plus a reshard, then the step on all of them), the trainer is held:
 its workers do not start the next step until the hold is lifted. The hold is
-re-decided after every scheduling decision and lifts by itself once nothing is left
-upstream (then no device is on its way).
+re-decided after every scheduling decision, also while moves are under way (their
+devices count where they go), and lifts by itself once nothing is left upstream (then
+no device is on its way).
 """
 
 from dynarl.control.estimates import Estimates, or_fresh
@@ -26,7 +27,4 @@ class HoldForDevices:
 
     def holds(self, graph: Hypergraph) -> frozenset[ComponentId]:
         """Trainers to hold: those the predictor's schedule has wait for devices."""
-        if graph.migrations:
-            # A move is under way: its devices are already counted where they go.
-            return frozenset(c for c, n in graph.components.items() if n.hold_steps)
         return frozenset(trainers_to_hold(graph, self.predictor, self.estimates))
