@@ -6,13 +6,14 @@ come in whole replicas; the data router's instance of a data-parallel rank is it
 replica's leader (the other workers of the replica take no items and receive the
 leader's); a resize's source is a whole replica (the first that stays whole, else the
 first); parking keeps replica 0; a checkpoint and a weight sync gather replica 0; a
-lost worker is survived only when every worker is a whole replica holding a whole
-copy of the state (:mod:`~dynarl.workers.megatron.recovery`).
+lost worker is survived when a copy of each model shard survives it (and the optimizer
+is torch's AdamW): the survivors make whole replicas again
+(:mod:`~dynarl.workers.megatron.recovery`).
 """
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from dynarl.workers.errors import TrainerError
@@ -20,12 +21,14 @@ from dynarl.workers.megatron import recovery
 from dynarl.workers.megatron.layout import Layout
 from dynarl.workers.torch.trainer_commands import (
     Done,
+    Left,
     PrepareReshard,
     ReshardFault,
     SaveCheckpoint,
     TrainOnItems,
 )
 from dynarl.workers.torch.trainer_pool import TrainerPool
+from dynarl.workers.torch.trainer_recovery import PlanRanks, RankPlan
 from dynarl.workers.trainer import ResizeResult, StepMetrics
 
 
@@ -54,12 +57,30 @@ class MegatronPool(TrainerPool):
 
     @property
     def cannot_recover(self) -> str | None:
-        """Why a lost worker cannot be survived in the current layout: with tp = pp = 1
-        and torch's AdamW every member holds a whole copy of the state and the pool
-        rebuilds itself from the survivors as a torch pool does (see
-        :mod:`~dynarl.workers.megatron.recovery`); otherwise the run stops and resumes
-        from its last checkpoint."""
-        return recovery.unrecoverable(self._model_factory)
+        """Why a lost worker (the dead ones, once a call met them) cannot be survived in
+        the current layout: with torch's AdamW and a copy of every model shard among the
+        survivors the pool rebuilds itself from them (see
+        :mod:`~dynarl.workers.megatron.recovery`); otherwise (one replica of tp * pp > 1
+        workers, every copy of a shard dead, the distributed optimizer) the run stops
+        and resumes from its last checkpoint."""
+        layout = self.layout() if self._members else None
+        return recovery.unrecoverable(self._model_factory, layout, self.dead)
+
+    def recovery_plan(self) -> PlanRanks | None:
+        """With replicas of more than one worker, the survivors' layout and the holder
+        of each shard (:func:`~dynarl.workers.megatron.recovery.plan`); else a torch
+        pool's (every surviving member holds the whole state)."""
+        if self.replica_size == 1:
+            return None
+        old = self.layout()
+        parked = self._parked
+
+        def chosen(states: Mapping[int, Left], survivors: tuple[int, ...]) -> RankPlan:
+            candidates = [w for w in survivors if not parked or w in old.members]
+            steps = {w: s.num_steps for w, s in states.items()}
+            return recovery.plan(old, candidates, steps)
+
+        return chosen
 
     async def train_on_items(
         self, shards: Sequence[Sequence[str]], *, apply: bool = True

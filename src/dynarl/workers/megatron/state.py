@@ -11,7 +11,7 @@ loading keeps each rank's slice.
 """
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 from dynarl.workers.errors import TrainerError
 from dynarl.workers.megatron import convert
-from dynarl.workers.megatron.layout import Layout
+from dynarl.workers.megatron.layout import Layout, RankGroups
 from dynarl.workers.megatron.model import Architecture
 from dynarl.workers.megatron.rank import MegatronRank
+from dynarl.workers.torch import reshard
 from dynarl.workers.torch.buckets import BucketHook, broadcast, broadcast_tensors
 from dynarl.workers.torch.train_batch import TensorBatch
 from dynarl.workers.torch.trainer_errors import InjectedFaultError
@@ -148,6 +149,49 @@ def create_transfer_groups(
         if worker in move.ranks:
             mine.append((move, group))
     return mine
+
+
+@dataclass
+class Moved:
+    """What one worker's part of a plan's moves left: the shard it received (a new
+    rank), and the bytes it sent and received."""
+
+    received: MegatronRank | None = None
+    sent_bytes: int = 0
+    received_bytes: int = 0
+
+
+def run_moves(
+    transfer_groups: Sequence[tuple[Move, dist.ProcessGroup]],
+    *,
+    worker: int,
+    rank: MegatronRank | None,
+    make_empty: Callable[[], MegatronRank],
+    bucket_bytes: int,
+    on_bucket: BucketHook | None = None,
+    moved: Moved | None = None,
+) -> Moved:
+    """``worker``'s part of a plan's moves (see :func:`create_transfer_groups`), in plan
+    order: as a move's source it sends ``rank``'s whole state (parameters, AdamW
+    moments, step) over the move's group, as a receiver it receives one into a fresh
+    rank (``make_empty``; ``on_bucket`` after each bucket). Fills and returns
+    ``moved`` (so a caller keeps what arrived before a later move failed)."""
+    moved = Moved() if moved is None else moved
+    for move, group in transfer_groups:
+        src = sorted(move.ranks).index(move.source)
+        if worker == move.source:
+            if rank is None:
+                raise TrainerError(f"world rank {worker}, a source of {move}, holds no state")
+            moved.sent_bytes += reshard.send_state(
+                rank, group=group, src=src, bucket_bytes=bucket_bytes
+            )
+            continue
+        receiver = make_empty()
+        moved.received_bytes += reshard.receive_state(
+            receiver, group=group, src=src, bucket_bytes=bucket_bytes, on_bucket=on_bucket
+        )
+        moved.received = receiver
+    return moved
 
 
 def fault_hook(after_buckets: int) -> BucketHook:
@@ -383,3 +427,19 @@ def load_cut(rank: MegatronRank, flat: Mapping[str, torch.Tensor], *, source: st
 def nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
     """Bytes of ``tensors``."""
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def regrouped(
+    rank: MegatronRank, groups: RankGroups, make_empty: Callable[[], MegatronRank]
+) -> MegatronRank:
+    """``rank`` on another layout's ``groups``, keeping its position's state. With one
+    worker a replica only its data-parallel wrapper changes
+    (:meth:`MegatronRank.regroup`); a model cut into shards keeps its tensor and
+    pipeline groups in its layers, so its state is copied into a fresh rank built on
+    ``groups`` (``make_empty``; the caller releases ``rank``)."""
+    if rank.groups.layout.replica_size == 1:
+        rank.regroup(groups)
+        return rank
+    fresh = make_empty()
+    load_cut(fresh, local_cut(rank), source="its own rank")
+    return fresh

@@ -22,8 +22,9 @@ What differs is what a layout of replicas needs:
   its own slices;
 - *checkpoints and weight sync* gather replica 0's shards to its leader in the HF
   layout (:mod:`~dynarl.workers.megatron.state`);
-- *a lost peer* (tp = pp = 1, torch's AdamW): the rank outlives the world, and the
-  survivors' layout is restored on the new one (:mod:`~dynarl.workers.megatron.recovery`).
+- *a lost peer* (torch's AdamW, a copy of every shard surviving): the rank outlives
+  the world, and the survivors' layout takes its shards from their holders in the new
+  one, as a resize's moves do (:mod:`~dynarl.workers.megatron.recovery`).
 
 Layouts are built on world ranks, which are the pool indices only until a peer dies.
 """
@@ -184,43 +185,32 @@ class MegatronWorker(TrainerWorker):
         old = self.layout(command.old_members, self.spec)
         new = self.layout(command.new_members, self.spec)
         if self.spec.distributed_optimizer:
-            moved = self._prepare_sliced(command, old, new)
-            return self._done(started, bytes_moved=moved)
+            sent = self._prepare_sliced(command, old, new)
+            return self._done(started, bytes_moved=sent)
         pending, groups, transfer_groups = self._begin_transfer(command, old, new)
         if groups is not None:
             probe = torch.ones(1, device=self.device)
             dist.all_reduce(probe, group=groups.members)
             if int(probe.item()) != len(new.members):
                 raise ReshardError(f"the new group answered {probe.item()} to a health check")
-        moved = 0
-        for move, group in transfer_groups:
-            src_rank = sorted(move.ranks).index(move.source)
-            if self.me == move.source:
-                moved += reshard.send_state(
-                    self._rank(), group=group, src=src_rank, bucket_bytes=self.config.bucket_bytes
-                )
-                continue
-            assert groups is not None
-            receiver = MegatronRank.empty(
-                self.spec,
-                loss_fn=self.loss_fn,
-                config=self.config,
-                groups=groups,
-                device=self.device,
-            )
-            fault = command.fault
-            hook = None
-            if fault is not None and fault.worker == self.worker:
-                hook = state.fault_hook(fault.after_buckets)
-            moved += reshard.receive_state(
-                receiver,
-                group=group,
-                src=src_rank,
+        fault = command.fault
+        hook = None
+        if fault is not None and fault.worker == self.worker:
+            hook = state.fault_hook(fault.after_buckets)
+        moved = state.Moved()
+        try:
+            state.run_moves(
+                transfer_groups,
+                worker=self.me,
+                rank=self.rank,
+                make_empty=lambda: self._empty(groups),
                 bucket_bytes=self.config.bucket_bytes,
                 on_bucket=hook,
+                moved=moved,
             )
-            pending.received = receiver
-        return self._done(started, bytes_moved=moved)
+        finally:
+            pending.received = moved.received
+        return self._done(started, bytes_moved=moved.sent_bytes + moved.received_bytes)
 
     def _begin_transfer(
         self, command: PrepareResize, old: Layout, new: Layout
@@ -354,7 +344,7 @@ class MegatronWorker(TrainerWorker):
             if kept is None:
                 raise ReshardError(f"worker {self.worker} has no state after the resize")
             if kept is old:
-                kept.regroup(pending.groups)
+                kept = state.regrouped(old, pending.groups, lambda: self._empty(pending.groups))
         if old_groups is not None:
             old_groups.destroy()
         if old is not None and kept is not old:
@@ -428,22 +418,25 @@ class MegatronWorker(TrainerWorker):
         return -1 if self.rank is None else self.rank.num_steps
 
     def _restore(self, command: Restore) -> Reply:
-        """Build the survivors' layout in the new world; the source's state becomes
-        every member's (see :func:`~dynarl.workers.megatron.recovery.restore`)."""
+        """Build the survivors' layout in the new world; the holders' shards become
+        the members' (see :func:`~dynarl.workers.megatron.recovery.restore`)."""
         started = time.perf_counter()
-        why = recovery.unrecoverable(self.spec)
+        why = recovery.unrecoverable(self.spec, None, ())
         if why is not None:
             raise TrainerError(why)
         layout = self.layout(command.members, self.spec)
         groups = build_groups(layout, worker=self.me, timeout_s=self.config.timeout_s)
-        source = None if command.source is None else self.ranks([command.source])[0]
+        holders = None
+        if command.source is not None:
+            holders = self.layout(command.holders or (command.source,), self.spec)
         self.rank, moved = recovery.restore(
             self.rank,
+            me=self.me,
             groups=groups,
-            source=source,
-            make_empty=lambda g: MegatronRank.empty(
-                self.spec, loss_fn=self.loss_fn, config=self.config, groups=g, device=self.device
-            ),
+            layout=layout,
+            holders=holders,
+            make_empty=lambda: self._empty(groups),
+            timeout_s=self.config.timeout_s,
             bucket_bytes=self.config.bucket_bytes,
         )
         return self._done(started, bytes_moved=moved)
@@ -472,6 +465,14 @@ class MegatronWorker(TrainerWorker):
                 raise TrainerError(f"worker {self.worker} left the world during the resize")
             self.resizing = _Pending(epoch=epoch, layout=new, groups=groups, spec=spec)
         return self.resizing
+
+    def _empty(self, groups: RankGroups | None) -> MegatronRank:
+        """A fresh rank of this worker's spec on ``groups`` (it receives a state)."""
+        if groups is None:
+            raise TrainerError(f"worker {self.worker} receives a shard but is not a member")
+        return MegatronRank.empty(
+            self.spec, loss_fn=self.loss_fn, config=self.config, groups=groups, device=self.device
+        )
 
     def _rank(self) -> MegatronRank:
         if self.rank is None:

@@ -203,10 +203,14 @@ class Restore(_Command, frozen=True, kw_only=True):
     (pool indices, in rank order); ``source`` (a member) sends its whole trainer state
     to the others, so every rank continues from one consistent state. Without a
     ``source`` the members already hold one state (the world was rebuilt to admit a
-    restarted worker, at a step boundary): nothing moves."""
+    restarted worker, at a step boundary): nothing moves. With model-parallel ranks
+    (Megatron's tensor and pipeline parallel shards) ``holders`` names the survivor
+    that sends each model shard, in shard order (pipeline stage major, tensor rank
+    fastest), ``source`` among them; empty: ``source`` holds the whole state."""
 
     members: tuple[int, ...]
     source: int | None
+    holders: tuple[int, ...] = ()
 
 
 class Shutdown(_Command, frozen=True, kw_only=True):

@@ -318,6 +318,7 @@ class TrainerPool:
                 resizing_to=self._resizing_to,
                 known_steps=self._num_steps,
                 host=self.host,
+                plan=self.recovery_plan(),
             )
         except TrainerError:
             self._calls.broken = True
@@ -339,6 +340,12 @@ class TrainerPool:
             recovery.elapsed_s,
         )
         return recovery
+
+    def recovery_plan(self) -> trainer_recovery.PlanRanks | None:
+        """How :meth:`recover` chooses the new ranks (``None``: the surviving ranks,
+        each holding the whole state); a backend with model-parallel ranks overrides
+        it."""
+        return None
 
     async def admit(self, workers: Sequence[int]) -> None:
         """Take back dead ``workers`` whose processes the launcher started again (under

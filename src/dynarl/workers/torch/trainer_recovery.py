@@ -31,7 +31,7 @@ committed on the survivors, those of them that kept the state (else the new memb
 """
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import msgspec
@@ -96,6 +96,22 @@ class PoolCalls(Protocol):
         ...
 
 
+class RankPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """Whom the trainer continues on after a loss (``members``, pool indices in rank
+    order) and whose state they restore: ``source``'s, or with model-parallel ranks
+    the shards of ``holders`` (see :class:`Restore`)."""
+
+    members: tuple[int, ...]
+    source: int
+    holders: tuple[int, ...] = ()
+
+
+PlanRanks = Callable[[Mapping[int, Left], tuple[int, ...]], RankPlan]
+"""A backend's choice of the ranks after a loss from what each survivor reported on
+leaving the world (by pool index) and the survivors (in world order); raises
+:class:`TrainerError` when no consistent state survives."""
+
+
 class Rebuilt(msgspec.Struct, frozen=True, kw_only=True):
     """A trainer rebuilt from the survivors: the new world (pool indices, in rank
     order), the ranks and how they got there."""
@@ -113,11 +129,14 @@ async def rebuild(
     resizing_to: Sequence[int] | None,
     known_steps: int | None,
     host: str,
+    plan: PlanRanks | None = None,
 ) -> Rebuilt:
     """Rebuild the trainer of ``members`` (the pool's ranks; during a resize to
     ``resizing_to``, its old ranks) in ``world`` without the dead workers (see the
     module). ``known_steps`` is the trainer's step count before the loss, if the pool
-    knows it; the survivors rendezvous at ``host`` (the first survivor's node). Raises
+    knows it; the survivors rendezvous at ``host`` (the first survivor's node).
+    ``plan`` chooses the new ranks and their state's source (default: the surviving
+    members holding the state, from the one with the most steps). Raises
     :class:`TrainerError` if no survivor holds the trainer's state or a survivor fails
     meanwhile."""
     if not casualties.unrecovered:
@@ -131,26 +150,21 @@ async def rebuild(
     try:
         left = await pool.call_checked(survivors, LeaveWorld())
         states = {r.worker: r for r in left if isinstance(r, Left)}
-        ranks = _ranks(states, members=members, resizing_to=resizing_to)
-        if not ranks:
-            raise TrainerError(
-                f"every rank of the trainer ({tuple(members)}) died with its state; only "
-                "a checkpoint can restore it",
-                worker=lost[0],
-            )
-        steps = [states[m].num_steps for m in ranks]
-        if max(steps) - min(steps) > 1:
-            raise TrainerError(f"the surviving ranks {ranks} hold steps {steps}")
-        source = max(ranks, key=lambda m: states[m].num_steps)
+        if plan is None:
+            chosen = _plan(states, members=members, resizing_to=resizing_to, lost=lost)
+        else:
+            chosen = plan(states, survivors)
+        ranks, source = chosen.members, chosen.source
         port = await pool.open_world_store(survivors[0], len(survivors))
         await pool.call_checked(survivors, Rejoin(workers=survivors, host=host, port=port))
-        restored = await pool.call_checked(survivors, Restore(members=ranks, source=source))
+        restore = Restore(members=ranks, source=source, holders=chosen.holders)
+        restored = await pool.call_checked(survivors, restore)
     finally:
         casualties.rebuilding = False
     casualties.unrecovered.clear()
     before = known_steps
     if before is None:  # the step count is not known: the one the ranks began
-        before = max(states[m].attempted for m in ranks)
+        before = max(states[m].attempted for m in (*ranks, source) if states[m].num_steps >= 0)
     num_steps = states[source].num_steps
     recovery = Recovery(
         lost=lost,
@@ -165,8 +179,30 @@ async def rebuild(
     return Rebuilt(world=survivors, recovery=recovery)
 
 
+def _plan(
+    states: Mapping[int, Left],
+    *,
+    members: Sequence[int],
+    resizing_to: Sequence[int] | None,
+    lost: tuple[int, ...],
+) -> RankPlan:
+    """The ranks of a trainer whose every rank holds the whole state (see
+    :func:`_ranks`), restored from the one holding the most steps."""
+    ranks = _ranks(states, members=members, resizing_to=resizing_to)
+    if not ranks:
+        raise TrainerError(
+            f"every rank of the trainer ({tuple(members)}) died with its state; only "
+            "a checkpoint can restore it",
+            worker=lost[0],
+        )
+    steps = [states[m].num_steps for m in ranks]
+    if max(steps) - min(steps) > 1:
+        raise TrainerError(f"the surviving ranks {ranks} hold steps {steps}")
+    return RankPlan(members=ranks, source=max(ranks, key=lambda m: states[m].num_steps))
+
+
 def _ranks(
-    states: dict[int, Left], *, members: Sequence[int], resizing_to: Sequence[int] | None
+    states: Mapping[int, Left], *, members: Sequence[int], resizing_to: Sequence[int] | None
 ) -> tuple[int, ...]:
     """The survivors the trainer continues on: the surviving ``members`` that still hold
     its state (all of them, unless a resize to ``resizing_to`` committed on the

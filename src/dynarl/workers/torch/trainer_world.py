@@ -112,6 +112,11 @@ def restore(
     its state. Without a source every member keeps its own state (they are the
     same): only the group is built. Returns this worker's trainer afterwards and the
     bytes it sent."""
+    if command.holders:
+        raise TrainerError(
+            "a torch trainer rank holds the whole state; a restore from model shards "
+            f"(holders {command.holders}) is for model-parallel ranks"
+        )
     members = list(command.members)
     group = dist.new_group(
         world.ranks(members), timeout=datetime.timedelta(seconds=world.timeout_s)
