@@ -27,7 +27,8 @@ for what is the same (the state's tensors, the peer-to-peer state transfer of
 
 import functools
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -169,11 +170,16 @@ class MegatronRank(ElasticTrainer):
         return {name: p.data for name, p in self.model.named_parameters()}
 
     def train_step(
-        self, minibatch: Mapping[str, torch.Tensor], *, local: bool = False
+        self,
+        minibatch: Mapping[str, torch.Tensor],
+        *,
+        local: bool = False,
+        guard: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> StepMetrics:
         """One optimizer step on this replica's samples (the replica's shard of the
         global ``minibatch``, or with ``local`` that shard itself; every worker of the
-        replica passes the same). Collective over the members."""
+        replica passes the same). Collective over the members. The update runs inside
+        ``guard()`` (which may refuse it: the worker left the world meanwhile)."""
         groups = self.groups
         mine = dict(minibatch) if local else shard(minibatch, self.rank, self.world_size)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -192,20 +198,21 @@ class MegatronRank(ElasticTrainer):
                 "the minibatch's loss normaliser summed to "
                 f"{normaliser_total}; send samples with a positive loss weight"
             )
-        if self.distributed is not None:
-            self.ddp.scale_gradients(1.0 / normaliser_total)
-            grad_norm = self.distributed.step()
-        else:
-            # Every replica added the same squares: count the model once.
-            grad_norm = float(totals[2] / groups.layout.dp) ** 0.5 / normaliser_total
-            torch._foreach_div_(grads, normaliser_total)
-            if self.config.grad_clip is not None:
-                torch.nn.utils.clip_grads_with_norm_(
-                    params, self.config.grad_clip, torch.tensor(grad_norm)
-                )
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.num_steps += 1
+        with guard():
+            if self.distributed is not None:
+                self.ddp.scale_gradients(1.0 / normaliser_total)
+                grad_norm = self.distributed.step()
+            else:
+                # Every replica added the same squares: count the model once.
+                grad_norm = float(totals[2] / groups.layout.dp) ** 0.5 / normaliser_total
+                torch._foreach_div_(grads, normaliser_total)
+                if self.config.grad_clip is not None:
+                    torch.nn.utils.clip_grads_with_norm_(
+                        params, self.config.grad_clip, torch.tensor(grad_norm)
+                    )
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self.num_steps += 1
         return StepMetrics(
             loss=loss_total / normaliser_total,
             normaliser=normaliser_total,

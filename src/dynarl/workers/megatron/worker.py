@@ -31,6 +31,7 @@ Layouts are built on world ranks, which are the pool indices only until a peer d
 
 import dataclasses
 import datetime
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -102,6 +103,8 @@ class MegatronWorker(TrainerWorker):
     """A worker's state between commands: its rank (while a member), a prepared
     resize, its weight-sync group."""
 
+    steps_interruptible = True  # a step updates only in the world it began in
+
     def __init__(
         self,
         worker: int,
@@ -142,7 +145,8 @@ class MegatronWorker(TrainerWorker):
                 device=self.device,
             )
         self.attempted = rank.num_steps
-        metrics = self.last_step = rank.train_step(mine, local=True)
+        guard = functools.partial(self.in_world, self.world.generation)
+        metrics = self.last_step = rank.train_step(mine, local=True, guard=guard)
         return StepDone(
             worker=self.worker, metrics=metrics, elapsed_s=time.perf_counter() - started
         )
@@ -173,7 +177,8 @@ class MegatronWorker(TrainerWorker):
 
     def _train_step(self, command: TrainStep) -> Reply:
         started = time.perf_counter()
-        metrics = self._rank().train_step(to_tensors(command.minibatch, self.device))
+        guard = functools.partial(self.in_world, self.world.generation)
+        metrics = self._rank().train_step(to_tensors(command.minibatch, self.device), guard=guard)
         return StepDone(
             worker=self.worker, metrics=metrics, elapsed_s=time.perf_counter() - started
         )
@@ -460,9 +465,7 @@ class MegatronWorker(TrainerWorker):
         belongs to the world it began in)."""
         generation = self.world.generation
         groups = build_groups(new, worker=self.me, timeout_s=self.config.reshard_timeout_s)
-        with self._leaving:
-            if self.world.generation != generation:
-                raise TrainerError(f"worker {self.worker} left the world during the resize")
+        with self.in_world(generation):
             self.resizing = _Pending(epoch=epoch, layout=new, groups=groups, spec=spec)
         return self.resizing
 

@@ -18,9 +18,13 @@ timeout), is abandoned; it cannot install what it built (see
 :class:`~dynarl.workers.torch.trainer_world.WorldGroup`'s generations). Only a resize's
 (or a Megatron reshard's) prepare and a ``Rejoin`` (its rendezvous waits for every worker
 of the new world, and a restarted worker may die before it gets there) are interrupted
-so: a train step ends at once when a peer dies (gloo reports the closed connection) and
-must not be abandoned halfway through its optimizer update. Any other command waits for
-the running one.
+so, and a train step of a worker whose ``steps_interruptible`` says so: a torch rank's
+step ends at once when a peer dies (gloo reports the closed connection to every rank:
+each collective spans the dead one) and must not be abandoned halfway through its
+optimizer update; a Megatron worker of a tensor- or pipeline-parallel replica may wait
+in a collective of its replica that the dead worker is not in (until the group's
+timeout), and applies its update only in the world the step began in. Any other
+command waits for the running one.
 """
 
 import logging
@@ -54,6 +58,7 @@ from dynarl.workers.torch.trainer_commands import (
     Shutdown,
     StoreOpened,
     TrainOnItems,
+    TrainStep,
 )
 from dynarl.workers.torch.trainer_worker import TrainerWorker
 from dynarl.workers.torch.trainer_world import join_world
@@ -140,7 +145,7 @@ class _CommandLoop:
             return
         running = self._running
         if running is not None:
-            if isinstance(command, LeaveWorld) and isinstance(running.command, _INTERRUPTIBLE):
+            if isinstance(command, LeaveWorld) and self._interruptible(running.command):
                 logger.warning(
                     "%s: %s interrupted to leave the world (a peer died)",
                     self.name,
@@ -150,6 +155,12 @@ class _CommandLoop:
             await running.done.wait()
         self._running = _Running(command)
         tg.start_soon(self._run, call, self._running)
+
+    def _interruptible(self, command: Command) -> bool:
+        if isinstance(command, _INTERRUPTIBLE):
+            return True
+        steps = self.server is not None and self.server.steps_interruptible
+        return steps and isinstance(command, (TrainStep, TrainOnItems))
 
     async def _run(self, call: wire.Call, running: _Running) -> None:
         try:

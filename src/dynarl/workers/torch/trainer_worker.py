@@ -10,7 +10,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -68,6 +69,11 @@ class TrainerWorker:
     ``worker`` is its index in the pool, for good. It is built once it joined the world
     of every worker; after a worker died it joins one of the survivors
     (:class:`Rejoin`): see :attr:`world`."""
+
+    steps_interruptible = False
+    """Whether ``LeaveWorld`` may interrupt a running step (a backend whose step applies
+    its update only in the world it began in, see the serving loop); a torch rank's
+    step ends at once when a peer dies."""
 
     def __init__(
         self,
@@ -230,6 +236,17 @@ class TrainerWorker:
         else:
             self.sync_store = store
         return StoreOpened(worker=self.worker, port=store.port)
+
+    @contextmanager
+    def in_world(self, generation: int) -> Iterator[None]:
+        """Run the body only while this worker is in the world of ``generation`` (a
+        ``LeaveWorld`` waits for it): a command that ``LeaveWorld`` interrupted must not
+        install or apply anything after the worker reported its state. Raises
+        :class:`TrainerError` if the worker left that world."""
+        with self._leaving:
+            if self.world.generation != generation:
+                raise TrainerError(f"worker {self.worker} left the world meanwhile")
+            yield
 
     def ranks(self, workers: Sequence[int]) -> list[int]:
         """The world ranks of pool workers ``workers``."""
