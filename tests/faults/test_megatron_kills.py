@@ -3,7 +3,8 @@ tp = pp = 1, torch AdamW on the CPU): the trainer rebuilds itself from the survi
 rank, the interrupted step runs again on it, every sample is trained exactly once, the
 reboot of the dead rank's device starts a new Megatron worker that the actor grows back
 onto, and the run learns as the same run without the fault does. A tensor-parallel
-run cannot survive the loss yet: it stops and says why."""
+run of one replica cannot survive the loss (the dead worker held the only copy of its
+shard): it stops and says why."""
 
 from pathlib import Path
 
