@@ -1,10 +1,11 @@
-"""A Megatron trainer that loses a worker, on four real worker processes (gloo, real
+"""A Megatron trainer that loses a worker, on five real worker processes (gloo, real
 megatron-core on the CPU): with tp = pp = 1 and torch's AdamW the survivors rebuild
 the world (with new world ranks: worker 0 dies), the interrupted step runs again on
 them as a single rank's step, and a restarted worker is admitted and grows the trainer
-back; with tp = 2 and two replicas the survivors make one replica of the shards that
-survived and grow back to two; with tp = 2 and one replica the loss is refused and the
-refusal says why."""
+back; with tp = 2 and two replicas the survivors make whole replicas of the shards
+that survived (two with a spare worker, shards moving to it; one without, a survivor
+held) and grow back; with tp = 2 and one replica the loss is refused and the refusal
+says why."""
 
 import os
 import signal
@@ -40,7 +41,9 @@ WORKERS: list[LocalWorkers] = []
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool() -> AsyncIterator[MegatronPool]:
-    async with LocalWorkers(megatron_trainer_main, ["mt-0", "mt-1", "mt-2", "mt-3"]) as workers:
+    async with LocalWorkers(
+        megatron_trainer_main, ["mt-0", "mt-1", "mt-2", "mt-3", "mt-4"]
+    ) as workers:
         WORKERS.append(workers)
         started = MegatronPool(
             CONFIG,
@@ -161,40 +164,54 @@ async def test_a_worker_killed_as_a_reshard_starts_leaves_the_old_layout_trainin
     np.testing.assert_allclose([m.loss for m in metrics], [m.loss for m in fixed], rtol=1e-5)
 
 
-@pytest.mark.timeout(240)  # includes starting a worker again
-async def test_a_tensor_parallel_trainer_with_two_replicas_survives_a_lost_worker(
+@pytest.mark.timeout(240)  # includes starting workers again
+async def test_a_tensor_parallel_trainer_with_two_replicas_survives_lost_workers(
     pool: MegatronPool,
 ) -> None:
-    """tp = 2, dp = 2 on the four workers: replicas (0, 1) and (2, 3). Worker 1 (tensor
-    rank 1 of replica 0) dies inside a step: the survivors make one replica of worker
-    0's shard and worker 3's (nothing moves; worker 2 is held without a rank), the
-    step runs again on it, the restarted worker 1 is admitted and the trainer grows
-    back to two replicas. Its steps are those of a tp = 2 run without the fault."""
+    """tp = 2, dp = 2 on four workers: replicas (0, 1) and (2, 3), worker 4 spare.
+    Worker 1 (tensor rank 1 of replica 0) dies inside a step: with the spare the
+    survivors make two replicas again, (0, 2) and (3, 4) (worker 3 sends its shard to
+    2 and 4 and takes worker 0's); the step runs again on them. Worker 3 dies inside
+    the next: the three survivors make one replica of worker 0's shard and worker
+    2's (nothing moves, worker 4 is held without a rank) and the step runs again on
+    it. The restarted workers are admitted and the trainer grows back to two
+    replicas. The steps are those of a tp = 2 run without the faults."""
     await WORKERS[0].restart(2)  # the test above left it dead
     await pool.admit([2])
     await pool.start_training([0])
     await pool.reshard([0, 1, 2, 3], tp=2, pp=1)  # the seed's weights, cut in two
     assert pool.layout().dp == 2 and pool.can_recover
     metrics = [await pool.train_step(random_minibatch(0))]
+
     await step_meeting_a_death(pool, 1, dying=1)
     assert pool.dead == {1} and pool.can_recover
-    recovery = await pool.recover()
-    print(f"\ntp = 2 killed inside a step: rebuilt in {recovery.elapsed_s:.2f} s")
-    assert recovery.lost == (1,) and recovery.members == (0, 3) == pool.members
-    assert pool.replica_size == 2 and pool.layout().dp == 1
-    assert recovery.num_steps == 1 and not recovery.step_applied
-    metrics.append(await pool.train_step(random_minibatch(1)))  # the re-run, on (0, 3)
+    moved = await pool.recover()
+    print(f"\ntp = 2, a spare: rebuilt in {moved.elapsed_s:.2f} s, {moved.bytes_moved} B sent")
+    assert moved.lost == (1,) and moved.members == (0, 2, 3, 4) == pool.members
+    assert pool.replica_size == 2 and pool.layout().dp == 2
+    assert moved.num_steps == 1 and not moved.step_applied and moved.bytes_moved > 0
+    metrics.append(await pool.train_step(random_minibatch(1)))  # the re-run
 
-    await WORKERS[0].restart(1)
-    await pool.admit([1])
-    grown = await pool.resize([0, 1, 2, 3])  # 1 and 2 take their shards from 3 and 0
+    await step_meeting_a_death(pool, 2, dying=3)
+    assert pool.can_recover  # shard (0, 0) survives on worker 0, (0, 1) on 2 and 4
+    kept = await pool.recover()
+    print(f"tp = 2, no spare: rebuilt in {kept.elapsed_s:.2f} s, {kept.bytes_moved} B sent")
+    assert kept.lost == (3,) and kept.members == (0, 2) == pool.members
+    assert pool.layout().dp == 1 and kept.bytes_moved == 0
+    assert kept.num_steps == 2 and not kept.step_applied
+    metrics.append(await pool.train_step(random_minibatch(2)))  # the re-run, on (0, 2)
+
+    for worker in (1, 3):
+        await WORKERS[0].restart(worker)
+    await pool.admit([1, 3])
+    grown = await pool.resize([0, 1, 2, 3])  # 1 and 3 take their shards from 2 and 0
     assert grown.bytes_moved > 0 and pool.layout().dp == 2
-    metrics.append(await pool.train_step(random_minibatch(2)))
+    metrics.append(await pool.train_step(random_minibatch(3)))
 
     await pool.start_training([0, 1])  # tp = 2 from the seed's weights, no fault
-    fixed = [await pool.train_step(random_minibatch(s)) for s in range(3)]
+    fixed = [await pool.train_step(random_minibatch(s)) for s in range(4)]
     print(f"losses {[m.loss for m in metrics]} vs {[m.loss for m in fixed]}")
-    assert [m.num_steps for m in metrics] == [1, 2, 3]
+    assert [m.num_steps for m in metrics] == [1, 2, 3, 4]
     np.testing.assert_allclose([m.loss for m in metrics], [m.loss for m in fixed], rtol=1e-5)
     np.testing.assert_allclose(
         [m.grad_norm for m in metrics], [m.grad_norm for m in fixed], rtol=1e-4
