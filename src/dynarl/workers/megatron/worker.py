@@ -103,8 +103,6 @@ class MegatronWorker(TrainerWorker):
     """A worker's state between commands: its rank (while a member), a prepared
     resize, its weight-sync group."""
 
-    steps_interruptible = True  # a step updates only in the world it began in
-
     def __init__(
         self,
         worker: int,
@@ -122,6 +120,14 @@ class MegatronWorker(TrainerWorker):
         self.resizing: _Pending | None = None
         self._hf: torch.nn.Module | None = None  # the weight-sync sender's HF layout
         self._handlers[PrepareReshard] = self._prepare_reshard
+
+    @property
+    def steps_interruptible(self) -> bool:
+        """With tp or pp > 1: a survivor may wait in a collective of its replica that
+        the dead worker is not in. The abandoned step updates only in the world it
+        began in, and touches only its old rank (a restore copies a kept rank onto the
+        new groups, :func:`~dynarl.workers.megatron.state.regrouped`)."""
+        return self.rank is not None and self.rank.groups.layout.replica_size > 1
 
     def close(self) -> None:
         """Drop a prepared resize, the rank and its groups."""

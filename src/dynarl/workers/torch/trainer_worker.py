@@ -70,11 +70,6 @@ class TrainerWorker:
     of every worker; after a worker died it joins one of the survivors
     (:class:`Rejoin`): see :attr:`world`."""
 
-    steps_interruptible = False
-    """Whether ``LeaveWorld`` may interrupt a running step (a backend whose step applies
-    its update only in the world it began in, see the serving loop); a torch rank's
-    step ends at once when a peer dies."""
-
     def __init__(
         self,
         worker: int,
@@ -236,6 +231,14 @@ class TrainerWorker:
         else:
             self.sync_store = store
         return StoreOpened(worker=self.worker, port=store.port)
+
+    @property
+    def steps_interruptible(self) -> bool:
+        """Whether ``LeaveWorld`` may interrupt a running step (see the serving loop):
+        not here, a torch rank's step ends at once when a peer dies (each of its
+        collectives spans every rank), and its thread must not go on computing on the
+        state the survivors keep."""
+        return False
 
     @contextmanager
     def in_world(self, generation: int) -> Iterator[None]:
