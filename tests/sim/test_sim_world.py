@@ -227,6 +227,7 @@ def test_cli_sim_writes_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 32b: ~110 s on an idle 2-core machine, four modes
 @pytest.mark.parametrize("size", ["1.5b", "7b", "32b"])
 def test_dynamic_is_never_worse_than_the_better_static_mode_on_the_math_settings(
     size: str,
