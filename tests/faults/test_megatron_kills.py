@@ -19,6 +19,8 @@ from dynarl.api.config_io import apply_overrides
 from dynarl.api.facade import DynaRL, TrainerRankLostError
 from dynarl.testing.faults import FaultInjector, WorkerKill
 
+from .rank_checks import assert_every_sample_trained_once, assert_rank_restarted_and_regrown
+
 pytestmark = pytest.mark.slow
 
 # The static split keeps the actor on its two devices, so the crashed one is rebooted
@@ -52,22 +54,9 @@ async def test_a_killed_megatron_rank_is_survived_its_step_rerun_and_its_device_
         injector = FaultInjector(rl, [kill])
         injector.attach()
         killed = await rl.run()
-        world = rl._world
-        assert world is not None and world.trainer is not None
-        assert len(injector.kills) == 1, "no trainer rank was killed"
-        record = injector.kills[0]
-        restarted = next(h for h in world.trainer_workers if h.name == record.worker)
-        assert restarted.pid != record.pid and restarted.alive  # a new process
-        assert world.trainer.dead == frozenset()
-        # The actor grew back onto the restarted worker's device: two ranks again.
-        assert record.worker in world.trainer.rank_instances()
-        assert len(world.trainer.rank_instances()) == 2
+        record = assert_rank_restarted_and_regrown(rl, injector, ranks=2)
     assert record.iteration_done_s is not None  # the iteration it hit completed
-    completions = injector.completions()
-    for iteration in range(3):
-        counts = completions[(iteration, "to_actor")]
-        assert len(counts) == cfg.algorithm.samples_per_iteration, iteration  # none lost
-        assert set(counts.values()) == {1}, iteration  # none twice
+    assert_every_sample_trained_once(injector, 3, cfg.algorithm.samples_per_iteration)
     assert sum(s.restarts.get("trainer", 0) for s in killed) == 1
 
     async with DynaRL(job(tmp_path / "fault_free")) as rl:
