@@ -6,11 +6,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from dynarl.workers.config import ModelConfig
 from dynarl.workers.errors import TrainerError
 from dynarl.workers.megatron.layout import Layout, Position
-from dynarl.workers.megatron.recovery import unrecoverable
-from dynarl.workers.megatron.spec import ModelSpec
 from dynarl.workers.megatron.state import Move, transfer_plan
 
 
@@ -56,14 +53,3 @@ def test_a_shrink_moves_nothing_and_a_shift_moves_only_the_new_replica() -> None
 def test_a_plan_keeps_tp_and_pp() -> None:
     with pytest.raises(TrainerError, match="keeps tp and pp"):
         transfer_plan(Layout((0,), 1, 1), Layout((0, 1), 2, 1), source=0)
-
-
-def test_only_whole_replicas_with_torch_adamw_survive_a_lost_worker() -> None:
-    model = ModelConfig(max_seq_len=64, num_layers=2)
-    assert unrecoverable(ModelSpec(model=model)) is None
-    tp = unrecoverable(ModelSpec(model=model, tp=2))
-    pp = unrecoverable(ModelSpec(model=model, pp=2))
-    sliced = unrecoverable(ModelSpec(model=model, distributed_optimizer=True))
-    assert tp is not None and "tp=2, pp=1" in tp and "only copy of its model shard" in tp
-    assert pp is not None and "tp=1, pp=2" in pp
-    assert sliced is not None and "actor.megatron.distributed_optimizer=false" in sliced
