@@ -165,6 +165,7 @@ async def test_an_iteration_that_stops_making_progress_stops_the_run_and_says_wh
     waited = time.monotonic() - started
     message = str(caught.value)
     assert "iteration 0 made no progress for 2 s" in message, message
+    assert "the run stops (no checkpoint exists yet: start it again)" in message, message
     assert (
         "rollout: active instances ['rollout-0']; the router routes to none "
         "(not to ['rollout-0'])" in message

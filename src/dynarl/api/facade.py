@@ -39,7 +39,7 @@ from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import dump_config
 from dynarl.api.host import RunFailedError, RunHost
 from dynarl.api.run_dir import RunDirectory
-from dynarl.api.stall import RunStalledError, StallWatch, describe
+from dynarl.api.stall import StallWatch
 from dynarl.core.errors import ConfigError, DynaRLError
 from dynarl.obs.metrics import DeviceMeter, FlatValue, IterationStats, MetricsWriter, flat_record
 from dynarl.obs.timeline import TimelineLine, TimelineRecorder
@@ -283,7 +283,9 @@ class DynaRL:
             raise self._rank_lost(index, self._world.failure)
         if scope.cancelled_caught and self._stall is not None and self._stall.stalled_s:
             self._note_interrupted(sampler)
-            raise self._stalled(index, self._stall.stalled_s)
+            assert self._world is not None
+            graph, router = self.controller.graph, self._world.router
+            raise self._stall.error(index, self._resume_hint(), graph, router)
         if scope.cancelled_caught:
             self._note_interrupted(sampler)
             raise IterationInterruptedError(
@@ -307,15 +309,7 @@ class DynaRL:
     async def _watched(
         self, iteration: Coroutine[Any, Any, IterationStats], scope: anyio.CancelScope
     ) -> IterationStats:
-        """Run ``iteration`` beside the stall watch, which cancels ``scope`` if it stops
-        making progress (``run.stall_timeout_s``)."""
-        if self._stall is None:
-            return await iteration
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._stall.watch, scope.cancel)
-            stats = await iteration
-            tg.cancel_scope.cancel()
-        return stats
+        return await (iteration if self._stall is None else self._stall.watched(iteration, scope))
 
     def _progressed(self, progress: "Progress") -> None:
         if self._stall is not None:
@@ -323,33 +317,20 @@ class DynaRL:
         if self.on_progress is not None:
             self.on_progress(progress)
 
-    def _stalled(self, index: int, idle_s: float) -> RunStalledError:
-        assert self.controller is not None and self._world is not None
+    def _resume_hint(self) -> str:
+        """Where ``dynarl run --resume`` would continue this run, if anywhere."""
         last = self.last_checkpoint()
-        where = (
-            f"`dynarl run --resume {self.run_dir}` continues after iteration "
-            f"{last.state.num_iterations - 1}"
-            if last is not None
-            else "no checkpoint exists yet"
-        )
-        state = describe(self.controller.graph, self._world.router)
-        return RunStalledError(
-            f"iteration {index} made no progress for {idle_s:.0f} s "
-            f"(run.stall_timeout_s={self.cfg.run.stall_timeout_s:g}); the run stops ({where}). "
-            f"Where its work stands:\n{state}"
+        if last is None:
+            return "no checkpoint exists yet: start it again"
+        return (
+            f"continue from its last checkpoint (after {last.state.num_iterations} "
+            f"iterations) with `dynarl run --resume {self.run_dir}`"
         )
 
     def _rank_lost(self, index: int, failure: BaseException) -> "TrainerRankLostError":
-        last = self.last_checkpoint()
-        where = (
-            f"continue from its last checkpoint (after {last.state.num_iterations} "
-            f"iterations) with `dynarl run --resume {self.run_dir}`"
-            if last is not None
-            else "no checkpoint exists yet: start it again"
-        )
         error = TrainerRankLostError(
             f"iteration {index} failed: {failure}. The trainer could not rebuild itself "
-            f"from the surviving workers; the run stops: {where}"
+            f"from the surviving workers; the run stops: {self._resume_hint()}"
         )
         error.__cause__ = failure
         return error

@@ -12,8 +12,8 @@ active worker of, or a migration that never ended.
 """
 
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 
@@ -40,6 +40,8 @@ PROGRESS = (
     ev.IterationDone,
 )
 """The events that count as progress."""
+
+T = TypeVar("T")
 
 
 class RunStalledError(DynaRLError):
@@ -82,6 +84,26 @@ class StallWatch:
                 on_stall()
                 return
             await anyio.sleep(min(self.timeout_s - idle, 5.0) + 0.01)
+
+    async def watched(self, iteration: Awaitable[T], scope: anyio.CancelScope) -> T:
+        """Await ``iteration`` beside :meth:`watch`, which cancels ``scope`` (the
+        iteration's) when it stops making progress; :attr:`stalled_s` then says so."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.watch, scope.cancel)
+            result = await iteration
+            tg.cancel_scope.cancel()
+        return result
+
+    def error(
+        self, index: int, resume: str, graph: "Hypergraph", router: "Router"
+    ) -> RunStalledError:
+        """The error that stops the run after iteration ``index`` stalled: how long,
+        ``resume`` (where a resumed run continues), and :func:`describe`'s state."""
+        return RunStalledError(
+            f"iteration {index} made no progress for {self.stalled_s or 0:.0f} s "
+            f"(run.stall_timeout_s={self.timeout_s:g}); the run stops ({resume}). "
+            f"Where its work stands:\n{describe(graph, router)}"
+        )
 
 
 def describe(graph: "Hypergraph", router: "Router") -> str:
