@@ -21,7 +21,8 @@ from dynarl.data import PeerLostError, Router, RouterConfig, open_worker_link
 from dynarl.data.zmq_transport import ZmqTransport
 from dynarl.launch.binding import bind_controller
 from dynarl.launch.config import ClusterConfig
-from dynarl.launch.launcher import Launcher, build_launcher
+from dynarl.launch.launcher import Launcher
+from dynarl.launch.launchers import build_launcher
 from dynarl.workers.slot import SlotConfig
 
 pytestmark = pytest.mark.slow

@@ -15,6 +15,7 @@ from dynarl.envs.prompts import (
     prompt_sampler,
     read_parquet,
 )
+from dynarl.envs.synthetic import SyntheticTask
 
 
 def _write_jsonl(path: Path, records: list[object]) -> Path:
@@ -120,9 +121,13 @@ def test_generator_source_is_read_by_index_and_resumes() -> None:
 
 def test_sampler_from_data_config(tmp_path: Path) -> None:
     path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"q{i}"} for i in range(4)])
-    from_file = prompt_sampler(DataConfig(source="file", path=str(path), shuffle=False), seed=0)
+    unused = SyntheticTask(seed=0).prompt  # a file source ignores the generator
+    from_file = prompt_sampler(
+        DataConfig(source="file", path=str(path), shuffle=False), seed=0, generator=unused
+    )
     assert [p.text for p in from_file.take(4)] == ["q0", "q1", "q2", "q3"]
-    synthetic = prompt_sampler(DataConfig(), seed=5)
+    synthetic = prompt_sampler(DataConfig(), seed=5, generator=SyntheticTask(seed=5).prompt)
     first = synthetic.take(3)
-    assert first == prompt_sampler(DataConfig(), seed=5).take(3)
+    again = prompt_sampler(DataConfig(), seed=5, generator=SyntheticTask(seed=5).prompt)
+    assert first == again.take(3)
     assert all(p.answer is not None for p in first)

@@ -70,13 +70,13 @@ def host_slowdown(cfg: DynaRLConfig) -> tuple[float, ...]:
 def check_backends(cfg: DynaRLConfig) -> None:
     """Raise :class:`~dynarl.ConfigError` unless every backend and the launcher the
     config names can run here with its values (see :mod:`dynarl.workers.backends`)."""
-    from dynarl.launch import launcher
+    from dynarl.launch import launchers
     from dynarl.workers import backends
 
     backends.check("rollout", cfg.rollout)
     backends.check("inference", cfg.inference)
     backends.check("actor", cfg.actor)
-    launcher.check(cfg.cluster)
+    launchers.check(cfg.cluster)
 
 
 _DEMOS_PER_STEP = 16

@@ -35,7 +35,8 @@ from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
 from dynarl.core.ids import ComponentId, DeviceId, InstanceId
 from dynarl.data.router import Router
-from dynarl.launch.launcher import Launcher, build_launcher
+from dynarl.launch.launcher import Launcher
+from dynarl.launch.launchers import build_launcher
 from dynarl.workers import backends
 from dynarl.workers.handles import CallChannel, SlotHandle
 from dynarl.workers.protocol import InferenceRole, RoleKind, RolloutRole

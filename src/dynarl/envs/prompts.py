@@ -183,19 +183,14 @@ class PromptSampler:
         return self._order
 
 
-def prompt_sampler(
-    config: DataConfig, *, seed: int, generator: PromptGenerator | None = None
-) -> PromptSampler:
+def prompt_sampler(config: DataConfig, *, seed: int, generator: PromptGenerator) -> PromptSampler:
     """The sampler of the ``data`` section: prompts from ``config.path``, or from
-    ``generator`` (default: the synthetic task seeded by ``seed``) when
-    ``config.source`` is ``synthetic``."""
+    ``generator`` (the environment's task, or
+    :class:`~dynarl.envs.synthetic.SyntheticTask`'s) when ``config.source`` is
+    ``synthetic``."""
     if config.source == "file":
         assert config.path is not None  # DataConfig checks it
         return PromptSampler(load_prompts(config.path), shuffle=config.shuffle, seed=seed)
-    if generator is None:
-        from dynarl.envs.synthetic import SyntheticTask
-
-        generator = SyntheticTask(seed=seed).prompt
     return PromptSampler(generator, shuffle=False, seed=seed)
 
 

@@ -10,7 +10,7 @@ Shutdown is graceful first, forceful after: the router takes back what each slot
 and retires it (it exits on its own), then stragglers are terminated, then killed, each
 step bounded by a timeout. If the launcher's process dies without shutting down (a
 crash, ``SIGKILL``), each slot notices that its parent is gone and exits
-(:func:`dynarl.workers.main.watch_parent`): no orphan survives either way.
+(:func:`dynarl.workers.process.watch_parent`): no orphan survives either way.
 """
 
 import contextlib
@@ -27,7 +27,7 @@ import msgspec
 from dynarl.data.errors import DataPlaneError
 from dynarl.data.router import Router
 from dynarl.launch.launcher import WorkerLocation
-from dynarl.workers.backends import WorkerEntry
+from dynarl.workers.backend_protocols import WorkerEntry
 from dynarl.workers.errors import LaunchError
 from dynarl.workers.handles import SlotHandle
 from dynarl.workers.main import slot_main

@@ -32,7 +32,7 @@ from dynarl.launch.launcher import WorkerLocation
 from dynarl.launch.ray_actor import Whereabouts, WorkerHost
 from dynarl.launch.ray_cluster import RayConnection
 from dynarl.launch.ray_placement import DevicePlacement
-from dynarl.workers.backends import WorkerEntry
+from dynarl.workers.backend_protocols import WorkerEntry
 from dynarl.workers.errors import LaunchError
 from dynarl.workers.handles import SlotHandle
 from dynarl.workers.main import slot_main

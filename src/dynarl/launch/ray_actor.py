@@ -50,7 +50,7 @@ class Whereabouts(msgspec.Struct, frozen=True, kw_only=True):
 def child_main(entry: Callable[..., None], args: tuple[Any, ...], log_path: str) -> None:
     """A worker process's start under Ray: send its output to ``log_path``, log INFO
     and up there, leave when the actor goes, then run ``entry(*args)``."""
-    from dynarl.workers.main import watch_parent
+    from dynarl.workers.process import watch_parent
 
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)

@@ -29,7 +29,7 @@ from dynarl.data import RouterConfig
 from dynarl.data.router import Router
 from dynarl.data.zmq_transport import ZmqTransport
 from dynarl.launch.local import LaunchConfig, LocalLauncher
-from dynarl.workers.backends import WorkerEntry
+from dynarl.workers.backend_protocols import WorkerEntry
 from dynarl.workers.handles import CallChannel, SlotHandle
 from dynarl.workers.trainer import Minibatch, StepMetrics, Trainer
 from dynarl.workers.trainer_items import shard_items

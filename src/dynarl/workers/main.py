@@ -8,34 +8,22 @@ a DEALER to the controller's ROUTER, says hello and serves typed calls
 it assumed a role, the slot reconnects as its new instance on a fresh socket; retired
 without a next role, or cut off from the controller, it exits.
 
-Orphan safety: a daemon thread watches the parent process (the end of the pipe
-``multiprocessing`` keeps to it, and ``os.getppid()``), and ends this process with
-``os._exit`` as soon as the parent is gone, however it died; a slot never outlives the
-launcher's process.
+Orphan safety (:mod:`~dynarl.workers.process`): a slot never outlives the launcher's
+process.
 """
 
 import logging
-import multiprocessing
 import os
-import signal
-import sys
-import threading
-from multiprocessing.connection import wait
 
 import anyio
 
 from dynarl.data.endpoint import split_endpoint
 from dynarl.data.errors import DataPlaneError, PeerLostError
 from dynarl.data.worker_link import open_worker_link
+from dynarl.workers.process import exit_process, ignore_interrupts, watch_parent
 from dynarl.workers.slot import SlotConfig, SlotServer
 
 logger = logging.getLogger(__name__)
-
-PARENT_POLL_S = 0.2
-"""How often the parent watch re-checks the parent's pid (besides the pipe)."""
-
-EXIT_PARENT_GONE = 3
-"""Exit code of a slot whose parent process died."""
 
 
 def slot_main(endpoint: str, name: str, config: SlotConfig) -> None:
@@ -56,42 +44,6 @@ def slot_main(endpoint: str, name: str, config: SlotConfig) -> None:
         logger.exception("slot %s failed", name)
         code = 1
     exit_process(code)
-
-
-def exit_process(code: int) -> None:
-    """Leave the process now with ``code``, after flushing logs and output."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def ignore_interrupts() -> None:
-    """Leave Ctrl-C to the controller: a terminal sends SIGINT to the whole process
-    group, and the controller then stops every worker in order (a worker that died
-    of it would break the collectives its peers are in). A worker still exits if the
-    controller dies (:func:`watch_parent`) or cuts it off."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
-def watch_parent() -> None:
-    """Start a daemon thread that ends this process when its parent process dies."""
-    parent = multiprocessing.parent_process()
-    sentinel = parent.sentinel if parent is not None else None
-    ppid = os.getppid()
-
-    def watch() -> None:
-        while True:
-            if sentinel is not None:
-                if wait([sentinel], timeout=PARENT_POLL_S):
-                    break
-            else:
-                threading.Event().wait(PARENT_POLL_S)
-            if os.getppid() != ppid:
-                break
-        os._exit(EXIT_PARENT_GONE)
-
-    threading.Thread(target=watch, name="dynarl-parent-watch", daemon=True).start()
 
 
 async def _run(endpoint: str, name: str, config: SlotConfig) -> None:

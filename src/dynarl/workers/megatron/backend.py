@@ -10,7 +10,7 @@ import torch
 
 from dynarl.core.config import Accelerator
 from dynarl.envs.environment import ChatMessage
-from dynarl.workers.backends import WorkerEntry
+from dynarl.workers.backend_protocols import WorkerEntry
 from dynarl.workers.config import ActorConfig, ModelConfig
 from dynarl.workers.megatron.inference import MegatronInference
 from dynarl.workers.megatron.main import megatron_trainer_main

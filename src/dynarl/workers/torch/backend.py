@@ -14,7 +14,7 @@ from dynarl.core.config import Accelerator
 from dynarl.data.request_order import order_named
 from dynarl.data.request_queue import RequestQueue
 from dynarl.envs.environment import ChatMessage
-from dynarl.workers.backends import WorkerEntry
+from dynarl.workers.backend_protocols import WorkerEntry
 from dynarl.workers.config import ActorConfig, ModelConfig
 from dynarl.workers.protocol import InferenceRole, RolloutRole
 from dynarl.workers.torch.device import torch_device

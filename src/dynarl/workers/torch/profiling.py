@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from dynarl.rl.grpo import GrpoLoss
-from dynarl.workers.backends import MachineMeasurement, ProfiledJob
+from dynarl.workers.backend_protocols import MachineMeasurement, ProfiledJob
 from dynarl.workers.inference import LogprobRequest
 from dynarl.workers.rollout import GenerateRequest, SamplingParams
 from dynarl.workers.tokenizer import build_tokenizer

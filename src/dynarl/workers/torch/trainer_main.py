@@ -6,7 +6,7 @@ import os
 
 import anyio
 
-from dynarl.workers.main import exit_process, ignore_interrupts, watch_parent
+from dynarl.workers.process import exit_process, ignore_interrupts, watch_parent
 
 logger = logging.getLogger(__name__)
 
