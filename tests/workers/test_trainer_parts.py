@@ -5,9 +5,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from dynarl.workers.config import ActorConfig  # noqa: E402
 from dynarl.workers.torch.buckets import _span, allocate_bucketed, plan_buckets  # noqa: E402
 from dynarl.workers.torch.loss import weighted_nll  # noqa: E402
 from dynarl.workers.torch.train_batch import micro_batches, shard, shard_bounds  # noqa: E402
+from dynarl.workers.torch.trainer_config import TrainerConfig  # noqa: E402
 
 
 @pytest.mark.parametrize(("num", "world_size"), [(8, 1), (8, 4), (7, 3), (2, 4)])
@@ -68,3 +70,14 @@ def test_weighted_nll_sums_over_micro_batches_to_the_whole_batch_mean() -> None:
     ]
     total = sum(float(p.loss_sum) for p in parts) / sum(float(p.normaliser) for p in parts)
     assert total == pytest.approx(float(whole.loss_sum) / float(whole.normaliser), rel=1e-6)
+
+
+def test_the_trainer_config_takes_the_actor_sections_optimisation_fields() -> None:
+    actor = ActorConfig(micro_batch_size=3, lr=2e-4, weight_decay=0.1, grad_clip=None)
+    config = TrainerConfig.of_actor(
+        actor, seed=7, accelerator="cuda", devices=[4, 5], num_threads=2
+    )
+    assert (config.micro_batch_size, config.lr, config.weight_decay) == (3, 2e-4, 0.1)
+    assert config.grad_clip is None and config.seed == 7
+    assert (config.device, config.device_ids, config.num_threads) == ("cuda", (4, 5), 2)
+    assert config.timeout_s == TrainerConfig().timeout_s  # transport knobs: defaults

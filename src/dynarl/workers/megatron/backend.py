@@ -69,15 +69,8 @@ class MegatronBackend:
             distributed_optimizer=actor.megatron.uses_distributed_optimizer(accelerator),
         )
         spec.architecture()  # refuses a model or split it cannot build, before any start
-        config = TrainerConfig(
-            micro_batch_size=actor.micro_batch_size,
-            lr=actor.lr,
-            weight_decay=actor.weight_decay,
-            grad_clip=actor.grad_clip,
-            seed=seed,
-            device=accelerator,
-            device_ids=tuple(devices),
-            num_threads=num_threads,
+        config = TrainerConfig.of_actor(
+            actor, seed=seed, accelerator=accelerator, devices=devices, num_threads=num_threads
         )
         pool = MegatronPool(
             config, workers=workers, model_factory=spec, loss_fn=loss, host=rendezvous_host

@@ -81,15 +81,8 @@ class TorchBackend:
         with :func:`trainer_main`; not joined yet), rendezvousing at worker 0's
         ``rendezvous_host``; worker ``i`` runs on ``accelerator``, as the run's device
         ``devices[i]`` (empty: ``i``)."""
-        config = TrainerConfig(
-            micro_batch_size=actor.micro_batch_size,
-            lr=actor.lr,
-            weight_decay=actor.weight_decay,
-            grad_clip=actor.grad_clip,
-            seed=seed,
-            device=accelerator,
-            device_ids=tuple(devices),
-            num_threads=num_threads,
+        config = TrainerConfig.of_actor(
+            actor, seed=seed, accelerator=accelerator, devices=devices, num_threads=num_threads
         )
         pool = TrainerPool(
             config,

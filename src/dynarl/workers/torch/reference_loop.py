@@ -133,7 +133,7 @@ class InprocessLoop:
         self.trainer = ElasticTrainer.build(
             functools.partial(build_model, config.model, seed=seed, tokenizer=self.tokenizer),
             loss_fn=GrpoLoss.from_config(config.algorithm),
-            config=_trainer_config(config),
+            config=TrainerConfig.of_actor(config.actor, seed=config.run.seed),
             device=torch.device("cpu"),
             group=None,
         )
@@ -270,14 +270,3 @@ def run_inprocess(
         if on_iteration is not None:
             on_iteration(metrics)
     return history
-
-
-def _trainer_config(config: LoopConfig) -> TrainerConfig:
-    actor = config.actor
-    return TrainerConfig(
-        micro_batch_size=actor.micro_batch_size,
-        lr=actor.lr,
-        weight_decay=actor.weight_decay,
-        grad_clip=actor.grad_clip,
-        seed=config.run.seed,
-    )

@@ -4,9 +4,13 @@ Field names follow :class:`dynarl.api.config.ActorConfig` where they mean the sa
 thing, so the actor section maps onto this one field by field.
 """
 
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 import msgspec
+
+from dynarl.core.config import Accelerator
+from dynarl.workers.config import ActorConfig
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0.0)]
@@ -47,3 +51,28 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     bucket_bytes: PositiveInt = 32 * 1024 * 1024
     timeout_s: PositiveFloat = 120.0
     reshard_timeout_s: PositiveFloat = 30.0
+
+    @classmethod
+    def of_actor(
+        cls,
+        actor: ActorConfig,
+        *,
+        seed: int,
+        accelerator: Accelerator = "cpu",
+        devices: Sequence[int] = (),
+        num_threads: int = 1,
+    ) -> "TrainerConfig":
+        """The trainer config of a run's ``actor`` section (its optimisation fields),
+        seeded by ``seed``, its workers on ``accelerator`` as the run's ``devices``
+        (empty: worker ``i`` is device ``i``), ``num_threads`` each; the transport
+        knobs keep their defaults."""
+        return cls(
+            micro_batch_size=actor.micro_batch_size,
+            lr=actor.lr,
+            weight_decay=actor.weight_decay,
+            grad_clip=actor.grad_clip,
+            seed=seed,
+            device=accelerator,
+            device_ids=tuple(devices),
+            num_threads=num_threads,
+        )
