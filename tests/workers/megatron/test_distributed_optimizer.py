@@ -3,12 +3,17 @@ real worker processes takes torch's AdamW's steps: at DP=2 and through DP 1 -> 2
 resizes (its sliced moments made whole and re-sliced) a run equals torch's AdamW at a
 fixed DP=1 (the reference: a rank in this process, a world of one); a checkpoint written
 at DP=2 holds the whole moments, and loaded at DP=2 then changed to TP=2 it continues
-the run."""
+the run. A rank killed inside a step at DP=2 is survived: the other rebuilds the whole
+moments from its own slice and its buddy copy of the dead rank's, and the run goes on
+as the run without the fault."""
 
+import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -21,6 +26,7 @@ from dynarl.rl.grpo import GrpoLoss  # noqa: E402
 from dynarl.testing.minibatches import random_minibatch  # noqa: E402
 from dynarl.testing.workers import LocalWorkers  # noqa: E402
 from dynarl.workers.config import ModelConfig  # noqa: E402
+from dynarl.workers.errors import RankLostError  # noqa: E402
 from dynarl.workers.megatron import state  # noqa: E402
 from dynarl.workers.megatron.layout import Layout, build_groups  # noqa: E402
 from dynarl.workers.megatron.main import megatron_trainer_main  # noqa: E402
@@ -42,10 +48,13 @@ LOSS = GrpoLoss.from_config(AlgorithmConfig())
 # rounding noise that Adam turns into real steps, held to the global bound only.
 NOISE_ONLY = ".self_attn.k_proj.bias"
 
+WORKERS: list[LocalWorkers] = []
+
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool() -> AsyncIterator[MegatronPool]:
     async with LocalWorkers(megatron_trainer_main, ["do-0", "do-1"]) as workers:
+        WORKERS.append(workers)
         started = MegatronPool(CONFIG, workers=workers.channels, model_factory=SPEC, loss_fn=LOSS)
         await started.start()
         await started.start_training([0])
@@ -120,6 +129,71 @@ async def test_dp_1_2_1_with_the_distributed_optimizer_equals_adamw_at_dp_1(
     assert again == pytest.approx(losses[3], rel=1e-5)
     await pool.save_checkpoint(end)
     assert_same_state(torch.load(end, weights_only=True), states[1])
+
+
+@pytest.mark.timeout(240)  # includes starting a worker again
+async def test_a_rank_killed_in_a_step_is_rebuilt_from_its_buddy_copy(
+    pool: MegatronPool, adamw: tuple[list[float], list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """DP=2 from the seed's weights; worker 0 (data-parallel rank 0) dies inside the
+    third step. Worker 1 alone holds rank 0's slice of the moments, as its buddy copy:
+    it rebuilds exactly the state of the last step boundary, re-runs the step, the
+    restarted worker 0 is admitted and the trainer grows back to DP=2; every step and
+    the final state are torch's AdamW's at DP=1."""
+    losses, states = adamw
+    await pool.reshard([0, 1], tp=1, pp=1)  # the test above left tp=2
+    await pool.start_training([0, 1])
+    assert pool.can_recover
+    got = [(await pool.train_step(random_minibatch(s))).loss for s in (0, 1)]
+    boundary = tmp_path / "boundary.pt"
+    await pool.save_checkpoint(boundary)
+
+    await step_meeting_a_death(pool, 2, dying=0)
+    assert pool.dead == {0} and pool.can_recover
+    recovery = await pool.recover()
+    print(f"\ndistributed optimizer: rebuilt in {recovery.elapsed_s:.2f} s")
+    assert recovery.members == (1,) == pool.members
+    assert recovery.num_steps == 2 and not recovery.step_applied
+    restored = tmp_path / "restored.pt"
+    await pool.save_checkpoint(restored)
+    before, after = torch.load(boundary, weights_only=True), torch.load(restored, weights_only=True)
+    assert (after["step"], after["num_steps"]) == (before["step"], before["num_steps"]) == (2, 2)
+    for key in ("model", "exp_avg", "exp_avg_sq"):  # bit for bit: nothing recomputed
+        assert before[key].keys() == after[key].keys()
+        for name, tensor in before[key].items():
+            assert torch.equal(after[key][name], tensor), (key, name)
+
+    got.append((await pool.train_step(random_minibatch(2))).loss)  # the re-run, at DP=1
+    after_rerun = tmp_path / "rerun.pt"
+    await pool.save_checkpoint(after_rerun)
+    assert_same_state(torch.load(after_rerun, weights_only=True), states[0])
+
+    await WORKERS[0].restart(0)
+    await pool.admit([0])
+    grown = await pool.resize([0, 1])
+    assert grown.bytes_moved > 0 and pool.members == (0, 1)
+    got.append((await pool.train_step(random_minibatch(3))).loss)
+    end = tmp_path / "end.pt"
+    await pool.save_checkpoint(end)
+    np.testing.assert_allclose(got, losses, rtol=1e-5)
+    assert_same_state(torch.load(end, weights_only=True), states[1])
+
+
+async def step_meeting_a_death(pool: MegatronPool, seed: int, dying: int) -> None:
+    """A step during which worker ``dying`` dies: stopped first (it never answers),
+    the step is sent, and it is killed while the other waits for it inside the step."""
+    pid = WORKERS[0].handles[dying].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+
+    async def kill_it_mid_step() -> None:
+        await anyio.sleep(1.0)
+        os.kill(pid, signal.SIGKILL)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(kill_it_mid_step)
+        with pytest.raises(RankLostError):
+            await pool.train_step(random_minibatch(seed))
 
 
 async def test_a_bf16_model_keeps_its_fp32_main_parameters_through_dp_resizes(

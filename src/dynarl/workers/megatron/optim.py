@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dynarl.workers.megatron import buddy
 from dynarl.workers.megatron.cpu import quiet
 from dynarl.workers.megatron.layout import RankGroups
 from dynarl.workers.torch.trainer_config import TrainerConfig
@@ -81,18 +82,106 @@ class DistributedAdam:
         """torch's AdamW over this rank's slices (main parameters)."""
         self.model = model
         self.groups = groups
+        self.copies = buddy.Copies()
+        """This rank's slice at the last step boundaries and its predecessor's copy
+        (:mod:`~dynarl.workers.megatron.buddy`; none with one data-parallel rank)."""
         self._mains: dict[torch.nn.Parameter, torch.Tensor] | None = None
 
-    def step(self) -> float:
+    def step(self, *, num_steps: int) -> float:
         """Megatron's step on the reduce-scattered gradients (already divided by the
         global normaliser): global norm, clipping, AdamW on this rank's slices,
-        all-gather of the parameters; returns the gradient norm. Collective over the
-        members."""
-        ok, grad_norm, _ = self.megatron.step()
-        if not ok:  # only a loss scaler skips a step; fp32 and bf16 have none
-            raise RuntimeError("megatron's optimizer skipped the step")
-        self.megatron.zero_grad(set_to_none=True)
+        all-gather of the parameters; then the buddy copies of the boundary
+        (:meth:`keep_copies`, ``num_steps``: the rank's step count after this step).
+        Returns the gradient norm. If it fails (a peer died), this rank's slice is
+        rolled back to the last boundary first. Collective over the members."""
+        try:
+            ok, grad_norm, _ = self.megatron.step()
+            if not ok:  # only a loss scaler skips a step; fp32 and bf16 have none
+                raise RuntimeError("megatron's optimizer skipped the step")
+            self.megatron.zero_grad(set_to_none=True)
+        except BaseException:
+            self.roll_back()
+            raise
+        self.keep_copies(num_steps)
         return float(grad_norm)
+
+    def keep_copies(self, num_steps: int) -> None:
+        """A step boundary at ``num_steps``: this rank's slice goes to its buddy, its
+        predecessor's comes here, and the boundary is committed (see
+        :mod:`~dynarl.workers.megatron.buddy`). If the swap fails the slice rolls back
+        to the last boundary; if the commit fails both boundaries' slices are kept.
+        Collective over the data-parallel group; nothing with one rank."""
+        if self.groups.layout.dp == 1:
+            return
+        device = _device(self.model)
+        mine = self.snapshot(num_steps)
+        try:
+            theirs = buddy.swap(mine, group=self.groups.dp, device=device)
+        except BaseException:
+            self.roll_back()
+            raise
+        self.copies.add(mine, theirs)
+        buddy.commit(group=self.groups.dp, device=device)
+        self.copies.settle()
+
+    def snapshot(self, num_steps: int) -> buddy.Slice:
+        """This rank's slice as it is now (a rank of ``num_steps`` steps), in host
+        memory."""
+        segments: list[tuple[int, int]] = []
+        blocks: dict[str, list[torch.Tensor]] = {key: [] for key in buddy.KEYS}
+        offset, adam_step, has_moments = 0, 0.0, True
+        for _, param, part in self._slices():
+            if part is not None:
+                segments.append((offset + part.start, part.stop - part.start))
+                state = self._state(param)
+                blocks["main"].append(state["param"].detach().view(-1).float())
+                if "exp_avg" in state:
+                    blocks["exp_avg"].append(state["exp_avg"].detach().view(-1).float())
+                    blocks["exp_avg_sq"].append(state["exp_avg_sq"].detach().view(-1).float())
+                    adam_step = float(state["step"])
+                else:
+                    has_moments = False
+            offset += param.numel()
+        if not has_moments:
+            blocks["exp_avg"] = blocks["exp_avg_sq"] = [torch.zeros_like(m) for m in blocks["main"]]
+        parts = [t for key in buddy.KEYS for t in blocks[key]]
+        data = torch.cat(parts) if parts else torch.zeros(0)
+        return buddy.Slice(
+            dp_rank=self.groups.position.dp_rank,
+            num_steps=num_steps,
+            adam_step=adam_step,
+            has_moments=has_moments and bool(segments),
+            segments=torch.tensor(segments, dtype=torch.int64).view(-1, 2),
+            data=data.to("cpu", dtype=torch.float32, copy=True),
+        )
+
+    def roll_back(self) -> None:
+        """Put this rank's slice back as it was at the last step boundary (the newest
+        of its own copies; nothing without one). The model's parameters outside the
+        slice may hold a failed step's all-gather: a restore rebuilds them."""
+        if not self.copies.mine:
+            return
+        kept = self.copies.mine[-1]
+        n, position = kept.length, 0
+        for _, param, part in self._slices():
+            if part is None:
+                continue
+            size = part.stop - part.start
+            main = self._main(param)
+            block = [kept.data[k * n + position : k * n + position + size] for k in range(3)]
+            with torch.no_grad():
+                main.view(-1).copy_(block[2].to(main.device, main.dtype))
+            if kept.has_moments:
+                self.inner.state[main] = {
+                    "step": torch.tensor(kept.adam_step, dtype=torch.float32),
+                    **{
+                        key: block[k].to(main.device, main.dtype).view_as(main).clone()
+                        for k, key in enumerate(MOMENTS)
+                    },
+                }
+            else:
+                self.inner.state.pop(main, None)
+            position += size
 
     def _slices(self) -> list[tuple[str, torch.nn.Parameter, slice | None]]:
         """Each parameter with the slice of its flattened elements this rank owns
@@ -188,11 +277,13 @@ class DistributedAdam:
             step = float(state["step"])
         return out, step
 
-    def load(self, moments: Mapping[str, Named], step: float) -> None:
+    def load(self, moments: Mapping[str, Named], step: float, *, num_steps: int) -> None:
         """Keep this rank's slices of whole ``moments`` (as :meth:`whole` gives them;
         empty: a fresh optimizer) at ``step``; the main parameters come from
         ``moments["main"]`` when given, else from the model's weights (load those
-        first: every rank holds its whole model shard)."""
+        first: every rank holds its whole model shard). The result is a step boundary
+        at the rank's ``num_steps``: the buddy copies are taken (collective over the
+        data-parallel group, every rank of which loads its slices at once)."""
         main = moments.get("main")
         for name, param, part in self._slices():
             if part is None:
@@ -208,6 +299,8 @@ class DistributedAdam:
                 "step": torch.tensor(step, dtype=torch.float32),
                 **{k: moments[k][name].reshape(-1)[part].to(shard.dtype).clone() for k in MOMENTS},
             }
+        self.copies = buddy.Copies()
+        self.keep_copies(num_steps)
 
 
 @contextlib.contextmanager

@@ -124,7 +124,7 @@ class MegatronRank(ElasticTrainer):
                 hf_state, arch, tp_rank=p.tp_rank, tp=spec.tp, pp_rank=p.pp_rank, pp=spec.pp
             ),
         )
-        return cls(
+        rank = cls(
             model,
             loss_fn=loss_fn,
             config=config,
@@ -132,6 +132,9 @@ class MegatronRank(ElasticTrainer):
             arch=arch,
             distributed_optimizer=spec.distributed_optimizer,
         )
+        if rank.distributed is not None:  # the first step boundary: buddy copies
+            rank.distributed.keep_copies(rank.num_steps)
+        return rank
 
     @classmethod
     def empty(
@@ -201,7 +204,7 @@ class MegatronRank(ElasticTrainer):
         with guard():
             if self.distributed is not None:
                 self.ddp.scale_gradients(1.0 / normaliser_total)
-                grad_norm = self.distributed.step()
+                grad_norm = self.distributed.step(num_steps=self.num_steps + 1)
             else:
                 # Every replica added the same squares: count the model once.
                 grad_norm = float(totals[2] / groups.layout.dp) ** 0.5 / normaliser_total

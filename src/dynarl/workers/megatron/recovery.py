@@ -21,19 +21,28 @@ keeps its rank, every other member receives its shard whole (parameters, AdamW m
 and step). With ``tp = pp = 1`` every surviving member holds the whole state and
 continues (the torch pool's plan).
 
+With Megatron's distributed optimizer each data-parallel rank holds only its slice of
+AdamW's state, and its buddy (the next rank) a copy of it
+(:mod:`~dynarl.workers.megatron.buddy`): :func:`restore_sliced` makes each shard's
+state whole from the survivors' slices and copies at the last step count a survivor
+completed, and every member of the survivors' layout keeps its slices of it, as a
+resize does.
+
 :func:`unrecoverable` names why the others stop: with one data-parallel replica, or
 when every copy of a shard died, a shard of the model (and its moments) has no copy
-left; and the distributed optimizer keeps each AdamW moment's slice on one data-
-parallel rank alone, so the dead rank's slices went with it.
+left; with the distributed optimizer, when a rank and its buddy died together (or with
+tp or pp > 1, not yet rebuilt from slices).
 """
 
+import datetime
 import itertools
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+import torch
 import torch.distributed as dist
 
 from dynarl.workers.errors import TrainerError
-from dynarl.workers.megatron import state
+from dynarl.workers.megatron import buddy, state
 from dynarl.workers.megatron.layout import Layout, RankGroups
 from dynarl.workers.megatron.rank import MegatronRank
 from dynarl.workers.megatron.spec import ModelSpec
@@ -47,14 +56,11 @@ Shard = tuple[int, int]
 def unrecoverable(spec: ModelSpec, layout: Layout | None, lost: Collection[int]) -> str | None:
     """Why a trainer of ``spec`` in ``layout`` (``None``: no ranks yet) cannot survive
     losing the workers ``lost`` (empty: any one worker); ``None``: it can."""
+    if layout is None:
+        return None
     if spec.distributed_optimizer:
-        return (
-            "a Megatron trainer with the distributed optimizer cannot survive a lost "
-            "worker: each AdamW moment's slice lives on one data-parallel rank alone, and "
-            "the dead worker's slices went with it (actor.megatron.distributed_optimizer="
-            "false keeps a whole copy on every rank)"
-        )
-    if layout is None or layout.replica_size == 1:
+        return _unrecoverable_sliced(spec, layout, lost)
+    if layout.replica_size == 1:
         return None
     gone = missing(layout, [w for w in layout.members if w not in lost])
     if layout.dp == 1 and (gone or not lost):
@@ -69,6 +75,36 @@ def unrecoverable(spec: ModelSpec, layout: Layout | None, lost: Collection[int])
             f"a Megatron trainer with tp={spec.tp}, pp={spec.pp} cannot survive losing "
             f"workers {sorted(lost)}: every copy of model shard(s) {gone} (pp_rank, "
             "tp_rank) died with them"
+        )
+    return None
+
+
+def _unrecoverable_sliced(spec: ModelSpec, layout: Layout, lost: Collection[int]) -> str | None:
+    """:func:`unrecoverable` with the distributed optimizer: each data-parallel rank's
+    slice survives on the rank or on its buddy (:mod:`~dynarl.workers.megatron.buddy`)."""
+    if layout.replica_size > 1:
+        return (
+            f"a Megatron trainer with the distributed optimizer and tp={spec.tp}, "
+            f"pp={spec.pp} cannot survive a lost worker yet (only tp = pp = 1 rebuilds its "
+            "optimizer slices from the survivors' buddy copies); "
+            "actor.megatron.distributed_optimizer=false keeps a copy of every shard's "
+            "moments on each of its replicas"
+        )
+    if layout.dp == 1:
+        return None  # a spare's loss changes nothing; the only rank's ends the run
+    dead = [
+        (d, (d + 1) % layout.dp)
+        for d in range(layout.dp)
+        if layout.members[d] in lost and layout.members[(d + 1) % layout.dp] in lost
+    ]
+    if dead:
+        return (
+            f"a Megatron trainer with the distributed optimizer cannot survive losing "
+            f"workers {sorted(lost)}: data-parallel rank(s) {[d for d, _ in dead]} died "
+            f"with their buddies {[b for _, b in dead]} (the next rank, which keeps a "
+            "copy of each rank's AdamW slice), so those slices have no copy left; resume "
+            "from the last checkpoint, or with actor.megatron.distributed_optimizer=false "
+            "every rank keeps the whole moments"
         )
     return None
 
@@ -179,6 +215,126 @@ def _keep(
     if kept is not rank:
         _release(rank)
     return kept
+
+
+def restore_sliced(
+    rank: MegatronRank | None,
+    *,
+    me: int,
+    groups: RankGroups | None,
+    layout: Layout,
+    make_empty: Callable[[], MegatronRank],
+    timeout_s: float,
+) -> tuple[MegatronRank | None, int]:
+    """World rank ``me``'s part of a ``Restore`` with the distributed optimizer, after
+    it built ``layout``'s groups (``groups``; ``None``: not a member): the survivors'
+    slices are made whole per shard and every member builds a new rank of its shard
+    (see the module); the old rank is released. Collective over the world. Returns
+    the new rank and the bytes this worker contributed."""
+    mine, held = buddy.offer(rank, me=me)
+    offers: list[buddy.Offer | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(offers, mine)
+    found = [o for o in offers if o is not None]
+    target, chosen = buddy.choose(found, tp=layout.tp, pp=layout.pp)
+    fresh = make_empty() if groups is not None else None
+    new_shard = None if groups is None else groups.position.model_rank
+    holder = fresh if fresh is not None else rank
+    device = torch.device("cpu") if holder is None else holder.device
+    timeout = datetime.timedelta(seconds=timeout_s)
+    cut: dict[str, torch.Tensor] | None = None
+    sent = 0
+    created = []
+    try:
+        for shard in [(p, t) for p in range(layout.pp) for t in range(layout.tp)]:
+            givers = {w for (s, _), (w, _) in chosen.items() if s == shard}
+            takers = {w for w in layout.members if _shard(layout, w) == shard}
+            ranks = sorted(givers | takers)
+            group = dist.new_group(ranks, timeout=timeout)
+            if me not in ranks:
+                continue
+            created.append(group)
+            given = [
+                _find(held, kind, d, target)
+                for (s, d), (w, kind) in chosen.items()
+                if s == shard and w == me
+            ]
+            sent += sum(s.data.numel() * 4 for s in given)
+            into = fresh if shard == new_shard and fresh is not None else rank
+            assert into is not None
+            whole = _assemble(into, given, group=group, device=device)
+            if shard == new_shard:
+                cut = _cut(into, whole, num_steps=target)
+    finally:
+        for group in created:
+            dist.destroy_process_group(group)
+    if fresh is not None:
+        assert cut is not None
+        state.load_cut(fresh, cut, source="the survivors' slices and buddy copies")
+    if rank is not None:
+        _release(rank)
+    return fresh, sent
+
+
+def _find(
+    held: Mapping[str, list[buddy.Slice]], kind: str, dp_rank: int, num_steps: int
+) -> buddy.Slice:
+    for s in held[kind]:
+        if (s.dp_rank, s.num_steps) == (dp_rank, num_steps):
+            return s
+    raise AssertionError(f"no {kind} slice {dp_rank} at step {num_steps}")
+
+
+def _assemble(
+    rank: MegatronRank,
+    given: Sequence[buddy.Slice],
+    *,
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """The shard's whole tensors (``exp_avg``, ``exp_avg_sq``, ``main``, flattened) and
+    ``[adam_step, has_moments]`` under ``meta``, summed over ``group`` from the slices
+    each worker gives (the giver of slice 0 adds the meta)."""
+    total = sum(p.numel() for p in rank.model.parameters())
+    flat = torch.zeros(len(buddy.KEYS) * total + 2, dtype=torch.float32, device=device)
+    for piece in given:
+        where = piece.indices().to(device)
+        if len(where) and int(where.max()) >= total:
+            raise TrainerError(f"a slice of {int(where.max()) + 1} elements for a shard of {total}")
+        n = piece.length
+        for k in range(len(buddy.KEYS)):
+            flat[k * total + where] = piece.data[k * n : (k + 1) * n].to(device)
+        if piece.dp_rank == 0:
+            flat[-2], flat[-1] = piece.adam_step, float(piece.has_moments)
+    dist.all_reduce(flat, group=group)
+    out = {key: flat[k * total : (k + 1) * total] for k, key in enumerate(buddy.KEYS)}
+    out["meta"] = flat[-2:]
+    return out
+
+
+def _cut(
+    rank: MegatronRank, whole: Mapping[str, torch.Tensor], *, num_steps: int
+) -> dict[str, torch.Tensor]:
+    """The whole shard state as :func:`~dynarl.workers.megatron.state.cut_state` gives
+    it: the weights (the main parameters in the model's dtypes), the moments if any,
+    ``main`` for a model not in fp32, the step counts."""
+    adam_step, has_moments = float(whole["meta"][0]), bool(whole["meta"][1])
+    cut = {
+        "step": torch.tensor(adam_step, dtype=torch.float64),
+        "num_steps": torch.tensor(num_steps, dtype=torch.int64),
+    }
+    params = list(rank.model.named_parameters())
+    keys = ["main"] if params[0][1].dtype != torch.float32 else []
+    if has_moments:
+        keys += ["exp_avg", "exp_avg_sq"]
+    offset = 0
+    for name, param in params:
+        n = param.numel()
+        main = whole["main"][offset : offset + n].view(param.shape)
+        cut[f"model/{name}"] = main.to(param.dtype)
+        for key in keys:
+            cut[f"{key}/{name}"] = whole[key][offset : offset + n].view(param.shape)
+        offset += n
+    return cut
 
 
 def _shard(layout: Layout, worker: int) -> Shard:

@@ -410,7 +410,9 @@ def load_cut(rank: MegatronRank, flat: Mapping[str, torch.Tensor], *, source: st
     step = float(flat["step"])
     rank.num_steps = int(flat["num_steps"])
     if rank.distributed is not None:
-        rank.distributed.load({k: v for k, v in moments.items() if v}, step)
+        rank.distributed.load(
+            {k: v for k, v in moments.items() if v}, step, num_steps=rank.num_steps
+        )
         return
     named = dict(rank.model.named_parameters())
     optimizer_state: dict[int, dict[str, torch.Tensor]] = {}

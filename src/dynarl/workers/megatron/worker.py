@@ -24,7 +24,10 @@ What differs is what a layout of replicas needs:
   layout (:mod:`~dynarl.workers.megatron.state`);
 - *a lost peer* (torch's AdamW, a copy of every shard surviving): the rank outlives
   the world, and the survivors' layout takes its shards from their holders in the new
-  one, as a resize's moves do (:mod:`~dynarl.workers.megatron.recovery`).
+  one, as a resize's moves do (:mod:`~dynarl.workers.megatron.recovery`); with the
+  distributed optimizer (tp = pp = 1) the survivors make the state whole from their
+  slices and the buddy copies of the dead ranks' (:mod:`~dynarl.workers.megatron.buddy`)
+  and every member keeps its new slices.
 
 Layouts are built on world ranks, which are the pool indices only until a peer dies.
 """
@@ -432,11 +435,22 @@ class MegatronWorker(TrainerWorker):
         """Build the survivors' layout in the new world; the holders' shards become
         the members' (see :func:`~dynarl.workers.megatron.recovery.restore`)."""
         started = time.perf_counter()
-        why = recovery.unrecoverable(self.spec, None, ())
-        if why is not None:
-            raise TrainerError(why)
         layout = self.layout(command.members, self.spec)
+        if self.spec.distributed_optimizer:
+            why = recovery.unrecoverable(self.spec, layout, ())
+            if why is not None:
+                raise TrainerError(why)
         groups = build_groups(layout, worker=self.me, timeout_s=self.config.timeout_s)
+        if self.spec.distributed_optimizer:
+            self.rank, moved = recovery.restore_sliced(
+                self.rank,
+                me=self.me,
+                groups=groups,
+                layout=layout,
+                make_empty=lambda: self._empty(groups),
+                timeout_s=self.config.timeout_s,
+            )
+            return self._done(started, bytes_moved=moved)
         holders = None
         if command.source is not None:
             holders = self.layout(command.holders or (command.source,), self.spec)
