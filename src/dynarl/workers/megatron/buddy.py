@@ -134,7 +134,7 @@ def swap(mine: Slice, *, group: dist.ProcessGroup, device: torch.device) -> Slic
         adam_step=float(got[1]),
         has_moments=bool(got[2]),
         segments=segments.cpu(),
-        data=data.to("cpu", copy=True),
+        data=data.cpu(),
     )
 
 
