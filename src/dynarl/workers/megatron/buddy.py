@@ -8,9 +8,12 @@ would take its slice with it. At every optimizer-step boundary each rank therefo
 packs its slice (moments, main parameters, step counts; a :class:`Slice`, in host
 memory), sends it to its *buddy*, the next rank of its data-parallel group
 (``dp_rank + 1 mod dp``), and receives its predecessor's (:func:`swap`). Then one
-all-reduce over the group *commits* the boundary (:func:`commit`): until it completes a
-rank keeps the previous boundary's slices too, so whatever the moment a peer died,
-every survivor still holds its part of the last boundary that every rank reached.
+all-reduce over the layout's members *commits* the boundary (:func:`commit`): until it
+completes a rank keeps the previous boundary's slices too. Whenever a peer dies, either
+some rank completed the commit, and then every rank had swapped: the new boundary is
+held whole; or none did, and every rank still holds the previous one. Every member
+takes part (not only the data-parallel group), so that the shards of a model cut by tp
+or pp agree on the boundary.
 
 A rank whose step fails after its optimizer updated its slice (a peer died in the
 parameter all-gather or in the swap) rolls its slice back to its own copy of the last
@@ -151,8 +154,8 @@ def _exchange(
 
 
 def commit(*, group: dist.ProcessGroup, device: torch.device) -> None:
-    """Every rank of ``group`` holds the new boundary's slices (see the module): one
-    all-reduce. Collective over ``group``."""
+    """Every rank of ``group`` (the layout's members) holds the new boundary's slices
+    (see the module): one all-reduce. Collective over ``group``."""
     dist.all_reduce(torch.ones(1, device=device), group=group)
 
 

@@ -23,6 +23,10 @@ data-parallel rank (one bucketed sum over the data-parallel group: the slices ar
 disjoint, so the sum is exact), and :meth:`DistributedAdam.load` keeps a rank's own
 slice of whole tensors. A checkpoint or a resize therefore carries the same HF-layout
 state as with torch's AdamW, whatever the data-parallel size that wrote it.
+
+Every step boundary (after a step, a load, the first build) each rank's slice is also
+copied to its buddy, the next data-parallel rank (:meth:`DistributedAdam.keep_copies`,
+:mod:`~dynarl.workers.megatron.buddy`), so a lost rank's slice survives it.
 """
 
 import contextlib
@@ -110,7 +114,8 @@ class DistributedAdam:
         predecessor's comes here, and the boundary is committed (see
         :mod:`~dynarl.workers.megatron.buddy`). If the swap fails the slice rolls back
         to the last boundary; if the commit fails both boundaries' slices are kept.
-        Collective over the data-parallel group; nothing with one rank."""
+        Collective over the members (the swap over the data-parallel group); nothing
+        with one data-parallel rank."""
         if self.groups.layout.dp == 1:
             return
         device = _device(self.model)
@@ -121,7 +126,7 @@ class DistributedAdam:
             self.roll_back()
             raise
         self.copies.add(mine, theirs)
-        buddy.commit(group=self.groups.dp, device=device)
+        buddy.commit(group=self.groups.members, device=device)
         self.copies.settle()
 
     def snapshot(self, num_steps: int) -> buddy.Slice:
@@ -283,7 +288,7 @@ class DistributedAdam:
         ``moments["main"]`` when given, else from the model's weights (load those
         first: every rank holds its whole model shard). The result is a step boundary
         at the rank's ``num_steps``: the buddy copies are taken (collective over the
-        data-parallel group, every rank of which loads its slices at once)."""
+        members, every one of which loads its slices at once)."""
         main = moments.get("main")
         for name, param, part in self._slices():
             if part is None:

@@ -6,9 +6,10 @@ come in whole replicas; the data router's instance of a data-parallel rank is it
 replica's leader (the other workers of the replica take no items and receive the
 leader's); a resize's source is a whole replica (the first that stays whole, else the
 first); parking keeps replica 0; a checkpoint and a weight sync gather replica 0; a
-lost worker is survived when a copy of each model shard survives it (and the optimizer
-is torch's AdamW): the survivors make whole replicas again
-(:mod:`~dynarl.workers.megatron.recovery`).
+lost worker is survived when a copy of each model shard survives it: the survivors
+make whole replicas again (:mod:`~dynarl.workers.megatron.recovery`); with the
+distributed optimizer (tp = pp = 1) when each dead rank's buddy survives, which keeps
+a copy of its optimizer slice (:mod:`~dynarl.workers.megatron.buddy`).
 """
 
 import dataclasses
@@ -58,11 +59,13 @@ class MegatronPool(TrainerPool):
     @property
     def cannot_recover(self) -> str | None:
         """Why a lost worker (the dead ones, once a call met them) cannot be survived in
-        the current layout: with torch's AdamW and a copy of every model shard among the
-        survivors the pool rebuilds itself from them (see
+        the current layout: with a copy of every model shard among the survivors (with
+        the distributed optimizer: of every rank's optimizer slice, on the rank or its
+        buddy) the pool rebuilds itself from them (see
         :mod:`~dynarl.workers.megatron.recovery`); otherwise (one replica of tp * pp > 1
-        workers, every copy of a shard dead, the distributed optimizer) the run stops
-        and resumes from its last checkpoint."""
+        workers, every copy of a shard dead, a rank dead with its buddy, the distributed
+        optimizer with tp or pp > 1) the run stops and resumes from its last
+        checkpoint."""
         layout = self.layout() if self._members else None
         return recovery.unrecoverable(self._model_factory, layout, self.dead)
 

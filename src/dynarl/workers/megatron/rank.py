@@ -15,8 +15,9 @@ normaliser and gradient norm (each shard counted once: tensor-parallel duplicate
 on tensor rank 0); the gradients are divided by the global normaliser and clipped, and
 AdamW steps on them. With the distributed optimizer the wrapper reduce-scatters
 instead, and after the division Megatron's optimizer computes the norm, clips and
-steps each rank's slice. The update is therefore the single-rank update whatever the
-(dp, tp, pp) layout. A resize rebuilds the wrapper on the new layout's groups
+steps each rank's slice, then keeps the step boundary's buddy copies
+(:mod:`~dynarl.workers.megatron.buddy`). The update is therefore the single-rank update
+whatever the (dp, tp, pp) layout. A resize rebuilds the wrapper on the new layout's groups
 (:meth:`MegatronRank.regroup`) and retires the old one (with the distributed
 optimizer, whose slices depend on the data-parallel size, a resize builds new ranks).
 

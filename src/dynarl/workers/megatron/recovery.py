@@ -59,7 +59,7 @@ def unrecoverable(spec: ModelSpec, layout: Layout | None, lost: Collection[int])
     if layout is None:
         return None
     if spec.distributed_optimizer:
-        return _unrecoverable_sliced(spec, layout, lost)
+        return _unrecoverable_sliced(layout, lost)
     if layout.replica_size == 1:
         return None
     gone = missing(layout, [w for w in layout.members if w not in lost])
@@ -79,13 +79,13 @@ def unrecoverable(spec: ModelSpec, layout: Layout | None, lost: Collection[int])
     return None
 
 
-def _unrecoverable_sliced(spec: ModelSpec, layout: Layout, lost: Collection[int]) -> str | None:
+def _unrecoverable_sliced(layout: Layout, lost: Collection[int]) -> str | None:
     """:func:`unrecoverable` with the distributed optimizer: each data-parallel rank's
     slice survives on the rank or on its buddy (:mod:`~dynarl.workers.megatron.buddy`)."""
     if layout.replica_size > 1:
         return (
-            f"a Megatron trainer with the distributed optimizer and tp={spec.tp}, "
-            f"pp={spec.pp} cannot survive a lost worker yet (only tp = pp = 1 rebuilds its "
+            f"a Megatron trainer with the distributed optimizer and tp={layout.tp}, "
+            f"pp={layout.pp} cannot survive a lost worker yet (only tp = pp = 1 rebuilds its "
             "optimizer slices from the survivors' buddy copies); "
             "actor.megatron.distributed_optimizer=false keeps a copy of every shard's "
             "moments on each of its replicas"
@@ -231,6 +231,9 @@ def restore_sliced(
     slices are made whole per shard and every member builds a new rank of its shard
     (see the module); the old rank is released. Collective over the world. Returns
     the new rank and the bytes this worker contributed."""
+    why = _unrecoverable_sliced(layout, ())
+    if why is not None:
+        raise TrainerError(why)
     mine, held = buddy.offer(rank, me=me)
     offers: list[buddy.Offer | None] = [None] * dist.get_world_size()
     dist.all_gather_object(offers, mine)

@@ -436,10 +436,6 @@ class MegatronWorker(TrainerWorker):
         the members' (see :func:`~dynarl.workers.megatron.recovery.restore`)."""
         started = time.perf_counter()
         layout = self.layout(command.members, self.spec)
-        if self.spec.distributed_optimizer:
-            why = recovery.unrecoverable(self.spec, layout, ())
-            if why is not None:
-                raise TrainerError(why)
         groups = build_groups(layout, worker=self.me, timeout_s=self.config.timeout_s)
         if self.spec.distributed_optimizer:
             self.rank, moved = recovery.restore_sliced(
