@@ -433,7 +433,9 @@ class MegatronWorker(TrainerWorker):
 
     def _restore(self, command: Restore) -> Reply:
         """Build the survivors' layout in the new world; the holders' shards become
-        the members' (see :func:`~dynarl.workers.megatron.recovery.restore`)."""
+        the members' (see :func:`~dynarl.workers.megatron.recovery.restore`), or with
+        the distributed optimizer the survivors' slices and buddy copies, made whole
+        (:func:`~dynarl.workers.megatron.recovery.restore_sliced`)."""
         started = time.perf_counter()
         layout = self.layout(command.members, self.spec)
         groups = build_groups(layout, worker=self.me, timeout_s=self.config.timeout_s)
