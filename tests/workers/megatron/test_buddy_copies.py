@@ -1,8 +1,8 @@
 """The distributed optimizer's buddy copies: which survivor gives each slice after a
 loss (the most steps a survivor completed, never a copy of another step), the refusal
-when a rank and its buddy both died, and on two real gloo processes a step that fails
-after the optimizer updated its slice (rolled back to the boundary) or in the commit
-(both boundaries kept)."""
+when a rank and its buddy both died (with tp > 1: per shard), and on two real gloo
+processes a step that fails after the optimizer updated its slice (rolled back to the
+boundary) or in the commit (both boundaries kept)."""
 
 from typing import Any
 
@@ -83,10 +83,20 @@ def test_a_rank_dying_with_its_buddy_is_refused_and_the_message_says_why() -> No
     assert "rank(s) [2] died with their buddies [0]" in why
 
 
-def test_a_model_parallel_layout_with_the_distributed_optimizer_is_refused() -> None:
+def test_a_tensor_parallel_layout_needs_each_slice_on_a_rank_or_its_buddy() -> None:
     spec = ModelSpec(model=ModelConfig(), tp=2, distributed_optimizer=True)
-    why = recovery.unrecoverable(spec, Layout((0, 1, 2, 3), tp=2, pp=1), {1})
-    assert why is not None and "tp=2, pp=1 cannot survive a lost worker yet" in why
+    two = Layout((0, 1, 2, 3), tp=2, pp=1)  # replicas (0, 1) and (2, 3)
+    assert recovery.unrecoverable(spec, two, {1}) is None  # its buddy 3 keeps its slice
+    assert recovery.unrecoverable(spec, two, {1, 2}) is None  # different shards
+    why = recovery.unrecoverable(spec, two, {1, 3}) or ""
+    assert "slice(s) [(0, 1, 0), (0, 1, 1)]" in why, why
+    one = Layout((0, 1), tp=2, pp=1)
+    assert "tp=2, pp=1 cannot survive a lost worker with one" in (
+        recovery.unrecoverable(spec, one, ()) or ""
+    )
+    assert recovery.unrecoverable(spec, one, {5}) is None  # a spare died
+    chosen = recovery.plan_sliced(two, [0, 2, 3], {0: 4, 2: 5, 3: 4})
+    assert chosen.members == (0, 2) and chosen.source == 2
 
 
 # -- two processes ------------------------------------------------------------------

@@ -5,7 +5,8 @@ fixed DP=1 (the reference: a rank in this process, a world of one); a checkpoint
 at DP=2 holds the whole moments, and loaded at DP=2 then changed to TP=2 it continues
 the run. A rank killed inside a step at DP=2 is survived: the other rebuilds the whole
 moments from its own slice and its buddy copy of the dead rank's, and the run goes on
-as the run without the fault."""
+as the run without the fault; so is a tensor-parallel rank of one of two TP=2 replicas
+(the last test: it leaves a worker dead)."""
 
 import os
 import signal
@@ -53,7 +54,7 @@ WORKERS: list[LocalWorkers] = []
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pool() -> AsyncIterator[MegatronPool]:
-    async with LocalWorkers(megatron_trainer_main, ["do-0", "do-1"]) as workers:
+    async with LocalWorkers(megatron_trainer_main, ["do-0", "do-1", "do-2", "do-3"]) as workers:
         WORKERS.append(workers)
         started = MegatronPool(CONFIG, workers=workers.channels, model_factory=SPEC, loss_fn=LOSS)
         await started.start()
@@ -88,9 +89,11 @@ def adamw() -> tuple[list[float], list[dict[str, Any]]]:
     return losses, states
 
 
-def assert_same_state(got: dict[str, Any], expected: dict[str, Any]) -> None:
+def assert_same_state(
+    got: dict[str, Any], expected: dict[str, Any], *, model_atol: float = 2e-5
+) -> None:
     assert got["step"] == expected["step"] and got["num_steps"] == expected["num_steps"]
-    for key, atol in (("model", 2e-5), ("exp_avg", 1e-6), ("exp_avg_sq", 1e-8)):
+    for key, atol in (("model", model_atol), ("exp_avg", 1e-6), ("exp_avg_sq", 1e-8)):
         assert set(got[key]) == set(expected[key])
         diff = norm = 0.0
         for name, theirs in expected[key].items():
@@ -177,6 +180,36 @@ async def test_a_rank_killed_in_a_step_is_rebuilt_from_its_buddy_copy(
     await pool.save_checkpoint(end)
     np.testing.assert_allclose(got, losses, rtol=1e-5)
     assert_same_state(torch.load(end, weights_only=True), states[1])
+
+
+# Last with this pool: it leaves worker 1 dead.
+@pytest.mark.timeout(180)
+async def test_a_tensor_parallel_rank_killed_in_a_step_is_rebuilt_from_its_buddy_copy(
+    pool: MegatronPool, adamw: tuple[list[float], list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """TP=2 x DP=2 on the four workers, replicas (0, 1) and (2, 3); worker 1 (tensor
+    rank 1 of replica 0) dies inside the third step. Its slice of shard (0, 1) survives
+    as the buddy copy on worker 3: the survivors make one replica, (0, 2), from the
+    slices, re-run the step and take AdamW's steps."""
+    losses, states = adamw
+    await pool.start_training([0])
+    await pool.reshard([0, 1, 2, 3], tp=2, pp=1)  # the seed's weights, cut in two
+    assert pool.layout().dp == 2 and pool.can_recover
+    got = [(await pool.train_step(random_minibatch(s))).loss for s in (0, 1)]
+    await step_meeting_a_death(pool, 2, dying=1)
+    assert pool.dead == {1} and pool.can_recover
+    recovery = await pool.recover()
+    print(f"\ntp = 2, distributed optimizer: rebuilt in {recovery.elapsed_s:.2f} s")
+    assert recovery.members == (0, 2) == pool.members and pool.layout().dp == 1
+    assert recovery.num_steps == 2 and not recovery.step_applied
+    got += [(await pool.train_step(random_minibatch(s))).loss for s in (2, 3)]
+    end = tmp_path / "end.pt"
+    await pool.save_checkpoint(end)
+    np.testing.assert_allclose(got, losses, rtol=1e-5)
+    # Two steps at TP=2 x DP=2 reduce in another order than AdamW at DP=1, which Adam
+    # turns into weights up to 5e-5 apart (gate_proj); a slice lost or taken from
+    # another step is off by the order of one update, lr = 1e-2.
+    assert_same_state(torch.load(end, weights_only=True), states[1], model_atol=1e-4)
 
 
 async def step_meeting_a_death(pool: MegatronPool, seed: int, dying: int) -> None:

@@ -8,7 +8,7 @@ leader's); a resize's source is a whole replica (the first that stays whole, els
 first); parking keeps replica 0; a checkpoint and a weight sync gather replica 0; a
 lost worker is survived when a copy of each model shard survives it: the survivors
 make whole replicas again (:mod:`~dynarl.workers.megatron.recovery`); with the
-distributed optimizer (tp = pp = 1) when each dead rank's buddy survives, which keeps
+distributed optimizer when each dead rank's buddy survives, which keeps
 a copy of its optimizer slice (:mod:`~dynarl.workers.megatron.buddy`).
 """
 
@@ -63,24 +63,27 @@ class MegatronPool(TrainerPool):
         the distributed optimizer: of every rank's optimizer slice, on the rank or its
         buddy) the pool rebuilds itself from them (see
         :mod:`~dynarl.workers.megatron.recovery`); otherwise (one replica of tp * pp > 1
-        workers, every copy of a shard dead, a rank dead with its buddy, the distributed
-        optimizer with tp or pp > 1) the run stops and resumes from its last
-        checkpoint."""
+        workers, every copy of a shard dead, a rank dead with its buddy) the run stops
+        and resumes from its last checkpoint."""
         layout = self.layout() if self._members else None
         return recovery.unrecoverable(self._model_factory, layout, self.dead)
 
     def recovery_plan(self) -> PlanRanks | None:
         """With replicas of more than one worker, the survivors' layout and the holder
-        of each shard (:func:`~dynarl.workers.megatron.recovery.plan`); else a torch
-        pool's (every surviving member holds the whole state)."""
+        of each shard (:func:`~dynarl.workers.megatron.recovery.plan`; with the
+        distributed optimizer :func:`~dynarl.workers.megatron.recovery.plan_sliced`);
+        else a torch pool's (every surviving member holds the whole state)."""
         if self.replica_size == 1:
             return None
         old = self.layout()
         parked = self._parked
+        sliced = self._model_factory.distributed_optimizer
 
         def chosen(states: Mapping[int, Left], survivors: tuple[int, ...]) -> RankPlan:
             candidates = [w for w in survivors if not parked or w in old.members]
             steps = {w: s.num_steps for w, s in states.items()}
+            if sliced:
+                return recovery.plan_sliced(old, candidates, steps)
             return recovery.plan(old, candidates, steps)
 
         return chosen

@@ -30,8 +30,9 @@ resize does.
 
 :func:`unrecoverable` names why the others stop: with one data-parallel replica, or
 when every copy of a shard died, a shard of the model (and its moments) has no copy
-left; with the distributed optimizer, when a rank and its buddy died together (or with
-tp or pp > 1, not yet rebuilt from slices).
+left; with the distributed optimizer, when a rank and its buddy died together. With
+the distributed optimizer and tp or pp > 1, :func:`plan_sliced` picks the survivors'
+whole replicas.
 """
 
 import datetime
@@ -81,32 +82,58 @@ def unrecoverable(spec: ModelSpec, layout: Layout | None, lost: Collection[int])
 
 def _unrecoverable_sliced(layout: Layout, lost: Collection[int]) -> str | None:
     """:func:`unrecoverable` with the distributed optimizer: each data-parallel rank's
-    slice survives on the rank or on its buddy (:mod:`~dynarl.workers.megatron.buddy`)."""
-    if layout.replica_size > 1:
-        return (
-            f"a Megatron trainer with the distributed optimizer and tp={layout.tp}, "
-            f"pp={layout.pp} cannot survive a lost worker yet (only tp = pp = 1 rebuilds its "
-            "optimizer slices from the survivors' buddy copies); "
-            "actor.megatron.distributed_optimizer=false keeps a copy of every shard's "
-            "moments on each of its replicas"
-        )
+    slice survives on the rank or on its buddy (:mod:`~dynarl.workers.megatron.buddy`);
+    with tp or pp > 1 a shard needs a second replica, as with torch's AdamW."""
     if layout.dp == 1:
-        return None  # a spare's loss changes nothing; the only rank's ends the run
-    dead = [
-        (d, (d + 1) % layout.dp)
-        for d in range(layout.dp)
-        if layout.members[d] in lost and layout.members[(d + 1) % layout.dp] in lost
-    ]
-    if dead:
+        if layout.replica_size == 1 or (lost and not set(lost) & set(layout.members)):
+            return None  # a spare's loss changes nothing; the only rank's ends the run
         return (
-            f"a Megatron trainer with the distributed optimizer cannot survive losing "
-            f"workers {sorted(lost)}: data-parallel rank(s) {[d for d, _ in dead]} died "
-            f"with their buddies {[b for _, b in dead]} (the next rank, which keeps a "
-            "copy of each rank's AdamW slice), so those slices have no copy left; resume "
-            "from the last checkpoint, or with actor.megatron.distributed_optimizer=false "
-            "every rank keeps the whole moments"
+            f"a Megatron trainer with tp={layout.tp}, pp={layout.pp} cannot survive a lost "
+            "worker with one data-parallel replica: the worker took the only copy of its "
+            "model shard (and its optimizer state) with it; with two replicas or more "
+            "another holds it"
         )
-    return None
+    at, dp = layout.at, layout.dp
+    dead = [
+        (p, t, d)
+        for p in range(layout.pp)
+        for t in range(layout.tp)
+        for d in range(dp)
+        if at(d, p, t) in lost and at((d + 1) % dp, p, t) in lost
+    ]
+    if not dead:
+        return None
+    if layout.replica_size == 1:
+        which = f"data-parallel rank(s) {[d for *_, d in dead]} died with their buddies "
+        which += f"{[(d + 1) % dp for *_, d in dead]}"
+    else:
+        which = f"the data-parallel ranks of slice(s) {dead} (pp_rank, tp_rank, dp_rank) "
+        which += "died with their buddies"
+    return (
+        f"a Megatron trainer with the distributed optimizer cannot survive losing "
+        f"workers {sorted(lost)}: {which} (the next rank, which keeps a copy of each "
+        "rank's AdamW slice), so those slices have no copy left; resume from the last "
+        "checkpoint, or with actor.megatron.distributed_optimizer=false every rank keeps "
+        "the whole moments of its shard"
+    )
+
+
+def plan_sliced(old: Layout, candidates: Sequence[int], steps: Mapping[int, int]) -> RankPlan:
+    """The layout after a loss with the distributed optimizer (see :func:`plan` for the
+    arguments): as many whole replicas of ``candidates`` as they make, in world order
+    (every member builds a new rank from the slices, so none is better placed), and as
+    source the survivor holding the most steps (the state restored). Raises
+    :class:`TrainerError` when no survivor holds a state or too few survive."""
+    holding = [w for w in candidates if steps.get(w, -1) >= 0]
+    if not holding:
+        raise TrainerError(f"no survivor of layout {old} holds the trainer's state")
+    num_members = len(candidates) // old.replica_size * old.replica_size
+    if not num_members:
+        raise TrainerError(
+            f"{len(candidates)} survivors cannot make a replica of {old.replica_size}"
+        )
+    source = max(holding, key=lambda w: steps[w])
+    return RankPlan(members=tuple(candidates[:num_members]), source=source)
 
 
 def missing(layout: Layout, holding: Collection[int]) -> list[Shard]:
@@ -231,9 +258,6 @@ def restore_sliced(
     slices are made whole per shard and every member builds a new rank of its shard
     (see the module); the old rank is released. Collective over the world. Returns
     the new rank and the bytes this worker contributed."""
-    why = _unrecoverable_sliced(layout, ())
-    if why is not None:
-        raise TrainerError(why)
     mine, held = buddy.offer(rank, me=me)
     offers: list[buddy.Offer | None] = [None] * dist.get_world_size()
     dist.all_gather_object(offers, mine)

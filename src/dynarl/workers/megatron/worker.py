@@ -25,7 +25,7 @@ What differs is what a layout of replicas needs:
 - *a lost peer* (torch's AdamW, a copy of every shard surviving): the rank outlives
   the world, and the survivors' layout takes its shards from their holders in the new
   one, as a resize's moves do (:mod:`~dynarl.workers.megatron.recovery`); with the
-  distributed optimizer (tp = pp = 1) the survivors make the state whole from their
+  distributed optimizer the survivors make the state whole from their
   slices and the buddy copies of the dead ranks' (:mod:`~dynarl.workers.megatron.buddy`)
   and every member keeps its new slices.
 
