@@ -229,3 +229,20 @@ def test_one_bad_field_keeps_its_plain_message_and_rules_between_fields_still_ho
         apply_overrides(DynaRLConfig(), ["scheduler.u_low=2"])
     with pytest.raises(ConfigError, match="64 samples"):
         apply_overrides(DynaRLConfig(), ["algorithm.n_minibatches=3", "run.seed=1"])
+
+
+def test_buddy_copies_can_be_turned_off_only_where_the_distributed_optimizer_runs() -> None:
+    on_cuda = ["actor.backend=megatron", "cluster.accelerator=cuda", "cluster.num_devices=4"]
+    off = "actor.megatron.buddy_copies=false"
+    cfg = apply_overrides(DynaRLConfig(), [*on_cuda, off])  # the optimizer is on there
+    assert not cfg.actor.megatron.buddy_copies
+    sliced = ["actor.backend=megatron", "actor.megatron.distributed_optimizer=true"]
+    assert not apply_overrides(DynaRLConfig(), [*sliced, off]).actor.megatron.buddy_copies
+    for refused in (
+        ["actor.backend=megatron", off],  # CPU: torch's AdamW unless asked
+        ["actor.backend=megatron", "actor.megatron.distributed_optimizer=false", off],
+    ):
+        with pytest.raises(ConfigError) as info:
+            apply_overrides(DynaRLConfig(), refused)
+        assert info.value.field == "actor.megatron.buddy_copies", info.value
+        assert "drop actor.megatron.buddy_copies" in str(info.value)

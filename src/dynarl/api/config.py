@@ -175,6 +175,18 @@ class DynaRLConfig(Section, frozen=True, kw_only=True):
                 f"{'cuda' if chosen == 'nccl' else 'cpu'}",
                 field="rollout.sglang.weight_sync_backend",
             )
+        megatron = self.actor.megatron
+        if not megatron.buddy_copies and not megatron.uses_distributed_optimizer(
+            cluster.accelerator
+        ):
+            raise ConfigError(
+                "actor.megatron.buddy_copies=false turns off the distributed optimizer's "
+                f"copies, but with cluster.accelerator={cluster.accelerator} the trainer "
+                "runs torch's AdamW (actor.megatron.distributed_optimizer unset): set "
+                "actor.megatron.distributed_optimizer=true, or drop "
+                "actor.megatron.buddy_copies",
+                field="actor.megatron.buddy_copies",
+            )
 
     def _check_env(self) -> None:
         env, model = self.env, self.model

@@ -66,9 +66,10 @@ class TrainerRankLostError(DynaRLError):
     """A trainer worker died (or stopped answering) during an iteration and the trainer
     could not rebuild itself from the survivors: no rank survived with the state, a
     worker stopped answering (a hung collective, ended by its timeout), or the backend
-    cannot (Megatron with tp or pp > 1, whose replica's shards die with any of its
-    workers, or with the distributed optimizer: the message says which). The run stops;
-    it resumes from its last checkpoint."""
+    cannot (Megatron with one replica of tp or pp > 1, whose shards die with any of its
+    workers; with the distributed optimizer, a rank dead with its buddy, or any member
+    without ``actor.megatron.buddy_copies``: the message says which). The run stops; it
+    resumes from its last checkpoint."""
 
 
 class DynaRL:

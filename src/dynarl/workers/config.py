@@ -128,9 +128,27 @@ class MegatronActorConfig(Section, frozen=True, kw_only=True):
             AdamW's (fp32 tolerance). Off: torch's AdamW on every data-parallel rank.
             Resizes and checkpoints carry the state whole either way. Unset: on with
             ``cluster.accelerator=cuda`` (what Megatron does on GPUs), off on CPU.
+        buddy_copies: with the distributed optimizer, each data-parallel rank keeps a
+            copy of the next rank's optimizer slice in host memory, taken at every
+            step boundary, so the trainer survives a lost rank (unless its buddy dies
+            too). It costs host memory (about 6/dp fp32 values per parameter of the
+            rank's shard, twice that while a boundary is committed: ~21 GB per rank
+            for 7B parameters at dp = 8) and one slice-sized send per step (see
+            docs/faults.md). Off: a lost rank stops the run, which resumes from its
+            last checkpoint. Only read with the distributed optimizer.
     """
 
     distributed_optimizer: bool | None = None
+    buddy_copies: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.buddy_copies and self.distributed_optimizer is False:
+            raise ConfigError(
+                "actor.megatron.buddy_copies=false turns off the distributed optimizer's "
+                "copies, but actor.megatron.distributed_optimizer=false keeps the whole "
+                "optimizer state on every rank; drop actor.megatron.buddy_copies",
+                field="actor.megatron.buddy_copies",
+            )
 
     def uses_distributed_optimizer(self, accelerator: str) -> bool:
         """Whether the trainer runs the distributed optimizer on ``accelerator``."""

@@ -4,6 +4,7 @@ when a rank and its buddy both died (with tp > 1: per shard), and on two real gl
 processes a step that fails after the optimizer updated its slice (rolled back to the
 boundary) or in the commit (both boundaries kept)."""
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -81,6 +82,16 @@ def test_a_rank_dying_with_its_buddy_is_refused_and_the_message_says_why() -> No
     assert "rank(s) [1] died with their buddies [2]" in why and "checkpoint" in why
     why = recovery.unrecoverable(SLICED, dp3, {0, 2}) or ""  # 2's buddy is 0
     assert "rank(s) [2] died with their buddies [0]" in why
+
+
+def test_without_buddy_copies_any_lost_rank_is_refused_but_a_spare() -> None:
+    uncopied = ModelSpec(model=ModelConfig(), distributed_optimizer=True, buddy_copies=False)
+    dp3 = Layout((0, 1, 2), tp=1, pp=1)
+    why = recovery.unrecoverable(uncopied, dp3, {1}) or ""
+    assert "buddy_copies=false cannot survive a lost rank" in why, why
+    assert "buddy_copies=true" in why and "checkpoint" in why
+    assert recovery.unrecoverable(uncopied, dp3, ()) is not None
+    assert recovery.unrecoverable(uncopied, dp3, {7}) is None  # a spare died
 
 
 def test_a_tensor_parallel_layout_needs_each_slice_on_a_rank_or_its_buddy() -> None:
@@ -187,6 +198,13 @@ def _worker(worker: int, port: int, results: Any) -> None:
     out["kept_theirs"] = [(s.dp_rank, s.num_steps) for s in adam.copies.theirs]
     out["live_is_newest"] = torch.equal(adam.snapshot(3).data, adam.copies.mine[-1].data)
     rank.groups.destroy()
+
+    # Without buddy copies the ranks step and keep none.
+    spec = dataclasses.replace(spec, buddy_copies=False)
+    rank = fresh_rank()
+    assert rank.distributed is not None
+    out["copies_when_off"] = len(rank.distributed.copies.mine) + len(rank.distributed.copies.theirs)
+    rank.groups.destroy()
     results.put((f"worker {worker}", out))
     dist.barrier()
     dist.destroy_process_group()
@@ -203,3 +221,4 @@ def test_a_failed_step_leaves_each_rank_a_slice_of_the_last_boundary() -> None:
         assert out["kept_mine"] == [(worker, 2), (worker, 3)], out
         assert out["kept_theirs"] == [(1 - worker, 2), (1 - worker, 3)], out
         assert out["live_is_newest"], out
+        assert out["copies_when_off"] == 0, out  # actor.megatron.buddy_copies=false

@@ -67,6 +67,7 @@ class MegatronBackend:
             pp=actor.pp,
             seed=seed,
             distributed_optimizer=actor.megatron.uses_distributed_optimizer(accelerator),
+            buddy_copies=actor.megatron.buddy_copies,
         )
         spec.architecture()  # refuses a model or split it cannot build, before any start
         config = TrainerConfig.of_actor(

@@ -50,10 +50,17 @@ Named = dict[str, torch.Tensor]
 
 class DistributedAdam:
     """megatron-core's distributed AdamW over one rank's shard of the model (wrapped by
-    ``ddp``, a ``DistributedDataParallel`` built with ``use_distributed_optimizer``)."""
+    ``ddp``, a ``DistributedDataParallel`` built with ``use_distributed_optimizer``);
+    with ``buddy_copies`` it keeps them at every step boundary (see :meth:`keep_copies`)."""
 
     def __init__(
-        self, ddp: Any, model: torch.nn.Module, config: TrainerConfig, groups: RankGroups
+        self,
+        ddp: Any,
+        model: torch.nn.Module,
+        config: TrainerConfig,
+        groups: RankGroups,
+        *,
+        buddy_copies: bool = True,
     ) -> None:
         with quiet():
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -86,9 +93,11 @@ class DistributedAdam:
         """torch's AdamW over this rank's slices (main parameters)."""
         self.model = model
         self.groups = groups
+        self.buddy_copies = buddy_copies
         self.copies = buddy.Copies()
         """This rank's slice at the last step boundaries and its predecessor's copy
-        (:mod:`~dynarl.workers.megatron.buddy`; none with one data-parallel rank)."""
+        (:mod:`~dynarl.workers.megatron.buddy`; none with one data-parallel rank or
+        without ``buddy_copies``)."""
         self._mains: dict[torch.nn.Parameter, torch.Tensor] | None = None
 
     def step(self, *, num_steps: int) -> float:
@@ -115,8 +124,8 @@ class DistributedAdam:
         :mod:`~dynarl.workers.megatron.buddy`). If the swap fails the slice rolls back
         to the last boundary; if the commit fails both boundaries' slices are kept.
         Collective over the members (the swap over the data-parallel group); nothing
-        with one data-parallel rank."""
-        if self.groups.layout.dp == 1:
+        with one data-parallel rank or without ``buddy_copies``."""
+        if self.groups.layout.dp == 1 or not self.buddy_copies:
             return
         device = _device(self.model)
         mine = self.snapshot(num_steps)

@@ -66,11 +66,14 @@ class MegatronRank(ElasticTrainer):
         groups: RankGroups,
         arch: Architecture,
         distributed_optimizer: bool = False,
+        buddy_copies: bool = True,
         num_steps: int = 0,
     ) -> None:
         ddp = _wrap(model, groups, distributed=distributed_optimizer)
         self.distributed = (
-            DistributedAdam(ddp, model, config, groups) if distributed_optimizer else None
+            DistributedAdam(ddp, model, config, groups, buddy_copies=buddy_copies)
+            if distributed_optimizer
+            else None
         )
         """Megatron's distributed optimizer (``None``: torch's AdamW steps the whole
         shard on every data-parallel rank)."""
@@ -132,6 +135,7 @@ class MegatronRank(ElasticTrainer):
             groups=groups,
             arch=arch,
             distributed_optimizer=spec.distributed_optimizer,
+            buddy_copies=spec.buddy_copies,
         )
         if rank.distributed is not None:  # the first step boundary: buddy copies
             rank.distributed.keep_copies(rank.num_steps)
@@ -157,6 +161,7 @@ class MegatronRank(ElasticTrainer):
             groups=groups,
             arch=arch,
             distributed_optimizer=spec.distributed_optimizer,
+            buddy_copies=spec.buddy_copies,
         )
 
     @property

@@ -60,6 +60,8 @@ def unrecoverable(spec: ModelSpec, layout: Layout | None, lost: Collection[int])
     if layout is None:
         return None
     if spec.distributed_optimizer:
+        if not spec.buddy_copies and layout.dp > 1:
+            return _uncopied(layout, lost)
         return _unrecoverable_sliced(layout, lost)
     if layout.replica_size == 1:
         return None
@@ -115,6 +117,19 @@ def _unrecoverable_sliced(layout: Layout, lost: Collection[int]) -> str | None:
         "rank's AdamW slice), so those slices have no copy left; resume from the last "
         "checkpoint, or with actor.megatron.distributed_optimizer=false every rank keeps "
         "the whole moments of its shard"
+    )
+
+
+def _uncopied(layout: Layout, lost: Collection[int]) -> str | None:
+    """:func:`unrecoverable` with the distributed optimizer and no buddy copies: every
+    member's slice lives on it alone (a spare's loss changes nothing)."""
+    if lost and not set(lost) & set(layout.members):
+        return None
+    return (
+        "a Megatron trainer with the distributed optimizer and "
+        "actor.megatron.buddy_copies=false cannot survive a lost rank: each data-parallel "
+        "rank alone holds its slice of the AdamW state; resume from the last checkpoint, "
+        "or set actor.megatron.buddy_copies=true (a copy of each slice on the next rank)"
     )
 
 

@@ -27,6 +27,9 @@ class ModelSpec:
         seed: seeds a random-init model (unused with ``model.path``).
         distributed_optimizer: train with Megatron's distributed optimizer (AdamW's
             state sharded over the data-parallel group) instead of torch's AdamW.
+        buddy_copies: with the distributed optimizer, keep each rank's slice on the
+            next data-parallel rank too (:mod:`~dynarl.workers.megatron.buddy`), so
+            the trainer survives a lost rank.
     """
 
     model: ModelConfig
@@ -34,6 +37,7 @@ class ModelSpec:
     pp: int = 1
     seed: int = 0
     distributed_optimizer: bool = False
+    buddy_copies: bool = True
 
     def hf_model(self, *, device: str | torch.device = "cpu") -> torch.nn.Module:
         """The ``transformers`` model: the checkpoint at ``model.path``, or the
