@@ -247,9 +247,10 @@ def test_dynamic_is_never_worse_than_the_better_static_mode_on_the_math_settings
         assert results["dynamic"].throughput > 1.3 * best
 
 
-def test_dynamic_never_routes_an_inference_replica_more_than_its_room() -> None:
-    """A replica holds at most two micro-batches (one running, one waiting): routing
-    never gives one more, also while replicas are drained and the rest take the load."""
+def test_inference_samples_are_scored_once_where_the_placement_sent_them() -> None:
+    """Through the inference placement, while the scheduler drains replicas: every
+    sample is scored exactly once, by the replica it was last routed to (a drained
+    replica's samples are routed again first)."""
     cfg = small(
         16,
         "scheduler.mode=dynamic",
@@ -258,53 +259,64 @@ def test_dynamic_never_routes_an_inference_replica_more_than_its_room() -> None:
         "inference.micro_batch_size=4",
         "run.num_iterations=1",
     )
-    hold = 2 * cfg.job.inference.micro_batch_size
-    held: dict[str, set[str]] = {}
-    most: dict[str, int] = {}
-    drained: list[str] = []
+    owner: dict[str, str | None] = {}
+    scored: list[str] = []
+    drained: set[str] = set()
 
     def on_event(event: ev.Event) -> None:
         if isinstance(event, ev.ItemRouted) and event.edge == "to_inference":
-            items = held.setdefault(event.instance, set())
-            items.add(event.item)
-            most[event.instance] = max(most.get(event.instance, 0), len(items))
-        elif isinstance(event, ev.ItemCompleted) and event.edge == "to_inference":
-            held[event.instance].remove(event.item)
+            owner[event.item] = event.instance
         elif isinstance(event, ev.ItemsRequeued) and event.edge == "to_inference":
-            for items in held.values():
-                items.difference_update(event.items)
+            for item in event.items:
+                assert owner[item] is not None
+                owner[item] = None
+        elif isinstance(event, ev.ItemCompleted) and event.edge == "to_inference":
+            assert owner[event.item] == event.instance
+            scored.append(event.item)
         elif isinstance(event, ev.MigrationStarted) and event.migration.src == "inference":
-            drained.extend(event.migration.drain)
+            drained.update(event.migration.drain)
 
     result, _ = run(cfg, check=False, on_event=on_event)
     assert result.events_rejected == {}
     assert drained  # inference replicas were drained during the run
-    assert len(most) > 1 and max(most.values()) == hold, most  # full, never over
-    assert not any(held.values())
+    assert len(scored) == len(set(scored)) == len(owner) == 256
 
 
-def test_a_plan_reassigns_an_inference_sample_only_to_a_replica_with_room() -> None:
-    """A drained replica's samples, reassigned by a plan, go to a replica only while
-    it has room; the rest stay queued for the next replica with room."""
-    cfg = small(16, "scheduler.mode=dynamic", "inference.micro_batch_size=2")
-    hold = 2 * cfg.job.inference.micro_batch_size
+def test_a_plan_reassigns_a_drained_replicas_samples() -> None:
+    """A drained replica's samples go where the plan's ``reassign`` says (the
+    placement's ``plan``), the unplanned ones where the routing policy sends them."""
+    cfg = small(
+        16,
+        "scheduler.mode=dynamic",
+        "rollout.initial_devices=6",
+        "inference.initial_devices=6",
+        "inference.micro_batch_size=2",
+    )
     emitted: list[ev.Event] = []
 
-    async def main() -> tuple[SimWorld, list[ItemId]]:
+    async def main() -> SimWorld:
         graph, _ = build_hypergraph(cfg.job.pipeline_layout())
         world = SimWorld(graph, emitted.append, ManualClock(), cfg)
-        world.inference.add(InstanceId("inference-0"))
-        items = [ItemId(f"s{k}") for k in range(hold + 3)]
-        world.requeue_inference(items)
-        for item in items:
-            world.assign_inference(InstanceId("inference-0"), item)
-        return world, items
+        world.inference.sync(0.0)
+        return world
 
-    world, items = asyncio.run(main())
-    routed = [e.item for e in emitted if isinstance(e, ev.ItemRouted)]
-    assert routed == items[:hold]
-    assert world.inference.room(InstanceId("inference-0")) == 0
-    assert list(world._inf_queue) == items[hold:]  # still queued, in order
+    world = asyncio.run(main())
+    replicas = sorted(world.inference.workers)
+    assert len(replicas) == 3
+    samples = [ev.ItemRef(ItemId(f"s{k}"), GroupId("g")) for k in range(30)]
+    world.inference.admit(samples, 0.0)
+    first = {e.item: e.instance for e in emitted if isinstance(e, ev.ItemRouted)}
+    drained, target, other = replicas
+    held = [i for i, iid in first.items() if iid == drained]
+    assert len(held) > 2
+    planned = held[: len(held) // 2]
+    world.inference.plan([(item, target) for item in planned])
+    emitted.clear()
+    assert sorted(world.remove_replica(drained, 0.0)) == sorted(held)
+    again = {e.item: e.instance for e in emitted if isinstance(e, ev.ItemRouted)}
+    assert set(again) == set(held)
+    assert all(again[item] == target for item in planned)
+    assert all(again[item] in (target, other) for item in held)
 
 
 def test_a_held_trainer_starts_no_step_until_the_hold_lifts() -> None:

@@ -1,23 +1,19 @@
 """The simulated executor: carries out the controller's migrations in a :class:`SimWorld`.
 
-A workload migration drains engines through the data plane's placement: nothing more
-is routed to them from the migration's start, their queued requests are routed
-elsewhere and their running ones, aborted (keeping every generated token), with them,
-each to the engine the plan's ``reassign`` names (``Placement.plan``) if it can take
-it; a drained inference replica's samples go back to the front of its queue and are
-routed as ``reassign`` says. A migration
-that touches the trainer first waits for the optimizer-step boundary (the trainer is
-resized only between steps). Each then takes the
-:class:`~dynarl.sim.costs.MigrationCostModel` time on the virtual clock, after which
-the world creates workers for the new instances.
+A workload migration drains engines and inference replicas through the data plane's
+placements: nothing more is routed to them from the migration's start, their queued
+items are routed elsewhere and their running ones, aborted (an engine's keeping every
+generated token, a replica's micro-batch lost), with them, each to the instance the
+plan's ``reassign`` names (``Placement.plan``) if it can take it. A migration that
+touches the trainer first waits for the optimizer-step boundary (the trainer is resized
+only between steps). Each then takes the :class:`~dynarl.sim.costs.MigrationCostModel`
+time on the virtual clock, after which the world creates workers for the new
+instances.
 """
 
 from typing import TYPE_CHECKING
 
-from dynarl.control import events as ev
 from dynarl.control.plan import Migration
-from dynarl.control.topology import TO_INFERENCE
-from dynarl.core.ids import ItemId
 
 if TYPE_CHECKING:
     from dynarl.sim.world import SimWorld
@@ -42,7 +38,8 @@ class SimExecutor:
         world.fleet.placement.plan(
             (item, target) for item, target in migration.reassign if target in world.engines
         )
-        world.hold_engines(migration.drain, t0)
+        world.inference.plan(migration.reassign)
+        world.hold_workers(migration.drain, t0)
         if "actor" in (src, dst):
             await world.step_boundary()
         waited = world.now() - t0
@@ -58,20 +55,12 @@ class SimExecutor:
         return waited
 
     def release(self, migration: Migration, now: float) -> None:
-        """Drain the released instances: their requests are routed elsewhere, their
-        samples requeued and routed as planned."""
+        """Drain the released instances: the items they held are routed elsewhere, as
+        planned where the target can take them."""
         world = self.world
-        inf_requeued: list[ItemId] = []
         for iid in migration.drain:
             if iid in world.engines:
                 world.remove_engine(iid, now)
-            elif iid in world.inference.replicas:
-                inf_requeued += world.inference.drain(iid, now)
-        if inf_requeued:
-            world.emit(ev.ItemsRequeued(edge=TO_INFERENCE, items=tuple(inf_requeued)))
-            world.requeue_inference(inf_requeued)
-        for item, target in migration.reassign:
-            node = world.graph.instances.get(target)
-            if node is not None and node.state == "active" and target in world.inference.replicas:
-                world.assign_inference(target, item)
+            elif iid in world.inference.workers:
+                world.remove_replica(iid, now)
         world.share_host(now)

@@ -27,7 +27,7 @@ import numpy as np
 
 from dynarl.control import events as ev
 from dynarl.control.plan import Migration
-from dynarl.control.topology import INFERENCE, ROLLOUT, TO_INFERENCE
+from dynarl.control.topology import INFERENCE, ROLLOUT
 from dynarl.core.ids import InstanceId, ItemId
 from dynarl.sim.errors import SimError
 
@@ -165,7 +165,7 @@ class SimFaults:
         graph = world.graph
         victims = sorted(
             [iid for iid in world.engines if iid in graph.instances]
-            + [iid for iid in world.inference.replicas if iid in graph.instances]
+            + [iid for iid in world.inference.workers if iid in graph.instances]
         )
         if not victims:
             return None
@@ -180,12 +180,7 @@ class SimFaults:
             kind: FaultKind = "rollout_killed"
         else:
             assert component == INFERENCE
-            samples = world.inference.drain(iid, now)
-            if samples:
-                world.emit(ev.ItemsRequeued(edge=TO_INFERENCE, items=tuple(samples)))
-            world.emit(ev.WorkerFailed(instance=iid, reason="fault injection: killed"))
-            world.requeue_inference(samples)
-            held = list(samples)
+            held = world.remove_replica(iid, now, failed="fault injection: killed")
             kind = "inference_killed"
         world.placement_changed()
         record = FaultRecord(

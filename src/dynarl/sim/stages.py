@@ -3,9 +3,10 @@
 Both are driven by :class:`~dynarl.sim.world.SimWorld` on its virtual clock; they keep
 only timing state and never emit events themselves.
 
-* :class:`InferenceStage`: each replica (``tp`` devices) takes its routed samples in
-  micro-batches; a micro-batch takes its FLOPs at the inference cost model's rate. A
-  drained replica loses the micro-batch in progress (it is recomputed elsewhere).
+* :class:`InferenceStage`: each replica (``tp`` devices) takes the samples it was given
+  (by :class:`~dynarl.sim.inference.InferenceFleet`) in micro-batches; a micro-batch
+  takes its FLOPs at the inference cost model's rate. A drained replica loses the
+  micro-batch in progress (it is recomputed elsewhere).
 * :class:`ActorStep`: one optimizer step over a minibatch on the actor's devices at the
   actor cost model's rate; the trainer moves only between steps.
 """
@@ -30,7 +31,7 @@ class _Replica:
 
 
 class InferenceStage:
-    """Inference replicas working through their routed samples.
+    """Inference replicas working through the samples the data plane gave them.
 
     Args:
         cost: the inference cost model (its ``tp`` is the replica size).
@@ -43,7 +44,6 @@ class InferenceStage:
     ) -> None:
         self.cost = cost
         self.micro_batch = micro_batch
-        self.hold = 2 * micro_batch  # routed ahead: one batch running, one waiting
         self.tokens = tokens
         self.replicas: dict[InstanceId, _Replica] = {}
         self.busy_device_s = 0.0
@@ -53,13 +53,8 @@ class InferenceStage:
         """A new replica."""
         self.replicas.setdefault(iid, _Replica())
 
-    def room(self, iid: InstanceId) -> int:
-        """Samples ``iid`` may still be routed."""
-        r = self.replicas[iid]
-        return self.hold - len(r.queue) - len(r.batch)
-
     def assign(self, iid: InstanceId, item: ItemId) -> None:
-        """Route ``item`` to replica ``iid``."""
+        """Give ``item`` to replica ``iid`` (it runs in one of its next micro-batches)."""
         self.replicas[iid].queue.append(item)
 
     def start(self, now_s: float) -> None:

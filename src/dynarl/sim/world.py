@@ -13,8 +13,10 @@ controller's migrations.
   :class:`~dynarl.data.placement.Placement` (see :mod:`dynarl.sim.fleet`): each engine
   has a request queue (FIFO or tool-call priority) and runs up to
   ``max_running_requests`` of it; multi-turn requests prefer the engine holding their
-  KV prefix; an engine with room takes requests waiting at others. Inference replicas
-  take finished responses least-loaded first; the trainer takes a minibatch of whole
+  KV prefix; an engine with room takes requests waiting at others. Finished responses
+  go to the inference replicas through a placement of their own edge in the same way
+  (see :mod:`dynarl.sim.inference`: a replica runs one micro-batch at a time and takes
+  samples waiting at others when it has room); the trainer takes a minibatch of whole
   groups once one is complete.
 * **Time.** Nothing steps at a fixed ``dt``: the world sleeps (on the virtual clock)
   until the next engine event, tool return, micro-batch or optimizer-step end, or the
@@ -24,9 +26,9 @@ controller's migrations.
   speed the number of busy slots allows, reset whenever that number changes; devices
   are otherwise independent.
 * **Migrations.** The executor drains instances through :meth:`SimWorld.remove_engine`
-  (the placement routes a drained engine's requests elsewhere, as the data router
-  does) and the inference stage (routing its samples with
-  :meth:`SimWorld.assign_inference`); a finished migration wakes the world.
+  and :meth:`SimWorld.remove_replica` (the placements route a drained worker's items
+  elsewhere, to where the plan's ``reassign`` says if it can, as the data router
+  does); a finished migration wakes the world.
 
 Producers report the downstream ``ItemsEnqueued`` before the upstream ``ItemCompleted``.
 """
@@ -48,6 +50,7 @@ from dynarl.sim.config import SimulatedRun
 from dynarl.sim.errors import SimError
 from dynarl.sim.executor import SimExecutor
 from dynarl.sim.fleet import EngineFleet
+from dynarl.sim.inference import InferenceFleet
 from dynarl.sim.metrics import IterationRecord, WorldTotals
 from dynarl.sim.progress import SeqProgress
 from dynarl.sim.stages import InferenceStage
@@ -87,10 +90,13 @@ class SimWorld:
         self.max_iteration_s = max_iteration_s
         self.rng = np.random.default_rng(cfg.run.seed)
         self.seqs: dict[ItemId, SeqProgress] = {}
-        self.inference = InferenceStage(
-            self.cluster.inference, cfg.inference.micro_batch_size, self._tokens
+        self.inference = InferenceFleet(
+            graph,
+            emit,
+            clock,
+            InferenceStage(self.cluster.inference, cfg.inference.micro_batch_size, self._tokens),
+            seed=cfg.run.seed,
         )
-        self._inf_queue: dict[ItemId, None] = {}
         # As the real loop: without an inference stage the actor trains on the
         # engines' own log-probs, so finished responses go straight to it.
         self._after_rollout = TO_INFERENCE if INFERENCE in graph.components else TO_ACTOR
@@ -207,11 +213,11 @@ class SimWorld:
         if self._dirty:
             self._sync_instances(now)
         self.fleet.advance(now, now + _EPS)
-        for iid, items in self.inference.finish(now + _EPS):
-            self._inference_done(iid, items)
+        for iid, items in self.inference.stage.finish(now + _EPS):
+            self._inference_done(iid, items, now)
         self.actor.finish(now + _EPS)
         self.fleet.route(now)
-        self._route_inference(now)
+        self.inference.route(now)
         self.actor.start(now)
         self._share_host(now)
         report_all = now + _EPS >= self._next_stats_s
@@ -223,9 +229,7 @@ class SimWorld:
         """Create modelled workers for instances a migration started."""
         self._dirty = False
         self.fleet.sync(now)
-        if INFERENCE in self.graph.components:
-            for node in self.graph.components[INFERENCE].active_instances():
-                self.inference.add(node.id)
+        self.inference.sync(now)
 
     def _share_host(self, now: float) -> bool:
         """Set every worker's speed from the number of busy slots (a cluster whose
@@ -256,42 +260,24 @@ class SimWorld:
         refs = tuple(
             ev.ItemRef(s.request.id, s.request.group, s.request.total_tokens) for s in finals
         )
-        self.emit(ev.ItemsEnqueued(edge=self._after_rollout, items=refs))
+        self.totals.requests_done += len(finals)
+        if self._after_rollout == TO_INFERENCE:
+            self.inference.admit(refs, self._now())
+            return
+        self.emit(ev.ItemsEnqueued(edge=TO_ACTOR, items=refs))
         for s in finals:
-            if self._after_rollout == TO_ACTOR:
-                self.actor.arrived(s.request.id, s.request.group)
-            else:
-                self._inf_queue[s.request.id] = None
-            self.totals.requests_done += 1
+            self.actor.arrived(s.request.id, s.request.group)
 
     def _tokens(self, item: ItemId) -> int:
         return self.seqs[item].request.total_tokens
 
-    def _route_inference(self, now: float) -> None:
-        if self._inf_queue:
-            active = [
-                n.id
-                for n in self.graph.components[INFERENCE].active_instances()
-                if n.id in self.inference.replicas
-            ]
-            rooms = {iid: room for iid in active if (room := self.inference.room(iid)) > 0}
-            for item in list(self._inf_queue):
-                if not rooms:
-                    break
-                iid = max(rooms, key=lambda i: rooms[i])
-                self.emit(ev.ItemRouted(edge=TO_INFERENCE, item=item, instance=iid))
-                del self._inf_queue[item]
-                self.inference.assign(iid, item)
-                rooms[iid] -= 1
-                if rooms[iid] <= 0:
-                    del rooms[iid]
-        self.inference.start(now)
-
-    def _inference_done(self, iid: InstanceId, items: list[ItemId]) -> None:
+    def _inference_done(self, iid: InstanceId, items: list[ItemId], now: float) -> None:
+        """Replica ``iid`` scored ``items``: hand them to the actor; the inference
+        placement then reports them completed."""
         refs = tuple(ev.ItemRef(i, self.seqs[i].request.group, self._tokens(i)) for i in items)
         self.emit(ev.ItemsEnqueued(edge=TO_ACTOR, items=refs))
+        self.inference.completed(iid, items, now)
         for ref in refs:
-            self.emit(ev.ItemCompleted(edge=TO_INFERENCE, item=ref.id, instance=iid))
             self.actor.arrived(ref.id, ref.group)
 
     # ------------------------------------------------------------------ executor hooks
@@ -315,30 +301,28 @@ class SimWorld:
         self._dirty = True
         self._wake.set()
 
-    def hold_engines(self, iids: Iterable[InstanceId], now: float) -> None:
-        """Route nothing more to those of ``iids`` that are engines (a migration
-        drains them); their queued requests go elsewhere, their running ones go on."""
+    def hold_workers(self, iids: Iterable[InstanceId], now: float) -> None:
+        """Route nothing more to those of ``iids`` that are engines or inference
+        replicas (a migration drains them); their queued items go elsewhere, their
+        running ones go on until they are removed."""
         for iid in iids:
             if iid in self.engines:
                 self.fleet.hold(iid, now)
+            elif iid in self.inference.workers:
+                self.inference.hold(iid, now)
 
     def remove_engine(self, iid: InstanceId, now: float, *, failed: str | None = None) -> None:
         """Stop engine ``iid``, keeping every token it generated; the placement routes
         the requests it held elsewhere (see :meth:`EngineFleet.remove`)."""
         self.fleet.remove(iid, now, failed=failed)
 
-    def requeue_inference(self, items: list[ItemId]) -> None:
-        """Put a drained replica's samples back at the front of the inference queue."""
-        self._inf_queue = {**dict.fromkeys(items), **self._inf_queue}
-
-    def assign_inference(self, iid: InstanceId, item: ItemId) -> None:
-        """Route queued sample ``item`` to inference replica ``iid`` (if it is queued
-        and the replica has room: otherwise it stays queued, for the next replica
-        with room)."""
-        if item in self._inf_queue and self.inference.room(iid) > 0:
-            del self._inf_queue[item]
-            self.emit(ev.ItemRouted(edge=TO_INFERENCE, item=item, instance=iid))
-            self.inference.assign(iid, item)
+    def remove_replica(
+        self, iid: InstanceId, now: float, *, failed: str | None = None
+    ) -> list[ItemId]:
+        """Stop inference replica ``iid`` (its running micro-batch is lost); the
+        placement routes the samples it held elsewhere (see
+        :meth:`InferenceFleet.remove`), which are returned."""
+        return self.inference.remove(iid, now, failed=failed)
 
     def engine_generated_tokens(self) -> int:
         """Tokens every engine, live or removed, reports having generated."""
