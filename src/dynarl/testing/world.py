@@ -3,10 +3,15 @@
 :class:`FakeWorld` plays rollout engines, inference replicas and a data-parallel
 actor with simple cost models on the controller's clock, and talks to the controller
 only through real events (``ItemsEnqueued``, ``ItemRouted``, ``EngineStats``,
-``ItemCompleted``, ``TrainStepDone``, ...). It is also the controller's
-:class:`~dynarl.control.controller.Executor`: a migration pauses the drained instances,
-aborts their requests (keeping the tokens generated so far), re-routes them as the plan
-says, and takes a configurable time. Run it on a
+``ItemCompleted``, ``TrainStepDone``, ...). Requests and samples are routed by the data
+router's own :class:`~dynarl.data.placement.Placement` (each engine and replica a
+:class:`~dynarl.data.peers.WorkerState` of capacity ``max_running`` with the real
+request queue in front of it, the :class:`~dynarl.data.routing.AffinityRouting` policy
+seeded with ``seed``; an instance with room takes items waiting at others), which
+reports every routing event. It is also the controller's
+:class:`~dynarl.control.controller.Executor`: a migration stops routing to the drained
+instances, aborts their items (keeping the tokens generated so far) and has the
+placement route them as the plan says, and takes a configurable time. Run it on a
 :class:`~dynarl.core.virtual_time.VirtualTimeLoop` and an iteration of minutes takes
 milliseconds.
 
@@ -30,7 +35,14 @@ from dynarl.control.plan import Migration
 from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT, TO_ACTOR, TO_INFERENCE
 from dynarl.core.clock import Clock
 from dynarl.core.errors import DynaRLError
-from dynarl.core.ids import EdgeId, GroupId, InstanceId, ItemId
+from dynarl.core.ids import GroupId, InstanceId, ItemId
+from dynarl.data import wire
+from dynarl.data.peers import RouterConfig, WorkerState
+from dynarl.data.placement import Placement
+from dynarl.data.request_order import order_named
+from dynarl.data.request_queue import RequestQueue
+from dynarl.data.routing import AffinityRouting
+from dynarl.data.transport import PeerId
 
 
 class MigrationError(DynaRLError):
@@ -63,11 +75,17 @@ class FakeWorldConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Request:
-    __slots__ = ("done", "target")
+    __slots__ = ("done", "reported", "target")
 
     def __init__(self, target: int) -> None:
         self.target = target
         self.done = 0.0
+        self.reported = 0  # tokens already reported in a result (aborted turns)
+
+    def report(self, upto: int) -> int:
+        """Tokens generated since the last result, up to ``upto`` in all."""
+        n, self.reported = upto - self.reported, upto
+        return n
 
 
 class FakeWorld:
@@ -96,6 +114,13 @@ class FakeWorld:
         self.cfg = cfg
         self.fail = fail
         self.rng = np.random.default_rng(cfg.seed)
+        self.router = RouterConfig()
+        self.placement = Placement(
+            {PROMPTS: (ROLLOUT,), TO_INFERENCE: (INFERENCE,)},
+            policy=AffinityRouting(seed=cfg.seed),
+            emit=emit,
+        )
+        self.workers: dict[InstanceId, WorkerState] = {}
         self.requests: dict[ItemId, _Request] = {}
         self.credit: dict[InstanceId, float] = {}
         self.actor_busy_until: float | None = None
@@ -134,7 +159,7 @@ class FakeWorld:
         cfg = self.cfg
         self.emit(ev.IterationStarted(iteration=iteration))
         self.steps_done = 0
-        refs = []
+        items = []
         for p in range(cfg.num_prompts):
             group = GroupId(f"{iteration}/{p}")
             mu = math.log(cfg.median_tokens) + cfg.sigma * self.rng.standard_normal()
@@ -142,39 +167,79 @@ class FakeWorld:
                 item = ItemId(f"{iteration}/{p}/{s}")
                 length = math.exp(mu + cfg.group_sigma * self.rng.standard_normal())
                 self.requests[item] = _Request(max(1, min(cfg.max_tokens, round(length))))
-                refs.append(ev.ItemRef(item, group))
-        self.emit(ev.ItemsEnqueued(edge=PROMPTS, items=tuple(refs)))
+                items.append(wire.Item(id=item, group=group, edge=PROMPTS))
+        self._sync_workers()  # workers join before the batch arrives, as real ones do
+        self.placement.admit(items, self.clock.now())
 
     def _active(self, component: str) -> list[Node]:
         node = self.graph.components.get(component)  # type: ignore[call-overload]
         return [] if node is None else sorted(node.active_instances(), key=lambda n: n.id)
 
-    def _route(self, edge_id: EdgeId, limit: int | None = None) -> None:
-        """Send queued items to the least-loaded active consumer instances."""
-        edge = self.graph.edges[edge_id]
-        targets = [n for c in edge.spec.consumers for n in self._active(c)]
-        if not targets or not edge.queue:
-            return
-        cap = limit if limit is not None else math.inf
-        for item in list(edge.queue):
-            target = min(targets, key=lambda n: (len(n.items), n.id))
-            if len(target.items) >= cap:
-                break
-            self.emit(ev.ItemRouted(edge=edge_id, item=item, instance=target.id))
+    def _sync_workers(self) -> None:
+        """Workers for active engines and replicas that have none (a migration made
+        them, or a failed one gave them back) join the placement."""
+        now = self.clock.now()
+        for component in (ROLLOUT, INFERENCE):
+            for node in self._active(component):
+                if node.id in self.workers:
+                    continue
+                w = WorkerState(
+                    PeerId(node.id.encode()),
+                    instance=node.id,
+                    component=node.component,
+                    capacity=self._capacity(node),
+                    queue=RequestQueue(
+                        order_named("fifo"),
+                        max_size=self.router.max_queued_per_instance,
+                        clock=self.clock,
+                        aging=self.router.aging,
+                    ),
+                    now_s=now,
+                    sticky_max_queued=self.router.sticky_max_queued,
+                    kv_full=self.router.kv_full,
+                )
+                self.workers[node.id] = w
+                self.placement.add_worker(w, now)
+
+    def _capacity(self, node: Node) -> int:
+        """What a worker serves at once: an engine ``max_running`` requests, a replica
+        the samples it scores in one ``dt_s`` (the rest wait in its queue, where a
+        replica with room can take them)."""
+        if node.component == ROLLOUT:
+            return self.cfg.max_running
+        return max(1, math.ceil(self.cfg.inference_items_per_s * len(node.devices) * self.cfg.dt_s))
+
+    def _feed(self) -> None:
+        """Each worker takes from its queue up to its capacity (a worker link's pump)."""
+        if self.placement.backlog:
+            self.placement.refill(self.clock.now())
+        for w in self.workers.values():
+            room = w.capacity - len(w.in_flight)
+            if room > 0 and len(w.queue):
+                for item in w.queue.get_batch_nowait(room):
+                    w.in_flight[item.id] = item
+
+    def _workers(self, component: str) -> list[WorkerState]:
+        """The component's workers, draining ones included, in instance order."""
+        return sorted(
+            (w for w in self.workers.values() if w.component == component),
+            key=lambda w: w.instance,
+        )
 
     def _advance(self, dt: float) -> None:
-        self._route(PROMPTS, limit=self.cfg.max_running)
+        self._sync_workers()
+        self._feed()
         self._advance_rollout(dt)
-        self._route(TO_INFERENCE)
         self._advance_inference(dt)
+        self._feed()
         self._advance_actor()
 
     def _advance_rollout(self, dt: float) -> None:
         cfg = self.cfg
+        now = self.clock.now()
         # A draining engine keeps decoding until its migration aborts its requests.
-        engines = sorted(self.graph.components[ROLLOUT].instances.values(), key=lambda n: n.id)
-        for node in engines:
-            running = [i for i in node.items if i in self.requests]
+        for w in self._workers(ROLLOUT):
+            running = list(w.in_flight)
             generated = 0.0
             if running:
                 step = cfg.step_s + cfg.per_seq_s * len(running)
@@ -185,43 +250,47 @@ class FakeWorld:
                     req.done = min(req.target, req.done + tokens)
                     generated += req.done - before
                     if req.done >= req.target:
-                        self._finish_rollout(item, node.id, req)
+                        self._finish_rollout(w, item, req, now)
+                self.placement.steal_for(w, now)
             self.tokens_generated += round(generated)
-            held = sum(r.done + 64 for i in node.items if (r := self.requests.get(i)))
+            held = sum(self.requests[i].done + 64 for i in w.in_flight)
             self.emit(
                 ev.EngineStats(
-                    instance=node.id,
+                    instance=w.instance,
                     kv_usage=min(1.0, held / cfg.kv_capacity_tokens),
-                    num_running=len(node.items),
-                    num_queued=0,
+                    num_running=len(w.in_flight),
+                    num_queued=len(w.queue),
                     gen_tokens_per_s=generated / dt,
                     kv_tokens=round(held),
                 )
             )
 
-    def _finish_rollout(self, item: ItemId, instance: InstanceId, req: _Request) -> None:
-        group = self.graph.edges[PROMPTS].items[item].group
+    def _finish_rollout(self, w: WorkerState, item: ItemId, req: _Request, now: float) -> None:
+        group = w.in_flight[item].group
         del self.requests[item]
         # Downstream first, so the work never seems to vanish between two events.
-        self.emit(ev.ItemsEnqueued(edge=TO_INFERENCE, items=(ev.ItemRef(item, group),)))
-        self.emit(
-            ev.ItemCompleted(edge=PROMPTS, item=item, instance=instance, num_tokens=req.target)
-        )
+        self.placement.admit([wire.Item(id=item, group=group, edge=TO_INFERENCE)], now)
+        result = wire.ItemResult(item=item, num_tokens=req.report(req.target))
+        self.placement.on_result(w, result, now)
 
     def _advance_inference(self, dt: float) -> None:
-        for node in self._active(INFERENCE):
-            if not node.items:
-                self.credit[node.id] = 0.0
+        now = self.clock.now()
+        for w in self._workers(INFERENCE):
+            if not w.active:
+                continue  # held by a migration: it computes nothing more
+            if not w.in_flight:
+                self.credit[w.instance] = 0.0
                 continue
-            credit = self.credit.get(node.id, 0.0) + dt * self.cfg.inference_items_per_s * len(
-                node.devices
+            devices = len(self.graph.instances[w.instance].devices)
+            credit = (
+                self.credit.get(w.instance, 0.0) + dt * self.cfg.inference_items_per_s * devices
             )
-            for item in list(node.items)[: int(credit)]:
-                group = self.graph.edges[TO_INFERENCE].items[item].group
-                self.emit(ev.ItemsEnqueued(edge=TO_ACTOR, items=(ev.ItemRef(item, group),)))
-                self.emit(ev.ItemCompleted(edge=TO_INFERENCE, item=item, instance=node.id))
+            for item in list(w.in_flight.values())[: int(credit)]:
+                self.emit(ev.ItemsEnqueued(edge=TO_ACTOR, items=(ev.ItemRef(item.id, item.group),)))
+                self.placement.on_result(w, wire.ItemResult(item=item.id), now)
                 credit -= 1
-            self.credit[node.id] = credit
+            self.credit[w.instance] = credit
+            self.placement.steal_for(w, now)
 
     def _advance_actor(self) -> None:
         cfg = self.cfg
@@ -268,26 +337,28 @@ class FakeWorld:
     # ------------------------------------------------------------------ executor
 
     async def execute(self, migration: Migration) -> None:
-        """Carry out a migration: abort and re-route the drained instances' items
-        (keeping their progress), wait out the cost, then report."""
+        """Carry out a migration: stop routing to the drained instances (their queued
+        items go elsewhere), abort their items in flight (keeping their progress) for
+        the placement to route as the plan says, wait out the cost, then report."""
+        now = self.clock.now()
+        self.placement.plan(migration.reassign)
+        drained = [self.workers[i] for i in migration.drain if i in self.workers]
+        for w in drained:
+            self.placement.set_active(w, False, now)
         if migration.kind == "reshard":
             # The trainer moves only at optimizer-step boundaries; the drained
             # instances keep working until then.
             while self.actor_busy_until is not None:
                 await self.clock.sleep(self.cfg.dt_s)
-        by_edge: dict[EdgeId, list[ItemId]] = {}
-        for iid in migration.drain:
-            node = self.graph.instances.get(iid)
-            if node is not None:
-                for item, edge in node.items.items():
-                    by_edge.setdefault(edge, []).append(item)
-        for edge, items in by_edge.items():
-            self.emit(ev.ItemsRequeued(edge=edge, items=tuple(items)))
-        for item, target in migration.reassign:
-            node = self.graph.instances.get(target)
-            st = self.graph.edges[PROMPTS].items.get(item)
-            if node is not None and node.state == "active" and st is not None and st.owner is None:
-                self.emit(ev.ItemRouted(edge=PROMPTS, item=item, instance=target))
+        now = self.clock.now()
+        for w in drained:
+            for item in list(w.in_flight):
+                req = self.requests.get(item)
+                tokens = 0 if req is None else req.report(math.floor(req.done))
+                result = wire.ItemResult(item=item, status="aborted", num_tokens=tokens)
+                self.placement.on_result(w, result, now)
+            self.placement.remove_worker(w)
+            del self.workers[w.instance]
         await self.clock.sleep(self.cfg.migration_s.get(migration.kind, 1.0))
         if self.fail(migration):
             raise MigrationError(f"migration {migration.id} told to fail")
