@@ -5,7 +5,10 @@ For each setting it prints, per mode, the mean iteration time over the seeds wit
 spread (min-max), the throughput (tokens/s for math, requests/s for agentic), how far
 the mode stays above the setting's **lower bound** (the larger of the work-conserving
 bound and the critical path: the longest request decoded alone, then scored and
-trained, then the weight sync) and the scheduler's online overhead (wall-clock
+trained, then the weight sync), how far above the **tail floor** (a model estimate,
+not a bound: the longest responses decoded on engines of their own, paying for their
+KV reads, then the last minibatch -- the longest groups -- on every device; see
+``dynarl.sim.tail_floor``) and the scheduler's online overhead (wall-clock
 seconds deciding over simulated seconds); then dynamic's speedup over the better
 static mode beside the reference system's range, and on how many seeds dynamic is
 ahead. Last, one JSON line: ``{"bench": "sim_paper", "rows": [...]}``, each row's
@@ -98,7 +101,7 @@ def main() -> None:
     futures = {job: pool.submit(_job, job) for job in jobs}
     header = (
         f"{'setting':<16} {'mode':<22} {'throughput':>12} {'iter s':>8} {'spread s':>13} "
-        f"{'lower s':>8} {'gap':>6} {'migr':>5} {'overhead':>9}"
+        f"{'lower s':>8} {'gap':>6} {'floor s':>8} {'gap':>6} {'migr':>5} {'overhead':>9}"
     )
     print(header, flush=True)
     rows = []
@@ -110,6 +113,7 @@ def main() -> None:
         }
         lower = statistics.fmean(r.lower_bound_s for r in runs["dynamic"])
         bound = statistics.fmean(r.bound_s for r in runs["dynamic"])
+        floor = statistics.fmean(r.tail_floor_s for r in runs["dynamic"])
         mean_s = {m: statistics.fmean(r.mean_iteration_s for r in rs) for m, rs in runs.items()}
         tput = {m: statistics.fmean(r.throughput for r in rs) for m, rs in runs.items()}
         for m, rs in runs.items():
@@ -117,6 +121,7 @@ def main() -> None:
             print(
                 f"{name:<16} {m:<22} {tput[m]:>12.1f} {mean_s[m]:>8.1f} "
                 f"{f'{lo:.1f}-{hi:.1f}':>13} {lower:>8.1f} {mean_s[m] / lower - 1:>6.0%} "
+                f"{floor:>8.1f} {mean_s[m] / floor - 1:>6.0%} "
                 f"{statistics.fmean(r.num_migrations for r in rs):>5.0f} "
                 f"{statistics.fmean(r.overhead for r in rs):>9.2%}"
             )
@@ -146,6 +151,8 @@ def main() -> None:
                 "bound_gap": {m: round(v / bound - 1, 3) for m, v in mean_s.items()},
                 "lower_bound_s": round(lower, 2),
                 "lower_bound_gap": {m: round(v / lower - 1, 3) for m, v in mean_s.items()},
+                "tail_floor_s": round(floor, 2),
+                "tail_floor_gap": {m: round(v / floor - 1, 3) for m, v in mean_s.items()},
                 "seeds": len(per_seed),
                 "iteration_s_range": {
                     m: [

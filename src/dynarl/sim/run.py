@@ -34,6 +34,7 @@ from dynarl.sim.config import SimulatedRun
 from dynarl.sim.errors import SimError
 from dynarl.sim.faults import SimFaults
 from dynarl.sim.metrics import IterationRecord
+from dynarl.sim.tail_floor import tail_floor_s
 from dynarl.sim.world import SimWorld
 
 
@@ -58,7 +59,10 @@ class ModeResult(msgspec.Struct, frozen=True, kw_only=True):
     ``critical_path_s`` the longest request decoded alone; ``lower_bound_s`` the mean
     over the iterations of the larger of the work-conserving bound and the iteration's
     critical path (that request also scored and trained, and the weight sync), and
-    ``lower_bound_gap`` how far above it the run is.
+    ``lower_bound_gap`` how far above it the run is; ``tail_floor_s`` the mean of the
+    iterations' tail floors (:mod:`~dynarl.sim.tail_floor`: a model estimate, not a
+    bound, of what the longest responses' decode and the last minibatch cost every
+    schedule).
     """
 
     mode: str
@@ -70,6 +74,7 @@ class ModeResult(msgspec.Struct, frozen=True, kw_only=True):
     critical_path_s: float
     lower_bound_s: float
     lower_bound_gap: float
+    tail_floor_s: float
     devices: dict[str, ComponentTime]
     migration_device_s: float
     free_device_s: float
@@ -245,6 +250,7 @@ def _summarise(
     ]
     bound_s = sum(b.iteration_s for b in bounds) / len(bounds)
     lower_s = sum(b.lower_bound_s for b in bounds) / len(bounds)
+    floor_s = sum(tail_floor_s(world.cluster, world.workloads[r.iteration], n) for r in measured)
     mean_s = total_s / len(measured)
     held: dict[str, float] = {}
     for r in measured:
@@ -269,6 +275,7 @@ def _summarise(
         critical_path_s=max(b.critical_path_s for b in bounds),
         lower_bound_s=lower_s,
         lower_bound_gap=mean_s / lower_s - 1.0,
+        tail_floor_s=floor_s / len(measured),
         devices=devices,
         migration_device_s=held.get("migrating", 0.0),
         free_device_s=held.get("free", 0.0),
