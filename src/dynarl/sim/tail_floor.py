@@ -12,8 +12,8 @@ math workloads: hundreds of responses hit ``max_output_tokens``):
   engines: they run at least ``L * a + W_c / (tp * E_c)`` seconds (``W_c``: their own
   KV reads in device-seconds), and those engines' devices are taken for that long;
   the rest of the work (``W_rest``) fills the other devices (``E_c`` is at most ``C``:
-  a request decodes on one engine). The rollout phase lasts
-  at least ``min over E_c of max(L*a + W_c/(tp*E_c), (E_c*tp*L*a + W_c + W_rest)/N)``.
+  a request decodes on one engine). In this model the rollout phase lasts at least
+  ``min over E_c of max(L*a + W_c/(tp*E_c), (E_c*tp*L*a + W_c + W_rest)/N)``.
 - **The last minibatch.** Minibatches of whole groups train as the groups finish, so
   the last optimizer step holds the groups that finish last -- the longest -- and
   starts only after them: its time on every device is added, then the weight sync.
@@ -21,8 +21,9 @@ math workloads: hundreds of responses hit ``max_output_tokens``):
 This is an estimate from the simulator's cost model, not a proof: it assumes the
 longest requests' lengths are known up front and that they stay on their engines (no
 moves, no re-prefill), and it ignores KV capacity. It says how much of a mode's
-distance to the lower bound no schedule of devices can remove without changing which
-requests share an engine.
+distance to the lower bound the workload itself imposes; the rest is the schedule's
+(devices held elsewhere during the rollout, other requests on the longest ones'
+engines, training left until after the rollout).
 """
 
 from collections import defaultdict
