@@ -4,8 +4,8 @@ the world (with new world ranks: worker 0 dies), the interrupted step runs again
 them as a single rank's step, and a restarted worker is admitted and grows the trainer
 back; with tp = 2 and two replicas the survivors make whole replicas of the shards
 that survived (two with a spare worker, shards moving to it; one without, a survivor
-held) and grow back; with tp = 2 and one replica the loss is refused and the refusal
-says why."""
+held) and grow back; with pp = 2 and two replicas the same holds for a lost pipeline
+stage; with tp = 2 and one replica the loss is refused and the refusal says why."""
 
 import os
 import signal
@@ -216,6 +216,38 @@ async def test_a_tensor_parallel_trainer_with_two_replicas_survives_lost_workers
     np.testing.assert_allclose(
         [m.grad_norm for m in metrics], [m.grad_norm for m in fixed], rtol=1e-4
     )
+
+
+@pytest.mark.timeout(180)
+async def test_a_pipeline_parallel_trainer_with_two_replicas_survives_a_lost_stage(
+    pool: MegatronPool,
+) -> None:
+    """pp = 2, dp = 2 on four workers: replicas (0, 1) and (2, 3), worker 4 spare.
+    Worker 2 (stage 0 of replica 1) dies inside a step: the survivors make two
+    replicas again with the spare, the stages moving where the plan puts them, and
+    the step runs again on them. The steps are those of a pp = 2 run without the
+    fault."""
+    await pool.start_training([0, 1])  # the test above left tp = 2 on (0, 1)
+    await pool.reshard([0, 1, 2, 3], tp=1, pp=2)  # the seed's weights, in two stages
+    assert pool.layout().dp == 2 and pool.can_recover
+    metrics = [await pool.train_step(random_minibatch(10))]
+
+    await step_meeting_a_death(pool, 11, dying=2)
+    assert pool.dead == {2} and pool.can_recover
+    moved = await pool.recover()
+    print(f"\npp = 2, a spare: rebuilt in {moved.elapsed_s:.2f} s, {moved.bytes_moved} B sent")
+    assert moved.lost == (2,) and moved.members == (0, 1, 3, 4) == pool.members
+    assert pool.layout().dp == 2 and pool.layout().pp == 2
+    assert moved.num_steps == 1 and not moved.step_applied
+    metrics.append(await pool.train_step(random_minibatch(11)))  # the re-run
+    metrics.append(await pool.train_step(random_minibatch(12)))
+
+    await pool.start_training([0, 1])  # pp = 2 from the seed's weights, no fault
+    fixed = [await pool.train_step(random_minibatch(s)) for s in (10, 11, 12)]
+    print(f"losses {[m.loss for m in metrics]} vs {[m.loss for m in fixed]}")
+    assert [m.num_steps for m in metrics] == [1, 2, 3]
+    np.testing.assert_allclose([m.loss for m in metrics], [m.loss for m in fixed], rtol=1e-5)
+    await pool.reshard([0, 1], tp=2, pp=1)  # what the last test expects
 
 
 # Last in this module: it leaves the pool broken.

@@ -167,6 +167,12 @@ def build_groups(layout: Layout, *, worker: int, timeout_s: float) -> RankGroups
     for p in range(layout.pp):
         for t in range(layout.tp):
             keep("dp", new([at(d, p, t) for d in range(layout.dp)]))
+    # Context and expert parallel sizes are 1: their groups are a rank alone. Made here
+    # like the others (named by torch's counter, destroyed with the layout): a group
+    # made apart from the world, with a name hashed from its ranks and the number of
+    # groups alive, can meet the name of one still alive once others are destroyed.
+    for w in layout.members:
+        keep("single", new([w]))
     position = layout.position(worker)
     if position is None:
         return None
@@ -179,7 +185,12 @@ def build_groups(layout: Layout, *, worker: int, timeout_s: float) -> RankGroups
         )
     embedding = found.get("embedding")
     collection = groups_of(
-        tp=found["tp"], pp=found["pp"], dp=found["dp"], mp=found["replica"], embd=embedding
+        tp=found["tp"],
+        pp=found["pp"],
+        dp=found["dp"],
+        mp=found["replica"],
+        embd=embedding,
+        single=found["single"],
     )
     # the distributed optimizer sums gradient statistics over every member
     collection.intra_dist_opt = found["members"]

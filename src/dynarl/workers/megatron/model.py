@@ -340,11 +340,13 @@ def groups_of(
     dp: dist.ProcessGroup,
     mp: dist.ProcessGroup | None = None,
     embd: dist.ProcessGroup | None = None,
+    single: dist.ProcessGroup | None = None,
 ) -> "ProcessGroupCollection":
     """A ``ProcessGroupCollection`` of the given groups (context and expert parallel
-    sizes are 1: their groups are the tensor-parallel and data-parallel ones; ``embd``:
-    the pipeline's first and last stage on those stages, else ``None``; no position
-    embedding group, the models use rotary embeddings)."""
+    sizes are 1: their groups are ``single``, this rank alone, or the tensor-parallel
+    group where it has one rank; ``embd``: the pipeline's first and last stage on
+    those stages, else ``None``; no position embedding group, the models use rotary
+    embeddings)."""
     with quiet():
         from megatron.core.process_groups_config import ProcessGroupCollection
     groups = ProcessGroupCollection()
@@ -352,27 +354,28 @@ def groups_of(
     groups.pp = pp
     groups.dp = dp
     groups.dp_cp = dp
-    groups.cp = _self_group(tp)
+    alone = _alone(tp, single)
+    groups.cp = alone
     groups.tp_cp = tp
     groups.mp = mp if mp is not None else tp
     groups.embd = embd
     groups.pos_embd = None
     groups.tp_dp_cp = dp if tp.size() == 1 else tp
     groups.expt_dp = dp
-    groups.ep = _self_group(tp)
+    groups.ep = alone
     groups.expt_tp = tp
     groups.tp_ep = tp
     groups.tp_ep_pp = groups.mp
     return groups
 
 
-def _self_group(like: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A group of this rank alone (context and expert parallelism are off): ``like``
-    itself when it has one rank, else a new local group."""
-    if like.size() == 1:
-        return like
-    group: dist.ProcessGroup = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    return group
+def _alone(tp: dist.ProcessGroup, single: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A group of this rank alone: ``tp`` when it has one rank, else ``single``."""
+    if tp.size() == 1:
+        return tp
+    if single is None:
+        raise ValueError("a tensor-parallel rank needs the group of itself alone (single)")
+    return single
 
 
 def _ensure_rng_tracker() -> None:

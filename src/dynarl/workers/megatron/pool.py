@@ -66,7 +66,10 @@ class MegatronPool(TrainerPool):
         workers, every copy of a shard dead, a rank dead with its buddy) the run stops
         and resumes from its last checkpoint."""
         layout = self.layout() if self._members else None
-        return recovery.unrecoverable(self._model_factory, layout, self.dead)
+        # Only the dead still in the world count: one already left behind (a spare that
+        # died before a recovery, not admitted again) is not lost now.
+        lost = [w for w in self.dead if w in self._world]
+        return recovery.unrecoverable(self._model_factory, layout, lost)
 
     def recovery_plan(self) -> PlanRanks | None:
         """With replicas of more than one worker, the survivors' layout and the holder
