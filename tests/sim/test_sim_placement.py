@@ -6,6 +6,8 @@ requests waiting at others."""
 import asyncio
 from collections import Counter
 
+from small_cluster import SIXTEEN_DEVICES
+
 from dynarl.api.config import DynaRLConfig
 from dynarl.control import events as ev
 from dynarl.control.topology import PROMPTS, ROLLOUT
@@ -29,12 +31,7 @@ def small(slots: int = 32) -> SimulatedRun:
     return simulated_run(
         DynaRLConfig(),
         [
-            "cluster.num_devices=16",
-            "actor.initial_devices=4",
-            "rollout.initial_devices=10",
-            "inference.initial_devices=2",
-            "actor.tp=2",
-            "inference.tp=2",
+            *SIXTEEN_DEVICES,
             f"rollout.max_running_requests={slots}",
             "rollout.max_new_tokens=8192",
             "algorithm.num_prompts=32",

@@ -2,6 +2,8 @@
 
 import asyncio
 
+from small_cluster import SIXTEEN_DEVICES
+
 from dynarl.api.config import DynaRLConfig
 from dynarl.control import events as ev
 from dynarl.control.plan import Migration
@@ -16,12 +18,7 @@ def skewed_small() -> SimulatedRun:
     return simulated_run(
         DynaRLConfig(),
         [
-            "cluster.num_devices=16",
-            "actor.initial_devices=4",
-            "rollout.initial_devices=10",
-            "inference.initial_devices=2",
-            "actor.tp=2",
-            "inference.tp=2",
+            *SIXTEEN_DEVICES,
             "rollout.max_running_requests=32",
             "rollout.max_new_tokens=28672",
             "algorithm.num_prompts=20",

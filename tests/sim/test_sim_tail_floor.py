@@ -2,6 +2,7 @@
 minibatch of the longest groups, then the weight sync."""
 
 import pytest
+from small_cluster import SIXTEEN_DEVICES
 
 from dynarl.api.config import DynaRLConfig
 from dynarl.core.ids import GroupId, ItemId
@@ -28,12 +29,7 @@ def cluster() -> ClusterModel:
     run = simulated_run(
         DynaRLConfig(),
         [
-            "cluster.num_devices=16",
-            "actor.initial_devices=4",
-            "rollout.initial_devices=10",
-            "inference.initial_devices=2",
-            "actor.tp=2",
-            "inference.tp=2",
+            *SIXTEEN_DEVICES,
             "rollout.max_running_requests=32",
             "rollout.max_new_tokens=8192",
             "algorithm.num_prompts=8",

@@ -10,9 +10,11 @@ from typing import Annotated
 import anyio
 import msgspec
 
+from dynarl.core.clock import Clock
 from dynarl.core.ids import ComponentId, InstanceId, ItemId
 from dynarl.data import wire
 from dynarl.data.codec import DEFAULT_MAX_FRAME_BYTES
+from dynarl.data.request_order import RequestOrder
 from dynarl.data.request_queue import DEFAULT_AGING, AgingBound, QueueStatistics, RequestQueue
 from dynarl.data.transport import PeerId, TransportStatistics
 
@@ -129,6 +131,35 @@ class WorkerState:
         self.credit = anyio.Event()
         self.idle = anyio.Event()
         self.scope = anyio.CancelScope()
+
+    @classmethod
+    def configured(
+        cls,
+        peer: PeerId,
+        *,
+        instance: InstanceId,
+        component: ComponentId,
+        capacity: int,
+        config: "RouterConfig",
+        order: RequestOrder,
+        clock: Clock,
+        now_s: float,
+    ) -> "WorkerState":
+        """A worker that joins now, with a fresh queue in ``order``: its size, aging,
+        stickiness and KV threshold as the router's ``config`` says."""
+        queue: RequestQueue[wire.Item] = RequestQueue(
+            order, max_size=config.max_queued_per_instance, clock=clock, aging=config.aging
+        )
+        return cls(
+            peer,
+            instance=instance,
+            component=component,
+            capacity=capacity,
+            queue=queue,
+            now_s=now_s,
+            sticky_max_queued=config.sticky_max_queued,
+            kv_full=config.kv_full,
+        )
 
     @property
     def load(self) -> float:

@@ -26,7 +26,6 @@ from dynarl.data.errors import PeerUnreachableError
 from dynarl.data.peers import RouterConfig, WorkerState
 from dynarl.data.placement import Placement
 from dynarl.data.request_order import RequestOrder
-from dynarl.data.request_queue import RequestQueue
 from dynarl.data.transport import PeerId, Transport
 
 logger = logging.getLogger(__name__)
@@ -149,18 +148,15 @@ class Sessions:
             self.send_nowait(peer, wire.Refused("invalid", "capacity must be >= 1"))
             return
         cfg = self._config
-        queue: RequestQueue[wire.Item] = RequestQueue(
-            self._order, max_size=cfg.max_queued_per_instance, clock=self._clock, aging=cfg.aging
-        )
-        w = WorkerState(
+        w = WorkerState.configured(
             peer,
             instance=msg.instance,
             component=msg.component,
             capacity=msg.capacity,
-            queue=queue,
+            config=cfg,
+            order=self._order,
+            clock=self._clock,
             now_s=now,
-            sticky_max_queued=cfg.sticky_max_queued,
-            kv_full=cfg.kv_full,
         )
         self.by_peer[peer] = w
         self._on_join(w)

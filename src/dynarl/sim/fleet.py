@@ -31,7 +31,6 @@ from dynarl.data import wire
 from dynarl.data.peers import RouterConfig, WorkerState
 from dynarl.data.placement import Placement
 from dynarl.data.request_order import order_named
-from dynarl.data.request_queue import RequestQueue
 from dynarl.data.routing import AffinityRouting
 from dynarl.data.transport import PeerId
 from dynarl.obs.trace_records import Request
@@ -105,20 +104,15 @@ class EngineFleet:
             if node.id not in self.engines:
                 sim = SimEngine(self.cluster.engine, instance=node.id, start_s=now)
                 sim.set_slowdown(self.slowdown)
-                w = WorkerState(
+                w = WorkerState.configured(
                     PeerId(node.id.encode()),
                     instance=node.id,
                     component=ROLLOUT,
                     capacity=self.cap,
-                    queue=RequestQueue(
-                        self.order,
-                        max_size=self.router.max_queued_per_instance,
-                        clock=self.clock,
-                        aging=self.router.aging,
-                    ),
+                    config=self.router,
+                    order=self.order,
+                    clock=self.clock,
                     now_s=now,
-                    sticky_max_queued=self.router.sticky_max_queued,
-                    kv_full=self.router.kv_full,
                 )
                 self.engines[node.id] = EngineSlot(sim, w)
                 self._touched[node.id] = None

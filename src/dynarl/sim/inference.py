@@ -29,7 +29,6 @@ from dynarl.data import wire
 from dynarl.data.peers import RouterConfig, WorkerState
 from dynarl.data.placement import Placement
 from dynarl.data.request_order import order_named
-from dynarl.data.request_queue import RequestQueue
 from dynarl.data.routing import AffinityRouting
 from dynarl.data.transport import PeerId
 from dynarl.sim.stages import InferenceStage
@@ -76,20 +75,15 @@ class InferenceFleet:
             if node.id in self.workers:
                 continue
             self.stage.add(node.id)
-            w = WorkerState(
+            w = WorkerState.configured(
                 PeerId(node.id.encode()),
                 instance=node.id,
                 component=INFERENCE,
                 capacity=self.stage.micro_batch,
-                queue=RequestQueue(
-                    self.order,
-                    max_size=self.router.max_queued_per_instance,
-                    clock=self.clock,
-                    aging=self.router.aging,
-                ),
+                config=self.router,
+                order=self.order,
+                clock=self.clock,
                 now_s=now,
-                sticky_max_queued=self.router.sticky_max_queued,
-                kv_full=self.router.kv_full,
             )
             self.workers[node.id] = w
             self.placement.add_worker(w, now)

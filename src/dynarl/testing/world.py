@@ -40,7 +40,6 @@ from dynarl.data import wire
 from dynarl.data.peers import RouterConfig, WorkerState
 from dynarl.data.placement import Placement
 from dynarl.data.request_order import order_named
-from dynarl.data.request_queue import RequestQueue
 from dynarl.data.routing import AffinityRouting
 from dynarl.data.transport import PeerId
 
@@ -183,20 +182,15 @@ class FakeWorld:
             for node in self._active(component):
                 if node.id in self.workers:
                     continue
-                w = WorkerState(
+                w = WorkerState.configured(
                     PeerId(node.id.encode()),
                     instance=node.id,
                     component=node.component,
                     capacity=self._capacity(node),
-                    queue=RequestQueue(
-                        order_named("fifo"),
-                        max_size=self.router.max_queued_per_instance,
-                        clock=self.clock,
-                        aging=self.router.aging,
-                    ),
+                    config=self.router,
+                    order=order_named("fifo"),
+                    clock=self.clock,
                     now_s=now,
-                    sticky_max_queued=self.router.sticky_max_queued,
-                    kv_full=self.router.kv_full,
                 )
                 self.workers[node.id] = w
                 self.placement.add_worker(w, now)

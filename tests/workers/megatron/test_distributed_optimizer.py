@@ -8,16 +8,14 @@ moments from its own slice and its buddy copy of the dead rank's, and the run go
 as the run without the fault; so is a tensor-parallel rank of one of two TP=2 replicas
 (the last test: it leaves a worker dead)."""
 
-import os
-import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import anyio
 import numpy as np
 import pytest
 import pytest_asyncio
+from deaths import step_meeting_a_death
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
@@ -27,7 +25,6 @@ from dynarl.rl.grpo import GrpoLoss  # noqa: E402
 from dynarl.testing.minibatches import random_minibatch  # noqa: E402
 from dynarl.testing.workers import LocalWorkers  # noqa: E402
 from dynarl.workers.config import ModelConfig  # noqa: E402
-from dynarl.workers.errors import RankLostError  # noqa: E402
 from dynarl.workers.megatron import state  # noqa: E402
 from dynarl.workers.megatron.layout import Layout, build_groups  # noqa: E402
 from dynarl.workers.megatron.main import megatron_trainer_main  # noqa: E402
@@ -151,7 +148,7 @@ async def test_a_rank_killed_in_a_step_is_rebuilt_from_its_buddy_copy(
     boundary = tmp_path / "boundary.pt"
     await pool.save_checkpoint(boundary)
 
-    await step_meeting_a_death(pool, 2, dying=0)
+    await step_meeting_a_death(pool, WORKERS[0], 2, dying=0)
     assert pool.dead == {0} and pool.can_recover
     recovery = await pool.recover()
     print(f"\ndistributed optimizer: rebuilt in {recovery.elapsed_s:.2f} s")
@@ -196,7 +193,7 @@ async def test_a_tensor_parallel_rank_killed_in_a_step_is_rebuilt_from_its_buddy
     await pool.reshard([0, 1, 2, 3], tp=2, pp=1)  # the seed's weights, cut in two
     assert pool.layout().dp == 2 and pool.can_recover
     got = [(await pool.train_step(random_minibatch(s))).loss for s in (0, 1)]
-    await step_meeting_a_death(pool, 2, dying=1)
+    await step_meeting_a_death(pool, WORKERS[0], 2, dying=1)
     assert pool.dead == {1} and pool.can_recover
     recovery = await pool.recover()
     print(f"\ntp = 2, distributed optimizer: rebuilt in {recovery.elapsed_s:.2f} s")
@@ -210,23 +207,6 @@ async def test_a_tensor_parallel_rank_killed_in_a_step_is_rebuilt_from_its_buddy
     # turns into weights up to 5e-5 apart (gate_proj); a slice lost or taken from
     # another step is off by the order of one update, lr = 1e-2.
     assert_same_state(torch.load(end, weights_only=True), states[1], model_atol=1e-4)
-
-
-async def step_meeting_a_death(pool: MegatronPool, seed: int, dying: int) -> None:
-    """A step during which worker ``dying`` dies: stopped first (it never answers),
-    the step is sent, and it is killed while the other waits for it inside the step."""
-    pid = WORKERS[0].handles[dying].pid
-    assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
-
-    async def kill_it_mid_step() -> None:
-        await anyio.sleep(1.0)
-        os.kill(pid, signal.SIGKILL)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(kill_it_mid_step)
-        with pytest.raises(RankLostError):
-            await pool.train_step(random_minibatch(seed))
 
 
 async def test_a_bf16_model_keeps_its_fp32_main_parameters_through_dp_resizes(

@@ -16,6 +16,7 @@ import anyio
 import numpy as np
 import pytest
 import pytest_asyncio
+from deaths import step_meeting_a_death
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
@@ -64,24 +65,6 @@ def kill(index: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-async def step_meeting_a_death(pool: MegatronPool, seed: int, dying: int) -> None:
-    """A step during which worker ``dying`` dies: it is stopped first (it never
-    answers), the step is sent, and it is killed while the others are inside the step,
-    waiting for it in the gradient all-reduce."""
-    pid = WORKERS[0].handles[dying].pid
-    assert pid is not None
-    os.kill(pid, signal.SIGSTOP)
-
-    async def kill_it_mid_step() -> None:
-        await anyio.sleep(1.0)
-        os.kill(pid, signal.SIGKILL)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(kill_it_mid_step)
-        with pytest.raises(RankLostError):
-            await pool.train_step(random_minibatch(seed))
-
-
 def model_of(path: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = torch.load(path, weights_only=True)["model"]
     return state
@@ -93,7 +76,7 @@ async def test_a_killed_worker_is_survived_its_step_rerun_and_a_restart_admitted
 ) -> None:
     await pool.start_training([0, 1, 2])
     metrics = [await pool.train_step(random_minibatch(0))]
-    await step_meeting_a_death(pool, 1, dying=0)
+    await step_meeting_a_death(pool, WORKERS[0], 1, dying=0)
     assert pool.dead == {0} and pool.can_recover
     recovery = await pool.recover()
     print(f"\nkilled inside a step: rebuilt in {recovery.elapsed_s:.2f} s")
@@ -183,7 +166,7 @@ async def test_a_tensor_parallel_trainer_with_two_replicas_survives_lost_workers
     assert pool.layout().dp == 2 and pool.can_recover
     metrics = [await pool.train_step(random_minibatch(0))]
 
-    await step_meeting_a_death(pool, 1, dying=1)
+    await step_meeting_a_death(pool, WORKERS[0], 1, dying=1)
     assert pool.dead == {1} and pool.can_recover
     moved = await pool.recover()
     print(f"\ntp = 2, a spare: rebuilt in {moved.elapsed_s:.2f} s, {moved.bytes_moved} B sent")
@@ -192,7 +175,7 @@ async def test_a_tensor_parallel_trainer_with_two_replicas_survives_lost_workers
     assert moved.num_steps == 1 and not moved.step_applied and moved.bytes_moved > 0
     metrics.append(await pool.train_step(random_minibatch(1)))  # the re-run
 
-    await step_meeting_a_death(pool, 2, dying=3)
+    await step_meeting_a_death(pool, WORKERS[0], 2, dying=3)
     assert pool.can_recover  # shard (0, 0) survives on worker 0, (0, 1) on 2 and 4
     kept = await pool.recover()
     print(f"tp = 2, no spare: rebuilt in {kept.elapsed_s:.2f} s, {kept.bytes_moved} B sent")
@@ -232,7 +215,7 @@ async def test_a_pipeline_parallel_trainer_with_two_replicas_survives_a_lost_sta
     assert pool.layout().dp == 2 and pool.can_recover
     metrics = [await pool.train_step(random_minibatch(10))]
 
-    await step_meeting_a_death(pool, 11, dying=2)
+    await step_meeting_a_death(pool, WORKERS[0], 11, dying=2)
     assert pool.dead == {2} and pool.can_recover
     moved = await pool.recover()
     print(f"\npp = 2, a spare: rebuilt in {moved.elapsed_s:.2f} s, {moved.bytes_moved} B sent")
@@ -260,6 +243,6 @@ async def test_a_tensor_parallel_trainer_refuses_to_survive_a_loss_and_says_why(
     assert pool.members == (0, 1) and pool.replica_size == 2
     assert not pool.can_recover and "tp=2" in (pool.cannot_recover or "")
     await pool.train_step(random_minibatch(5))
-    await step_meeting_a_death(pool, 6, dying=1)
+    await step_meeting_a_death(pool, WORKERS[0], 6, dying=1)
     with pytest.raises(TrainerError, match=r"tp=2, pp=1 cannot survive a lost worker"):
         await pool.recover()
