@@ -6,12 +6,11 @@ from dynarl.control.controller import Controller
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.modes import make_hold
 from dynarl.control.plan import InstanceSpec, Migration
-from dynarl.control.policies.hold import HoldForDevices
+from dynarl.control.policies.hold import HoldForDevices, trainers_to_hold
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Trigger
 from dynarl.control.scoring import finish_times
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT, TO_ACTOR, TO_INFERENCE
-from dynarl.control.trainer_steps import trainers_to_hold
 from dynarl.core.clock import ManualClock
 from dynarl.core.ids import ComponentId, GroupId, InstanceId, ItemId, MigrationId
 

@@ -22,7 +22,8 @@ responses, can take several times the average and waits for the rollout's end.
 
 A step may finish sooner if it waits for the devices the trainer's predecessors free
 when they finish (they join it after a reshard) than if it starts now on the few it
-holds and keeps them waiting at its boundary. :func:`trainers_to_hold` names the
+holds and keeps them waiting at its boundary.
+:func:`~dynarl.control.policies.hold.trainers_to_hold` names the
 trainers whose next step should wait; :class:`~dynarl.control.policies.hold.HoldForDevices`
 holds them at their step boundary.
 """
@@ -232,40 +233,3 @@ def actor_finish(
                 n, end = pooled, joined
         t = end
     return t, waits
-
-
-def trainers_to_hold(
-    graph: Hypergraph, predictor: Predictor, estimates: Estimates | None = None
-) -> set[ComponentId]:
-    """Trainers that should not start their next step yet: the placement as it is
-    finishes sooner if that step waits for the devices their predecessors free when
-    they finish (a step runs to its end on the devices it started on: started on a
-    few, it keeps the freed devices waiting at its boundary).
-
-    The devices of a move under way count where they go, once the move is done (its
-    kind's cost from now, at most): a step boundary can come while another stage's
-    devices are in transit, and the trainer must not start a long step on its few
-    devices then because those devices were counted nowhere."""
-    # Imported here: scoring plays the trainer's steps out with this module's
-    # actor_finish, so it imports this module, not the other way round.
-    from dynarl.control.scoring import finish_times
-
-    before = {c: n.num_active_devices for c, n in graph.components.items()}
-    devices = dict(before)
-    delays: dict[ComponentId, float] = {}
-    for m in graph.migrations.values():
-        if m.dst is None or not m.create:
-            continue
-        devices[m.dst] += sum(len(spec.devices) for spec in m.create)
-        delays[m.dst] = max(delays.get(m.dst, 0.0), predictor.migration_cost(m.kind))
-    waiting: set[ComponentId] = set()
-    finish_times(
-        graph,
-        predictor,
-        devices,
-        before=before,
-        delays=delays,
-        waiting=waiting,
-        estimates=estimates,
-    )
-    return waiting

@@ -14,7 +14,7 @@ no device is on its way).
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.predictor import Predictor
-from dynarl.control.trainer_steps import trainers_to_hold
+from dynarl.control.scoring import finish_times
 from dynarl.core.ids import ComponentId
 
 
@@ -28,3 +28,36 @@ class HoldForDevices:
     def holds(self, graph: Hypergraph) -> frozenset[ComponentId]:
         """Trainers to hold: those the predictor's schedule has wait for devices."""
         return frozenset(trainers_to_hold(graph, self.predictor, self.estimates))
+
+
+def trainers_to_hold(
+    graph: Hypergraph, predictor: Predictor, estimates: Estimates | None = None
+) -> set[ComponentId]:
+    """Trainers that should not start their next step yet: the placement as it is
+    finishes sooner if that step waits for the devices their predecessors free when
+    they finish (a step runs to its end on the devices it started on: started on a
+    few, it keeps the freed devices waiting at its boundary).
+
+    The devices of a move under way count where they go, once the move is done (its
+    kind's cost from now, at most): a step boundary can come while another stage's
+    devices are in transit, and the trainer must not start a long step on its few
+    devices then because those devices were counted nowhere."""
+    before = {c: n.num_active_devices for c, n in graph.components.items()}
+    devices = dict(before)
+    delays: dict[ComponentId, float] = {}
+    for m in graph.migrations.values():
+        if m.dst is None or not m.create:
+            continue
+        devices[m.dst] += sum(len(spec.devices) for spec in m.create)
+        delays[m.dst] = max(delays.get(m.dst, 0.0), predictor.migration_cost(m.kind))
+    waiting: set[ComponentId] = set()
+    finish_times(
+        graph,
+        predictor,
+        devices,
+        before=before,
+        delays=delays,
+        waiting=waiting,
+        estimates=estimates,
+    )
+    return waiting

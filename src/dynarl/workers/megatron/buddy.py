@@ -37,15 +37,11 @@ step sends one slice to the buddy and receives one.
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from dynarl.workers.errors import TrainerError
-
-if TYPE_CHECKING:
-    from dynarl.workers.megatron.rank import MegatronRank
 
 Shard = tuple[int, int]
 """``(pp_rank, tp_rank)``."""
@@ -214,24 +210,3 @@ def choose(offers: Sequence[Offer], *, tp: int, pp: int) -> tuple[int, Chosen]:
             "actor.megatron.distributed_optimizer=false (every rank keeps the whole moments)"
         )
     return target, chosen
-
-
-def offer(rank: "MegatronRank | None", *, me: int) -> tuple[Offer | None, dict[str, list[Slice]]]:
-    """What world rank ``me`` holds of the old layout (``None``: no rank), and its
-    slices by kind. A data-parallel group of one keeps no copies: its slice is the
-    rank's live state, taken at its step count."""
-    if rank is None or rank.distributed is None:
-        return None, {}
-    adam = rank.distributed
-    position = rank.groups.position
-    mine = list(adam.copies.mine) or [adam.snapshot(rank.num_steps)]
-    held = {"own": mine, "theirs": list(adam.copies.theirs)}
-    found = Offer(
-        worker=me,
-        shard=position.model_rank,
-        dp=rank.groups.layout.dp,
-        num_steps=rank.num_steps,
-        own=tuple((s.dp_rank, s.num_steps) for s in mine),
-        theirs=tuple((s.dp_rank, s.num_steps) for s in held["theirs"]),
-    )
-    return found, held

@@ -273,7 +273,7 @@ def restore_sliced(
     slices are made whole per shard and every member builds a new rank of its shard
     (see the module); the old rank is released. Collective over the world. Returns
     the new rank and the bytes this worker contributed."""
-    mine, held = buddy.offer(rank, me=me)
+    mine, held = _offer(rank, me=me)
     offers: list[buddy.Offer | None] = [None] * dist.get_world_size()
     dist.all_gather_object(offers, mine)
     found = [o for o in offers if o is not None]
@@ -392,3 +392,26 @@ def _shards(layout: Layout) -> list[Shard]:
 def _release(rank: MegatronRank) -> None:
     rank.release()
     reshard.release_memory(rank)
+
+
+def _offer(
+    rank: MegatronRank | None, *, me: int
+) -> tuple[buddy.Offer | None, dict[str, list[buddy.Slice]]]:
+    """What world rank ``me`` holds of the old layout (``None``: no rank), and its
+    slices by kind. A data-parallel group of one keeps no copies: its slice is the
+    rank's live state, taken at its step count."""
+    if rank is None or rank.distributed is None:
+        return None, {}
+    adam = rank.distributed
+    position = rank.groups.position
+    mine = list(adam.copies.mine) or [adam.snapshot(rank.num_steps)]
+    held = {"own": mine, "theirs": list(adam.copies.theirs)}
+    found = buddy.Offer(
+        worker=me,
+        shard=position.model_rank,
+        dp=rank.groups.layout.dp,
+        num_steps=rank.num_steps,
+        own=tuple((s.dp_rank, s.num_steps) for s in mine),
+        theirs=tuple((s.dp_rank, s.num_steps) for s in held["theirs"]),
+    )
+    return found, held
