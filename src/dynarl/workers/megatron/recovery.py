@@ -59,8 +59,8 @@ def unrecoverable(spec: ModelSpec, layout: Layout | None, lost: Collection[int])
     losing the workers ``lost`` (empty: any one worker); ``None``: it can."""
     if layout is None:
         return None
-    if spec.distributed_optimizer:
-        if not spec.buddy_copies and layout.dp > 1:
+    if spec.distributed_optimizer and layout.dp > 1:  # with one, the slice is whole
+        if not spec.buddy_copies:
             return _uncopied(layout, lost)
         return _unrecoverable_sliced(layout, lost)
     if layout.replica_size == 1:
@@ -83,18 +83,10 @@ def unrecoverable(spec: ModelSpec, layout: Layout | None, lost: Collection[int])
 
 
 def _unrecoverable_sliced(layout: Layout, lost: Collection[int]) -> str | None:
-    """:func:`unrecoverable` with the distributed optimizer: each data-parallel rank's
-    slice survives on the rank or on its buddy (:mod:`~dynarl.workers.megatron.buddy`);
-    with tp or pp > 1 a shard needs a second replica, as with torch's AdamW."""
-    if layout.dp == 1:
-        if layout.replica_size == 1 or (lost and not set(lost) & set(layout.members)):
-            return None  # a spare's loss changes nothing; the only rank's ends the run
-        return (
-            f"a Megatron trainer with tp={layout.tp}, pp={layout.pp} cannot survive a lost "
-            "worker with one data-parallel replica: the worker took the only copy of its "
-            "model shard (and its optimizer state) with it; with two replicas or more "
-            "another holds it"
-        )
+    """:func:`unrecoverable` with the distributed optimizer and two data-parallel ranks
+    or more: each rank's slice survives on the rank or on its buddy
+    (:mod:`~dynarl.workers.megatron.buddy`). A shard whose every copy died took each of
+    its ranks with its buddy, so that loss is refused here too."""
     at, dp = layout.at, layout.dp
     dead = [
         (p, t, d)
