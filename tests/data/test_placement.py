@@ -103,3 +103,114 @@ async def test_a_drained_instances_items_go_where_the_plan_says() -> None:
     routed = {e.item: e.instance for e in events[-len(on_a) :] if isinstance(e, ev.ItemRouted)}
     assert {i: routed[i] for i in plan} == plan
     assert set(routed) == set(on_a) and not p.planned
+
+
+class _Recalls:
+    """The placement's ``recall``: records each request and hands the items back
+    aborted, as a rollout worker does on ``Abort``."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[InstanceId, tuple[ItemId, ...]]] = []
+        self.placement: Placement | None = None
+
+    def __call__(self, w: WorkerState, items: tuple[ItemId, ...], now: float) -> None:
+        self.asked.append((w.instance, items))
+        assert self.placement is not None
+        for i in items:
+            self.placement.on_result(
+                w, wire.ItemResult(item=i, status="aborted", num_tokens=7), now
+            )
+
+
+def _balancing(events: list[ev.Event], *, on: bool = True) -> tuple[Placement, _Recalls]:
+    recalls = _Recalls()
+    p = Placement(
+        {PROMPTS: (ROLLOUT,)},
+        policy=AffinityRouting(seed=0),
+        emit=events.append,
+        balance_on_join=on,
+        recall=recalls,
+    )
+    recalls.placement = p
+    return p, recalls
+
+
+async def test_instances_joining_one_after_another_share_the_backlog_by_capacity() -> None:
+    """The join race: the batch arrives before any engine; the first to join takes it
+    all (it fits its capacity), so later ones would find nothing waiting beyond it."""
+    events: list[ev.Event] = []
+    p, recalls = _balancing(events)
+    p.admit([item(k) for k in range(12)], 0.0)
+    a, b, c = _worker("a", 8), _worker("b", 8), _worker("c", 16)
+    p.add_worker(a, 1.0)
+    _start(a)  # i0..i7 run at a, i8..i11 wait there
+    assert len(a.in_flight) == 8 and len(a.queue) == 4
+    p.add_worker(b, 2.0)  # share 12 * 8/16 = 6: the 4 waiting are stolen, 2 recalled
+    assert recalls.asked == [(InstanceId("a"), (ItemId("i7"), ItemId("i6")))]
+    assert [it.id for it in b.queue.queued()] == [ItemId(f"i{k}") for k in (8, 9, 10, 11, 7, 6)]
+    _start(b)
+    p.add_worker(c, 3.0)  # share 12 * 16/32 = 6, three from each
+    assert recalls.asked[1:] == [
+        (InstanceId("a"), (ItemId("i5"), ItemId("i3"), ItemId("i1"))),
+        (InstanceId("b"), (ItemId("i6"), ItemId("i10"), ItemId("i8"))),
+    ] or sorted(len(ids) for _, ids in recalls.asked[1:]) == [3, 3]
+    assert (len(a.in_flight), len(b.in_flight), len(c.queue)) == (3, 3, 6)
+    assert (p.num_stolen, p.num_balanced) == (4, 2 + 6) and not p.recalled and not p.planned
+    # The hypergraph sees each move: requeued (with the partial output), then routed.
+    requeued = [e for e in events if isinstance(e, ev.ItemsRequeued)]
+    assert sum(len(e.items) for e in requeued) == 12
+    assert {e.generated for e in requeued if e.items[0] in {ItemId("i6"), ItemId("i7")}} >= {(7,)}
+
+
+async def test_a_recalled_item_counts_where_it_is_going_until_it_comes_back() -> None:
+    """Two engines join while the first one's recalled items are still on their way
+    back: the second's share counts them at the first joiner, not at their holder, and
+    the first joiner pays its part of the share with one of them, sent on."""
+    events: list[ev.Event] = []
+    p = Placement(
+        {PROMPTS: (ROLLOUT,)},
+        policy=AffinityRouting(seed=0),
+        emit=events.append,
+        recall=lambda w, items, now: asked.append((w.instance, items)),
+    )
+    asked: list[tuple[InstanceId, tuple[ItemId, ...]]] = []
+    a, b, c = _worker("a", 9), _worker("b", 9), _worker("c", 9)
+    p.add_worker(a, 0.0)
+    p.admit([item(k) for k in range(9)], 0.0)
+    _start(a)
+    p.add_worker(b, 1.0)
+    p.add_worker(c, 1.0)  # nothing came back yet
+    # 9 * 1/2 = 4 for b; then 3 each: c gets two more from a and one of b's four.
+    assert [len(ids) for _, ids in asked] == [4, 2]
+    assert not set(asked[0][1]) & set(asked[1][1])
+    going = [dst for _, dst in p.recalled.values()]
+    assert (going.count(InstanceId("b")), going.count(InstanceId("c"))) == (3, 3)
+    assert all(src == InstanceId("a") for src, _ in p.recalled.values())
+    # One finishes before its abort lands: it completes at a, and the plan is forgotten.
+    done = asked[0][1][1]
+    p.on_result(a, wire.ItemResult(item=done, num_tokens=3), 2.0)
+    assert done not in p.recalled and done not in p.planned
+
+
+async def test_without_balancing_a_joiner_takes_only_what_waits_beyond_capacity() -> None:
+    events: list[ev.Event] = []
+    p, recalls = _balancing(events, on=False)
+    a, b = _worker("a", 8), _worker("b", 8)
+    p.add_worker(a, 0.0)
+    p.admit([item(k) for k in range(8)], 0.0)
+    _start(a)
+    p.add_worker(b, 1.0)
+    assert b.is_idle and not recalls.asked and p.num_balanced == 0
+
+
+async def test_balancing_never_moves_an_item_that_must_return_to_its_instance() -> None:
+    events: list[ev.Event] = []
+    p, recalls = _balancing(events)
+    a, b = _worker("a", 8), _worker("b", 8)
+    p.add_worker(a, 0.0)
+    p.admit([item(k, affinity="must", instance=InstanceId("a")) for k in range(6)], 0.0)
+    p.admit([item(k) for k in range(6, 8)], 0.0)
+    _start(a)
+    p.add_worker(b, 1.0)  # share 4, but only the two free items may move
+    assert recalls.asked == [(InstanceId("a"), (ItemId("i7"), ItemId("i6")))]
+    assert sorted(it.id for it in b.queue.queued()) == [ItemId("i6"), ItemId("i7")]

@@ -400,6 +400,41 @@ async def test_drain_reroutes_queued_and_in_flight_items(inproc: Net) -> None:
     c.graph.check()
 
 
+@pytest.mark.parametrize("balance", [True, False])
+async def test_a_joining_worker_gets_its_share_of_what_another_is_running(
+    inproc: Net, balance: bool
+) -> None:
+    """The join race: a batch fits the first worker's capacity, so it runs all of it;
+    a worker joining a moment later finds nothing waiting. With ``balance_on_join``
+    the first is asked (``Abort``) for its most recently dispatched half, which comes
+    back with its partial output and runs on the joiner."""
+    config = RouterConfig(balance_on_join=balance)
+    async with cluster(inproc, [], all_instances=["w0", "w1"], config=config) as c:
+        c.add_worker("w0", capacity=8, serve=functools.partial(hold_until_aborted, num_tokens=3))
+        await c.router.wait_for_instances(1)
+        await c.router.submit([item(k) for k in range(8)])
+        await wait_until(lambda: "w0" in c.links and c.links["w0"].statistics().num_held == 8)
+        c.add_worker("w1", capacity=8)
+        await c.router.wait_for_instances(2)
+        if balance:
+            moved = await c.collect(4)
+        else:
+            await wait_until(lambda: c.router.statistics().num_active == 2)
+            moved = []
+        stats = c.router.statistics()
+        with anyio.fail_after(5):
+            await c.router.drain(InstanceId("w0"))
+        rest = await c.collect(8 - len(moved))
+    if balance:
+        assert sorted(d.item.id for d in moved) == ["i4", "i5", "i6", "i7"]
+        assert {d.instance for d in moved} == {"w1"} and stats.num_balanced == 4
+        assert all(d.item.payload.startswith(b"partial:") for d in moved)
+    else:
+        assert stats.num_balanced == 0 and stats.num_requeued == 0
+    assert sorted(d.item.id for d in moved + rest) == sorted(f"i{k}" for k in range(8))
+    c.graph.check()
+
+
 async def test_requeued_items_carry_the_tokens_they_generated(inproc: Net) -> None:
     taken: dict[str, set[str]] = {"w0": set(), "w1": set()}
 

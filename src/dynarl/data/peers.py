@@ -35,6 +35,11 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             instance's queue is shorter than this.
         kv_full: ... and while its reported KV usage is below this.
         aging: the request queues' starvation bound (``None``: none, for comparisons).
+        balance_on_join: an instance that joins or resumes takes its fair share (by
+            capacity) of what the others of its component hold, queued items first,
+            then in-flight ones recalled with their partial output
+            (``Placement.balance_for``); off, it takes only the backlog and what waits
+            beyond another's capacity.
         results_buffer: completions buffered for the caller before the router stops
             reading frames.
         receive_batch_frames: most frames handled per wake-up of the receive loop.
@@ -49,6 +54,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     sticky_max_queued: Annotated[int, msgspec.Meta(ge=1)] = 64
     kv_full: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.95
     aging: AgingBound | None = DEFAULT_AGING
+    balance_on_join: bool = True
     results_buffer: Annotated[int, msgspec.Meta(ge=1)] = 65536
     receive_batch_frames: Annotated[int, msgspec.Meta(ge=1)] = 256
 
@@ -61,7 +67,8 @@ class RouterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     input by kind (see :data:`dynarl.data.codec.REJECT_KINDS`; ``framing`` for
     transport-level drops); ``num_refused`` counts items workers refused to serve
     (finished, not routed again); ``num_stolen`` counts queued items an idle instance
-    took from another's queue (also counted in ``num_requeued``);
+    took from another's queue (also counted in ``num_requeued``); ``num_balanced``
+    counts items moved to a joining instance (``RouterConfig.balance_on_join``);
     ``num_frames_unsent`` counts control frames (pings, refusals) dropped because the
     peer was not reading or gone.
     """
@@ -78,6 +85,7 @@ class RouterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     num_refused: int
     num_requeued: int
     num_stolen: int
+    num_balanced: int
     num_workers_failed: int
     num_frames_unsent: int
     rejected: dict[str, int]

@@ -13,9 +13,11 @@ turn's and every instance's: the counts the hypergraph keeps per request.
 """
 
 import functools
+import heapq
 import logging
+import math
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import msgspec
 
@@ -66,6 +68,12 @@ class Placement:
         consumers: the components that consume each edge.
         policy: chooses an instance for each item.
         emit: receives every event, synchronously, in order.
+        balance_on_join: an instance that joins (or resumes) takes its fair share of
+            what the other instances of its component hold (see :meth:`balance_for`);
+            off, it takes only the backlog and what waits beyond another's capacity.
+        recall: asks a worker to hand these in-flight items back now (status
+            ``aborted``, with their partial output; the router sends ``Abort``), for
+            :meth:`balance_for` to move them; ``None``: only queued items move.
     """
 
     def __init__(
@@ -74,10 +82,14 @@ class Placement:
         *,
         policy: RoutingPolicy,
         emit: Callable[[ev.Event], object],
+        balance_on_join: bool = True,
+        recall: Callable[[WorkerState, tuple[ItemId, ...], float], object] | None = None,
     ) -> None:
         self.consumers = {e: frozenset(cs) for e, cs in consumers.items()}
         self.policy = policy
         self.emit = emit
+        self.balance_on_join = balance_on_join
+        self.recall = recall
         self.workers: dict[InstanceId, WorkerState] = {}
         self.candidates: dict[EdgeId, list[WorkerState]] = {e: [] for e in self.consumers}
         self.pending: set[ItemId] = set()
@@ -95,8 +107,13 @@ class Placement:
         self.num_workers_failed = 0
         self.num_stolen = 0
         """Queued items an instance with room took from another's queue."""
+        self.num_balanced = 0
+        """Items moved to a joining instance: queued ones moved, in-flight ones recalled."""
         self.planned: dict[ItemId, InstanceId] = {}
         """Where items taken back from a drained instance go next (see :meth:`plan`)."""
+        self.recalled: dict[ItemId, tuple[InstanceId, InstanceId]] = {}
+        """In-flight items asked back for a joining instance: (holder, joiner) each,
+        until their result arrives."""
 
     # ------------------------------------------------------------------ workers
 
@@ -108,6 +125,7 @@ class Placement:
         self._refresh_candidates()
         self.refill(now)
         self.steal_for(w, now)
+        self.balance_for(w, now)
 
     def set_active(self, w: WorkerState, active: bool, now: float) -> None:
         """Stop (drain) or resume routing to ``w``; stopping takes back its queued
@@ -120,12 +138,16 @@ class Placement:
         if active:
             self.refill(now)
             self.steal_for(w, now)
+            self.balance_for(w, now)
         else:
             self._requeue(w.queue.take_all(), now)
 
     def remove_worker(self, w: WorkerState) -> list[wire.Item]:
         """Forget ``w``; returns the items it held (queued, then in flight)."""
         del self.workers[w.instance]
+        if self.recalled:
+            for item in [i for i, (src, dst) in self.recalled.items() if w.instance in (src, dst)]:
+                del self.recalled[item]
         items = w.queue.take_all() + list(w.in_flight.values())
         w.in_flight.clear()
         w.queue.close()
@@ -227,6 +249,8 @@ class Placement:
         if item is None:
             raise RoutingError(f"{w.instance!r} returned {r.item!r}, which it does not hold")
         generated = self.generated_tokens.pop(item.id, 0) + r.num_tokens
+        if self.recalled:
+            self.recalled.pop(item.id, None)
         if r.status in ("done", "refused"):
             self.pending.discard(item.id)
             if self.planned:
@@ -326,6 +350,124 @@ class Placement:
             w.queue.put_nowait(item, now_s=now)
             self.num_routed += 1
             self.emit(ev.ItemRouted(time_s=now, edge=item.edge, item=item.id, instance=w.instance))
+
+    def balance_for(self, w: WorkerState, now: float) -> None:
+        """``w`` joined or resumed: move to it its fair share of what the active
+        instances of its component hold, so that a backlog is not all run by whichever
+        instance happened to join first while the others, joining moments later, find
+        nothing waiting beyond its capacity (what :meth:`steal_for` takes).
+
+        The share is by capacity: ``w`` is brought up to ``held * capacity(w) /
+        capacity(all)`` items (at most its capacity), taken from the instances holding
+        the most beyond their own share, each down to its share: queued items first
+        (oldest first: they move as they are), then in-flight ones, most recently
+        dispatched first (they have generated least): these are recalled (see
+        ``recall``) and routed to ``w`` when their aborted result comes back, with
+        their partial output. Items that must return to their instance never move;
+        items already recalled count where they are going. Off with
+        ``balance_on_join=False``."""
+        if not (self.balance_on_join and w.active and w.can_start_now):
+            return
+        peers = [c for c in self.workers.values() if c.active and c.component == w.component]
+        if len(peers) < 2:
+            return
+        held = {c.instance: len(c.in_flight) + len(c.queue) for c in peers}
+        coming: dict[InstanceId, list[ItemId]] = {}  # recalled items on their way to each
+        for item_id, (src, dst) in self.recalled.items():
+            if src in held:
+                held[src] -= 1
+            if dst in held:
+                held[dst] += 1
+                coming.setdefault(dst, []).append(item_id)
+        total = sum(held.values())
+        capacity = sum(c.capacity for c in peers)
+        want = min(w.capacity, total * w.capacity // capacity) - held[w.instance]
+        if want <= 0:
+            return
+        edges = {e for e, components in self.consumers.items() if w.component in components}
+        movable = functools.partial(_movable, edges=edges, sticky=None)
+        heap: list[tuple[int, InstanceId]] = []
+        for c in peers:
+            surplus = held[c.instance] - math.ceil(total * c.capacity / capacity)
+            if c is not w and surplus > 0:
+                heap.append((-surplus, c.instance))
+        heapq.heapify(heap)
+        recalls: dict[InstanceId, list[ItemId]] = {}
+        in_flight: dict[InstanceId, Iterator[wire.Item]] = {
+            iid: (
+                item
+                for item in reversed(list(self.workers[iid].in_flight.values()))
+                if item.id not in self.recalled and movable(item)
+            )
+            for _, iid in heap
+        }
+        while want > 0 and heap:
+            neg, iid = heapq.heappop(heap)
+            donor = self.workers[iid]
+            if (
+                self._take_queued(donor, w, movable, now)
+                or self._redirect_one(coming.get(iid), w)
+                or self._recall_one(donor, w, in_flight, recalls)
+            ):
+                want -= 1
+                if neg < -1:
+                    heapq.heappush(heap, (neg + 1, iid))
+        for iid, ids in recalls.items():
+            assert self.recall is not None
+            self.recall(self.workers[iid], tuple(ids), now)
+
+    def _take_queued(
+        self,
+        donor: WorkerState,
+        w: WorkerState,
+        movable: Callable[[wire.Item], bool],
+        now: float,
+    ) -> bool:
+        """Move ``donor``'s oldest movable queued item to ``w``; whether there was one."""
+        item = donor.queue.take_oldest(movable) if len(donor.queue) else None
+        if item is None:
+            return False
+        generated = (self.generated_tokens.get(item.id, 0),)
+        self.emit(
+            ev.ItemsRequeued(time_s=now, edge=item.edge, items=(item.id,), generated=generated)
+        )
+        self.num_requeued += 1
+        self.num_balanced += 1
+        w.queue.put_nowait(item, now_s=now)
+        self.num_routed += 1
+        self.emit(ev.ItemRouted(time_s=now, edge=item.edge, item=item.id, instance=w.instance))
+        return True
+
+    def _redirect_one(self, coming: list[ItemId] | None, w: WorkerState) -> bool:
+        """Send to ``w`` instead one of the items recalled for the donor and not back
+        yet (``coming``); whether there was one."""
+        if not coming:
+            return False
+        item = coming.pop()
+        src, _ = self.recalled[item]
+        self.recalled[item] = (src, w.instance)
+        self.planned[item] = w.instance
+        return True
+
+    def _recall_one(
+        self,
+        donor: WorkerState,
+        w: WorkerState,
+        candidates: dict[InstanceId, Iterator[wire.Item]],
+        recalls: dict[InstanceId, list[ItemId]],
+    ) -> bool:
+        """Mark the next of ``donor``'s ``candidates`` (its movable in-flight items,
+        most recently dispatched first) for recall to ``w``; whether there was one."""
+        if self.recall is None:
+            return False
+        item = next(candidates[donor.instance], None)
+        if item is None:
+            return False
+        self.recalled[item.id] = (donor.instance, w.instance)
+        self.planned[item.id] = w.instance
+        recalls.setdefault(donor.instance, []).append(item.id)
+        self.num_balanced += 1
+        return True
 
     def refill(self, now: float) -> None:
         """Route backlogged items, oldest first, until a few in a row find no instance

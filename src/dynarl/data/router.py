@@ -85,7 +85,11 @@ class Router:
         self._order = order or FifoOrder()
         self._clock = clock or LoopClock()
         self._placement = Placement(
-            consumers, policy=policy or AffinityRouting(), emit=on_event or (lambda e: None)
+            consumers,
+            policy=policy or AffinityRouting(),
+            emit=on_event or (lambda e: None),
+            balance_on_join=self.config.balance_on_join,
+            recall=self._recall,
         )
         self.rejections = Rejections("router")
         self._codec = controller_codec(self.rejections, max_frame_bytes=self.config.max_frame_bytes)
@@ -361,6 +365,7 @@ class Router:
             num_refused=p.num_refused,
             num_requeued=p.num_requeued,
             num_stolen=p.num_stolen,
+            num_balanced=p.num_balanced,
             num_workers_failed=p.num_workers_failed,
             num_frames_unsent=self._sessions.num_frames_unsent,
             rejected=rejected,
@@ -405,6 +410,11 @@ class Router:
             await self._sessions.send(w, msg)
 
     # ------------------------------------------------------------------ frames in
+
+    def _recall(self, w: WorkerState, items: tuple[ItemId, ...], now: float) -> None:
+        """Ask ``w`` for ``items`` back (``Placement.balance_for`` moves them to a
+        joining instance); a frame that cannot go now leaves them where they are."""
+        self._sessions.send_nowait(w.peer, wire.Abort(items))
 
     def _on_join(self, w: WorkerState) -> None:
         assert self._tg is not None

@@ -36,7 +36,7 @@ from dynarl.data.transport import PeerId
 from dynarl.obs.trace_records import Request
 from dynarl.sim.cluster import ClusterModel
 from dynarl.sim.engine import SimEngine
-from dynarl.sim.jobs import JobDone
+from dynarl.sim.jobs import JobDone, JobProgress
 from dynarl.sim.metrics import WorldTotals
 from dynarl.sim.progress import EngineSlot, SeqProgress
 from dynarl.workers.config import RolloutConfig
@@ -87,7 +87,11 @@ class EngineFleet:
         self.router = router or RouterConfig()
         self.order = order_named("priority" if request_order == "priority" else "fifo")
         self.placement = Placement(
-            {PROMPTS: (ROLLOUT,)}, policy=AffinityRouting(seed=seed), emit=emit
+            {PROMPTS: (ROLLOUT,)},
+            policy=AffinityRouting(seed=seed),
+            emit=emit,
+            balance_on_join=self.router.balance_on_join,
+            recall=self._recall,
         )
         self.cap = rollout.max_running_requests
         self.engines: dict[InstanceId, EngineSlot] = {}
@@ -271,6 +275,23 @@ class EngineFleet:
                 self._completed(iid, e, done, now)
             self._schedule(iid, e, now)
 
+    def _recall(self, w: WorkerState, items: tuple[ItemId, ...], now: float) -> None:
+        """The placement asks for running requests back (for a joining engine): the
+        engine aborts them, keeping every token generated, as a worker would on
+        ``Abort``."""
+        iid = w.instance
+        self._touch(iid, now)
+        e = self.engines[iid]
+        self._aborted(w, e.sim.abort(items), now)
+        self._schedule(iid, e, now)
+
+    def _aborted(self, w: WorkerState, aborted: Sequence[JobProgress], now: float) -> None:
+        for a in aborted:
+            self.seqs[a.id].done += a.generated_tokens
+            self.totals.generated_tokens += a.generated_tokens
+            result = wire.ItemResult(item=a.id, status="aborted", num_tokens=a.generated_tokens)
+            self.placement.on_result(w, result, now)
+
     def hold(self, iid: InstanceId, now: float) -> None:
         """Route nothing more to engine ``iid``: the placement routes its queued
         requests elsewhere; those running go on until :meth:`remove`."""
@@ -286,13 +307,7 @@ class EngineFleet:
         self.emit(e.sim.stats())  # its last window, which would be lost with it
         w, p = e.worker, self.placement
         p.set_active(w, False, now)
-        for aborted in e.sim.abort_all():
-            self.seqs[aborted.id].done += aborted.generated_tokens
-            self.totals.generated_tokens += aborted.generated_tokens
-            result = wire.ItemResult(
-                item=aborted.id, status="aborted", num_tokens=aborted.generated_tokens
-            )
-            p.on_result(w, result, now)
+        self._aborted(w, e.sim.abort_all(), now)
         assert w.is_idle, "a drained engine holds nothing"
         if failed is None:
             p.remove_worker(w)

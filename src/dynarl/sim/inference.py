@@ -61,8 +61,13 @@ class InferenceFleet:
         self.stage = stage
         self.router = router or RouterConfig()
         self.order = order_named("fifo")
+        # A replica's running micro-batch is not recalled for a joining one (its work
+        # would be lost, as a real inference worker's would): only queued samples move.
         self.placement = Placement(
-            {TO_INFERENCE: (INFERENCE,)}, policy=AffinityRouting(seed=seed), emit=emit
+            {TO_INFERENCE: (INFERENCE,)},
+            policy=AffinityRouting(seed=seed),
+            emit=emit,
+            balance_on_join=self.router.balance_on_join,
         )
         self.workers: dict[InstanceId, WorkerState] = {}
 

@@ -118,6 +118,8 @@ class FakeWorld:
             {PROMPTS: (ROLLOUT,), TO_INFERENCE: (INFERENCE,)},
             policy=AffinityRouting(seed=cfg.seed),
             emit=emit,
+            balance_on_join=self.router.balance_on_join,
+            recall=self._recall,
         )
         self.workers: dict[InstanceId, WorkerState] = {}
         self.requests: dict[ItemId, _Request] = {}
@@ -202,6 +204,21 @@ class FakeWorld:
         if node.component == ROLLOUT:
             return self.cfg.max_running
         return max(1, math.ceil(self.cfg.inference_items_per_s * len(node.devices) * self.cfg.dt_s))
+
+    def _recall(self, w: WorkerState, items: tuple[ItemId, ...], now: float) -> None:
+        """Hand running requests back for a joining engine, keeping their progress (as
+        a rollout worker does on ``Abort``); a replica scores what it started."""
+        if w.component != ROLLOUT:
+            return
+        for item in items:
+            if item in w.in_flight:
+                self._abort(w, item, now)
+
+    def _abort(self, w: WorkerState, item: ItemId, now: float) -> None:
+        req = self.requests.get(item)
+        tokens = 0 if req is None else req.report(math.floor(req.done))
+        result = wire.ItemResult(item=item, status="aborted", num_tokens=tokens)
+        self.placement.on_result(w, result, now)
 
     def _feed(self) -> None:
         """Each worker takes from its queue up to its capacity (a worker link's pump)."""
@@ -347,10 +364,7 @@ class FakeWorld:
         now = self.clock.now()
         for w in drained:
             for item in list(w.in_flight):
-                req = self.requests.get(item)
-                tokens = 0 if req is None else req.report(math.floor(req.done))
-                result = wire.ItemResult(item=item, status="aborted", num_tokens=tokens)
-                self.placement.on_result(w, result, now)
+                self._abort(w, item, now)
             self.placement.remove_worker(w)
             del self.workers[w.instance]
         await self.clock.sleep(self.cfg.migration_s.get(migration.kind, 1.0))
