@@ -9,8 +9,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 def test_reference_matches_the_config_tree() -> None:
     assert DOC.read_text() == render(), (
-        "docs/configuration.md is stale: run "
-        "`python -m dynarl.config_doc > docs/configuration.md`"
+        "docs/configuration.md is stale: run `python -m dynarl.config_doc > docs/configuration.md`"
     )
 
 

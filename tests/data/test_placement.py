@@ -129,6 +129,7 @@ def _balancing(events: list[ev.Event], *, on: bool = True) -> tuple[Placement, _
         policy=AffinityRouting(seed=0),
         emit=events.append,
         balance_on_join=on,
+        balance_when_idle=on,
         recall=recalls,
     )
     recalls.placement = p
@@ -214,3 +215,66 @@ async def test_balancing_never_moves_an_item_that_must_return_to_its_instance() 
     p.add_worker(b, 1.0)  # share 4, but only the two free items may move
     assert recalls.asked == [(InstanceId("a"), (ItemId("i7"), ItemId("i6")))]
     assert sorted(it.id for it in b.queue.queued()) == [ItemId("i6"), ItemId("i7")]
+
+
+async def test_an_idle_engine_takes_its_share_of_the_tail_each_request_moved_once() -> None:
+    """The rollout tail: ``a`` decodes six long requests while ``b`` has nothing; ``b``
+    takes three (the most recently dispatched); once ``a`` is done and idle, it takes
+    none back (each request is re-prefilled for balance at most once)."""
+    events: list[ev.Event] = []
+    recalls = _Recalls()
+    p = Placement(
+        {PROMPTS: (ROLLOUT,)},
+        policy=AffinityRouting(seed=0),
+        emit=events.append,
+        balance_on_join=False,
+        recall=recalls,
+    )
+    recalls.placement = p
+    a, b = _worker("a", 8), _worker("b", 8)
+    p.add_worker(a, 0.0)
+    p.admit([item(k) for k in range(6)], 0.0)
+    _start(a)
+    p.add_worker(b, 1.0)  # idle at once: 6 * 8/16 = 3
+    assert recalls.asked == [(InstanceId("a"), (ItemId("i5"), ItemId("i4"), ItemId("i3")))]
+    assert [it.id for it in b.queue.queued()] == [ItemId("i5"), ItemId("i4"), ItemId("i3")]
+    _start(b)
+    for k in (0, 1, 2):
+        p.on_result(a, wire.ItemResult(item=ItemId(f"i{k}"), num_tokens=5), 2.0)
+    p.steal_for(a, 2.0)  # what the router does after results: b's three moved once
+    assert len(recalls.asked) == 1 and a.is_idle and len(b.in_flight) == 3
+    for k in (5, 4, 3):
+        p.on_result(b, wire.ItemResult(item=ItemId(f"i{k}"), num_tokens=5), 3.0)
+    assert p.num_balanced == 3 and not p.rebalanced and not p.planned
+
+
+async def test_an_idle_engine_leaves_a_session_with_the_engine_holding_its_prefix() -> None:
+    events: list[ev.Event] = []
+    p, recalls = _balancing(events)
+    a, b = _worker("a", 8), _worker("b", 8)
+    p.add_worker(a, 0.0)
+    p.add_worker(b, 0.0)
+    p.admit([item(k, affinity="prefer", instance=InstanceId("a")) for k in range(4)], 0.0)
+    _start(a)
+    p.steal_for(b, 1.0)
+    assert b.is_idle and not recalls.asked and len(a.in_flight) == 4
+
+
+async def test_without_idle_balancing_the_tail_stays_where_it_runs() -> None:
+    events: list[ev.Event] = []
+    recalls = _Recalls()
+    p = Placement(
+        {PROMPTS: (ROLLOUT,)},
+        policy=AffinityRouting(seed=0),
+        emit=events.append,
+        balance_when_idle=False,
+        recall=recalls,
+    )
+    recalls.placement = p
+    a, b = _worker("a", 8), _worker("b", 8)
+    p.add_worker(a, 0.0)
+    p.add_worker(b, 0.0)
+    p.admit([item(k, affinity="prefer", instance=InstanceId("a")) for k in range(6)], 0.0)
+    _start(a)
+    p.steal_for(b, 1.0)
+    assert b.is_idle and not recalls.asked

@@ -81,7 +81,7 @@ async def test_every_item_completes_exactly_once_on_every_transport(net: Net) ->
     c.graph.check()
     assert c.graph.graph.edges[PROMPTS].num_completed == 300
     # Each item is routed once, and once more if an idle worker took it from a queue.
-    assert len(c.graph.of(ev.ItemRouted)) == 300 + stats.num_stolen
+    assert len(c.graph.of(ev.ItemRouted)) == 300 + stats.num_requeued
     assert (stats.num_completed, stats.num_pending, stats.rejected) == (300, 0, {})
 
 
@@ -272,7 +272,7 @@ async def test_an_idle_worker_takes_the_oldest_item_waiting_at_a_busy_one(inproc
     by_worker = Counter(d.instance for d in done)
     assert sorted(d.item.id for d in done) == sorted(i.id for i in sessions)
     assert stats.num_stolen >= 2 and by_worker["w1"] >= 3
-    assert len(c.graph.of(ev.ItemRouted)) == 6 + stats.num_stolen
+    assert len(c.graph.of(ev.ItemRouted)) == 6 + stats.num_requeued
     stolen = [e.items[0] for e in c.graph.of(ev.ItemsRequeued)]
     assert stolen == sorted(stolen, key=lambda i: int(i[1:]))  # oldest first
     c.graph.check()
@@ -405,10 +405,10 @@ async def test_a_joining_worker_gets_its_share_of_what_another_is_running(
     inproc: Net, balance: bool
 ) -> None:
     """The join race: a batch fits the first worker's capacity, so it runs all of it;
-    a worker joining a moment later finds nothing waiting. With ``balance_on_join``
-    the first is asked (``Abort``) for its most recently dispatched half, which comes
-    back with its partial output and runs on the joiner."""
-    config = RouterConfig(balance_on_join=balance)
+    a worker joining a moment later finds nothing waiting. With balancing the first is
+    asked (``Abort``) for its most recently dispatched half, which comes back with its
+    partial output and runs on the joiner."""
+    config = RouterConfig(balance_on_join=balance, balance_when_idle=balance)
     async with cluster(inproc, [], all_instances=["w0", "w1"], config=config) as c:
         c.add_worker("w0", capacity=8, serve=functools.partial(hold_until_aborted, num_tokens=3))
         await c.router.wait_for_instances(1)
@@ -427,7 +427,8 @@ async def test_a_joining_worker_gets_its_share_of_what_another_is_running(
         rest = await c.collect(8 - len(moved))
     if balance:
         assert sorted(d.item.id for d in moved) == ["i4", "i5", "i6", "i7"]
-        assert {d.instance for d in moved} == {"w1"} and stats.num_balanced == 4
+        # (then, idle again, w1 takes half of what w0 still runs)
+        assert {d.instance for d in moved} == {"w1"} and stats.num_balanced >= 4
         assert all(d.item.payload.startswith(b"partial:") for d in moved)
     else:
         assert stats.num_balanced == 0 and stats.num_requeued == 0

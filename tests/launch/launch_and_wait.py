@@ -21,9 +21,7 @@ async def main(endpoint: str, num_slots: int) -> None:
     consumers = {EdgeId("prompts"): [ComponentId("rollout")]}
     async with (
         Router(transport, consumers=consumers) as router,
-        LocalLauncher(
-            router, LaunchConfig(num_slots=num_slots, slot=SlotConfig())
-        ) as launcher,
+        LocalLauncher(router, LaunchConfig(num_slots=num_slots, slot=SlotConfig())) as launcher,
     ):
         print(json.dumps([slot.pid for slot in launcher.slots]), flush=True)
         await anyio.sleep_forever()

@@ -33,13 +33,20 @@ logger = logging.getLogger(__name__)
 _MAX_REFILL_MISSES = 4
 
 
-def _movable(item: wire.Item, *, edges: set[EdgeId], sticky: WorkerState | None) -> bool:
-    """Whether ``steal_for`` may move ``item``: never one that must return to its
-    instance, and none whose prefix ``sticky`` holds."""
+def _movable(
+    item: wire.Item,
+    *,
+    edges: set[EdgeId],
+    sticky: WorkerState | None,
+    exclude: set[ItemId] | None = None,
+) -> bool:
+    """Whether ``steal_for`` or ``balance_for`` may move ``item``: never one that must
+    return to its instance, none whose prefix ``sticky`` holds, none in ``exclude``."""
     return (
         item.affinity != "must"
         and item.edge in edges
         and (sticky is None or item.instance != sticky.instance)
+        and (exclude is None or item.id not in exclude)
     )
 
 
@@ -71,6 +78,9 @@ class Placement:
         balance_on_join: an instance that joins (or resumes) takes its fair share of
             what the other instances of its component hold (see :meth:`balance_for`);
             off, it takes only the backlog and what waits beyond another's capacity.
+        balance_when_idle: so does an instance left with nothing to do while others
+            still run several items (the rollout tail), each item moved this way at
+            most once.
         recall: asks a worker to hand these in-flight items back now (status
             ``aborted``, with their partial output; the router sends ``Abort``), for
             :meth:`balance_for` to move them; ``None``: only queued items move.
@@ -83,12 +93,14 @@ class Placement:
         policy: RoutingPolicy,
         emit: Callable[[ev.Event], object],
         balance_on_join: bool = True,
+        balance_when_idle: bool = True,
         recall: Callable[[WorkerState, tuple[ItemId, ...], float], object] | None = None,
     ) -> None:
         self.consumers = {e: frozenset(cs) for e, cs in consumers.items()}
         self.policy = policy
         self.emit = emit
         self.balance_on_join = balance_on_join
+        self.balance_when_idle = balance_when_idle
         self.recall = recall
         self.workers: dict[InstanceId, WorkerState] = {}
         self.candidates: dict[EdgeId, list[WorkerState]] = {e: [] for e in self.consumers}
@@ -114,6 +126,9 @@ class Placement:
         self.recalled: dict[ItemId, tuple[InstanceId, InstanceId]] = {}
         """In-flight items asked back for a joining instance: (holder, joiner) each,
         until their result arrives."""
+        self.rebalanced: set[ItemId] = set()
+        """Pending items moved by :meth:`balance_for` (an idle instance takes none of
+        them: a request is re-prefilled for balance at most once)."""
 
     # ------------------------------------------------------------------ workers
 
@@ -230,6 +245,7 @@ class Placement:
             raise RoutingError(f"item {item_id!r} is not out on a tool call")
         assert item.instance is not None, "a session in a tool call was served"
         self.pending.discard(item_id)
+        self.rebalanced.discard(item_id)
         self.num_completed += 1
         self.emit(
             ev.ItemCompleted(
@@ -249,10 +265,13 @@ class Placement:
         if item is None:
             raise RoutingError(f"{w.instance!r} returned {r.item!r}, which it does not hold")
         generated = self.generated_tokens.pop(item.id, 0) + r.num_tokens
-        if self.recalled:
-            self.recalled.pop(item.id, None)
+        if item.id in self.recalled:
+            del self.recalled[item.id]
+            if r.status != "aborted":  # it ended its turn before the recall landed
+                self.planned.pop(item.id, None)
         if r.status in ("done", "refused"):
             self.pending.discard(item.id)
+            self.rebalanced.discard(item.id)
             if self.planned:
                 self.planned.pop(item.id, None)
             self.num_completed += 1
@@ -350,12 +369,17 @@ class Placement:
             w.queue.put_nowait(item, now_s=now)
             self.num_routed += 1
             self.emit(ev.ItemRouted(time_s=now, edge=item.edge, item=item.id, instance=w.instance))
+        if self.balance_when_idle and w.is_idle:
+            self.balance_for(w, now, idle=True)
 
-    def balance_for(self, w: WorkerState, now: float) -> None:
-        """``w`` joined or resumed: move to it its fair share of what the active
-        instances of its component hold, so that a backlog is not all run by whichever
-        instance happened to join first while the others, joining moments later, find
-        nothing waiting beyond its capacity (what :meth:`steal_for` takes).
+    def balance_for(self, w: WorkerState, now: float, *, idle: bool = False) -> None:
+        """``w`` joined or resumed (or, with ``idle``, has nothing left to do): move to
+        it its fair share of what the active instances of its component hold, so that
+        a backlog is not all run by whichever instance happened to join first while the
+        others, joining moments later, find nothing waiting beyond its capacity (what
+        :meth:`steal_for` takes); and so that in the rollout tail no engine decodes a
+        batch of long requests while another idles (an idle ``w`` takes only items no
+        balance moved before: each is re-prefilled for balance at most once).
 
         The share is by capacity: ``w`` is brought up to ``held * capacity(w) /
         capacity(all)`` items (at most its capacity), taken from the instances holding
@@ -365,8 +389,12 @@ class Placement:
         ``recall``) and routed to ``w`` when their aborted result comes back, with
         their partial output. Items that must return to their instance never move;
         items already recalled count where they are going. Off with
-        ``balance_on_join=False``."""
-        if not (self.balance_on_join and w.active and w.can_start_now):
+        ``balance_on_join=False`` (``balance_when_idle=False``)."""
+        if not (
+            (self.balance_when_idle if idle else self.balance_on_join)
+            and w.active
+            and w.can_start_now
+        ):
             return
         peers = [c for c in self.workers.values() if c.active and c.component == w.component]
         if len(peers) < 2:
@@ -385,7 +413,11 @@ class Placement:
         if want <= 0:
             return
         edges = {e for e, components in self.consumers.items() if w.component in components}
-        movable = functools.partial(_movable, edges=edges, sticky=None)
+        exclude = self.rebalanced if idle else None
+        movable = {
+            c.instance: functools.partial(_movable, edges=edges, sticky=c, exclude=exclude)
+            for c in peers
+        }
         heap: list[tuple[int, InstanceId]] = []
         for c in peers:
             surplus = held[c.instance] - math.ceil(total * c.capacity / capacity)
@@ -397,7 +429,7 @@ class Placement:
             iid: (
                 item
                 for item in reversed(list(self.workers[iid].in_flight.values()))
-                if item.id not in self.recalled and movable(item)
+                if item.id not in self.recalled and movable[iid](item)
             )
             for _, iid in heap
         }
@@ -405,7 +437,7 @@ class Placement:
             neg, iid = heapq.heappop(heap)
             donor = self.workers[iid]
             if (
-                self._take_queued(donor, w, movable, now)
+                self._take_queued(donor, w, movable[iid], now)
                 or self._redirect_one(coming.get(iid), w)
                 or self._recall_one(donor, w, in_flight, recalls)
             ):
@@ -433,6 +465,7 @@ class Placement:
         )
         self.num_requeued += 1
         self.num_balanced += 1
+        self.rebalanced.add(item.id)
         w.queue.put_nowait(item, now_s=now)
         self.num_routed += 1
         self.emit(ev.ItemRouted(time_s=now, edge=item.edge, item=item.id, instance=w.instance))
@@ -465,6 +498,7 @@ class Placement:
             return False
         self.recalled[item.id] = (donor.instance, w.instance)
         self.planned[item.id] = w.instance
+        self.rebalanced.add(item.id)
         recalls.setdefault(donor.instance, []).append(item.id)
         self.num_balanced += 1
         return True

@@ -89,6 +89,7 @@ class Router:
             policy=policy or AffinityRouting(),
             emit=on_event or (lambda e: None),
             balance_on_join=self.config.balance_on_join,
+            balance_when_idle=self.config.balance_when_idle,
             recall=self._recall,
         )
         self.rejections = Rejections("router")
