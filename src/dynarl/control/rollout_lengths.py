@@ -15,7 +15,7 @@ their remaining lengths.
 import bisect
 import math
 
-from dynarl.control.elements import TOOL
+from dynarl.control.elements import TOOL, HyperEdge
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.core.ids import ComponentId
@@ -46,7 +46,12 @@ def mean_progress(graph: Hypergraph, component: ComponentId) -> float:
         return 0.0
     edges = graph.edges_into(component)
     parked = sum(e.progress_parked for e in edges)
-    held = sum(n.progress_sum() for n in graph.components[component].instances.values())
+    held = sum(  # Node.progress_sum, inlined: this runs for every candidate plan
+        [
+            n.progress_base + len(n.started) * n.tokens_per_request
+            for n in graph.components[component].instances.values()
+        ]
+    )
     return max(0.0, parked + held) / pending
 
 
@@ -88,14 +93,40 @@ def pending_progress(
 
 
 def _pending_progress(graph: Hypergraph, component: ComponentId) -> list[float]:
+    edges = graph.edges_into(component)
+    if all(e.spec.consumers == (component,) for e in edges):
+        return _progress_by_holder(graph, component, edges)
     out: list[float] = []
-    for edge in graph.edges_into(component):
+    for edge in edges:
         for st in edge.items.values():
             owner = st.owner
             if owner is None or owner == TOOL:
                 out.append(st.generated)
             else:
                 out.append(graph.instances[owner].progress_of(st))
+    out.sort()
+    return out
+
+
+def _progress_by_holder(
+    graph: Hypergraph, component: ComponentId, edges: list[HyperEdge]
+) -> list[float]:
+    """:func:`_pending_progress` when only ``component`` consumes its edges: every
+    held request is then held by one of its instances, so each instance's running and
+    waiting requests are read together (its share of the tokens looked up once, not
+    once per request) and the queued ones from the edges' queues (the sorted values
+    are the same)."""
+    out: list[float] = []
+    for edge in edges:
+        items = edge.items
+        if edge.num_in_tool:
+            out.extend(st.generated for st in items.values() if st.owner in (None, TOOL))
+        else:  # nothing in a tool: the parked requests are the queued ones
+            out.extend([items[i].generated for i in edge.queue])
+    for node in graph.components[component].instances.values():
+        tpr = node.tokens_per_request
+        out.extend([st.generated + tpr - st.mark for st in node.started.values()])
+        out.extend([st.generated for st in node.waiting.values()])
     out.sort()
     return out
 
@@ -223,24 +254,26 @@ def _completion_order(graph: Hypergraph, component: ComponentId, est: Estimates)
             points.append((1.0, float(count), p + 1.0))
             continue
         draws = min(left, _ORDER_POINTS)
-        for j in range(draws):
-            final = float(lengths[k + (2 * j + 1) * left // (2 * draws)])
-            points.append((final - p, count / draws, final))
+        weight = count / draws
+        picks = [lengths[k + (2 * j + 1) * left // (2 * draws)] for j in range(draws)]
+        points.extend([(final - p, weight, final) for final in map(float, picks)])
     points.sort()
     longest = max(expected_longest_remaining(graph, component, est), 1.0)
-    total = sum(w for _, w, _ in points)
+    total = sum([w for _, w, _ in points])
     times: list[float] = []
     means: list[float] = []
     edge = total / _ORDER_BUCKETS
     acc = mass = tokens = 0.0
+    reached = edge - 1e-9  # where the first bucket ends (less a rounding margin)
     for r, w, final in points:
         acc += w
         mass += w
         tokens += w * final
-        if acc >= edge * (len(times) + 1) - 1e-9 and len(times) < _ORDER_BUCKETS:
+        if acc >= reached and len(times) < _ORDER_BUCKETS:
             times.append(min(1.0, r / longest))
             means.append(tokens / mass)
             mass = tokens = 0.0
+            reached = edge * (len(times) + 1) - 1e-9
     while len(times) < _ORDER_BUCKETS:  # rounding: the last bucket ends with the last
         times.append(min(1.0, points[-1][0] / longest))
         means.append(tokens / mass if mass > 0 else (means[-1] if means else 0.0))

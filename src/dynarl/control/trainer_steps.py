@@ -30,6 +30,8 @@ holds them at their step boundary.
 
 import math
 from collections.abc import Mapping
+from itertools import accumulate
+from operator import itemgetter
 
 from dynarl.control import rollout_lengths
 from dynarl.control.demand import Demand, Rates
@@ -81,8 +83,12 @@ def _steps(graph: Hypergraph, cid: ComponentId, steps_left: int, est: Estimates)
         stage = max(preds, key=graph.pending, default=None)
     # group -> [samples, work, ready share, requests in rollout, their prompt tokens]
     groups: dict[GroupId, list[float]] = {}
-    between: list[tuple[GroupId, float]] = []  # samples between rollout and trainer
+    # Samples between rollout and trainer arrive in chain order (nearest the trainer
+    # first), in queue order: the work arrived by each group's last one.
+    arrival: dict[GroupId, int] = {}
+    arrived = 0
     rollout: ComponentId | None = None
+    sized = graph.sized
     for stage in chain:
         kind = graph.components[stage].spec.kind
         for edge in graph.edges_into(stage):
@@ -97,27 +103,34 @@ def _steps(graph: Hypergraph, cid: ComponentId, steps_left: int, est: Estimates)
                         g[3] += num
                         g[4] += size
                     else:
-                        g[1] += size if graph.sized else num
+                        g[1] += size if sized else num
                 continue
-            for st in edge.items.values():
-                g = groups.setdefault(st.group, [0.0, 0.0, 0.0, 0.0, 0.0])
-                g[0] += 1
-                g[1] += graph.item_work(st)
-                between.append((st.group, graph.item_work(st)))
+            # Per group its counts (groups in the order of their first sample), per
+            # sample only its work (graph.item_work, summed in whole tokens).
+            states = edge.items.values()
+            order = [st.group for st in states]
+            for group in dict.fromkeys(order):
+                num, size = edge.groups[group]
+                g = groups.setdefault(group, [0.0, 0.0, 0.0, 0.0, 0.0])
+                g[0] += num
+                g[1] += size if sized else num
+            works = [max(st.tokens, 1) for st in states] if sized else [1] * len(order)
+            running = accumulate(works, initial=arrived)
+            next(running)
+            arrival.update(zip(order, running, strict=True))
+            arrived += sum(works)
     if rollout is not None:
         _rollout_groups(graph, rollout, groups, est)
     upstream = sum(g[1] for g in groups.values()) - graph.work_pending(cid)
-    arrived = 0.0
-    for group, work in between:  # chain order: nearest the trainer first
-        arrived += work
+    for group, by in arrival.items():
         g = groups[group]
-        g[2] = max(g[2], min(1.0, arrived / upstream) if upstream > 0 else 0.0)
+        g[2] = max(g[2], min(1.0, by / upstream) if upstream > 0 else 0.0)
     total = sum(g[0] for g in groups.values())
     per_step = math.ceil(total / steps_left)
     steps: list[float] = []
     ready: list[float] = []
     count, work, last = 0.0, 0.0, 0.0
-    for g in sorted(groups.values(), key=lambda g: g[2]):
+    for g in sorted(groups.values(), key=itemgetter(2)):
         count, work, last = count + g[0], work + g[1], max(last, g[2])
         if count >= per_step - 1e-9:
             steps.append(work)
@@ -143,12 +156,15 @@ def _rollout_groups(
     else:
         times, lengths = order.time, order.length
     k = len(times)
+    buckets: dict[float, int] = {}  # by m (groups mostly have the same sizes)
     for g in groups.values():
         m = g[3]
         if not m:
             continue
-        q = 0.5 ** (1.0 / m)  # median of the maximum of m uniform quantiles
-        b = min(k - 1, int(q * k))
+        b = buckets.get(m, -1)
+        if b < 0:
+            q = 0.5 ** (1.0 / m)  # median of the maximum of m uniform quantiles
+            b = buckets[m] = min(k - 1, int(q * k))
         g[2] = max(g[2], times[b])
         g[1] += g[4] + m * lengths[b]
 

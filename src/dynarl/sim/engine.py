@@ -406,7 +406,13 @@ class SimEngine:
         every job's future tokens fits (a lone job is always admitted)."""
         ratio = self._ratio()
         step = self._step_count
-        future = sum(self._reserve(e.finish_step - step) for e in self._running.values())
+        clip = self.config.new_token_clip  # _reserve(finish_step - step), inlined: O(running)
+        future = sum(
+            [
+                min(e.start_step + e.job.output_tokens - e.done - step, clip)
+                for e in self._running.values()
+            ]
+        )
         admitted: list[_Entry] = []
         held = self._held
         batch = len(self._running)
