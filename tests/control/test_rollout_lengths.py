@@ -117,7 +117,9 @@ def test_each_request_keeps_its_own_progress_across_engines_tools_and_requeues()
 
     # a leaves for a tool call (its progress is kept while out), then runs on rollout-1.
     g.apply(ev.ToolCallStarted(edge=PROMPTS, item=a, instance=E0, prefix_tokens=160, time_s=2.0))
+    assert pending_progress(g, ROLLOUT) == pytest.approx([50.0, 150.0, 150.0])  # a in a tool
     g.apply(ev.ToolCallFinished(edge=PROMPTS, item=a, time_s=2.5))
+    assert pending_progress(g, ROLLOUT) == pytest.approx([50.0, 150.0, 150.0])  # a queued
     g.apply(ev.ItemRouted(edge=PROMPTS, item=a, instance=E1, time_s=2.5))
     progress_to(g, 20.0, 1, t0=2.5, engine=E1)
     progress_to(g, 10.0, 2, t0=3.0)  # b 160, c 60 on rollout-0
