@@ -203,8 +203,10 @@ def main() -> None:
         f"{ranking(simulated_s)}: {'agrees' if agrees else 'DISAGREES'}"
     )
     print(
-        f"profile: {profile.name}, decode step {profile.decode_step_s * 1e3:.2f} ms, "
-        f"host slowdown {profile.host_slowdown}"
+        f"profile: {profile.name}, decode step {profile.decode_step_s * 1e3:.2f} ms "
+        f"(+{profile.step_dispatch_s * 1e3:.2f} ms worker loop), cache rebuild "
+        f"{profile.join_per_held_token_s * 1e6:.3f}/{profile.leave_per_held_token_s * 1e6:.3f} "
+        f"us per token held (join/leave), host slowdown {profile.host_slowdown}"
     )
     record: dict[str, Any] = {
         "bench": "sim_fidelity",

@@ -47,7 +47,7 @@ def test_the_recipe_selects_the_cpu_profile() -> None:
     completion = cpu_run(e2e_cpu(), "algorithm.minibatch_order=completion")
     assert not ClusterModel.from_config(completion).train_after_rollout
     a, b = cluster.engine.step_coefficients()
-    assert a == pytest.approx(CPU_1T.decode_step_s)
+    assert a == pytest.approx(CPU_1T.decode_step_s + CPU_1T.step_dispatch_s)
     assert b == pytest.approx(CPU_1T.decode_per_context_token_s)
     assert cluster.engine.step_per_request_s == CPU_1T.decode_per_request_s
 
@@ -95,3 +95,43 @@ def test_the_cpu_profile_refuses_a_workload_its_workers_do_not_run() -> None:
     cfg = cpu_run(e2e_cpu(), "sim.workload=agentic")
     with pytest.raises(SimError, match=r"sim\.workload=.agentic"):
         ClusterModel.from_config(cfg)
+
+
+def test_the_reference_engine_costs_reach_the_engine_model() -> None:
+    """The worker loop's cost per step and the padded cache's rebuilds are charged on
+    the modelled engine of a CPU profile; a GPU cluster's engine keeps a paged cache."""
+    profile = msgspec.structs.replace(
+        CPU_1T, step_dispatch_s=3e-4, join_per_held_token_s=1e-7, leave_per_held_token_s=2e-7
+    )
+    engine = cpu_cluster(cpu_run(e2e_cpu()), profile=profile).engine
+    a, _ = engine.step_coefficients()
+    assert a == pytest.approx(CPU_1T.decode_step_s + 3e-4)
+    assert engine.prefill_overhead_s == pytest.approx(CPU_1T.prefill_overhead_s + 3e-4)
+    assert engine.padded_kv
+    assert (engine.join_per_held_token_s, engine.leave_per_held_token_s) == (1e-7, 2e-7)
+    gpu = ClusterModel.from_config(SimulatedRun()).engine
+    assert not gpu.padded_kv
+    assert gpu.join_per_held_token_s == gpu.leave_per_held_token_s == 0.0
+
+
+def test_a_profiling_run_fills_the_reference_engine_costs() -> None:
+    from dynarl.sim.profile_file import MEASURED, profile_from
+
+    costs = {
+        "decode_a_s": 2e-3,
+        "decode_per_request_s": 1e-5,
+        "decode_per_context_s": 1e-7,
+        "prefill_overhead_s": 1e-3,
+        "prefill_per_token_s": 1e-5,
+        "inference_overhead_s": 1e-3,
+        "inference_per_token_s": 1e-5,
+        "train_overhead_s": 1e-2,
+        "train_per_token_s": 1e-5,
+    }
+    older = profile_from(costs)  # a profiling run from before these terms: none charged
+    assert older.step_dispatch_s == older.join_per_held_token_s == 0.0
+    new = {"step_dispatch_s": 2e-4, "join_per_held_token_s": 1e-7, "leave_per_held_token_s": -1.0}
+    profile = profile_from({**costs, **new})
+    assert profile.step_dispatch_s == 2e-4 and profile.join_per_held_token_s == 1e-7
+    assert profile.leave_per_held_token_s == 0.0  # a fitted slope clipped at zero
+    assert {"step_dispatch_s", "join_per_held_token_s", "leave_per_held_token_s"} <= set(MEASURED)

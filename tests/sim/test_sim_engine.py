@@ -336,3 +336,77 @@ def test_a_cost_per_running_request_matches_a_token_by_token_reference() -> None
                 expected[i] = t
                 del left[i]
     assert {d.id: d.time_s for d in done} == pytest.approx(expected, rel=1e-9)
+
+
+def _padded_reference(
+    config: EngineConfig, jobs: list[Job], max_running: int
+) -> dict[ItemId, float]:
+    """Token by token: FIFO admission up to ``max_running``, every step reading each
+    running row at the longest row's width, and the cache rebuilt (its cost per token
+    held) when rows join a running batch or leave one."""
+    a, b = config.step_coefficients()
+    c = config.step_per_request_s
+    queue = list(jobs)
+    ctx: dict[ItemId, int] = {}
+    left: dict[ItemId, int] = {}
+    expected: dict[ItemId, float] = {}
+    t = 0.0
+
+    def read() -> int:
+        return len(ctx) * max(ctx.values(), default=0)
+
+    while queue or left:
+        admitted = queue[: max_running - len(left)]
+        del queue[: len(admitted)]
+        if admitted:
+            t += config.prefill_overhead_s + config.join_per_held_token_s * read()
+            t += sum(config.prefill_s(j.context_tokens) for j in admitted)
+            for j in admitted:
+                ctx[j.id], left[j.id] = j.context_tokens, j.output_tokens
+        t += a + c * len(left) + b * read()
+        finished = []
+        for i in list(left):
+            ctx[i] += 1
+            left[i] -= 1
+            if not left[i]:
+                expected[i] = t
+                finished.append(i)
+        for i in finished:
+            del left[i], ctx[i]
+        if finished and left:
+            t += config.leave_per_held_token_s * read()
+    return expected
+
+
+def test_a_padded_cache_matches_a_token_by_token_reference() -> None:
+    config = _config(
+        max_running_requests=3,
+        step_per_request_s=1e-4,
+        padded_kv=True,
+        join_per_held_token_s=2e-6,
+        leave_per_held_token_s=3e-6,
+    )
+    rng = random.Random(5)
+    jobs = [_job(f"r{i}", rng.randint(4, 300), rng.randint(1, 120)) for i in range(9)]
+    engine = _engine(config)
+    engine.submit(jobs)
+    done = engine.advance_to(1e9)
+    expected = _padded_reference(config, jobs, 3)
+    assert {d.id: d.time_s for d in done} == pytest.approx(expected, rel=1e-9)
+    # a paged cache reads only the context held, and rebuilds nothing
+    paged = _engine(_config(max_running_requests=3, step_per_request_s=1e-4))
+    paged.submit(jobs)
+    assert max(d.time_s for d in paged.advance_to(1e9)) < max(expected.values())
+
+
+def test_a_padded_cache_reports_the_step_rate_it_reads_at() -> None:
+    """Right after the prefill, a step of a short row beside a long one costs what
+    both rows at the long width cost."""
+    config = _config(padded_kv=True)
+    engine = _engine(config)
+    engine.submit([_job("long", 4000, 50), _job("short", 10, 50)])
+    prefilled_s = config.prefill_overhead_s + config.prefill_s(4000) + config.prefill_s(10)
+    engine.advance_to(prefilled_s)
+    engine.stats()  # the window since construction
+    a, b = config.step_coefficients()
+    assert engine.stats().gen_tokens_per_s == pytest.approx(2 / (a + b * 2 * 4000), rel=1e-9)

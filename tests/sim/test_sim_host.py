@@ -97,9 +97,13 @@ def test_a_profile_without_the_curve_keeps_devices_independent() -> None:
     assert ClusterModel.from_config(gpu).host is None
 
 
+_VERSION_3 = ("step_dispatch_s", "join_per_held_token_s", "leave_per_held_token_s")
+
+
 def test_a_version_1_profile_file_reads_as_independent_slots(tmp_path: Path) -> None:
     device = msgspec.to_builtins(msgspec.structs.replace(CPU_1T, host_slowdown=()))
-    del device["host_slowdown"]
+    for field in ("host_slowdown", *_VERSION_3):  # fields of later versions
+        del device[field]
     old = {"profile_version": 1, "device": device, "model": {}}
     path = tmp_path / "v1.json"
     path.write_text(json.dumps(old))
@@ -116,3 +120,20 @@ def test_a_version_1_profile_file_reads_as_independent_slots(tmp_path: Path) -> 
     path.write_text(json.dumps({**old, "profile_version": 2}))
     with pytest.raises(SimError, match=r"host_slowdown\[0\]=2.0"):
         read_profile(path)
+
+
+def test_a_version_2_profile_file_reads_without_the_engine_costs(tmp_path: Path) -> None:
+    device = msgspec.to_builtins(CPU_1T)
+    dispatch = device.pop("step_dispatch_s")
+    for field in _VERSION_3[1:]:
+        del device[field]
+    path = tmp_path / "v2.json"
+    path.write_text(json.dumps({"profile_version": 2, "device": device, "model": {}}))
+    read = read_profile(path).device
+    assert (read.step_dispatch_s, read.join_per_held_token_s) == (0.0, 0.0)
+    device["step_dispatch_s"] = dispatch
+    path.write_text(json.dumps({"profile_version": 2, "device": device, "model": {}}))
+    with pytest.raises(SimError, match=r"device\.step_dispatch_s is a version 3 field"):
+        read_profile(path)
+    path.write_text(json.dumps({"profile_version": 3, "device": device, "model": {}}))
+    assert read_profile(path).device.step_dispatch_s == dispatch

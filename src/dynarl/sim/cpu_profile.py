@@ -8,7 +8,11 @@ and dispatch cost of milliseconds, and the work on top grows with the (padded) t
 
 - a decode step costs ``decode_step_s + decode_per_request_s x running requests +
   decode_per_context_token_s x context held`` (the engine model's ``a + c x batch + b x
-  context``, with ``b`` as an effective memory bandwidth);
+  context``, with ``b`` as an effective memory bandwidth), the context read at the
+  longest running row's width (the reference engine's cache is left-padded), plus
+  ``step_dispatch_s`` for the worker's loop driving the step;
+- the padded cache is rebuilt when rows join (a prefill into a running batch) and when
+  they leave: ``join_per_held_token_s`` and ``leave_per_held_token_s`` per token held;
 - prefill, log-prob inference and training cost a fixed time per call plus a time per
   token; training pays for padded tokens (every minibatch is padded to its longest
   sample); with ``algorithm.minibatch_order=seeded`` (the default) the first step
@@ -66,6 +70,14 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
         decode_per_context_token_s: extra decode-step cost per token of context held.
         prefill_overhead_s: fixed cost of one prefill batch.
         prefill_per_token_s: prefill cost per prompt token.
+        step_dispatch_s: extra cost of every engine step (decode or prefill) when the
+            rollout worker's loop drives it (a hop to a worker thread and back, the
+            engine lock, completions handed on) rather than a bare ``step()`` call.
+        join_per_held_token_s: extra cost of a prefill into a running batch per token
+            of KV the batch holds at its padded width (the cache rebuilt with the new
+            rows).
+        leave_per_held_token_s: cost of finished rows leaving the running batch, per
+            token of KV the remaining rows hold at their padded width.
         inference_overhead_s: fixed cost of one log-prob micro-batch.
         inference_per_token_s: log-prob cost per (padded) token.
         train_overhead_s: fixed cost of one optimizer step on a rank.
@@ -100,6 +112,9 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
     decode_per_context_token_s: float
     prefill_overhead_s: float
     prefill_per_token_s: float
+    step_dispatch_s: float = 0.0
+    join_per_held_token_s: float = 0.0
+    leave_per_held_token_s: float = 0.0
     inference_overhead_s: float
     inference_per_token_s: float
     train_overhead_s: float
@@ -134,6 +149,12 @@ CPU_1T = CpuProfile(
     decode_per_context_token_s=0.1e-6,
     prefill_overhead_s=3.6e-3,
     prefill_per_token_s=13e-6,
+    # the worker loop's cost per step and the padded cache's rebuilds: the dispatch
+    # and churn parts of bench/profile_cpu.py, medians of 4-8 rounds on 2026-12-03
+    # (step 0.09-0.25 ms; join 0.07-0.24 us, leave 0.02-0.12 us per token held)
+    step_dispatch_s=0.17e-3,
+    join_per_held_token_s=0.13e-6,
+    leave_per_held_token_s=0.04e-6,
     inference_overhead_s=1.4e-3,
     inference_per_token_s=16e-6,
     train_overhead_s=2e-3,
@@ -336,10 +357,13 @@ def cpu_cluster(
             model=shape,
             tp=cfg.rollout.tp,
             max_running_requests=cfg.rollout.max_running_requests,
-            step_overhead_s=max(0.0, profile.decode_step_s - weights_s),
+            step_overhead_s=max(0.0, profile.decode_step_s - weights_s) + profile.step_dispatch_s,
             step_per_request_s=profile.decode_per_request_s,
             prefill_mfu=1.0,
-            prefill_overhead_s=profile.prefill_overhead_s,
+            prefill_overhead_s=profile.prefill_overhead_s + profile.step_dispatch_s,
+            padded_kv=True,
+            join_per_held_token_s=profile.join_per_held_token_s,
+            leave_per_held_token_s=profile.leave_per_held_token_s,
             kv_capacity_tokens=cfg.rollout.kv_capacity_tokens,
         ),
         inference=CpuInferenceCost(

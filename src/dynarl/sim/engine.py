@@ -21,6 +21,13 @@ running, ``A`` tokens of context held), so the time of ``n`` steps has a closed 
 steps that fit in an interval solve a quadratic. Events are completions, cache
 overflows and admissions; nothing is simulated token by token, and between events the
 engine's state is only materialised when someone looks (submit, abort).
+
+An engine that keeps its running batch in one left-padded cache (the reference torch
+engine; :attr:`EngineConfig.padded_kv`) reads every row at the longest row's width: a
+step then reads ``B x (M + k)`` tokens (``M`` the longest context) instead of ``A + k x
+B``, the same closed form. Rebuilding that cache when rows join (a prefill) or leave (a
+completion) costs its own time per token it holds (:attr:`EngineConfig.join_per_held_token_s`,
+:attr:`EngineConfig.leave_per_held_token_s`).
 """
 
 import heapq
@@ -111,6 +118,8 @@ class SimEngine:
         self._running: dict[ItemId, _Entry] = {}  # in admission order: last is youngest
         self._finish_heap: list[tuple[int, int, ItemId]] = []  # (finish step, seq, id)
         self._held = 0  # context tokens of the running jobs
+        self._padded = config.padded_kv
+        self._longest_base = 0  # longest running context = this + _step_count (padded_kv)
         self._queue: deque[_Entry] = deque()
         self._queued_ids: set[ItemId] = set()
         self._cache = PrefixCache()
@@ -248,7 +257,8 @@ class SimEngine:
             rate = (generated - self._stats_generated) / window
         else:
             decoding = batch > 0 and self._t <= self._now
-            step_s = (self._a + self._c * batch + self._b * held) * self._slowdown
+            read = held + self._read_tokens() - self._held
+            step_s = (self._a + self._c * batch + self._b * read) * self._slowdown
             rate = batch / step_s if decoding else 0.0
         self._stats_s, self._stats_generated = self._now, generated
         return EngineStats(
@@ -287,8 +297,23 @@ class SimEngine:
         """Time of the next ``steps`` decode steps from the current state."""
         batch = len(self._running)
         fixed = self._a + self._c * batch
-        alone = steps * fixed + self._b * (steps * self._held + batch * steps * (steps - 1) / 2)
+        read = self._read_tokens()
+        alone = steps * fixed + self._b * (steps * read + batch * steps * (steps - 1) / 2)
         return alone * self._slowdown
+
+    def _read_tokens(self) -> int:
+        """Tokens of KV the next decode step reads: the context held, or every row at
+        the longest row's width in a left-padded cache."""
+        if not self._padded:
+            return self._held
+        return len(self._running) * (self._longest_base + self._step_count)
+
+    def _rows_changed(self) -> None:
+        """The running set changed: find the longest row again (padded cache only)."""
+        if self._padded:
+            self._longest_base = max(
+                (e.queued_context - e.start_step for e in self._running.values()), default=0
+            )
 
     def _steps_within(self, dt: float) -> int:
         """Whole decode steps that fit in ``dt`` seconds from the current state."""
@@ -297,7 +322,7 @@ class SimEngine:
             return 0
         dt_alone = dt / self._slowdown
         qa = self._b * batch / 2
-        qb = self._a + self._c * batch + self._b * self._held - qa
+        qb = self._a + self._c * batch + self._b * self._read_tokens() - qa
         n = int((-qb + math.sqrt(qb * qb + 4 * qa * dt_alone)) / (2 * qa))
         while n > 0 and self._span_s(n) > dt:
             n -= 1
@@ -341,6 +366,7 @@ class SimEngine:
         entry = self._running.pop(item)
         entry.done += self._step_count - entry.start_step
         self._held -= entry.queued_context
+        self._rows_changed()
         return entry
 
     def _finish(self) -> list[JobDone]:
@@ -364,6 +390,9 @@ class SimEngine:
             )
             if job.tool_call_after:
                 self._cache.put(item, ctx)
+        if out and self._running and self.config.leave_per_held_token_s:
+            # the rows left behind are copied into a cache of their own
+            self._t += self.config.leave_per_held_token_s * self._read_tokens() * self._slowdown
         return out
 
     def _ratio(self) -> float:
@@ -440,6 +469,7 @@ class SimEngine:
         """Admit ``admitted``: prefill what the prefix cache does not hold; running
         jobs stall meanwhile."""
         flops = 0.0
+        joined = self.config.join_per_held_token_s * self._read_tokens() if self._running else 0.0
         for entry in admitted:
             context = entry.queued_context
             hit = min(self._cache.take(entry.job.id), context)
@@ -452,6 +482,7 @@ class SimEngine:
             self._running[entry.job.id] = entry
             heapq.heappush(self._finish_heap, (entry.finish_step, entry.seq, entry.job.id))
             self._held += context
-        prefill_s = self.config.prefill_overhead_s + flops / self._flops_rate
+        self._rows_changed()
+        prefill_s = self.config.prefill_overhead_s + flops / self._flops_rate + joined
         self._t += prefill_s * self._slowdown
         self._cache.shrink_to(self._capacity - self._held)

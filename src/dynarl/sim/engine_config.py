@@ -32,6 +32,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             (the all-reduces).
         prefill_mfu: achieved share of peak FLOP/s during prefill.
         prefill_overhead_s: fixed cost of one prefill batch.
+        padded_kv: the running batch's KV is one left-padded cache (the reference
+            torch engine): a decode step reads every row at the longest row's width,
+            not just the context held (paged engines such as SGLang: ``False``).
+        join_per_held_token_s: extra cost of a prefill into a running batch per token
+            of KV the batch holds (as :attr:`padded_kv` counts them): a cache that is
+            rebuilt when rows join; 0 for a paged cache.
+        leave_per_held_token_s: cost of rows leaving the running batch (after a step
+            in which some finished) per token of KV the rest hold; 0 for a paged cache.
         kv_capacity_tokens: override of the KV capacity derived from memory (0: derive).
         retract_headroom_steps: when the cache overflows, retract running jobs until
             the rest can decode this many steps (SGLang's retract decode, with a wider
@@ -57,6 +65,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     tp_overhead_s_per_layer: float = 15e-6
     prefill_mfu: float = 0.5
     prefill_overhead_s: float = 5e-3
+    padded_kv: bool = False
+    join_per_held_token_s: float = 0.0
+    leave_per_held_token_s: float = 0.0
     kv_capacity_tokens: int = 0
     retract_headroom_steps: int = 256
     init_new_token_ratio: float = 0.7

@@ -4,9 +4,10 @@
 The file is one JSON object, :class:`ProfileFile`: a format version, the measured
 costs (a :class:`~dynarl.sim.cpu_profile.CpuProfile`: decode step against batch and
 context held, prefill, log-prob inference, the optimizer step, transfer bandwidth, the
-migration setup times and, from version 2, how the host's slots slow each other down),
-the model section the costs were measured with, and where
-they were measured. A simulation applies it only to the model it was measured on.
+migration setup times, from version 2 how the host's slots slow each other down, and
+from version 3 the reference engine's serving and cache-rebuild costs), the model
+section the costs were measured with, and where they were measured. A simulation
+applies it only to the model it was measured on.
 """
 
 from collections.abc import Mapping, Sequence
@@ -18,14 +19,25 @@ from dynarl.sim.cpu_profile import CPU_1T, CpuProfile
 from dynarl.sim.errors import SimError
 from dynarl.workers.config import ModelConfig
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 """Format version written in every profile file. Version 2 added the host-sharing
-curve (``device.host_slowdown``); a version 1 file reads as one without it (the
-simulated slots are independent), while a dynarl that reads version 1 only refuses a
-version 2 file rather than ignore the curve."""
+curve (``device.host_slowdown``), version 3 the reference engine's cost per step of its
+worker loop and of rebuilding its padded cache (``device.step_dispatch_s``,
+``join_per_held_token_s``, ``leave_per_held_token_s``); an older file reads as one
+without them (the simulated slots are independent, the costs not charged), while a
+dynarl that reads only older versions refuses a newer file rather than ignore them."""
 
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 """Format versions :func:`read_profile` reads."""
+
+
+_FIELD_VERSIONS = {
+    "host_slowdown": 2,
+    "step_dispatch_s": 3,
+    "join_per_held_token_s": 3,
+    "leave_per_held_token_s": 3,
+}
+"""The format version that introduced each later ``device`` field."""
 
 
 class ProfileFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -76,11 +88,13 @@ def read_profile(path: str | Path) -> ProfileFile:
             f"profile file {path}: profile_version={version!r}, this dynarl reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}; {fix}"
         )
-    if version == 1 and isinstance(data.get("device"), dict) and "host_slowdown" in data["device"]:
-        raise SimError(
-            f"profile file {path}: device.host_slowdown is a version 2 field; set "
-            f"profile_version to 2, or {fix}"
-        )
+    device = data.get("device")
+    for field, since in _FIELD_VERSIONS.items():
+        if version < since and isinstance(device, dict) and field in device:
+            raise SimError(
+                f"profile file {path}: device.{field} is a version {since} field; set "
+                f"profile_version to {since}, or {fix}"
+            )
     try:
         return msgspec.convert(data, ProfileFile)
     except msgspec.ValidationError as exc:
@@ -99,6 +113,9 @@ MEASURED = (
     "decode_per_context_token_s",
     "prefill_overhead_s",
     "prefill_per_token_s",
+    "step_dispatch_s",
+    "join_per_held_token_s",
+    "leave_per_held_token_s",
     "inference_overhead_s",
     "inference_per_token_s",
     "train_overhead_s",
@@ -126,6 +143,9 @@ def profile_from(
         decode_per_context_token_s=m["decode_per_context_s"],
         prefill_overhead_s=m["prefill_overhead_s"],
         prefill_per_token_s=m["prefill_per_token_s"],
+        step_dispatch_s=m.get("step_dispatch_s", 0.0),
+        join_per_held_token_s=m.get("join_per_held_token_s", 0.0),
+        leave_per_held_token_s=m.get("leave_per_held_token_s", 0.0),
         inference_overhead_s=m["inference_overhead_s"],
         inference_per_token_s=m["inference_per_token_s"],
         # raw figures of older benches fitted a cost per micro-batch too

@@ -7,6 +7,10 @@ One process with ``threads`` torch threads (one device slot), the run's model se
 - prefill time against prompt tokens;
 - log-prob inference time against micro-batch tokens (``InferenceWorker``);
 - one optimizer step against minibatch rows and width (``ElasticTrainer``, one rank);
+- what a step costs on top when the worker's loop drives it (:class:`TorchRollout`
+  steps the engine in a worker thread, under a lock, and hands completions to their
+  sinks), and what the running batch's KV cache costs when rows join or leave it
+  (the left-padded cache is rebuilt: every held token copied);
 - transfer bandwidth between two slots: a tensor broadcast over gloo between two
   processes, as weights and optimizer state move;
 - how slots sharing this host's cores slow each other down
@@ -25,17 +29,20 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import anyio
 import numpy as np
 import torch
 
 from dynarl.rl.grpo import GrpoLoss
 from dynarl.workers.backend_protocols import MachineMeasurement, ProfiledJob
 from dynarl.workers.inference import LogprobRequest
-from dynarl.workers.rollout import GenerateRequest, SamplingParams
+from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams
 from dynarl.workers.tokenizer import build_tokenizer
+from dynarl.workers.torch.batch_cache import BatchCache
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.inference import InferenceWorker
 from dynarl.workers.torch.model import build_model
+from dynarl.workers.torch.rollout_server import TorchRollout
 from dynarl.workers.torch.trainer import ElasticTrainer
 from dynarl.workers.torch.trainer_config import TrainerConfig
 
@@ -112,6 +119,130 @@ def prefill(cfg: ProfiledJob) -> dict[str, float]:
             ys.append(_median_s(run, 5))
     overhead, per_token = _fit(rows, ys)
     return {"prefill_overhead_s": overhead, "prefill_per_token_s": per_token}
+
+
+def _requests(num: int, prompt: int, max_new_tokens: int, tag: str) -> list[GenerateRequest]:
+    return [
+        GenerateRequest(
+            request_id=f"{tag}{i}",
+            prompt_ids=(2,) + (5,) * (prompt - 1),
+            sampling=SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, seed=i),
+        )
+        for i in range(num)
+    ]
+
+
+class _Counter:
+    """A request sink that only counts completions and sets ``done`` at the last."""
+
+    def __init__(self, num: int) -> None:
+        self.left = num
+        self.done_event = anyio.Event()
+
+    def done(self, completion: Completion) -> None:
+        self.left -= 1
+        if not self.left:
+            self.done_event.set()
+
+    def aborted(self, request: GenerateRequest) -> None:
+        raise AssertionError("nothing is aborted while profiling")
+
+    async def flush(self) -> None:
+        pass
+
+    async def fail(self, error: Exception) -> None:
+        raise error
+
+
+def _direct_s(engine: RolloutEngine, requests: list[GenerateRequest]) -> tuple[float, int]:
+    for request in requests:
+        engine.add_request(request)
+    steps = 0
+    t0 = time.perf_counter()
+    while engine.num_unfinished:
+        engine.step()
+        steps += 1
+    return time.perf_counter() - t0, steps
+
+
+async def _served_s(engine: RolloutEngine, requests: list[GenerateRequest]) -> float:
+    server = TorchRollout(engine, name="profile")
+    sink = _Counter(len(requests))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.run)
+        t0 = time.perf_counter()
+        await server.submit(requests, sink)
+        await sink.done_event.wait()
+        elapsed = time.perf_counter() - t0
+        tg.cancel_scope.cancel()
+    return elapsed
+
+
+def dispatch(cfg: ProfiledJob, rounds: int = 8) -> dict[str, float]:
+    """What an engine step costs on top of :meth:`RolloutEngine.step` when the worker's
+    loop (:class:`TorchRollout`) drives it: a hop to a worker thread and back, the
+    engine lock, completions handed to their sinks. The same requests run stepped
+    directly and served, alternately on one event loop; the median over ``rounds`` of
+    the difference per step."""
+    engine = RolloutEngine.from_config(cfg.model, cfg.rollout)
+
+    async def alternate() -> list[float]:
+        diffs = []
+        for r in range(rounds + 1):
+            direct_s, steps = _direct_s(engine, _requests(32, 8, 48, f"d{r}-"))
+            served_s = await _served_s(engine, _requests(32, 8, 48, f"s{r}-"))
+            if r:  # the first round warms both paths up
+                diffs.append((served_s - direct_s) / steps)
+        return diffs
+
+    return {"step_dispatch_s": statistics.median(anyio.run(alternate))}
+
+
+def churn(cfg: ProfiledJob) -> dict[str, float]:
+    """What rows joining or leaving the running batch cost per token of KV it holds:
+    the reference engine's cache is one left-padded tensor per layer, rebuilt (every
+    held token copied) when a prefill appends rows and when finished rows leave.
+
+    Joining: a prefill of two short prompts into a batch of ``rows x width`` held
+    tokens, ``= overhead + join_per_held_token * held``. Leaving: the cache keeping
+    all rows but one, ``= overhead + leave_per_held_token * held``."""
+    join_rows: list[tuple[float, ...]] = []
+    join_ys: list[float] = []
+    leave_rows: list[tuple[float, ...]] = []
+    leave_ys: list[float] = []
+    max_rows = max(4, cfg.rollout.max_running_requests - 2)
+    for num in sorted({4, min(24, max_rows), max_rows}):
+        for width in (16, 96, cfg.model.max_seq_len // 2):
+            engine = RolloutEngine.from_config(cfg.model, cfg.rollout)
+            for request in _requests(num, width, cfg.model.max_seq_len - width - 1, "r"):
+                engine.add_request(request)
+            engine.step()  # prefill the batch
+            engine.step()
+            held = float(num * (width + 1))
+            times = []
+            for k in range(8):
+                for request in _requests(2, 8, 4, f"j{k}-"):
+                    engine.add_request(request)
+                t0 = time.perf_counter()
+                engine.step()  # prefills the two into the running batch
+                times.append(time.perf_counter() - t0)
+                engine.abort([f"j{k}-0", f"j{k}-1"])
+            join_rows.append((1.0, held))
+            join_ys.append(statistics.median(times))
+            cache = BatchCache(engine.model, pad_token_id=0)
+            cache.prefill([(2,) + (5,) * (width - 1)] * num)
+            times = []
+            for _ in range(min(8, num - 1)):  # a middle row leaves, each time one fewer
+                held = float(cache.num_rows * cache.width_tokens)
+                rows = [r for r in range(cache.num_rows) if r != cache.num_rows // 2]
+                t0 = time.perf_counter()
+                cache.keep(rows)
+                times.append(time.perf_counter() - t0)
+            leave_rows.append((1.0, held))
+            leave_ys.append(statistics.median(times))
+    _, join = _fit(join_rows, join_ys)
+    _, leave = _fit(leave_rows, leave_ys)
+    return {"join_per_held_token_s": join, "leave_per_held_token_s": leave}
 
 
 def inference(cfg: ProfiledJob) -> dict[str, float]:
@@ -226,7 +357,14 @@ def transfer(num_bytes: int = 64 * 2**20, rounds: int = 5) -> dict[str, float]:
     return {"transfer_bytes_per_s": num_bytes / statistics.median(times)}
 
 
-PARTS: tuple[Callable[[ProfiledJob], dict[str, float]], ...] = (decode, prefill, inference, train)
+PARTS: tuple[Callable[[ProfiledJob], dict[str, float]], ...] = (
+    decode,
+    prefill,
+    dispatch,
+    churn,
+    inference,
+    train,
+)
 
 
 def measure(cfg: ProfiledJob, *, repeat: int = 3, threads: int = 1) -> dict[str, float]:
