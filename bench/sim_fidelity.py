@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import platform
 import statistics
@@ -94,17 +95,25 @@ class Profiler:
 
 
 async def run_and_profile(
-    runs: list[ModeRun], args: argparse.Namespace, profiler: Profiler | None
+    runs: list[ModeRun],
+    args: argparse.Namespace,
+    profiler: Profiler | None,
+    controller_cpu_s: dict[str, list[float]],
 ) -> None:
     """Open every mode's run side by side, then per round one iteration of each mode
     and (with a measured profile) one round of profiling, so the profile sees the same
-    drift of the machine's load as the iterations."""
+    drift of the machine's load as the iterations. ``controller_cpu_s[mode]`` gets the
+    CPU seconds this process (the mode's controller, router and reward; the other
+    modes' idle ones) spent on each of the mode's iterations: what the host's cores
+    run beside the mode's slots, which the model does not count."""
     async with contextlib.AsyncExitStack() as stack:
         for run in runs:
             await open_run(stack, run)
         for _ in range(args.iterations):
             for run in runs:
+                cpu_s = time.process_time()
                 await step(run, args.iteration_limit_s)
+                controller_cpu_s.setdefault(run.mode, []).append(time.process_time() - cpu_s)
             if profiler is not None:
                 # in a thread: the open runs' controllers keep being served meanwhile
                 await anyio.to_thread.run_sync(profiler)
@@ -156,10 +165,11 @@ def main() -> None:
     )
     t0 = time.perf_counter()
     profiler = Profiler(cfg0) if args.profile == "measured" else None
+    controller_cpu_s: dict[str, list[float]] = {}
     try:
         if profiler is not None:
             profiler()
-        asyncio.run(run_and_profile(runs, args, profiler))
+        asyncio.run(run_and_profile(runs, args, profiler, controller_cpu_s))
     finally:
         if profiler is not None:
             profiler.pool.close()
@@ -191,12 +201,14 @@ def main() -> None:
     print()
     print(
         f"{'mode':22s} {'real s':>7s} {'sim s':>7s} {'error':>7s} {'real tok/s':>10s} "
-        f"{'sim tok/s':>10s} {'error':>7s}"
+        f"{'sim tok/s':>10s} {'error':>7s} {'ctrl cpu s':>10s}"
     )
+    cpu_s = {m: statistics.mean(v[args.warmup :] or v) for m, v in controller_cpu_s.items() if v}
     for m in simulated:
         print(
             f"{m:22s} {measured_s[m]:7.2f} {simulated_s[m]:7.2f} {error[m]:+7.1%} "
-            f"{measured_tps[m]:10.0f} {simulated_tps[m]:10.0f} {tps_error[m]:+7.1%}"
+            f"{measured_tps[m]:10.0f} {simulated_tps[m]:10.0f} {tps_error[m]:+7.1%} "
+            f"{cpu_s.get(m, math.nan):10.2f}"
         )
     print(
         f"ranking (fastest first): real {ranking(measured_s)}, simulated "
@@ -215,6 +227,7 @@ def main() -> None:
         "measured_s": {m: round(v, 3) for m, v in measured_s.items()},
         "simulated_s": {m: round(v, 3) for m, v in simulated_s.items()},
         "ranking_agrees": agrees,
+        "controller_cpu_s": {m: round(v, 3) for m, v in cpu_s.items()},
         "ranking": ranking(measured_s),
         "profile": args.profile,
         "host_slowdown": list(profile.host_slowdown),
