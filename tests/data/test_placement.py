@@ -122,14 +122,16 @@ class _Recalls:
             )
 
 
-def _balancing(events: list[ev.Event], *, on: bool = True) -> tuple[Placement, _Recalls]:
+def _balancing(
+    events: list[ev.Event], *, on: bool = True, join: bool | None = None, idle: bool | None = None
+) -> tuple[Placement, _Recalls]:
     recalls = _Recalls()
     p = Placement(
         {PROMPTS: (ROLLOUT,)},
         policy=AffinityRouting(seed=0),
         emit=events.append,
-        balance_on_join=on,
-        balance_when_idle=on,
+        balance_on_join=on if join is None else join,
+        balance_when_idle=on if idle is None else idle,
         recall=recalls,
     )
     recalls.placement = p
@@ -222,15 +224,7 @@ async def test_an_idle_engine_takes_its_share_of_the_tail_each_request_moved_onc
     takes three (the most recently dispatched); once ``a`` is done and idle, it takes
     none back (each request is re-prefilled for balance at most once)."""
     events: list[ev.Event] = []
-    recalls = _Recalls()
-    p = Placement(
-        {PROMPTS: (ROLLOUT,)},
-        policy=AffinityRouting(seed=0),
-        emit=events.append,
-        balance_on_join=False,
-        recall=recalls,
-    )
-    recalls.placement = p
+    p, recalls = _balancing(events, join=False)
     a, b = _worker("a", 8), _worker("b", 8)
     p.add_worker(a, 0.0)
     p.admit([item(k) for k in range(6)], 0.0)
@@ -261,20 +255,18 @@ async def test_an_idle_engine_leaves_a_session_with_the_engine_holding_its_prefi
 
 
 async def test_without_idle_balancing_the_tail_stays_where_it_runs() -> None:
+    """``b`` takes its share when it joins, runs it out, and then takes nothing more
+    from ``a``'s three (with idle balancing it would take one)."""
     events: list[ev.Event] = []
-    recalls = _Recalls()
-    p = Placement(
-        {PROMPTS: (ROLLOUT,)},
-        policy=AffinityRouting(seed=0),
-        emit=events.append,
-        balance_when_idle=False,
-        recall=recalls,
-    )
-    recalls.placement = p
+    p, recalls = _balancing(events, idle=False)
     a, b = _worker("a", 8), _worker("b", 8)
     p.add_worker(a, 0.0)
-    p.add_worker(b, 0.0)
-    p.admit([item(k, affinity="prefer", instance=InstanceId("a")) for k in range(6)], 0.0)
+    p.admit([item(k) for k in range(6)], 0.0)
     _start(a)
-    p.steal_for(b, 1.0)
-    assert b.is_idle and not recalls.asked
+    p.add_worker(b, 1.0)
+    assert len(recalls.asked) == 1 and len(b.queue) == 3
+    _start(b)
+    for it in list(b.in_flight):
+        p.on_result(b, wire.ItemResult(item=it, num_tokens=5), 2.0)
+    p.steal_for(b, 2.0)
+    assert b.is_idle and len(recalls.asked) == 1 and len(a.in_flight) == 3
