@@ -50,7 +50,7 @@ class SchedulerConfig(Section, frozen=True, kw_only=True):
     u_low: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.2
     theta: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.8
     donor_window_s: Annotated[float, msgspec.Meta(ge=0.0)] = 4.0
-    tick_s: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    tick_s: Annotated[float, msgspec.Meta(gt=0.0)] = 0.5
     num_candidates: Annotated[int, msgspec.Meta(ge=3, le=10)] = 5
     min_gain: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.02
     rollout_borrows_actor: bool = True

@@ -177,13 +177,18 @@ class Controller:
             component = event.component
             self._observe_step(event)
         elif isinstance(event, ev.ItemsEnqueued):
-            # Work for a stage that holds no device: only a move can start it.
+            # Work for a stage that holds no device: only a move can start it. Asked
+            # each time its queue doubles (1, 2, 4, ... items waiting), and by the tick
+            # between: asking at every arrival took 85% of the decision time
+            # (~6,800 decisions a run).
             starved = [
                 c
                 for c in self.graph.edges[event.edge].spec.consumers
                 if not self.graph.components[c].num_active
             ]
-            if starved:
+            waiting = len(self.graph.edges[event.edge].queue)
+            before = max(0, waiting - len(event.items))
+            if starved and waiting.bit_length() > before.bit_length():
                 kind, component = "work_arrived", starved[0]
         if kind is not None:
             self.decide(Trigger(kind=kind, time_s=event.time_s, component=component))
