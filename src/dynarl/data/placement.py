@@ -120,7 +120,7 @@ class Placement:
         self.num_stolen = 0
         """Queued items an instance with room took from another's queue."""
         self.num_balanced = 0
-        """Items moved to a joining instance: queued ones moved, in-flight ones recalled."""
+        """Items moved by :meth:`balance_for`: queued ones moved, in-flight ones recalled."""
         self.planned: dict[ItemId, InstanceId] = {}
         """Where items taken back from a drained instance go next (see :meth:`plan`)."""
         self.recalled: dict[ItemId, tuple[InstanceId, InstanceId]] = {}
@@ -187,6 +187,9 @@ class Placement:
         if that is an active candidate with queue space; otherwise the policy decides.
         Call it before draining."""
         self.planned.update(targets)
+
+    def _edges_of(self, component: ComponentId) -> set[EdgeId]:
+        return {e for e, components in self.consumers.items() if component in components}
 
     def _refresh_candidates(self) -> None:
         for edge, components in self.consumers.items():
@@ -348,7 +351,7 @@ class Placement:
             for c in self.workers.values()
             if c is not w and c.active and c.component == w.component and c.num_waiting
         ]
-        edges = {e for e, components in self.consumers.items() if w.component in components}
+        edges = self._edges_of(w.component)
         while donors and w.can_start_now:
             donor = max(donors, key=lambda c: c.num_waiting)
             # Once ``w`` holds an item it is busy: only items whose prefix the donor
@@ -360,15 +363,8 @@ class Placement:
                 donors.remove(donor)
             if item is None:
                 continue
-            generated = (self.generated_tokens.get(item.id, 0),)
-            self.emit(
-                ev.ItemsRequeued(time_s=now, edge=item.edge, items=(item.id,), generated=generated)
-            )
-            self.num_requeued += 1
             self.num_stolen += 1
-            w.queue.put_nowait(item, now_s=now)
-            self.num_routed += 1
-            self.emit(ev.ItemRouted(time_s=now, edge=item.edge, item=item.id, instance=w.instance))
+            self._move_queued(item, w, now)
         if self.balance_when_idle and w.is_idle:
             self.balance_for(w, now, idle=True)
 
@@ -387,8 +383,11 @@ class Placement:
         (oldest first: they move as they are), then in-flight ones, most recently
         dispatched first (they have generated least): these are recalled (see
         ``recall``) and routed to ``w`` when their aborted result comes back, with
-        their partial output. Items that must return to their instance never move;
-        items already recalled count where they are going. Off with
+        their partial output. Items already recalled count where they are going (a
+        donor's share may be paid with items still on their way to it: they are sent
+        on to ``w``). Items that must return to their instance never move, nor do
+        sessions whose KV prefix the donor holds (their next turn is worth more there
+        than a re-prefill of the whole context elsewhere). Off with
         ``balance_on_join=False`` (``balance_when_idle=False``)."""
         if not (
             (self.balance_when_idle if idle else self.balance_on_join)
@@ -412,7 +411,7 @@ class Placement:
         want = min(w.capacity, total * w.capacity // capacity) - held[w.instance]
         if want <= 0:
             return
-        edges = {e for e, components in self.consumers.items() if w.component in components}
+        edges = self._edges_of(w.component)
         exclude = self.rebalanced if idle else None
         movable = {
             c.instance: functools.partial(_movable, edges=edges, sticky=c, exclude=exclude)
@@ -459,17 +458,22 @@ class Placement:
         item = donor.queue.take_oldest(movable) if len(donor.queue) else None
         if item is None:
             return False
+        self.num_balanced += 1
+        self.rebalanced.add(item.id)
+        self._move_queued(item, w, now)
+        return True
+
+    def _move_queued(self, item: wire.Item, w: WorkerState, now: float) -> None:
+        """Queue ``item``, just taken from another instance's queue, at ``w``: reported
+        requeued (with its partial output) and routed again."""
         generated = (self.generated_tokens.get(item.id, 0),)
         self.emit(
             ev.ItemsRequeued(time_s=now, edge=item.edge, items=(item.id,), generated=generated)
         )
         self.num_requeued += 1
-        self.num_balanced += 1
-        self.rebalanced.add(item.id)
         w.queue.put_nowait(item, now_s=now)
         self.num_routed += 1
         self.emit(ev.ItemRouted(time_s=now, edge=item.edge, item=item.id, instance=w.instance))
-        return True
 
     def _redirect_one(self, coming: list[ItemId] | None, w: WorkerState) -> bool:
         """Send to ``w`` instead one of the items recalled for the donor and not back
