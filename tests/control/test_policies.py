@@ -231,7 +231,6 @@ def test_rollout_borrows_the_actor_at_iteration_start_and_returns_it_for_the_tai
 
 ALL_TRIGGERS: list[TriggerKind] = [
     "tick",
-    "idle",
     "step_boundary",
     "iteration_start",
     "iteration_end",

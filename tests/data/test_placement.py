@@ -270,3 +270,40 @@ async def test_without_idle_balancing_the_tail_stays_where_it_runs() -> None:
         p.on_result(b, wire.ItemResult(item=it, num_tokens=5), 2.0)
     p.steal_for(b, 2.0)
     assert b.is_idle and len(recalls.asked) == 1 and len(a.in_flight) == 3
+
+
+async def test_an_instance_left_with_nothing_is_reported_idle_once_per_idle_spell() -> None:
+    """After its results, an instance that holds nothing and could take nothing from
+    the others is reported idle (``WorkerIdle``), once until it is given work again;
+    one that took waiting work is not."""
+    events: list[ev.Event] = []
+    p = _placement(events)
+    a, b = _worker("a", capacity=1), _worker("b", capacity=1)
+    p.add_worker(a, 0.0)
+    p.add_worker(b, 0.0)
+    p.admit([item(0), item(1), item(2)], 0.0)
+    _start(a)
+    _start(b)
+
+    def idle() -> list[InstanceId]:
+        return [e.instance for e in events if isinstance(e, ev.WorkerIdle)]
+
+    def finish(w: WorkerState, now: float) -> None:
+        [it] = w.in_flight
+        p.on_result(w, wire.ItemResult(item=it), now)
+        p.after_results(w, now)
+
+    finish(a, 1.0)  # a takes i2, waiting at b (its queue or b's)
+    assert idle() == []
+    _start(a)
+    finish(b, 2.0)
+    p.after_results(b, 2.5)  # (a stale result) still idle: no second report
+    assert idle() == [InstanceId("b")]
+    finish(a, 3.0)
+    assert idle() == [InstanceId("b"), InstanceId("a")]
+    p.admit([item(3)], 4.0)  # routed to one of them: that one's spell is over
+    [routed] = [e.instance for e in events if isinstance(e, ev.ItemRouted) and e.item == "i3"]
+    w = a if routed == "a" else b
+    _start(w)
+    finish(w, 5.0)
+    assert idle() == [InstanceId("b"), InstanceId("a"), routed]

@@ -70,7 +70,6 @@ _TRIGGERS: dict[type[ev.Event], TriggerKind] = {
     ev.IterationStarted: "iteration_start",
     ev.IterationDone: "iteration_end",
     ev.TrainStepDone: "step_boundary",
-    ev.WorkerIdle: "idle",
     ev.MigrationDone: "placement_changed",
     ev.MigrationFailed: "placement_changed",
     ev.WorkerFailed: "placement_changed",

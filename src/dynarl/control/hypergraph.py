@@ -425,7 +425,9 @@ class Hypergraph:
             node.below_since_s = e.time_s
 
     def _on_worker_idle(self, e: ev.WorkerIdle) -> None:
-        self._instance(e.instance).busy = False
+        node = self._instance(e.instance)
+        node.busy = False
+        node.num_running = node.num_queued = 0
 
     def _on_steps_held(self, e: ev.StepsHeld) -> None:
         try:

@@ -17,7 +17,6 @@ from dynarl.core.ids import ComponentId
 
 TriggerKind = Literal[
     "tick",
-    "idle",
     "step_boundary",
     "iteration_start",
     "iteration_end",
@@ -30,8 +29,8 @@ TriggerKind = Literal[
 class Trigger(msgspec.Struct, frozen=True, kw_only=True):
     """Why the scheduler is asked now, and when (seconds on the controller's clock).
 
-    ``component`` names the component concerned (the idle instance's, the one whose
-    stage drained, the actor at a step boundary), when there is one.
+    ``component`` names the component concerned (the one whose stage drained, the
+    actor at a step boundary, the starved stage work arrived for), when there is one.
     """
 
     kind: TriggerKind

@@ -129,6 +129,8 @@ class Placement:
         self.rebalanced: set[ItemId] = set()
         """Pending items moved by :meth:`balance_for` (an idle instance takes none of
         them: a request is re-prefilled for balance at most once)."""
+        self.reported_idle: set[InstanceId] = set()
+        """Instances reported idle (``WorkerIdle``) that have held nothing since."""
 
     # ------------------------------------------------------------------ workers
 
@@ -160,6 +162,7 @@ class Placement:
     def remove_worker(self, w: WorkerState) -> list[wire.Item]:
         """Forget ``w``; returns the items it held (queued, then in flight)."""
         del self.workers[w.instance]
+        self.reported_idle.discard(w.instance)
         if self.recalled:
             for item in [i for i, (src, dst) in self.recalled.items() if w.instance in (src, dst)]:
                 del self.recalled[item]
@@ -334,6 +337,7 @@ class Placement:
             return
         target.queue.put_nowait(item, now_s=now)
         self.num_routed += 1
+        self.reported_idle.discard(target.instance)
         self.emit(ev.ItemRouted(time_s=now, edge=item.edge, item=item.id, instance=target.instance))
 
     def steal_for(self, w: WorkerState, now: float) -> None:
@@ -367,6 +371,16 @@ class Placement:
             self._move_queued(item, w, now)
         if self.balance_when_idle and w.is_idle:
             self.balance_for(w, now, idle=True)
+
+    def after_results(self, w: WorkerState, now: float) -> None:
+        """Results from ``w`` were applied: give it the work waiting elsewhere
+        (:meth:`steal_for`) and, if it is still left with nothing, report it idle
+        (``WorkerIdle``, once per idle spell): nothing its component holds could move
+        to it, so the device it holds is spare until new work arrives."""
+        self.steal_for(w, now)
+        if w.active and w.is_idle and w.instance not in self.reported_idle:
+            self.reported_idle.add(w.instance)
+            self.emit(ev.WorkerIdle(time_s=now, instance=w.instance))
 
     def balance_for(self, w: WorkerState, now: float, *, idle: bool = False) -> None:
         """``w`` joined or resumed (or, with ``idle``, has nothing left to do): move to
@@ -473,6 +487,7 @@ class Placement:
         self.num_requeued += 1
         w.queue.put_nowait(item, now_s=now)
         self.num_routed += 1
+        self.reported_idle.discard(w.instance)
         self.emit(ev.ItemRouted(time_s=now, edge=item.edge, item=item.id, instance=w.instance))
 
     def _redirect_one(self, coming: list[ItemId] | None, w: WorkerState) -> bool:

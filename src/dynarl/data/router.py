@@ -10,8 +10,9 @@ Every routing decision is reported as a control-plane event, in an order the
 hypergraph accepts: ``ItemsEnqueued`` (submitted), ``ItemRouted`` (put in an
 instance's queue), ``ToolCallStarted`` / ``ToolCallFinished`` (a session leaves for a
 tool and comes back), ``ItemsRequeued`` (taken back from a draining instance),
-``ItemCompleted`` and ``WorkerFailed`` (whose items the hypergraph puts back in the
-queue; the router then routes them again). No item is lost or delivered twice: a
+``ItemCompleted``, ``WorkerIdle`` (an instance left with nothing it could take) and
+``WorkerFailed`` (whose items the hypergraph puts back in the queue; the router then
+routes them again). No item is lost or delivered twice: a
 result counts only from the instance that holds the item.
 
 Memory is bounded: instance queues and the backlog (items no instance can take now)
@@ -457,5 +458,5 @@ class Router:
                 continue
             if completion is not None:
                 outbox.append(completion)
-        self._placement.steal_for(w, now)
+        self._placement.after_results(w, now)
         w.after_results()

@@ -245,7 +245,7 @@ class EngineFleet:
             self.finished(iid, [self.seqs[d.id] for d in finals])
             for d in finals:
                 on_result(w, wire.ItemResult(item=d.id, num_tokens=d.generated_tokens), now)
-        self.placement.steal_for(w, now)
+        self.placement.after_results(w, now)
 
     def _tool_returned(self, item: ItemId, now: float) -> None:
         seq = self.seqs[item]

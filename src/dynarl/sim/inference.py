@@ -129,7 +129,7 @@ class InferenceFleet:
         w = self.workers[iid]
         for item in items:
             self.placement.on_result(w, wire.ItemResult(item=item), now)
-        self.placement.steal_for(w, now)
+        self.placement.after_results(w, now)
 
     def hold(self, iid: InstanceId, now: float) -> None:
         """Route nothing more to replica ``iid``: the placement routes its queued

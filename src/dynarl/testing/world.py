@@ -263,7 +263,7 @@ class FakeWorld:
                     generated += req.done - before
                     if req.done >= req.target:
                         self._finish_rollout(w, item, req, now)
-                self.placement.steal_for(w, now)
+                self.placement.after_results(w, now)
             self.tokens_generated += round(generated)
             held = sum(self.requests[i].done + 64 for i in w.in_flight)
             self.emit(
@@ -302,7 +302,7 @@ class FakeWorld:
                 self.placement.on_result(w, wire.ItemResult(item=item.id), now)
                 credit -= 1
             self.credit[w.instance] = credit
-            self.placement.steal_for(w, now)
+            self.placement.after_results(w, now)
 
     def _advance_actor(self) -> None:
         cfg = self.cfg
