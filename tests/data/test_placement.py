@@ -158,7 +158,11 @@ async def test_instances_joining_one_after_another_share_the_backlog_by_capacity
         (InstanceId("b"), (ItemId("i6"), ItemId("i10"), ItemId("i8"))),
     ] or sorted(len(ids) for _, ids in recalls.asked[1:]) == [3, 3]
     assert (len(a.in_flight), len(b.in_flight), len(c.queue)) == (3, 3, 6)
-    assert (p.num_stolen, p.num_balanced) == (4, 2 + 6) and not p.recalled and not p.planned
+    assert (
+        (p.num_stolen, p.balancer.num_balanced) == (4, 2 + 6)
+        and not p.balancer.recalled
+        and not p.planned
+    )
     # The hypergraph sees each move: requeued (with the partial output), then routed.
     requeued = [e for e in events if isinstance(e, ev.ItemsRequeued)]
     assert sum(len(e.items) for e in requeued) == 12
@@ -186,13 +190,13 @@ async def test_a_recalled_item_counts_where_it_is_going_until_it_comes_back() ->
     # 9 * 1/2 = 4 for b; then 3 each: c gets two more from a and one of b's four.
     assert [len(ids) for _, ids in asked] == [4, 2]
     assert not set(asked[0][1]) & set(asked[1][1])
-    going = [dst for _, dst in p.recalled.values()]
+    going = [dst for _, dst in p.balancer.recalled.values()]
     assert (going.count(InstanceId("b")), going.count(InstanceId("c"))) == (3, 3)
-    assert all(src == InstanceId("a") for src, _ in p.recalled.values())
+    assert all(src == InstanceId("a") for src, _ in p.balancer.recalled.values())
     # One finishes before its abort lands: it completes at a, and the plan is forgotten.
     done = asked[0][1][1]
     p.on_result(a, wire.ItemResult(item=done, num_tokens=3), 2.0)
-    assert done not in p.recalled and done not in p.planned
+    assert done not in p.balancer.recalled and done not in p.planned
 
 
 async def test_without_balancing_a_joiner_takes_only_what_waits_beyond_capacity() -> None:
@@ -203,7 +207,7 @@ async def test_without_balancing_a_joiner_takes_only_what_waits_beyond_capacity(
     p.admit([item(k) for k in range(8)], 0.0)
     _start(a)
     p.add_worker(b, 1.0)
-    assert b.is_idle and not recalls.asked and p.num_balanced == 0
+    assert b.is_idle and not recalls.asked and p.balancer.num_balanced == 0
 
 
 async def test_balancing_never_moves_an_item_that_must_return_to_its_instance() -> None:
@@ -239,7 +243,7 @@ async def test_an_idle_engine_takes_its_share_of_the_tail_each_request_moved_onc
     assert len(recalls.asked) == 1 and a.is_idle and len(b.in_flight) == 3
     for k in (5, 4, 3):
         p.on_result(b, wire.ItemResult(item=ItemId(f"i{k}"), num_tokens=5), 3.0)
-    assert p.num_balanced == 3 and not p.rebalanced and not p.planned
+    assert p.balancer.num_balanced == 3 and not p.balancer.rebalanced and not p.planned
 
 
 async def test_an_idle_engine_leaves_a_session_with_the_engine_holding_its_prefix() -> None:

@@ -13,17 +13,16 @@ turn's and every instance's: the counts the hypergraph keeps per request.
 """
 
 import functools
-import heapq
 import logging
-import math
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import msgspec
 
 from dynarl.control import events as ev
 from dynarl.core.ids import ComponentId, EdgeId, InstanceId, ItemId
 from dynarl.data import wire
+from dynarl.data.balance import Balancer, movable
 from dynarl.data.errors import RoutingError
 from dynarl.data.peers import WorkerState
 from dynarl.data.routing import RoutingPolicy
@@ -31,23 +30,6 @@ from dynarl.data.routing import RoutingPolicy
 logger = logging.getLogger(__name__)
 
 _MAX_REFILL_MISSES = 4
-
-
-def _movable(
-    item: wire.Item,
-    *,
-    edges: set[EdgeId],
-    sticky: WorkerState | None,
-    exclude: set[ItemId] | None = None,
-) -> bool:
-    """Whether ``steal_for`` or ``balance_for`` may move ``item``: never one that must
-    return to its instance, none whose prefix ``sticky`` holds, none in ``exclude``."""
-    return (
-        item.affinity != "must"
-        and item.edge in edges
-        and (sticky is None or item.instance != sticky.instance)
-        and (exclude is None or item.id not in exclude)
-    )
 
 
 class RoutedResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,6 +66,9 @@ class Placement:
         recall: asks a worker to hand these in-flight items back now (status
             ``aborted``, with their partial output; the router sends ``Abort``), for
             :meth:`balance_for` to move them; ``None``: only queued items move.
+
+    The balancing, and its books (what was recalled, what was moved, how many), is
+    :attr:`balancer`'s (a :class:`~dynarl.data.balance.Balancer`).
     """
 
     def __init__(
@@ -99,9 +84,6 @@ class Placement:
         self.consumers = {e: frozenset(cs) for e, cs in consumers.items()}
         self.policy = policy
         self.emit = emit
-        self.balance_on_join = balance_on_join
-        self.balance_when_idle = balance_when_idle
-        self.recall = recall
         self.workers: dict[InstanceId, WorkerState] = {}
         self.candidates: dict[EdgeId, list[WorkerState]] = {e: [] for e in self.consumers}
         self.pending: set[ItemId] = set()
@@ -119,16 +101,19 @@ class Placement:
         self.num_workers_failed = 0
         self.num_stolen = 0
         """Queued items an instance with room took from another's queue."""
-        self.num_balanced = 0
-        """Items moved by :meth:`balance_for`: queued ones moved, in-flight ones recalled."""
         self.planned: dict[ItemId, InstanceId] = {}
-        """Where items taken back from a drained instance go next (see :meth:`plan`)."""
-        self.recalled: dict[ItemId, tuple[InstanceId, InstanceId]] = {}
-        """In-flight items asked back for a joining instance: (holder, joiner) each,
-        until their result arrives."""
-        self.rebalanced: set[ItemId] = set()
-        """Pending items moved by :meth:`balance_for` (an idle instance takes none of
-        them: a request is re-prefilled for balance at most once)."""
+        """Where items taken back from an instance go next: a drained one's (see
+        :meth:`plan`), a recalled one's (see :meth:`balance_for`)."""
+        self.balancer = Balancer(
+            workers=self.workers,
+            planned=self.planned,
+            edges_of=self._edges_of,
+            move=self._move_queued,
+            on_join=balance_on_join,
+            when_idle=balance_when_idle,
+            recall=recall,
+        )
+        """Moves items to an instance below its fair share (see :meth:`balance_for`)."""
         self.reported_idle: set[InstanceId] = set()
         """Instances reported idle (``WorkerIdle``) that have held nothing since."""
 
@@ -163,9 +148,7 @@ class Placement:
         """Forget ``w``; returns the items it held (queued, then in flight)."""
         del self.workers[w.instance]
         self.reported_idle.discard(w.instance)
-        if self.recalled:
-            for item in [i for i, (src, dst) in self.recalled.items() if w.instance in (src, dst)]:
-                del self.recalled[item]
+        self.balancer.forget_worker(w.instance)
         items = w.queue.take_all() + list(w.in_flight.values())
         w.in_flight.clear()
         w.queue.close()
@@ -251,7 +234,7 @@ class Placement:
             raise RoutingError(f"item {item_id!r} is not out on a tool call")
         assert item.instance is not None, "a session in a tool call was served"
         self.pending.discard(item_id)
-        self.rebalanced.discard(item_id)
+        self.balancer.on_completed(item_id)
         self.num_completed += 1
         self.emit(
             ev.ItemCompleted(
@@ -271,13 +254,10 @@ class Placement:
         if item is None:
             raise RoutingError(f"{w.instance!r} returned {r.item!r}, which it does not hold")
         generated = self.generated_tokens.pop(item.id, 0) + r.num_tokens
-        if item.id in self.recalled:
-            del self.recalled[item.id]
-            if r.status != "aborted":  # it ended its turn before the recall landed
-                self.planned.pop(item.id, None)
+        self.balancer.on_result(item.id, r.status)
         if r.status in ("done", "refused"):
             self.pending.discard(item.id)
-            self.rebalanced.discard(item.id)
+            self.balancer.on_completed(item.id)
             if self.planned:
                 self.planned.pop(item.id, None)
             self.num_completed += 1
@@ -361,7 +341,7 @@ class Placement:
             # Once ``w`` holds an item it is busy: only items whose prefix the donor
             # does not hold may follow.
             item = donor.queue.take_oldest(
-                functools.partial(_movable, edges=edges, sticky=None if w.is_idle else donor)
+                functools.partial(movable, edges=edges, sticky=None if w.is_idle else donor)
             )
             if item is None or not donor.num_waiting:
                 donors.remove(donor)
@@ -369,7 +349,7 @@ class Placement:
                 continue
             self.num_stolen += 1
             self._move_queued(item, w, now)
-        if self.balance_when_idle and w.is_idle:
+        if self.balancer.when_idle and w.is_idle:
             self.balance_for(w, now, idle=True)
 
     def after_results(self, w: WorkerState, now: float) -> None:
@@ -384,98 +364,9 @@ class Placement:
 
     def balance_for(self, w: WorkerState, now: float, *, idle: bool = False) -> None:
         """``w`` joined or resumed (or, with ``idle``, has nothing left to do): move to
-        it its fair share of what the active instances of its component hold, so that
-        a backlog is not all run by whichever instance happened to join first while the
-        others, joining moments later, find nothing waiting beyond its capacity (what
-        :meth:`steal_for` takes); and so that in the rollout tail no engine decodes a
-        batch of long requests while another idles (an idle ``w`` takes only items no
-        balance moved before: each is re-prefilled for balance at most once).
-
-        The share is by capacity: ``w`` is brought up to ``held * capacity(w) /
-        capacity(all)`` items (at most its capacity), taken from the instances holding
-        the most beyond their own share, each down to its share: queued items first
-        (oldest first: they move as they are), then in-flight ones, most recently
-        dispatched first (they have generated least): these are recalled (see
-        ``recall``) and routed to ``w`` when their aborted result comes back, with
-        their partial output. Items already recalled count where they are going (a
-        donor's share may be paid with items still on their way to it: they are sent
-        on to ``w``). Items that must return to their instance never move, nor do
-        sessions whose KV prefix the donor holds (their next turn is worth more there
-        than a re-prefill of the whole context elsewhere). Off with
-        ``balance_on_join=False`` (``balance_when_idle=False``)."""
-        if not (
-            (self.balance_when_idle if idle else self.balance_on_join)
-            and w.active
-            and w.can_start_now
-        ):
-            return
-        peers = [c for c in self.workers.values() if c.active and c.component == w.component]
-        if len(peers) < 2:
-            return
-        held = {c.instance: len(c.in_flight) + len(c.queue) for c in peers}
-        coming: dict[InstanceId, list[ItemId]] = {}  # recalled items on their way to each
-        for item_id, (src, dst) in self.recalled.items():
-            if src in held:
-                held[src] -= 1
-            if dst in held:
-                held[dst] += 1
-                coming.setdefault(dst, []).append(item_id)
-        total = sum(held.values())
-        capacity = sum(c.capacity for c in peers)
-        want = min(w.capacity, total * w.capacity // capacity) - held[w.instance]
-        if want <= 0:
-            return
-        edges = self._edges_of(w.component)
-        exclude = self.rebalanced if idle else None
-        movable = {
-            c.instance: functools.partial(_movable, edges=edges, sticky=c, exclude=exclude)
-            for c in peers
-        }
-        heap: list[tuple[int, InstanceId]] = []
-        for c in peers:
-            surplus = held[c.instance] - math.ceil(total * c.capacity / capacity)
-            if c is not w and surplus > 0:
-                heap.append((-surplus, c.instance))
-        heapq.heapify(heap)
-        recalls: dict[InstanceId, list[ItemId]] = {}
-        in_flight: dict[InstanceId, Iterator[wire.Item]] = {
-            iid: (
-                item
-                for item in reversed(list(self.workers[iid].in_flight.values()))
-                if item.id not in self.recalled and movable[iid](item)
-            )
-            for _, iid in heap
-        }
-        while want > 0 and heap:
-            neg, iid = heapq.heappop(heap)
-            donor = self.workers[iid]
-            if (
-                self._take_queued(donor, w, movable[iid], now)
-                or self._redirect_one(coming.get(iid), w)
-                or self._recall_one(donor, w, in_flight, recalls)
-            ):
-                want -= 1
-                if neg < -1:
-                    heapq.heappush(heap, (neg + 1, iid))
-        for iid, ids in recalls.items():
-            assert self.recall is not None
-            self.recall(self.workers[iid], tuple(ids), now)
-
-    def _take_queued(
-        self,
-        donor: WorkerState,
-        w: WorkerState,
-        movable: Callable[[wire.Item], bool],
-        now: float,
-    ) -> bool:
-        """Move ``donor``'s oldest movable queued item to ``w``; whether there was one."""
-        item = donor.queue.take_oldest(movable) if len(donor.queue) else None
-        if item is None:
-            return False
-        self.num_balanced += 1
-        self.rebalanced.add(item.id)
-        self._move_queued(item, w, now)
-        return True
+        it its fair share of what the other instances of its component hold (see
+        :meth:`Balancer.balance_for <dynarl.data.balance.Balancer.balance_for>`)."""
+        self.balancer.balance_for(w, now, idle=idle)
 
     def _move_queued(self, item: wire.Item, w: WorkerState, now: float) -> None:
         """Queue ``item``, just taken from another instance's queue, at ``w``: reported
@@ -489,38 +380,6 @@ class Placement:
         self.num_routed += 1
         self.reported_idle.discard(w.instance)
         self.emit(ev.ItemRouted(time_s=now, edge=item.edge, item=item.id, instance=w.instance))
-
-    def _redirect_one(self, coming: list[ItemId] | None, w: WorkerState) -> bool:
-        """Send to ``w`` instead one of the items recalled for the donor and not back
-        yet (``coming``); whether there was one."""
-        if not coming:
-            return False
-        item = coming.pop()
-        src, _ = self.recalled[item]
-        self.recalled[item] = (src, w.instance)
-        self.planned[item] = w.instance
-        return True
-
-    def _recall_one(
-        self,
-        donor: WorkerState,
-        w: WorkerState,
-        candidates: dict[InstanceId, Iterator[wire.Item]],
-        recalls: dict[InstanceId, list[ItemId]],
-    ) -> bool:
-        """Mark the next of ``donor``'s ``candidates`` (its movable in-flight items,
-        most recently dispatched first) for recall to ``w``; whether there was one."""
-        if self.recall is None:
-            return False
-        item = next(candidates[donor.instance], None)
-        if item is None:
-            return False
-        self.recalled[item.id] = (donor.instance, w.instance)
-        self.planned[item.id] = w.instance
-        self.rebalanced.add(item.id)
-        recalls.setdefault(donor.instance, []).append(item.id)
-        self.num_balanced += 1
-        return True
 
     def refill(self, now: float) -> None:
         """Route backlogged items, oldest first, until a few in a row find no instance

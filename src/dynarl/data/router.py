@@ -367,7 +367,7 @@ class Router:
             num_refused=p.num_refused,
             num_requeued=p.num_requeued,
             num_stolen=p.num_stolen,
-            num_balanced=p.num_balanced,
+            num_balanced=p.balancer.num_balanced,
             num_workers_failed=p.num_workers_failed,
             num_frames_unsent=self._sessions.num_frames_unsent,
             rejected=rejected,

@@ -1,0 +1,228 @@
+"""Balance: bring an instance that joins, resumes or runs dry up to its fair share.
+
+The :class:`~dynarl.data.placement.Placement` owns a :class:`Balancer` and calls it
+when an instance of a component gets room; the balancer moves to that instance its
+share of what the others hold: queued items at once, in-flight ones by recalling them
+(their aborted results are then routed to it). It keeps the books this takes: which
+items are on their way back from a recall, and which were moved for balance already
+(a request is re-prefilled for balance at most once). Synchronous, like the placement.
+"""
+
+import functools
+import heapq
+import math
+from collections.abc import Callable, Iterator, Mapping
+
+from dynarl.core.ids import ComponentId, EdgeId, InstanceId, ItemId
+from dynarl.data import wire
+from dynarl.data.peers import WorkerState
+
+
+def movable(
+    item: wire.Item,
+    *,
+    edges: set[EdgeId],
+    sticky: WorkerState | None,
+    exclude: set[ItemId] | None = None,
+) -> bool:
+    """Whether ``item`` may move to another instance (taken from a queue by
+    ``Placement.steal_for``, or by :meth:`Balancer.balance_for`): never one that must
+    return to its instance, none off ``edges``, none whose prefix ``sticky`` holds,
+    none in ``exclude``."""
+    return (
+        item.affinity != "must"
+        and item.edge in edges
+        and (sticky is None or item.instance != sticky.instance)
+        and (exclude is None or item.id not in exclude)
+    )
+
+
+class Balancer:
+    """Moves items to an instance below its fair share, and remembers what it moved.
+
+    Args:
+        workers: the placement's workers, by instance (read, never changed here).
+        planned: the placement's plan of where items go when next routed; recalled
+            items are planned to the instance they were recalled for.
+        edges_of: the edges a component consumes.
+        move: queues an item just taken from another instance's queue at an instance
+            (reported requeued and routed).
+        on_join: an instance that joins or resumes takes its fair share (see
+            :meth:`balance_for`).
+        when_idle: so does an instance left with nothing to do while others still
+            run several items (the rollout tail), each item moved this way at most once.
+        recall: asks a worker to hand these in-flight items back now (their results
+            come back ``aborted``, with their partial output); ``None``: only queued
+            items move.
+    """
+
+    def __init__(
+        self,
+        *,
+        workers: Mapping[InstanceId, WorkerState],
+        planned: dict[ItemId, InstanceId],
+        edges_of: Callable[[ComponentId], set[EdgeId]],
+        move: Callable[[wire.Item, WorkerState, float], None],
+        on_join: bool = True,
+        when_idle: bool = True,
+        recall: Callable[[WorkerState, tuple[ItemId, ...], float], object] | None = None,
+    ) -> None:
+        self.workers = workers
+        self.planned = planned
+        self.edges_of = edges_of
+        self.move = move
+        self.on_join = on_join
+        self.when_idle = when_idle
+        self.recall = recall
+        self.num_balanced = 0
+        """Items moved by :meth:`balance_for`: queued ones moved, in-flight ones recalled."""
+        self.recalled: dict[ItemId, tuple[InstanceId, InstanceId]] = {}
+        """In-flight items asked back for a joining instance: (holder, joiner) each,
+        until their result arrives."""
+        self.rebalanced: set[ItemId] = set()
+        """Pending items moved by :meth:`balance_for` (an idle instance takes none of
+        them: a request is re-prefilled for balance at most once)."""
+
+    def forget_worker(self, instance: InstanceId) -> None:
+        """``instance`` left: forget the recalls from it and for it."""
+        if self.recalled:
+            for item in [i for i, (src, dst) in self.recalled.items() if instance in (src, dst)]:
+                del self.recalled[item]
+
+    def on_result(self, item: ItemId, status: wire.ResultStatus) -> None:
+        """A result for ``item`` arrived: it is no longer on its way back from a recall;
+        if that result is not the ``aborted`` one the recall asked for (the item ended
+        its turn before the recall landed), it no longer goes to the instance it was
+        recalled for either."""
+        if item in self.recalled:
+            del self.recalled[item]
+            if status != "aborted":
+                self.planned.pop(item, None)
+
+    def on_completed(self, item: ItemId) -> None:
+        """``item`` is no longer pending (done, refused, or its session ended): forget
+        that it was moved for balance."""
+        self.rebalanced.discard(item)
+
+    def balance_for(self, w: WorkerState, now: float, *, idle: bool = False) -> None:
+        """``w`` joined or resumed (or, with ``idle``, has nothing left to do): move to
+        it its fair share of what the active instances of its component hold, so that
+        a backlog is not all run by whichever instance happened to join first while the
+        others, joining moments later, find nothing waiting beyond its capacity (what
+        ``Placement.steal_for`` takes); and so that in the rollout tail no engine
+        decodes a batch of long requests while another idles (an idle ``w`` takes only
+        items no balance moved before: each is re-prefilled for balance at most once).
+
+        The share is by capacity: ``w`` is brought up to ``held * capacity(w) /
+        capacity(all)`` items (at most its capacity), taken from the instances holding
+        the most beyond their own share, each down to its share: queued items first
+        (oldest first: they move as they are), then in-flight ones, most recently
+        dispatched first (they have generated least): these are recalled (see
+        ``recall``) and routed to ``w`` when their aborted result comes back, with
+        their partial output. Items already recalled count where they are going (a
+        donor's share may be paid with items still on their way to it: they are sent
+        on to ``w``). Items that must return to their instance never move, nor do
+        sessions whose KV prefix the donor holds (their next turn is worth more there
+        than a re-prefill of the whole context elsewhere). Off with ``on_join=False``
+        (``when_idle=False``)."""
+        if not ((self.when_idle if idle else self.on_join) and w.active and w.can_start_now):
+            return
+        peers = [c for c in self.workers.values() if c.active and c.component == w.component]
+        if len(peers) < 2:
+            return
+        held = {c.instance: len(c.in_flight) + len(c.queue) for c in peers}
+        coming: dict[InstanceId, list[ItemId]] = {}  # recalled items on their way to each
+        for item_id, (src, dst) in self.recalled.items():
+            if src in held:
+                held[src] -= 1
+            if dst in held:
+                held[dst] += 1
+                coming.setdefault(dst, []).append(item_id)
+        total = sum(held.values())
+        capacity = sum(c.capacity for c in peers)
+        want = min(w.capacity, total * w.capacity // capacity) - held[w.instance]
+        if want <= 0:
+            return
+        edges = self.edges_of(w.component)
+        exclude = self.rebalanced if idle else None
+        may_move = {
+            c.instance: functools.partial(movable, edges=edges, sticky=c, exclude=exclude)
+            for c in peers
+        }
+        heap: list[tuple[int, InstanceId]] = []
+        for c in peers:
+            surplus = held[c.instance] - math.ceil(total * c.capacity / capacity)
+            if c is not w and surplus > 0:
+                heap.append((-surplus, c.instance))
+        heapq.heapify(heap)
+        recalls: dict[InstanceId, list[ItemId]] = {}
+        in_flight: dict[InstanceId, Iterator[wire.Item]] = {
+            iid: (
+                item
+                for item in reversed(list(self.workers[iid].in_flight.values()))
+                if item.id not in self.recalled and may_move[iid](item)
+            )
+            for _, iid in heap
+        }
+        while want > 0 and heap:
+            neg, iid = heapq.heappop(heap)
+            donor = self.workers[iid]
+            if (
+                self._take_queued(donor, w, may_move[iid], now)
+                or self._redirect_one(coming.get(iid), w)
+                or self._recall_one(donor, w, in_flight, recalls)
+            ):
+                want -= 1
+                if neg < -1:
+                    heapq.heappush(heap, (neg + 1, iid))
+        for iid, ids in recalls.items():
+            assert self.recall is not None
+            self.recall(self.workers[iid], tuple(ids), now)
+
+    def _take_queued(
+        self,
+        donor: WorkerState,
+        w: WorkerState,
+        may_move: Callable[[wire.Item], bool],
+        now: float,
+    ) -> bool:
+        """Move ``donor``'s oldest movable queued item to ``w``; whether there was one."""
+        item = donor.queue.take_oldest(may_move) if len(donor.queue) else None
+        if item is None:
+            return False
+        self.num_balanced += 1
+        self.rebalanced.add(item.id)
+        self.move(item, w, now)
+        return True
+
+    def _redirect_one(self, coming: list[ItemId] | None, w: WorkerState) -> bool:
+        """Send to ``w`` instead one of the items recalled for the donor and not back
+        yet (``coming``); whether there was one."""
+        if not coming:
+            return False
+        item = coming.pop()
+        src, _ = self.recalled[item]
+        self.recalled[item] = (src, w.instance)
+        self.planned[item] = w.instance
+        return True
+
+    def _recall_one(
+        self,
+        donor: WorkerState,
+        w: WorkerState,
+        candidates: dict[InstanceId, Iterator[wire.Item]],
+        recalls: dict[InstanceId, list[ItemId]],
+    ) -> bool:
+        """Mark the next of ``donor``'s ``candidates`` (its movable in-flight items,
+        most recently dispatched first) for recall to ``w``; whether there was one."""
+        if self.recall is None:
+            return False
+        item = next(candidates[donor.instance], None)
+        if item is None:
+            return False
+        self.recalled[item.id] = (donor.instance, w.instance)
+        self.planned[item.id] = w.instance
+        self.rebalanced.add(item.id)
+        recalls.setdefault(donor.instance, []).append(item.id)
+        self.num_balanced += 1
+        return True
