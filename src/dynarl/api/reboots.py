@@ -6,24 +6,71 @@ rejoins the trainer's world, holding no state, until a resize makes it a rank.""
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from dynarl.api.engine_weights import EngineWeights
 from dynarl.api.restarts import RestartBudget
 from dynarl.core.ids import DeviceId, InstanceId
-from dynarl.launch.launcher import RestartsWorkers
+from dynarl.data.router import Router
+from dynarl.launch.launcher import Launcher, RestartsWorkers
 from dynarl.workers.errors import LaunchError
 from dynarl.workers.handles import SlotHandle
-
-if TYPE_CHECKING:
-    from dynarl.api.world import RealWorld
+from dynarl.workers.trainer import Trainer
 
 logger = logging.getLogger(__name__)
+
+
+class RebootableWorld(Protocol):
+    """What a reboot reads of the world that owns it (the real run's
+    :class:`~dynarl.api.world.RealWorld`): its processes and their devices, the
+    trainer, the router and the engines' weights. It changes the collections in place
+    (a restarted process replaces the dead one's handle; a restarted slot is no
+    longer lost)."""
+
+    @property
+    def launcher(self) -> Launcher:
+        """Starts the processes (and, if it :class:`RestartsWorkers`, starts them again)."""
+
+    @property
+    def slot_devices(self) -> list[DeviceId]:
+        """Devices with a slot process, in slot order."""
+
+    @property
+    def lost(self) -> set[str]:
+        """Names of slots whose worker died."""
+
+    @property
+    def weights(self) -> EngineWeights:
+        """The weight-sync group and the version the engines run."""
+
+    @property
+    def trainer(self) -> Trainer | None:
+        """The actor, once started."""
+
+    @property
+    def trainer_devices(self) -> list[DeviceId]:
+        """Devices with a trainer worker, in worker order."""
+
+    @property
+    def trainer_names(self) -> list[str]:
+        """The trainer workers' names, in worker order."""
+
+    @property
+    def trainer_workers(self) -> list[SlotHandle]:
+        """The trainer's worker processes, in worker order."""
+
+    @property
+    def router(self) -> Router:
+        """The data router (it knows which workers are connected)."""
+
+    def trainer_members(self, devices: Sequence[DeviceId]) -> list[int]:
+        """The trainer workers of ``devices``."""
 
 
 class Reboots:
     """Restarts ``world``'s dead workers (the world owns one)."""
 
-    def __init__(self, world: "RealWorld") -> None:
+    def __init__(self, world: RebootableWorld) -> None:
         self.world = world
         self.budget = RestartBudget()
         """How often dead slots and trainer workers may still be started again."""
