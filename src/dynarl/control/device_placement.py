@@ -16,21 +16,18 @@ their queues through the hypergraph's item bookkeeping (``Hypergraph._release``)
 """
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 from dynarl.control import events as ev
 from dynarl.control.elements import Node
+from dynarl.control.graph_state import GraphState
 from dynarl.control.plan import InstanceSpec, Migration
 from dynarl.control.topology import ComponentSpec
 from dynarl.core.errors import EventError
 from dynarl.core.ids import ComponentId, DeviceId, MigrationId
 
-if TYPE_CHECKING:
-    from dynarl.control.hypergraph import Hypergraph
-
 
 def place_initial(
-    graph: "Hypergraph", placement: Mapping[ComponentId, Iterable[InstanceSpec]]
+    graph: GraphState, placement: Mapping[ComponentId, Iterable[InstanceSpec]]
 ) -> None:
     """Create the initial instances per component; devices not placed stay free."""
     for cid, instances in placement.items():
@@ -45,7 +42,7 @@ def place_initial(
             add_instance(graph, inst, cid)
 
 
-def on_migration_started(graph: "Hypergraph", e: ev.MigrationStarted) -> None:
+def on_migration_started(graph: GraphState, e: ev.MigrationStarted) -> None:
     """Drain the migration's instances and move its free devices into transit."""
     m = e.migration
     if m.id in graph.migrations:
@@ -90,7 +87,7 @@ def on_migration_started(graph: "Hypergraph", e: ev.MigrationStarted) -> None:
     graph.next_migration_id = MigrationId(max(graph.next_migration_id, m.id + 1))
 
 
-def on_migration_done(graph: "Hypergraph", e: ev.MigrationDone) -> None:
+def on_migration_done(graph: GraphState, e: ev.MigrationDone) -> None:
     """Remove the drained instances, place the new ones, free the remaining devices."""
     m = _migration(graph, e.migration)
     del graph.migrations[m.id]
@@ -111,7 +108,7 @@ def on_migration_done(graph: "Hypergraph", e: ev.MigrationDone) -> None:
     graph.crashed_in_migration.difference_update(m.devices)
 
 
-def on_migration_failed(graph: "Hypergraph", e: ev.MigrationFailed) -> None:
+def on_migration_failed(graph: GraphState, e: ev.MigrationFailed) -> None:
     """Put the drained instances back to work and return the migration's free devices."""
     m = _migration(graph, e.migration)
     del graph.migrations[m.id]
@@ -131,7 +128,7 @@ def on_migration_failed(graph: "Hypergraph", e: ev.MigrationFailed) -> None:
     graph.crashed_in_migration.difference_update(m.devices)
 
 
-def _free(graph: "Hypergraph", devices: Iterable[DeviceId]) -> None:
+def _free(graph: GraphState, devices: Iterable[DeviceId]) -> None:
     """Return ``devices`` to the free pool; those whose instance crashed during the
     migration that held them are marked crashed (the scheduler reboots them)."""
     for d in devices:
@@ -140,7 +137,7 @@ def _free(graph: "Hypergraph", devices: Iterable[DeviceId]) -> None:
             graph.crashed_devices.add(d)
 
 
-def on_worker_failed(graph: "Hypergraph", e: ev.WorkerFailed) -> None:
+def on_worker_failed(graph: GraphState, e: ev.WorkerFailed) -> None:
     """Forget a crashed instance; its devices go to its migration or, marked crashed,
     to the free pool."""
     node = graph._instance(e.instance)
@@ -161,7 +158,7 @@ def on_worker_failed(graph: "Hypergraph", e: ev.WorkerFailed) -> None:
         graph.crashed_devices.update(node.devices)
 
 
-def check_new_instance(graph: "Hypergraph", spec: InstanceSpec, component: ComponentSpec) -> None:
+def check_new_instance(graph: GraphState, spec: InstanceSpec, component: ComponentSpec) -> None:
     """Raise :class:`EventError` unless ``spec`` is a new, well-sized ``component`` instance."""
     if spec.id in graph.instances:
         raise EventError(f"instance {spec.id!r} already exists")
@@ -173,7 +170,7 @@ def check_new_instance(graph: "Hypergraph", spec: InstanceSpec, component: Compo
 
 
 def add_instance(
-    graph: "Hypergraph", spec: InstanceSpec, component: ComponentId, time_s: float | None = None
+    graph: GraphState, spec: InstanceSpec, component: ComponentId, time_s: float | None = None
 ) -> None:
     """Create an active instance of ``component`` holding ``spec``'s devices."""
     node = Node(spec, component, graph.now_s if time_s is None else time_s)
@@ -189,7 +186,7 @@ def add_instance(
         graph._instance_serial[component] = max(graph._instance_serial[component], int(serial) + 1)
 
 
-def remove_instance(graph: "Hypergraph", node: Node, time_s: float) -> None:
+def remove_instance(graph: GraphState, node: Node, time_s: float) -> None:
     """Forget an instance; items it still held go back to their queues."""
     for item, edge_id in list(node.items.items()):
         graph._release(graph.edges[edge_id], graph.edges[edge_id].items[item], time_s)
@@ -200,7 +197,7 @@ def remove_instance(graph: "Hypergraph", node: Node, time_s: float) -> None:
     del graph.components[node.component].instances[node.id]
 
 
-def _migration(graph: "Hypergraph", mid: MigrationId) -> Migration:
+def _migration(graph: GraphState, mid: MigrationId) -> Migration:
     try:
         return graph.migrations[mid]
     except KeyError:

@@ -1,17 +1,14 @@
 """The hypergraph's invariants, verified from scratch (for tests and debugging)."""
 
 import math
-from typing import TYPE_CHECKING
 
 from dynarl.control.elements import TOOL
+from dynarl.control.graph_state import GraphState
 from dynarl.core.errors import InvariantError
 from dynarl.core.ids import DeviceId
 
-if TYPE_CHECKING:
-    from dynarl.control.hypergraph import Hypergraph
 
-
-def check_invariants(graph: "Hypergraph") -> None:
+def check_invariants(graph: GraphState) -> None:
     """Verify every invariant from scratch; raises :class:`InvariantError`.
 
     A device is held by at most one instance or migration, or is free; device
