@@ -15,7 +15,13 @@ workers' costs (one round of ``bench/profile_cpu.py``) and the host-sharing curv
 every round of iterations, averaged, and written to ``OUT/profile.json``. On a shared
 machine a slot's speed moves with the other tenants' load by 2x and more within
 minutes, and so does the host-sharing curve (two slots: 1.0x to 2.5x one alone), so
-only a profile taken through the run describes the machine the run saw.
+only a profile taken through the run describes the machine the run saw. The profile
+also holds what the controller process (this one: every mode's controller, router and
+reward) spends per generated token, measured around each iteration
+(``controller_cpu_per_token_s``: its CPU seconds over the tokens generated, over the
+iterations after the warm-up, every mode), and this host's cores
+(``host_cores``): the simulator counts the controller as a fractional busy slot and
+gives its controller's predictor the curve a real run's gets here.
 ``--profile builtin`` uses the built-in ``cpu-1t`` profile instead (measured once on
 the development machine: a test of the built-in figures more than of the model).
 
@@ -51,6 +57,7 @@ from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.sim.cluster import trace_workload
 from dynarl.sim.config import SimConfig, SimulatedRun, simulated_run
 from dynarl.sim.cpu_profile import CPU_1T, CpuProfile, cpu_cluster
+from dynarl.sim.host import usable_cores
 from dynarl.sim.profile_file import (
     MEASURED,
     PROFILE_VERSION,
@@ -119,6 +126,41 @@ async def run_and_profile(
                 await anyio.to_thread.run_sync(profiler)
 
 
+def controller_cost(
+    cpu_s: dict[str, list[float]], runs: list[ModeRun], warmup: int
+) -> dict[str, float]:
+    """The controller's CPU per generated token over every mode's iterations after
+    ``warmup`` (total CPU seconds over total tokens), and how well each candidate unit
+    describes the iterations: the relative RMS residual of CPU = k x tokens (per token)
+    and of CPU = constant (per iteration, i.e. per request: every iteration has the
+    same requests), and the fit CPU = a + b x tokens."""
+    pairs = [
+        (c, float(s.gen_tokens))
+        for r in runs
+        for c, s in list(zip(cpu_s.get(r.mode, []), r.stats, strict=False))[warmup:]
+    ]
+    if not pairs:
+        return {"per_token_s": 0.0}
+    cpu = [c for c, _ in pairs]
+    tok = [t for _, t in pairs]
+    per_token = sum(cpu) / max(sum(tok), 1.0)
+    mean_cpu = statistics.mean(cpu)
+
+    def rms(pred: list[float]) -> float:
+        return math.sqrt(statistics.mean((c - p) ** 2 for c, p in zip(cpu, pred, strict=True)))
+
+    slope = statistics.linear_regression(tok, cpu).slope if len(set(tok)) > 1 else 0.0
+    return {
+        "per_token_s": per_token,
+        "per_iteration_s": mean_cpu,
+        "rms_per_token": rms([per_token * t for t in tok]) / mean_cpu,
+        "rms_per_iteration": rms([mean_cpu] * len(cpu)) / mean_cpu,
+        "fit_intercept_s": mean_cpu - slope * statistics.mean(tok),
+        "fit_per_token_s": slope,
+        "iterations": len(pairs),
+    }
+
+
 def simulate_mode(run: ModeRun, profile: CpuProfile, warmup: int) -> ModeResult:
     """``run``'s job under its mode on ``profile``, replaying its own trace.jsonl."""
     trace = run.rl.run_dir / "trace.jsonl"
@@ -174,6 +216,11 @@ def main() -> None:
         if profiler is not None:
             profiler.pool.close()
     profile = profiler.profile() if profiler is not None else CPU_1T
+    ctrl = controller_cost(controller_cpu_s, runs, args.warmup)
+    profile = msgspec.structs.replace(
+        profile, controller_cpu_per_token_s=ctrl["per_token_s"], host_cores=usable_cores()
+    )
+    tenant = ("controller_cpu_per_token_s", "host_cores")
     out.mkdir(parents=True, exist_ok=True)
     profile_path = out / "profile.json"
     write_profile(
@@ -182,7 +229,9 @@ def main() -> None:
             profile_version=PROFILE_VERSION,
             device=profile,
             model=cfg0.model,
-            measured=(*MEASURED, "host_slowdown") if args.profile == "measured" else (),
+            measured=(*MEASURED, "host_slowdown", *tenant)
+            if args.profile == "measured"
+            else tenant,
             host=f"{platform.node()}, {os.cpu_count()} cores, measured by bench/sim_fidelity.py",
         ),
     )
@@ -215,6 +264,14 @@ def main() -> None:
         f"{ranking(simulated_s)}: {'agrees' if agrees else 'DISAGREES'}"
     )
     print(
+        f"controller CPU: {ctrl['per_token_s'] * 1e6:.1f} us per generated token "
+        f"(relative RMS residual per token {ctrl.get('rms_per_token', math.nan):.2f}, "
+        f"per iteration {ctrl.get('rms_per_iteration', math.nan):.2f}; fit "
+        f"{ctrl.get('fit_intercept_s', math.nan):.3f} s + "
+        f"{ctrl.get('fit_per_token_s', math.nan) * 1e6:.1f} us x tokens), "
+        f"{profile.host_cores} cores"
+    )
+    print(
         f"profile: {profile.name}, decode step {profile.decode_step_s * 1e3:.2f} ms "
         f"(+{profile.step_dispatch_s * 1e3:.2f} ms worker loop), cache rebuild "
         f"{profile.join_per_held_token_s * 1e6:.3f}/{profile.leave_per_held_token_s * 1e6:.3f} "
@@ -228,6 +285,8 @@ def main() -> None:
         "simulated_s": {m: round(v, 3) for m, v in simulated_s.items()},
         "ranking_agrees": agrees,
         "controller_cpu_s": {m: round(v, 3) for m, v in cpu_s.items()},
+        "controller_cost": {k: round(v, 8) for k, v in ctrl.items()},
+        "host_cores": profile.host_cores,
         "ranking": ranking(measured_s),
         "profile": args.profile,
         "host_slowdown": list(profile.host_slowdown),

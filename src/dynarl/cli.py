@@ -238,6 +238,7 @@ def _workload_overrides(path: str, sim_run: Any) -> list[str]:
 
 
 def _profile(args: argparse.Namespace) -> int:
+    from dynarl.sim.host import usable_cores
     from dynarl.sim.profile_file import measured_profile, read_profile, write_profile
     from dynarl.workers.backends import reference_profiler
 
@@ -263,6 +264,7 @@ def _profile(args: argparse.Namespace) -> int:
         host=measured.host,
         name=args.name or f"{measured.name}-{measured.threads}t",
         host_slowdown=measured.host_slowdown,
+        host_cores=usable_cores(),
     )
     write_profile(args.out, profile)
     read_profile(args.out)  # what `dynarl sim --profile` will read
@@ -273,6 +275,8 @@ def _profile(args: argparse.Namespace) -> int:
             print(f"  {field:<28} {value / 1e9:10.3f} GB/s")
         elif field.endswith("_s"):
             print(f"  {field:<28} {value * 1e3:10.4f} ms")
+        elif field == "host_cores":
+            print(f"  {field:<28} {value:10d}")
         elif field == "host_slowdown":
             curve = ", ".join(f"{n} busy x{f:.2f}" for n, f in enumerate(value, start=1))
             print(f"  {field:<28} {curve}")

@@ -166,7 +166,7 @@ def test_a_bad_profile_file_is_refused_with_the_fix(
     assert main(["sim", "--profile", str(path), *TINY]) == 2
     assert "is not JSON" in capsys.readouterr().err
     path.write_text('{"profile_version": 0}')
-    with pytest.raises(SimError, match="profile_version=0, this dynarl reads versions 1, 2, 3"):
+    with pytest.raises(SimError, match="profile_version=0, this dynarl reads versions 1, 2, 3, 4"):
         read_profile(path)
     path.write_text(json.dumps({"profile_version": 1, "device": {"name": "x"}, "model": {}}))
     with pytest.raises(SimError, match=r"missing required field `decode_step_s`.*dynarl profile"):

@@ -223,11 +223,12 @@ def _busy_slots(row: ProfileRow, unit: int) -> int:
 
 def host_slowdown(cluster: ClusterModel, num_devices: int) -> tuple[float, ...]:
     """The host curve the predictor of a run on ``cluster``'s ``num_devices`` devices
-    is given (``Predictor(host_slowdown=...)``): the measured slowdown at 1 to
-    ``num_devices`` busy slots; empty for independent devices (every GPU profile)."""
+    is given (``Predictor(host_slowdown=...)``): the one a real run's controller is
+    given on that host (:meth:`~dynarl.sim.host.HostSharing.predictor_slowdown`);
+    empty for independent devices (every GPU profile)."""
     if cluster.host is None:
         return ()
-    return tuple(cluster.host.factor(n) for n in range(1, num_devices + 1))
+    return cluster.host.predictor_slowdown(num_devices)
 
 
 def longest_decode_s(cluster: ClusterModel, requests: Sequence[Request]) -> float:

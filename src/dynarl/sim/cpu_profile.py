@@ -47,7 +47,7 @@ from dynarl.sim.costs import (
 from dynarl.sim.engine_config import EngineConfig
 from dynarl.sim.errors import SimError
 from dynarl.sim.hardware import GpuProfile
-from dynarl.sim.host import HostSharing, check_slowdown
+from dynarl.sim.host import HostSharing, check_controller_cpu, check_slowdown
 from dynarl.sim.models import ModelProfile
 from dynarl.sim.replay import ReplayWorkload
 from dynarl.sim.workloads import MathWorkload
@@ -103,6 +103,14 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
             compute at once than alone (``1.0`` first;
             :class:`~dynarl.sim.host.HostSharing`). Empty: not measured, and the
             simulated slots are independent (as if each had cores of its own).
+        controller_cpu_per_token_s: CPU seconds the controller process (router,
+            reward, result batches, controller) spends per generated token, measured in
+            a real run (``bench/sim_fidelity.py``); with ``host_slowdown`` it counts as
+            a fractional busy slot on the curve while the engines decode
+            (:class:`~dynarl.sim.host.HostSharing`). 0: not measured, not counted.
+        host_cores: the cores of the host measured (0: not recorded): the simulated
+            controller's predictor is given the curve a real run's is there (ideal
+            processor sharing on them) rather than the measured one.
     """
 
     name: str
@@ -128,14 +136,27 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
     transfer_bytes_per_s: float | None = None
     iteration_overhead_s: float = 0.0
     host_slowdown: tuple[float, ...] = ()
+    controller_cpu_per_token_s: float = 0.0
+    host_cores: int = 0
 
     def __post_init__(self) -> None:
         if self.host_slowdown:
             check_slowdown(self.host_slowdown, "host_slowdown")
+        check_controller_cpu(self.controller_cpu_per_token_s, "controller_cpu_per_token_s")
+        if self.host_cores < 0:
+            raise SimError(f"host_cores={self.host_cores}: need 0 (not recorded) or more")
 
     def host_sharing(self) -> HostSharing | None:
-        """The host-sharing model of :attr:`host_slowdown` (``None`` if not measured)."""
-        return HostSharing(slowdown=self.host_slowdown) if self.host_slowdown else None
+        """The host-sharing model of :attr:`host_slowdown`, the controller tenant and the
+        cores (``None`` if the curve is not measured)."""
+        if not self.host_slowdown:
+            return None
+        return HostSharing(
+            slowdown=self.host_slowdown,
+            controller_cpu_per_token_s=self.controller_cpu_per_token_s,
+            cores=self.host_cores,
+            threads=self.threads,
+        )
 
 
 CPU_1T = CpuProfile(

@@ -271,6 +271,14 @@ class SimEngine:
             kv_tokens=held,
         )
 
+    def decode_rate_alone(self) -> float:
+        """Tokens a second the running batch generates at this engine's alone speed
+        (no host slowdown), from its state at the last step boundary; 0 when idle."""
+        batch = len(self._running)
+        if not batch:
+            return 0.0
+        return batch / (self._a + self._c * batch + self._b * self._read_tokens())
+
     def totals(self) -> EngineTotals:
         """Counters since construction (whole steps up to the last event)."""
         return EngineTotals(

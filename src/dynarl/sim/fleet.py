@@ -156,6 +156,11 @@ class EngineFleet:
         """The engines with a request running or prefilling."""
         return [iid for iid, e in self.engines.items() if e.busy_since is not None]
 
+    def decode_rate_alone(self) -> float:
+        """Tokens a second every engine's running batch generates, at the engines'
+        alone speed (:meth:`SimEngine.decode_rate_alone`)."""
+        return sum(e.sim.decode_rate_alone() for e in self.engines.values())
+
     def next_time(self) -> float:
         """When the next engine event or tool return is due (``inf`` if none)."""
         while self._eheap and self._stale(*self._eheap[0]):

@@ -5,7 +5,8 @@ The file is one JSON object, :class:`ProfileFile`: a format version, the measure
 costs (a :class:`~dynarl.sim.cpu_profile.CpuProfile`: decode step against batch and
 context held, prefill, log-prob inference, the optimizer step, transfer bandwidth, the
 migration setup times, from version 2 how the host's slots slow each other down, and
-from version 3 the reference engine's serving and cache-rebuild costs), the model
+from version 3 the reference engine's serving and cache-rebuild costs, from version 4
+the controller process's CPU per generated token and the host's cores), the model
 section the costs were measured with, and where they were measured. A simulation
 applies it only to the model it was measured on.
 """
@@ -19,15 +20,17 @@ from dynarl.sim.cpu_profile import CPU_1T, CpuProfile
 from dynarl.sim.errors import SimError
 from dynarl.workers.config import ModelConfig
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 """Format version written in every profile file. Version 2 added the host-sharing
 curve (``device.host_slowdown``), version 3 the reference engine's cost per step of its
 worker loop and of rebuilding its padded cache (``device.step_dispatch_s``,
-``join_per_held_token_s``, ``leave_per_held_token_s``); an older file reads as one
-without them (the simulated slots are independent, the costs not charged), while a
+``join_per_held_token_s``, ``leave_per_held_token_s``), version 4 the controller
+process as a tenant of the host (``device.controller_cpu_per_token_s``) and the host's
+cores (``device.host_cores``); an older file reads as one without them (the simulated
+slots are independent, the costs not charged, the controller not counted), while a
 dynarl that reads only older versions refuses a newer file rather than ignore them."""
 
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, 4)
 """Format versions :func:`read_profile` reads."""
 
 
@@ -36,6 +39,8 @@ _FIELD_VERSIONS = {
     "step_dispatch_s": 3,
     "join_per_held_token_s": 3,
     "leave_per_held_token_s": 3,
+    "controller_cpu_per_token_s": 4,
+    "host_cores": 4,
 }
 """The format version that introduced each later ``device`` field."""
 
@@ -164,14 +169,18 @@ def measured_profile(
     host: str,
     name: str,
     host_slowdown: Sequence[float] | None = None,
+    host_cores: int = 0,
 ) -> ProfileFile:
     """The profile file of a profiling run's ``costs`` (and, measured with two or more
-    slots, its host-sharing curve) on ``model``."""
+    slots, its host-sharing curve; and the cores of the host, if given) on ``model``."""
     device = profile_from(costs, name=name, threads=threads)
     fields: tuple[str, ...] = MEASURED
     if host_slowdown is not None:
         device = msgspec.structs.replace(device, host_slowdown=tuple(host_slowdown))
-        fields = (*MEASURED, "host_slowdown")
+        fields = (*fields, "host_slowdown")
+    if host_cores:
+        device = msgspec.structs.replace(device, host_cores=host_cores)
+        fields = (*fields, "host_cores")
     return ProfileFile(
         profile_version=PROFILE_VERSION, device=device, model=model, measured=fields, host=host
     )

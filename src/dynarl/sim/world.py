@@ -23,8 +23,9 @@ controller's migrations.
   next periodic stats report, and is woken early when a migration finishes.
 * **Shared hosts.** Where the cluster's slots share a host's cores (a CPU profile with
   a measured :class:`~dynarl.sim.host.HostSharing` curve), every worker runs at the
-  speed the number of busy slots allows, reset whenever that number changes; devices
-  are otherwise independent.
+  speed the number of busy slots allows, the controller process counted as a
+  fractional one at its measured CPU per generated token while the engines decode,
+  reset at every event that changes them; devices are otherwise independent.
 * **Migrations.** The executor drains instances through :meth:`SimWorld.remove_engine`
   and :meth:`SimWorld.remove_replica` (the placements route a drained worker's items
   elsewhere, to where the plan's ``reassign`` says if it can, as the data router
@@ -232,18 +233,21 @@ class SimWorld:
         self.inference.sync(now)
 
     def _share_host(self, now: float) -> bool:
-        """Set every worker's speed from the number of busy slots (a cluster whose
-        slots share a host's cores, :class:`~dynarl.sim.host.HostSharing`); return
-        whether it changed."""
+        """Set every worker's speed from the number of busy slots and the controller
+        process's share of a core (a cluster whose slots share a host's cores,
+        :class:`~dynarl.sim.host.HostSharing`); return whether it changed."""
         host = self.cluster.host
         if host is None:
             return False
-        busy = (
+        slots = (
             len(self.fleet.busy()) * self.cluster.engine.tp
             + len(self.inference.busy()) * self.cluster.inference.tp
             + self.actor.busy_devices()
         )
-        factor = host.factor(busy)
+        # The controller process, a fractional tenant at its measured CPU per token
+        # times the engines' decode rate (at the slots' speed, without its own share).
+        rate = self.fleet.decode_rate_alone() / host.factor(slots)
+        factor = host.factor(slots + host.controller_load(rate))
         if factor == self.slowdown:
             return False
         self.slowdown = factor
