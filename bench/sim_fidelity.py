@@ -17,9 +17,9 @@ machine a slot's speed moves with the other tenants' load by 2x and more within
 minutes, and so does the host-sharing curve (two slots: 1.0x to 2.5x one alone), so
 only a profile taken through the run describes the machine the run saw. The profile
 also holds what the controller process (this one: every mode's controller, router and
-reward) spends per generated token, measured around each iteration
-(``controller_cpu_per_token_s``: its CPU seconds over the tokens generated, over the
-iterations after the warm-up, every mode), and this host's cores
+reward) spends per response and per generated token, measured around each iteration
+(``controller_cpu_per_request_s``, ``controller_cpu_per_token_s``: its CPU seconds
+fitted over the iterations after the warm-up, every mode), and this host's cores
 (``host_cores``): the simulator counts the controller as a fractional busy slot and
 gives its controller's predictor the curve a real run's gets here.
 ``--profile builtin`` uses the built-in ``cpu-1t`` profile instead (measured once on
@@ -51,6 +51,7 @@ from typing import Any
 
 import anyio
 import msgspec
+import numpy as np
 
 from dynarl.api.config import DynaRLConfig
 from dynarl.core.virtual_time import VirtualTimeLoop
@@ -129,35 +130,40 @@ async def run_and_profile(
 def controller_cost(
     cpu_s: dict[str, list[float]], runs: list[ModeRun], warmup: int
 ) -> dict[str, float]:
-    """The controller's CPU per generated token over every mode's iterations after
-    ``warmup`` (total CPU seconds over total tokens), and how well each candidate unit
-    describes the iterations: the relative RMS residual of CPU = k x tokens (per token)
-    and of CPU = constant (per iteration, i.e. per request: every iteration has the
-    same requests), and the fit CPU = a + b x tokens."""
-    pairs = [
-        (c, float(s.gen_tokens))
+    """The controller's CPU per response and per generated token, fitted over every
+    mode's iterations after ``warmup``: CPU = per_request x responses + per_token x
+    tokens (least squares, both >= 0; every iteration has the same responses, so the
+    per-response part is the fit's intercept). Also how well each unit alone
+    describes the iterations (relative RMS residual of CPU = k x tokens and of CPU =
+    k x responses) and the fit's."""
+    rows = [
+        (c, float(s.num_samples), float(s.gen_tokens))
         for r in runs
         for c, s in list(zip(cpu_s.get(r.mode, []), r.stats, strict=False))[warmup:]
     ]
-    if not pairs:
-        return {"per_token_s": 0.0}
-    cpu = [c for c, _ in pairs]
-    tok = [t for _, t in pairs]
-    per_token = sum(cpu) / max(sum(tok), 1.0)
-    mean_cpu = statistics.mean(cpu)
+    if not rows:
+        return {"per_request_s": 0.0, "per_token_s": 0.0}
+    cpu = np.array([c for c, _, _ in rows])
+    x = np.array([[n, t] for _, n, t in rows])
+    (per_request, per_token), *_ = np.linalg.lstsq(x, cpu, rcond=None)
+    if per_request < 0:  # one unit alone, the other
+        per_request, per_token = 0.0, float(cpu.sum() / x[:, 1].sum())
+    elif per_token < 0:
+        per_request, per_token = float(cpu.sum() / x[:, 0].sum()), 0.0
 
-    def rms(pred: list[float]) -> float:
-        return math.sqrt(statistics.mean((c - p) ** 2 for c, p in zip(cpu, pred, strict=True)))
+    def rms(pred: np.ndarray) -> float:
+        return float(np.sqrt(np.mean((cpu - pred) ** 2)) / cpu.mean())
 
-    slope = statistics.linear_regression(tok, cpu).slope if len(set(tok)) > 1 else 0.0
     return {
-        "per_token_s": per_token,
-        "per_iteration_s": mean_cpu,
-        "rms_per_token": rms([per_token * t for t in tok]) / mean_cpu,
-        "rms_per_iteration": rms([mean_cpu] * len(cpu)) / mean_cpu,
-        "fit_intercept_s": mean_cpu - slope * statistics.mean(tok),
-        "fit_per_token_s": slope,
-        "iterations": len(pairs),
+        "per_request_s": float(per_request),
+        "per_token_s": float(per_token),
+        "rms_fit": rms(x @ np.array([per_request, per_token])),
+        "rms_per_token_only": rms(x[:, 1] * cpu.sum() / x[:, 1].sum()),
+        "rms_per_request_only": rms(x[:, 0] * cpu.sum() / x[:, 0].sum()),
+        "mean_cpu_s": float(cpu.mean()),
+        "mean_responses": float(x[:, 0].mean()),
+        "mean_tokens": float(x[:, 1].mean()),
+        "iterations": len(rows),
     }
 
 
@@ -218,9 +224,12 @@ def main() -> None:
     profile = profiler.profile() if profiler is not None else CPU_1T
     ctrl = controller_cost(controller_cpu_s, runs, args.warmup)
     profile = msgspec.structs.replace(
-        profile, controller_cpu_per_token_s=ctrl["per_token_s"], host_cores=usable_cores()
+        profile,
+        controller_cpu_per_request_s=ctrl["per_request_s"],
+        controller_cpu_per_token_s=ctrl["per_token_s"],
+        host_cores=usable_cores(),
     )
-    tenant = ("controller_cpu_per_token_s", "host_cores")
+    tenant = ("controller_cpu_per_request_s", "controller_cpu_per_token_s", "host_cores")
     out.mkdir(parents=True, exist_ok=True)
     profile_path = out / "profile.json"
     write_profile(
@@ -264,11 +273,13 @@ def main() -> None:
         f"{ranking(simulated_s)}: {'agrees' if agrees else 'DISAGREES'}"
     )
     print(
-        f"controller CPU: {ctrl['per_token_s'] * 1e6:.1f} us per generated token "
-        f"(relative RMS residual per token {ctrl.get('rms_per_token', math.nan):.2f}, "
-        f"per iteration {ctrl.get('rms_per_iteration', math.nan):.2f}; fit "
-        f"{ctrl.get('fit_intercept_s', math.nan):.3f} s + "
-        f"{ctrl.get('fit_per_token_s', math.nan) * 1e6:.1f} us x tokens), "
+        f"controller CPU: {ctrl['per_request_s'] * 1e3:.3f} ms per response + "
+        f"{ctrl['per_token_s'] * 1e6:.1f} us per generated token (relative RMS residual: "
+        f"fit {ctrl.get('rms_fit', math.nan):.2f}, per token alone "
+        f"{ctrl.get('rms_per_token_only', math.nan):.2f}, per response alone "
+        f"{ctrl.get('rms_per_request_only', math.nan):.2f}; "
+        f"{ctrl.get('mean_cpu_s', math.nan):.3f} s, {ctrl.get('mean_responses', 0):.0f} "
+        f"responses, {ctrl.get('mean_tokens', 0):.0f} tokens an iteration), "
         f"{profile.host_cores} cores"
     )
     print(

@@ -40,13 +40,18 @@ def test_a_fractional_count_interpolates_between_the_curve_points() -> None:
     assert host.factor(3.5) == pytest.approx(2.7 + 0.5 * (2.7 * 4 / 3 - 2.7))
 
 
-def test_the_controller_takes_its_cpu_per_token_times_the_rate_at_most_a_core() -> None:
-    host = HostSharing(slowdown=(1.0, 2.0), controller_cpu_per_token_s=20e-6)
-    assert host.controller_load(10_000.0) == pytest.approx(0.2)
-    assert host.controller_load(1e6) == 1.0  # one Python process: one core
-    assert HostSharing(slowdown=(1.0, 2.0)).controller_load(1e6) == 0.0  # not measured
+def test_the_controller_takes_its_cpu_times_the_rates_at_most_a_core() -> None:
+    host = HostSharing(
+        slowdown=(1.0, 2.0), controller_cpu_per_request_s=1e-3, controller_cpu_per_token_s=20e-6
+    )
+    # 10k tokens/s and 100 responses/s: 0.2 + 0.1 CPU-s a second
+    assert host.controller_load(10_000.0, 100.0) == pytest.approx(0.3)
+    assert host.controller_load(1e6, 0.0) == 1.0  # one Python process: one core
+    assert HostSharing(slowdown=(1.0, 2.0)).controller_load(1e6, 1e3) == 0.0  # not measured
     with pytest.raises(SimError, match="controller_cpu_per_token_s=-1"):
         HostSharing(slowdown=(1.0,), controller_cpu_per_token_s=-1.0)
+    with pytest.raises(SimError, match="controller_cpu_per_request_s=nan"):
+        HostSharing(slowdown=(1.0,), controller_cpu_per_request_s=float("nan"))
 
 
 def test_the_predictor_gets_the_curve_a_real_run_gets_on_the_hosts_cores() -> None:
@@ -124,7 +129,9 @@ def test_two_busy_slots_on_a_host_each_take_the_measured_factor_longer() -> None
     assert shared.mean_iteration_s > 1.5 * alone.mean_iteration_s
 
 
-def _disaggregated(controller_cpu_per_token_s: float) -> tuple[SimulatedRun, ClusterModel]:
+def _disaggregated(
+    per_token_s: float, per_request_s: float = 0.0
+) -> tuple[SimulatedRun, ClusterModel]:
     """One rollout slot and one trainer slot; the trainer waits for the whole rollout
     (seeded minibatches), so the rollout slot decodes alone on the host."""
     cfg = simulated_run(
@@ -135,7 +142,8 @@ def _disaggregated(controller_cpu_per_token_s: float) -> tuple[SimulatedRun, Clu
     profile = msgspec.structs.replace(
         CPU_1T,
         host_slowdown=(1.0, 2.0),
-        controller_cpu_per_token_s=controller_cpu_per_token_s,
+        controller_cpu_per_token_s=per_token_s,
+        controller_cpu_per_request_s=per_request_s,
     )
     workload = replay_workload(cfg.job, generated, prompt_tokens=[[10] * 8] * 2)
     return cfg, cpu_cluster(cfg, profile=profile, workload=workload)
@@ -152,6 +160,11 @@ def test_a_lone_slot_decodes_slower_beside_the_measured_controller() -> None:
     some = _run(*_disaggregated(2e-6))
     assert alone.devices["rollout"].busy < some.devices["rollout"].busy
     assert some.devices["rollout"].busy < busy.devices["rollout"].busy
+    # a cost per response, spread over its 60 tokens, weighs as much as 1/60 per token
+    per_response = _run(*_disaggregated(0.0, 60 * 2e-6))
+    assert per_response.devices["rollout"].busy == pytest.approx(
+        some.devices["rollout"].busy, rel=1e-6
+    )
 
 
 def test_a_profile_without_the_curve_keeps_devices_independent() -> None:
@@ -164,7 +177,7 @@ def test_a_profile_without_the_curve_keeps_devices_independent() -> None:
 
 
 _VERSION_3 = ("step_dispatch_s", "join_per_held_token_s", "leave_per_held_token_s")
-_VERSION_4 = ("controller_cpu_per_token_s", "host_cores")
+_VERSION_4 = ("controller_cpu_per_request_s", "controller_cpu_per_token_s", "host_cores")
 
 
 def test_a_version_1_profile_file_reads_as_independent_slots(tmp_path: Path) -> None:

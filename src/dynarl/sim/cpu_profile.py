@@ -103,11 +103,13 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
             compute at once than alone (``1.0`` first;
             :class:`~dynarl.sim.host.HostSharing`). Empty: not measured, and the
             simulated slots are independent (as if each had cores of its own).
-        controller_cpu_per_token_s: CPU seconds the controller process (router,
-            reward, result batches, controller) spends per generated token, measured in
-            a real run (``bench/sim_fidelity.py``); with ``host_slowdown`` it counts as
-            a fractional busy slot on the curve while the engines decode
-            (:class:`~dynarl.sim.host.HostSharing`). 0: not measured, not counted.
+        controller_cpu_per_request_s: CPU seconds the controller process (router,
+            reward, result batches, controller) spends per response, measured in a real
+            run (``bench/sim_fidelity.py``); with ``host_slowdown`` the controller counts
+            as a fractional busy slot on the curve while the engines decode
+            (:class:`~dynarl.sim.host.HostSharing`). 0: not measured.
+        controller_cpu_per_token_s: its CPU seconds per generated token on top (0:
+            not measured; both 0: the controller is not counted).
         host_cores: the cores of the host measured (0: not recorded): the simulated
             controller's predictor is given the curve a real run's is there (ideal
             processor sharing on them) rather than the measured one.
@@ -136,12 +138,14 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
     transfer_bytes_per_s: float | None = None
     iteration_overhead_s: float = 0.0
     host_slowdown: tuple[float, ...] = ()
+    controller_cpu_per_request_s: float = 0.0
     controller_cpu_per_token_s: float = 0.0
     host_cores: int = 0
 
     def __post_init__(self) -> None:
         if self.host_slowdown:
             check_slowdown(self.host_slowdown, "host_slowdown")
+        check_controller_cpu(self.controller_cpu_per_request_s, "controller_cpu_per_request_s")
         check_controller_cpu(self.controller_cpu_per_token_s, "controller_cpu_per_token_s")
         if self.host_cores < 0:
             raise SimError(f"host_cores={self.host_cores}: need 0 (not recorded) or more")
@@ -153,6 +157,7 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
             return None
         return HostSharing(
             slowdown=self.host_slowdown,
+            controller_cpu_per_request_s=self.controller_cpu_per_request_s,
             controller_cpu_per_token_s=self.controller_cpu_per_token_s,
             cores=self.host_cores,
             threads=self.threads,

@@ -271,13 +271,17 @@ class SimEngine:
             kv_tokens=held,
         )
 
-    def decode_rate_alone(self) -> float:
-        """Tokens a second the running batch generates at this engine's alone speed
-        (no host slowdown), from its state at the last step boundary; 0 when idle."""
+    def decode_rates_alone(self) -> tuple[float, float]:
+        """Tokens a second the running batch generates at this engine's alone speed (no
+        host slowdown), from its state at the last step boundary, and responses a
+        second, each running job counted as ``1 / output_tokens`` of a response per
+        token it generates; ``(0, 0)`` when idle."""
         batch = len(self._running)
         if not batch:
-            return 0.0
-        return batch / (self._a + self._c * batch + self._b * self._read_tokens())
+            return 0.0, 0.0
+        step_s = self._a + self._c * batch + self._b * self._read_tokens()
+        responses = sum(1.0 / max(e.job.output_tokens, 1) for e in self._running.values())
+        return batch / step_s, responses / step_s
 
     def totals(self) -> EngineTotals:
         """Counters since construction (whole steps up to the last event)."""

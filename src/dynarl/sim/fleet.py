@@ -156,10 +156,14 @@ class EngineFleet:
         """The engines with a request running or prefilling."""
         return [iid for iid, e in self.engines.items() if e.busy_since is not None]
 
-    def decode_rate_alone(self) -> float:
-        """Tokens a second every engine's running batch generates, at the engines'
-        alone speed (:meth:`SimEngine.decode_rate_alone`)."""
-        return sum(e.sim.decode_rate_alone() for e in self.engines.values())
+    def decode_rates_alone(self) -> tuple[float, float]:
+        """Tokens and responses a second every engine's running batch generates, at
+        the engines' alone speed (:meth:`SimEngine.decode_rates_alone`)."""
+        tokens = responses = 0.0
+        for e in self.engines.values():
+            t, r = e.sim.decode_rates_alone()
+            tokens, responses = tokens + t, responses + r
+        return tokens, responses
 
     def next_time(self) -> float:
         """When the next engine event or tool return is due (``inf`` if none)."""

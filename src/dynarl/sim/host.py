@@ -17,12 +17,13 @@ step. Migrations, weight sync and idle slots do not count.
 
 The slots are not the host's only tenant: the controller process (the router, the
 reward, the result batches, the controller itself) computes beside them, mostly while
-responses come in. Where its CPU per generated token is measured
-(``controller_cpu_per_token_s``, ``bench/sim_fidelity.py`` takes it from a real run),
-it counts as a fractional busy slot: its CPU-seconds per second at the engines'
-current decode rate (at most one core: one Python process), the factor interpolated
-between the curve's integer counts (:meth:`HostSharing.factor`), so a lone slot
-decoding beside it runs slower than alone.
+responses come in. Where its CPU per response and per generated token is measured
+(``controller_cpu_per_request_s``, ``controller_cpu_per_token_s``:
+``bench/sim_fidelity.py`` fits them in a real run), it counts as a fractional busy
+slot: its CPU-seconds per second at the engines' current decode rate, each response's
+cost spread over the tokens it generates (at most one core: one Python process), the
+factor interpolated between the curve's integer counts (:meth:`HostSharing.factor`),
+so a lone slot decoding beside it runs slower than alone.
 """
 
 import math
@@ -42,21 +43,25 @@ class HostSharing(msgspec.Struct, frozen=True, kw_only=True):
             ``n`` slots of the host are busy (its own included) than while it runs
             alone; the first element is 1 by definition. Past the measured range the
             host counts as saturated: each slot's speed falls as ``1 / n``.
-        controller_cpu_per_token_s: CPU seconds the controller process spends per
-            generated token, measured in a real run (0: not measured, the controller
-            is not counted).
+        controller_cpu_per_request_s: CPU seconds the controller process spends per
+            response (routing, reward, result batches), measured in a real run (0: not
+            measured).
+        controller_cpu_per_token_s: CPU seconds it spends per generated token on top
+            (0: not measured; both 0: the controller is not counted).
         cores: the host's cores, for the curve a real run's controller predictor is
             given there (:meth:`predictor_slowdown`); 0: not recorded.
         threads: torch threads per slot (with ``cores``).
     """
 
     slowdown: tuple[float, ...]
+    controller_cpu_per_request_s: float = 0.0
     controller_cpu_per_token_s: float = 0.0
     cores: int = 0
     threads: int = 1
 
     def __post_init__(self) -> None:
         check_slowdown(self.slowdown, "host_slowdown")
+        check_controller_cpu(self.controller_cpu_per_request_s, "controller_cpu_per_request_s")
         check_controller_cpu(self.controller_cpu_per_token_s, "controller_cpu_per_token_s")
 
     @property
@@ -81,11 +86,14 @@ class HostSharing(msgspec.Struct, frozen=True, kw_only=True):
             return self.slowdown[n - 1]
         return self.slowdown[-1] * n / len(self.slowdown)
 
-    def controller_load(self, tokens_per_s: float) -> float:
+    def controller_load(self, tokens_per_s: float, responses_per_s: float) -> float:
         """The controller process's share of a core while the engines generate
-        ``tokens_per_s`` tokens a second: its measured CPU per token times that rate,
-        at most one core (one Python process)."""
-        return min(1.0, self.controller_cpu_per_token_s * max(tokens_per_s, 0.0))
+        ``tokens_per_s`` tokens and complete ``responses_per_s`` responses a second:
+        its measured CPU per token and per response times those rates, at most one
+        core (one Python process)."""
+        cpu = self.controller_cpu_per_token_s * max(tokens_per_s, 0.0)
+        cpu += self.controller_cpu_per_request_s * max(responses_per_s, 0.0)
+        return min(1.0, cpu)
 
     def predictor_slowdown(self, num_devices: int) -> tuple[float, ...]:
         """The curve the controller's predictor of a real run on this host is given:
@@ -126,7 +134,7 @@ def check_controller_cpu(value: float, field: str) -> None:
     """
     if not (value >= 0.0 and math.isfinite(value)):
         raise SimError(
-            f"{field}={value}: CPU seconds per generated token must be a finite number >= 0; "
+            f"{field}={value}: the controller's CPU seconds must be a finite number >= 0; "
             "measure it with `python bench/sim_fidelity.py` (its profile.json)"
         )
 

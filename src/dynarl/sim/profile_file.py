@@ -6,7 +6,8 @@ costs (a :class:`~dynarl.sim.cpu_profile.CpuProfile`: decode step against batch 
 context held, prefill, log-prob inference, the optimizer step, transfer bandwidth, the
 migration setup times, from version 2 how the host's slots slow each other down, and
 from version 3 the reference engine's serving and cache-rebuild costs, from version 4
-the controller process's CPU per generated token and the host's cores), the model
+the controller process's CPU per response and per generated token and the host's
+cores), the model
 section the costs were measured with, and where they were measured. A simulation
 applies it only to the model it was measured on.
 """
@@ -25,10 +26,11 @@ PROFILE_VERSION = 4
 curve (``device.host_slowdown``), version 3 the reference engine's cost per step of its
 worker loop and of rebuilding its padded cache (``device.step_dispatch_s``,
 ``join_per_held_token_s``, ``leave_per_held_token_s``), version 4 the controller
-process as a tenant of the host (``device.controller_cpu_per_token_s``) and the host's
-cores (``device.host_cores``); an older file reads as one without them (the simulated
-slots are independent, the costs not charged, the controller not counted), while a
-dynarl that reads only older versions refuses a newer file rather than ignore them."""
+process as a tenant of the host (``device.controller_cpu_per_request_s``,
+``controller_cpu_per_token_s``) and the host's cores (``device.host_cores``); an older
+file reads as one without them (the simulated slots are independent, the costs not
+charged, the controller not counted), while a dynarl that reads only older versions
+refuses a newer file rather than ignore them."""
 
 READABLE_VERSIONS = (1, 2, 3, 4)
 """Format versions :func:`read_profile` reads."""
@@ -39,6 +41,7 @@ _FIELD_VERSIONS = {
     "step_dispatch_s": 3,
     "join_per_held_token_s": 3,
     "leave_per_held_token_s": 3,
+    "controller_cpu_per_request_s": 4,
     "controller_cpu_per_token_s": 4,
     "host_cores": 4,
 }

@@ -24,8 +24,8 @@ controller's migrations.
 * **Shared hosts.** Where the cluster's slots share a host's cores (a CPU profile with
   a measured :class:`~dynarl.sim.host.HostSharing` curve), every worker runs at the
   speed the number of busy slots allows, the controller process counted as a
-  fractional one at its measured CPU per generated token while the engines decode,
-  reset at every event that changes them; devices are otherwise independent.
+  fractional one at its measured CPU per response and per token while the engines
+  decode, reset at every event that changes them; devices are otherwise independent.
 * **Migrations.** The executor drains instances through :meth:`SimWorld.remove_engine`
   and :meth:`SimWorld.remove_replica` (the placements route a drained worker's items
   elsewhere, to where the plan's ``reassign`` says if it can, as the data router
@@ -244,10 +244,11 @@ class SimWorld:
             + len(self.inference.busy()) * self.cluster.inference.tp
             + self.actor.busy_devices()
         )
-        # The controller process, a fractional tenant at its measured CPU per token
-        # times the engines' decode rate (at the slots' speed, without its own share).
-        rate = self.fleet.decode_rate_alone() / host.factor(slots)
-        factor = host.factor(slots + host.controller_load(rate))
+        # The controller process, a fractional tenant at its measured CPU per token and
+        # per response times the engines' rates (at the slots' speed, without its share).
+        tokens, responses = self.fleet.decode_rates_alone()
+        alone = host.factor(slots)
+        factor = host.factor(slots + host.controller_load(tokens / alone, responses / alone))
         if factor == self.slowdown:
             return False
         self.slowdown = factor
