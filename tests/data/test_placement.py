@@ -131,7 +131,7 @@ def _balancing(
         policy=AffinityRouting(seed=0),
         emit=events.append,
         balance_on_join=on if join is None else join,
-        balance_when_idle=on if idle is None else idle,
+        balance_below_share=on if idle is None else idle,
         recall=recalls,
     )
     recalls.placement = p
@@ -223,26 +223,37 @@ async def test_balancing_never_moves_an_item_that_must_return_to_its_instance() 
     assert sorted(it.id for it in b.queue.queued()) == [ItemId("i6"), ItemId("i7")]
 
 
-async def test_an_idle_engine_takes_its_share_of_the_tail_each_request_moved_once() -> None:
-    """The rollout tail: ``a`` decodes six long requests while ``b`` has nothing; ``b``
-    takes three (the most recently dispatched); once ``a`` is done and idle, it takes
-    none back (each request is re-prefilled for balance at most once)."""
+async def test_an_engine_below_its_share_takes_its_share_of_the_tail_each_request_moved_once() -> (
+    None
+):
+    """The rollout tail: ``a`` decodes six long requests while ``b``, still busy with
+    one of its two, is below its share after a result: it takes two (the most recently
+    dispatched) and one more once it is idle; once ``a`` is done, it takes none back
+    (each request is re-prefilled for balance at most once)."""
     events: list[ev.Event] = []
     p, recalls = _balancing(events, join=False)
     a, b = _worker("a", 8), _worker("b", 8)
     p.add_worker(a, 0.0)
     p.admit([item(k) for k in range(6)], 0.0)
     _start(a)
-    p.add_worker(b, 1.0)  # idle at once: 6 * 8/16 = 3
-    assert recalls.asked == [(InstanceId("a"), (ItemId("i5"), ItemId("i4"), ItemId("i3")))]
-    assert [it.id for it in b.queue.queued()] == [ItemId("i5"), ItemId("i4"), ItemId("i3")]
+    p.add_worker(b, 1.0)  # no balance on joining here
+    p.admit([item(6), item(7)], 1.0)  # both to b, the less loaded
+    _start(b)
+    assert recalls.asked == [] and len(b.in_flight) == 2
+    p.on_result(b, wire.ItemResult(item=ItemId("i6"), num_tokens=5), 2.0)
+    p.after_results(b, 2.0)  # holds 1 of 7: its share is 7 * 8/16 = 3
+    assert recalls.asked == [(InstanceId("a"), (ItemId("i5"), ItemId("i4")))]
+    _start(b)
+    p.on_result(b, wire.ItemResult(item=ItemId("i7"), num_tokens=5), 3.0)
+    p.after_results(b, 3.0)  # holds 2 of 6: one more
+    assert recalls.asked[1:] == [(InstanceId("a"), (ItemId("i3"),))]
     _start(b)
     for k in (0, 1, 2):
-        p.on_result(a, wire.ItemResult(item=ItemId(f"i{k}"), num_tokens=5), 2.0)
-    p.steal_for(a, 2.0)  # what the router does after results: b's three moved once
-    assert len(recalls.asked) == 1 and a.is_idle and len(b.in_flight) == 3
+        p.on_result(a, wire.ItemResult(item=ItemId(f"i{k}"), num_tokens=5), 4.0)
+    p.after_results(a, 4.0)  # below its share, but b's three were moved once already
+    assert len(recalls.asked) == 2 and a.is_idle and len(b.in_flight) == 3
     for k in (5, 4, 3):
-        p.on_result(b, wire.ItemResult(item=ItemId(f"i{k}"), num_tokens=5), 3.0)
+        p.on_result(b, wire.ItemResult(item=ItemId(f"i{k}"), num_tokens=5), 5.0)
     assert p.balancer.num_balanced == 3 and not p.balancer.rebalanced and not p.planned
 
 
@@ -254,13 +265,13 @@ async def test_an_idle_engine_leaves_a_session_with_the_engine_holding_its_prefi
     p.add_worker(b, 0.0)
     p.admit([item(k, affinity="prefer", instance=InstanceId("a")) for k in range(4)], 0.0)
     _start(a)
-    p.steal_for(b, 1.0)
+    p.after_results(b, 1.0)
     assert b.is_idle and not recalls.asked and len(a.in_flight) == 4
 
 
-async def test_without_idle_balancing_the_tail_stays_where_it_runs() -> None:
+async def test_without_tail_balancing_the_tail_stays_where_it_runs() -> None:
     """``b`` takes its share when it joins, runs it out, and then takes nothing more
-    from ``a``'s three (with idle balancing it would take one)."""
+    from ``a``'s three (with tail balancing it would take one)."""
     events: list[ev.Event] = []
     p, recalls = _balancing(events, idle=False)
     a, b = _worker("a", 8), _worker("b", 8)
@@ -272,7 +283,7 @@ async def test_without_idle_balancing_the_tail_stays_where_it_runs() -> None:
     _start(b)
     for it in list(b.in_flight):
         p.on_result(b, wire.ItemResult(item=it, num_tokens=5), 2.0)
-    p.steal_for(b, 2.0)
+    p.after_results(b, 2.0)
     assert b.is_idle and len(recalls.asked) == 1 and len(a.in_flight) == 3
 
 

@@ -408,7 +408,7 @@ async def test_a_joining_worker_gets_its_share_of_what_another_is_running(
     a worker joining a moment later finds nothing waiting. With balancing the first is
     asked (``Abort``) for its most recently dispatched half, which comes back with its
     partial output and runs on the joiner."""
-    config = RouterConfig(balance_on_join=balance, balance_when_idle=balance)
+    config = RouterConfig(balance_on_join=balance, balance_below_share=balance)
     async with cluster(inproc, [], all_instances=["w0", "w1"], config=config) as c:
         c.add_worker("w0", capacity=8, serve=functools.partial(hold_until_aborted, num_tokens=3))
         await c.router.wait_for_instances(1)

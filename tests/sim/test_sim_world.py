@@ -227,25 +227,28 @@ def test_cli_sim_writes_a_run_directory(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # 32b: ~110 s on an idle 2-core machine, four modes
-@pytest.mark.parametrize("size", ["1.5b", "7b", "32b"])
+@pytest.mark.timeout(600)  # 32b: ~110 s on an idle 2-core machine, three modes
+@pytest.mark.parametrize(
+    ("size", "devices"), [("1.5b", 64), ("1.5b", 128), ("7b", 64), ("32b", 64)]
+)
 def test_dynamic_is_never_worse_than_the_better_static_mode_on_the_math_settings(
-    size: str,
+    size: str, devices: int
 ) -> None:
-    """On the reference math settings (64 devices) dynamic is at least as fast as the
-    better static mode, within 5% (where its tail is short next to its bulk, 7B and
-    32B, there is little to reclaim); at 1.5B, where the tail dominates, it wins, if
-    by less since the router spreads the tail in every mode (1.05x; 1.31x before)."""
+    """On the reference math settings dynamic is at least as fast as the better static
+    mode, within 5%: the router spreads the rollout tail over the engines in every
+    mode (an engine below its share takes its share), so at 64 devices the static
+    modes lose little to the tail and there is little to reclaim. At 1.5B on 128
+    devices, one wave of requests whose tail dominates, dynamic wins (1.19x)."""
     from recipes.paper import paper_setting
 
     results = {
-        mode: run(paper_setting("math", size, 64, mode=mode, num_iterations=2), check=False)[0]
+        mode: run(paper_setting("math", size, devices, mode=mode, num_iterations=2), check=False)[0]
         for mode in ("dynamic", "static-colocated", "static-disaggregated")
     }
     best = max(results["static-colocated"].throughput, results["static-disaggregated"].throughput)
     assert results["dynamic"].throughput >= 0.95 * best
-    if size == "1.5b":
-        assert results["dynamic"].throughput > 1.03 * best
+    if devices == 128:
+        assert results["dynamic"].throughput > 1.1 * best
 
 
 def test_inference_samples_are_scored_once_where_the_placement_sent_them() -> None:

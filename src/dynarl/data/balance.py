@@ -49,8 +49,9 @@ class Balancer:
             (reported requeued and routed).
         on_join: an instance that joins or resumes takes its fair share (see
             :meth:`balance_for`).
-        when_idle: so does an instance left with nothing to do while others still
-            run several items (the rollout tail), each item moved this way at most once.
+        below_share: so does an instance that gets results back while it holds less
+            than its fair share (the rollout tail: the engines that finished take
+            their share of the long requests), each item moved this way at most once.
         recall: asks a worker to hand these in-flight items back now (their results
             come back ``aborted``, with their partial output); ``None``: only queued
             items move.
@@ -64,7 +65,7 @@ class Balancer:
         edges_of: Callable[[ComponentId], set[EdgeId]],
         move: Callable[[wire.Item, WorkerState, float], None],
         on_join: bool = True,
-        when_idle: bool = True,
+        below_share: bool = True,
         recall: Callable[[WorkerState, tuple[ItemId, ...], float], object] | None = None,
     ) -> None:
         self.workers = workers
@@ -72,7 +73,7 @@ class Balancer:
         self.edges_of = edges_of
         self.move = move
         self.on_join = on_join
-        self.when_idle = when_idle
+        self.below_share = below_share
         self.recall = recall
         self.num_balanced = 0
         """Items moved by :meth:`balance_for`: queued ones moved, in-flight ones recalled."""
@@ -80,8 +81,8 @@ class Balancer:
         """In-flight items asked back for a joining instance: (holder, joiner) each,
         until their result arrives."""
         self.rebalanced: set[ItemId] = set()
-        """Pending items moved by :meth:`balance_for` (an idle instance takes none of
-        them: a request is re-prefilled for balance at most once)."""
+        """Pending items moved by :meth:`balance_for` (a balance of the tail takes none
+        of them: a request is re-prefilled for balance at most once)."""
 
     def forget_worker(self, instance: InstanceId) -> None:
         """``instance`` left: forget the recalls from it and for it."""
@@ -104,14 +105,15 @@ class Balancer:
         that it was moved for balance."""
         self.rebalanced.discard(item)
 
-    def balance_for(self, w: WorkerState, now: float, *, idle: bool = False) -> None:
-        """``w`` joined or resumed (or, with ``idle``, has nothing left to do): move to
+    def balance_for(self, w: WorkerState, now: float, *, tail: bool = False) -> None:
+        """``w`` joined or resumed (or, with ``tail``, got results back): move to
         it its fair share of what the active instances of its component hold, so that
         a backlog is not all run by whichever instance happened to join first while the
         others, joining moments later, find nothing waiting beyond its capacity (what
         ``Placement.steal_for`` takes); and so that in the rollout tail no engine
-        decodes a batch of long requests while another idles (an idle ``w`` takes only
-        items no balance moved before: each is re-prefilled for balance at most once).
+        decodes a batch of long requests while others run a few (with ``tail``, ``w``
+        takes only items no balance moved before: each is re-prefilled for balance at
+        most once).
 
         The share is by capacity: ``w`` is brought up to ``held * capacity(w) /
         capacity(all)`` items (at most its capacity), taken from the instances holding
@@ -124,8 +126,8 @@ class Balancer:
         on to ``w``). Items that must return to their instance never move, nor do
         sessions whose KV prefix the donor holds (their next turn is worth more there
         than a re-prefill of the whole context elsewhere). Off with ``on_join=False``
-        (``when_idle=False``)."""
-        if not ((self.when_idle if idle else self.on_join) and w.active and w.can_start_now):
+        (``below_share=False``)."""
+        if not ((self.below_share if tail else self.on_join) and w.active and w.can_start_now):
             return
         peers = [c for c in self.workers.values() if c.active and c.component == w.component]
         if len(peers) < 2:
@@ -144,7 +146,7 @@ class Balancer:
         if want <= 0:
             return
         edges = self.edges_of(w.component)
-        exclude = self.rebalanced if idle else None
+        exclude = self.rebalanced if tail else None
         may_move = {
             c.instance: functools.partial(movable, edges=edges, sticky=c, exclude=exclude)
             for c in peers

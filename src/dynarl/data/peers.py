@@ -40,9 +40,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             then in-flight ones recalled with their partial output
             (``Placement.balance_for``); off, it takes only the backlog and what waits
             beyond another's capacity.
-        balance_when_idle: so does an instance left with nothing to do while others
-            hold more than their share (the rollout tail: long requests spread over
-            the engines that finished, each moved this way at most once).
+        balance_below_share: so does an instance that gets results back while it
+            holds less than its fair share (the rollout tail: the long requests spread
+            over the engines that finished theirs, each moved this way at most once).
         results_buffer: completions buffered for the caller before the router stops
             reading frames.
         receive_batch_frames: most frames handled per wake-up of the receive loop.
@@ -58,7 +58,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kv_full: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.95
     aging: AgingBound | None = DEFAULT_AGING
     balance_on_join: bool = True
-    balance_when_idle: bool = True
+    balance_below_share: bool = True
     results_buffer: Annotated[int, msgspec.Meta(ge=1)] = 65536
     receive_batch_frames: Annotated[int, msgspec.Meta(ge=1)] = 256
 

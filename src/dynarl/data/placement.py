@@ -60,9 +60,9 @@ class Placement:
         balance_on_join: an instance that joins (or resumes) takes its fair share of
             what the other instances of its component hold (see :meth:`balance_for`);
             off, it takes only the backlog and what waits beyond another's capacity.
-        balance_when_idle: so does an instance left with nothing to do while others
-            still run several items (the rollout tail), each item moved this way at
-            most once.
+        balance_below_share: so does an instance that gets results back while it
+            holds less than its fair share (the rollout tail), each item moved this way
+            at most once (see :meth:`after_results`).
         recall: asks a worker to hand these in-flight items back now (status
             ``aborted``, with their partial output; the router sends ``Abort``), for
             :meth:`balance_for` to move them; ``None``: only queued items move.
@@ -78,7 +78,7 @@ class Placement:
         policy: RoutingPolicy,
         emit: Callable[[ev.Event], object],
         balance_on_join: bool = True,
-        balance_when_idle: bool = True,
+        balance_below_share: bool = True,
         recall: Callable[[WorkerState, tuple[ItemId, ...], float], object] | None = None,
     ) -> None:
         self.consumers = {e: frozenset(cs) for e, cs in consumers.items()}
@@ -110,7 +110,7 @@ class Placement:
             edges_of=self._edges_of,
             move=self._move_queued,
             on_join=balance_on_join,
-            when_idle=balance_when_idle,
+            below_share=balance_below_share,
             recall=recall,
         )
         """Moves items to an instance below its fair share (see :meth:`balance_for`)."""
@@ -349,24 +349,25 @@ class Placement:
                 continue
             self.num_stolen += 1
             self._move_queued(item, w, now)
-        if self.balancer.when_idle and w.is_idle:
-            self.balance_for(w, now, idle=True)
 
     def after_results(self, w: WorkerState, now: float) -> None:
         """Results from ``w`` were applied: give it the work waiting elsewhere
-        (:meth:`steal_for`) and, if it is still left with nothing, report it idle
-        (``WorkerIdle``, once per idle spell): nothing its component holds could move
-        to it, so the device it holds is spare until new work arrives."""
+        (:meth:`steal_for`), then, if it holds less than its fair share, its share of
+        what the others hold (:meth:`balance_for` with ``tail``); if it is still left
+        with nothing, report it idle (``WorkerIdle``, once per idle spell): nothing its
+        component holds could move to it, so the device it holds is spare until new
+        work arrives."""
         self.steal_for(w, now)
+        self.balance_for(w, now, tail=True)
         if w.active and w.is_idle and w.instance not in self.reported_idle:
             self.reported_idle.add(w.instance)
             self.emit(ev.WorkerIdle(time_s=now, instance=w.instance))
 
-    def balance_for(self, w: WorkerState, now: float, *, idle: bool = False) -> None:
-        """``w`` joined or resumed (or, with ``idle``, has nothing left to do): move to
+    def balance_for(self, w: WorkerState, now: float, *, tail: bool = False) -> None:
+        """``w`` joined or resumed (or, with ``tail``, got results back): move to
         it its fair share of what the other instances of its component hold (see
         :meth:`Balancer.balance_for <dynarl.data.balance.Balancer.balance_for>`)."""
-        self.balancer.balance_for(w, now, idle=idle)
+        self.balancer.balance_for(w, now, tail=tail)
 
     def _move_queued(self, item: wire.Item, w: WorkerState, now: float) -> None:
         """Queue ``item``, just taken from another instance's queue, at ``w``: reported

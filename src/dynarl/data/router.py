@@ -90,7 +90,7 @@ class Router:
             policy=policy or AffinityRouting(),
             emit=on_event or (lambda e: None),
             balance_on_join=self.config.balance_on_join,
-            balance_when_idle=self.config.balance_when_idle,
+            balance_below_share=self.config.balance_below_share,
             recall=self._recall,
         )
         self.rejections = Rejections("router")

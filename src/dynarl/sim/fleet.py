@@ -91,7 +91,7 @@ class EngineFleet:
             policy=AffinityRouting(seed=seed),
             emit=emit,
             balance_on_join=self.router.balance_on_join,
-            balance_when_idle=self.router.balance_when_idle,
+            balance_below_share=self.router.balance_below_share,
             recall=self._recall,
         )
         self.cap = rollout.max_running_requests

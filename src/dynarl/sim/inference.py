@@ -68,7 +68,7 @@ class InferenceFleet:
             policy=AffinityRouting(seed=seed),
             emit=emit,
             balance_on_join=self.router.balance_on_join,
-            balance_when_idle=self.router.balance_when_idle,
+            balance_below_share=self.router.balance_below_share,
         )
         self.workers: dict[InstanceId, WorkerState] = {}
 

@@ -119,7 +119,7 @@ class FakeWorld:
             policy=AffinityRouting(seed=cfg.seed),
             emit=emit,
             balance_on_join=self.router.balance_on_join,
-            balance_when_idle=self.router.balance_when_idle,
+            balance_below_share=self.router.balance_below_share,
             recall=self._recall,
         )
         self.workers: dict[InstanceId, WorkerState] = {}
