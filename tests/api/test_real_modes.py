@@ -81,7 +81,9 @@ async def test_moving_devices_between_stages_does_not_change_what_is_learned(
         assert any(dst == "rollout" for _, dst in moves), moves
         assert stats.allocation == {"rollout": 0, "inference": 0, "actor": 2}
     # No item was reported on an instance the controller had not placed yet.
-    assert not {"ItemRouted", "ItemCompleted", "ItemsRequeued"} & set(rejected), rejected
+    assert not {"ItemRouted", "ItemCompleted", "ItemsRequeued", "WorkerIdle"} & set(rejected), (
+        rejected
+    )
     assert [s.mean_reward for s in colocated] == [s.mean_reward for s in reference]
     assert [s.gen_tokens for s in colocated] == [s.gen_tokens for s in reference]
     for ours, theirs in zip(colocated, reference, strict=True):
@@ -97,4 +99,6 @@ async def test_dynamic_mode_trains_as_groups_finish_on_real_workers(tmp_path: Pa
     assert all(s.gen_tokens > 0 and s.mean_reward >= 0 for s in history)
     assert all(s.stage_s["train"] > 0 and s.grad_norm > 0 for s in history)
     assert any(s.migrations for s in history)
-    assert not {"ItemRouted", "ItemCompleted", "ItemsRequeued"} & set(rejected), rejected
+    assert not {"ItemRouted", "ItemCompleted", "ItemsRequeued", "WorkerIdle"} & set(rejected), (
+        rejected
+    )

@@ -61,9 +61,15 @@ def test_load_of_an_unknown_instance_and_events_while_disconnected_are_dropped()
     r(stats)
     r(ev.EngineStats(instance=InstanceId("rollout-9"), kv_usage=0.5, num_running=2, num_queued=0))
     assert seen == [stats]
+    # A trainer rank (a worker the model does not know) left with nothing: its
+    # replica's other ranks may still work.
+    idle = ev.WorkerIdle(instance=ENGINE)
+    r(ev.WorkerIdle(instance=InstanceId("trainer-1")))
+    r(idle)
+    assert seen == [stats, idle]
     r.disconnect()
     r(stats)
-    assert seen == [stats]
+    assert seen == [stats, idle]
 
 
 def test_a_trained_sample_is_reported_on_the_replica_its_rank_serves() -> None:

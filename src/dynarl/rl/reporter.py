@@ -2,8 +2,9 @@
 controller, and the owner of the rule of which comes first.
 
 The data router reports its routing (``ItemsEnqueued`` on submit, ``ItemRouted``,
-``ItemsRequeued``, ``ItemCompleted``, ``WorkerFailed``, engines' ``EngineStats``); the
-pipeline driver reports the iteration's boundaries and the actor's steps. The rule:
+``ItemsRequeued``, ``ItemCompleted``, ``WorkerIdle``, ``WorkerFailed``, engines'
+``EngineStats``); the pipeline driver reports the iteration's boundaries and the
+actor's steps. The rule:
 when an item completes on an edge whose consumer feeds another stage, its
 ``ItemsEnqueued`` on that next edge is reported *before* its ``ItemCompleted``, so
 between two events the pipeline's work never seems to vanish (the hypergraph's
@@ -31,7 +32,8 @@ class EventReporter:
             pipeline), e.g. ``prompts -> to_inference -> to_actor``.
         known: whether an instance is in the controller's model; a slot reports load
             as the instance it is becoming before the migration that creates it is
-            done (or as the one it left), which is not news to the model.
+            done (or as the one it left), which is not news to the model, and a
+            trainer rank's idleness is not its replica's.
         grows: edges whose completed items grow by the tokens the instance produced
             (rollout: a sample is its prompt plus its response).
         replicas: edges whose consumers' workers are not the model's instances (the
@@ -69,7 +71,9 @@ class EventReporter:
         emit = self._emit
         if emit is None:
             return
-        if isinstance(event, ev.EngineStats) and not self._known(event.instance):
+        if isinstance(event, ev.EngineStats | ev.WorkerIdle) and not self._known(event.instance):
+            # (A trainer rank left with nothing: its replica's other ranks may still
+            # work, and the model knows only the replica.)
             return
         if isinstance(event, ev.WorkerFailed) and not self._known(event.instance):
             # A trainer rank died: to the model, the replica it served is gone.
