@@ -4,12 +4,14 @@ hold), and a migration's plan says where a drained instance's items go."""
 
 import itertools
 
+import pytest
+
 from dynarl.control import events as ev
 from dynarl.control.topology import PROMPTS, ROLLOUT
 from dynarl.core.clock import ManualClock
 from dynarl.core.ids import InstanceId, ItemId
 from dynarl.data import wire
-from dynarl.data.peers import WorkerState
+from dynarl.data.peers import RouterConfig, WorkerState, with_balance
 from dynarl.data.placement import Placement
 from dynarl.data.request_order import FifoOrder
 from dynarl.data.request_queue import RequestQueue
@@ -322,3 +324,13 @@ async def test_an_instance_left_with_nothing_is_reported_idle_once_per_idle_spel
     _start(w)
     finish(w, 5.0)
     assert idle() == [InstanceId("b"), InstanceId("a"), routed]
+
+
+def test_rollout_balance_names_the_routers_balancing_and_refuses_others() -> None:
+    base = RouterConfig(heartbeat_interval_s=0.5)
+    assert [
+        (c.balance_on_join, c.balance_below_share, c.heartbeat_interval_s)
+        for c in (with_balance(base, b) for b in ("below_share", "on_join", "none"))
+    ] == [(True, True, 0.5), (True, False, 0.5), (False, False, 0.5)]
+    with pytest.raises(ValueError, match="balance='sometimes'"):
+        with_balance(base, "sometimes")

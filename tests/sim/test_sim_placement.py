@@ -139,3 +139,23 @@ def test_an_engine_with_room_takes_requests_waiting_at_another() -> None:
     assert sum(routed.values()) == 256 + len(stolen)
     completed = [e for e in events if isinstance(e, ev.ItemCompleted) and e.edge == PROMPTS]
     assert len(completed) == 256
+
+
+def test_rollout_balance_is_honoured_an_engine_below_its_share_takes_running_requests() -> None:
+    """``rollout.balance``: with ``below_share`` (the default) engines that finish their
+    short requests take their share of the long ones still running elsewhere (each
+    requeued once, with its partial output); with ``none`` a request stays on the
+    engine it was routed to; ``on_join`` moves none here (every engine is there from
+    the start, so it runs as ``none`` does). (Whether the moves pay is the benchmark's
+    question: here, with a short tail, the re-prefills cost 0.02 s.)"""
+    ends, moved = {}, {}
+    for balance in ("below_share", "on_join", "none"):
+        events = _events(simulated_run(small(), [f"rollout.balance={balance}"]))
+        moved[balance] = sum(
+            len(e.items) for e in events if isinstance(e, ev.ItemsRequeued) and e.edge == PROMPTS
+        )
+        ends[balance] = max(
+            e.time_s for e in events if isinstance(e, ev.ItemCompleted) and e.edge == PROMPTS
+        )
+    assert moved["none"] == moved["on_join"] == 0 < moved["below_share"] <= 256
+    assert ends["none"] == ends["on_join"] != ends["below_share"]

@@ -174,6 +174,7 @@ async def assemble(
     from dynarl.control.predictor import Predictor
     from dynarl.data import RouterConfig
     from dynarl.data.endpoint import new_token
+    from dynarl.data.peers import with_balance
     from dynarl.data.request_order import order_named
     from dynarl.data.router import Router
     from dynarl.envs.prompts import prompt_sampler
@@ -208,7 +209,9 @@ async def assemble(
         replicas={TO_ACTOR: lambda worker: None if world is None else world.replica_of(worker)},
     )
     # Generous liveness: on a small CPU machine the slots share cores with training.
-    router_cfg = RouterConfig(heartbeat_interval_s=0.5, liveness_timeout_s=60.0)
+    router_cfg = with_balance(
+        RouterConfig(heartbeat_interval_s=0.5, liveness_timeout_s=60.0), cfg.rollout.balance
+    )
     router = await stack.enter_async_context(
         Router(
             transport,

@@ -97,6 +97,21 @@ class RouterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     queues: dict[InstanceId, QueueStatistics]
 
 
+def with_balance(config: RouterConfig, balance: str) -> RouterConfig:
+    """``config`` with the balancing ``rollout.balance`` names: ``below_share`` (on
+    joining and below the fair share), ``on_join`` (on joining only) or ``none``.
+
+    Raises:
+        ValueError: ``balance`` is none of these.
+    """
+    rules = {"below_share": (True, True), "on_join": (True, False), "none": (False, False)}
+    try:
+        on_join, below_share = rules[balance]
+    except KeyError:
+        raise ValueError(f"balance={balance!r}: one of {sorted(rules)}") from None
+    return msgspec.structs.replace(config, balance_on_join=on_join, balance_below_share=below_share)
+
+
 class WorkerState:
     """One connected worker as the router sees it."""
 

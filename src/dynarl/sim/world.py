@@ -44,6 +44,7 @@ from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.topology import INFERENCE, TO_ACTOR, TO_INFERENCE
 from dynarl.core.clock import Clock
 from dynarl.core.ids import InstanceId, ItemId
+from dynarl.data.peers import RouterConfig, with_balance
 from dynarl.obs.trace_records import Request
 from dynarl.sim.actor import SimActor
 from dynarl.sim.cluster import ClusterModel
@@ -91,12 +92,14 @@ class SimWorld:
         self.max_iteration_s = max_iteration_s
         self.rng = np.random.default_rng(cfg.run.seed)
         self.seqs: dict[ItemId, SeqProgress] = {}
+        router = with_balance(RouterConfig(), cfg.rollout.balance)
         self.inference = InferenceFleet(
             graph,
             emit,
             clock,
             InferenceStage(self.cluster.inference, cfg.inference.micro_batch_size, self._tokens),
             seed=cfg.run.seed,
+            router=router,
         )
         # As the real loop: without an inference stage the actor trains on the
         # engines' own log-probs, so finished responses go straight to it.
@@ -117,6 +120,7 @@ class SimWorld:
             seqs=self.seqs,
             totals=self.totals,
             finished=self._rollout_done,
+            router=router,
         )
         self.engines = self.fleet.engines
         self.actor = SimActor(

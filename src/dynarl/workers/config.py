@@ -82,6 +82,15 @@ class RolloutConfig(Section, frozen=True, kw_only=True):
             ``priority`` (the priority-aware queue for multi-turn episodes: sessions
             with more completed tool calls first, then a longer cached prefix, with an
             aging bound so nothing starves).
+        balance: how the data router spreads requests over the engines beyond routing
+            each to the least loaded: ``below_share`` (an engine that joins, or gets
+            results back while it holds less than its fair share, takes its share of
+            what the others hold: queued requests, then running ones asked back with
+            their partial output and re-prefilled, each at most once in the tail),
+            ``on_join`` (only an engine that joins or resumes), or ``none`` (an engine
+            with room takes only requests waiting beyond another's capacity). Sessions
+            whose KV prefix their engine holds never move. Inference replicas follow the
+            same rule with their queued samples.
         sglang: the SGLang servers (``backend="sglang"``): launched or attached to.
     """
 
@@ -94,6 +103,7 @@ class RolloutConfig(Section, frozen=True, kw_only=True):
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     max_new_tokens: PositiveInt = 128
     request_order: Literal["fifo", "priority"] = "fifo"
+    balance: Literal["below_share", "on_join", "none"] = "below_share"
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
 
 
