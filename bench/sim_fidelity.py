@@ -54,11 +54,11 @@ import msgspec
 import numpy as np
 
 from dynarl.api.config import DynaRLConfig
+from dynarl.control.predictor import usable_cores
 from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.sim.cluster import trace_workload
 from dynarl.sim.config import SimConfig, SimulatedRun, simulated_run
 from dynarl.sim.cpu_profile import CPU_1T, CpuProfile, cpu_cluster
-from dynarl.sim.host import usable_cores
 from dynarl.sim.profile_file import (
     MEASURED,
     PROFILE_VERSION,

@@ -238,7 +238,7 @@ def _workload_overrides(path: str, sim_run: Any) -> list[str]:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from dynarl.sim.host import usable_cores
+    from dynarl.control.predictor import usable_cores
     from dynarl.sim.profile_file import measured_profile, read_profile, write_profile
     from dynarl.workers.backends import reference_profiler
 

@@ -11,7 +11,6 @@ here, not on ``import dynarl``.
 """
 
 import contextlib
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -58,13 +57,12 @@ def host_slowdown(cfg: DynaRLConfig) -> tuple[float, ...]:
     ``cluster.threads_per_device`` threads on the cores this process may use
     (:func:`~dynarl.control.predictor.cores_slowdown`); otherwise (Ray, SGLang,
     Megatron: GPUs or other hosts) none, the devices being independent."""
-    from dynarl.control.predictor import cores_slowdown
+    from dynarl.control.predictor import cores_slowdown, usable_cores
 
     on_cpu = (cfg.rollout.backend, cfg.inference.backend, cfg.actor.backend) == ("torch",) * 3
     if cfg.cluster.launcher != "local" or not on_cpu:
         return ()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return cores_slowdown(cfg.cluster.num_devices, cfg.cluster.threads_per_device, cores or 1)
+    return cores_slowdown(cfg.cluster.num_devices, cfg.cluster.threads_per_device, usable_cores())
 
 
 def check_backends(cfg: DynaRLConfig) -> None:

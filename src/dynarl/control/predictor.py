@@ -36,6 +36,7 @@ costs a rollout engine (:class:`PrefillCost`) comes from the profile alone.
 
 import json
 import math
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -151,6 +152,14 @@ def cores_slowdown(num_devices: int, threads_per_device: int, num_cores: int) ->
     return tuple(
         max(1.0, n * threads_per_device / max(num_cores, 1)) for n in range(1, num_devices + 1)
     )
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one): what
+    :func:`cores_slowdown` shares among a local run's slots."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def check_host_slowdown(slowdown: tuple[float, ...]) -> None:

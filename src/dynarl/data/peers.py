@@ -5,7 +5,7 @@ request queue, items in flight, liveness and load (it is the routing policy's
 :class:`~dynarl.data.routing.Target`). The router owns and mutates it.
 """
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import anyio
 import msgspec
@@ -97,18 +97,28 @@ class RouterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     queues: dict[InstanceId, QueueStatistics]
 
 
-def with_balance(config: RouterConfig, balance: str) -> RouterConfig:
-    """``config`` with the balancing ``rollout.balance`` names: ``below_share`` (on
-    joining and below the fair share), ``on_join`` (on joining only) or ``none``.
+Balance = Literal["below_share", "on_join", "none"]
+"""How much the router balances (``rollout.balance``): on joining and below the fair
+share, on joining only, or not at all."""
+
+_BALANCE_RULES: dict[str, tuple[bool, bool]] = {
+    "below_share": (True, True),
+    "on_join": (True, False),
+    "none": (False, False),
+}
+
+
+def with_balance(config: RouterConfig, balance: Balance) -> RouterConfig:
+    """``config`` with the balancing ``balance`` names (``balance_on_join``,
+    ``balance_below_share``).
 
     Raises:
-        ValueError: ``balance`` is none of these.
+        ValueError: ``balance`` is not a :data:`Balance`.
     """
-    rules = {"below_share": (True, True), "on_join": (True, False), "none": (False, False)}
     try:
-        on_join, below_share = rules[balance]
+        on_join, below_share = _BALANCE_RULES[balance]
     except KeyError:
-        raise ValueError(f"balance={balance!r}: one of {sorted(rules)}") from None
+        raise ValueError(f"balance={balance!r}: one of {sorted(_BALANCE_RULES)}") from None
     return msgspec.structs.replace(config, balance_on_join=on_join, balance_below_share=below_share)
 
 

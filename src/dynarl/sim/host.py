@@ -27,7 +27,6 @@ so a lone slot decoding beside it runs slower than alone.
 """
 
 import math
-import os
 
 import msgspec
 
@@ -86,6 +85,11 @@ class HostSharing(msgspec.Struct, frozen=True, kw_only=True):
             return self.slowdown[n - 1]
         return self.slowdown[-1] * n / len(self.slowdown)
 
+    @property
+    def counts_controller(self) -> bool:
+        """Whether the controller's CPU is measured (and so counted on the curve)."""
+        return self.controller_cpu_per_request_s > 0.0 or self.controller_cpu_per_token_s > 0.0
+
     def controller_load(self, tokens_per_s: float, responses_per_s: float) -> float:
         """The controller process's share of a core while the engines generate
         ``tokens_per_s`` tokens and complete ``responses_per_s`` responses a second:
@@ -137,11 +141,3 @@ def check_controller_cpu(value: float, field: str) -> None:
             f"{field}={value}: the controller's CPU seconds must be a finite number >= 0; "
             "measure it with `python bench/sim_fidelity.py` (its profile.json)"
         )
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS has one), as
-    ``dynarl.api.assembly.host_slowdown`` counts them for a real run's predictor."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1

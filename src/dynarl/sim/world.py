@@ -248,11 +248,13 @@ class SimWorld:
             + len(self.inference.busy()) * self.cluster.inference.tp
             + self.actor.busy_devices()
         )
-        # The controller process, a fractional tenant at its measured CPU per token and
-        # per response times the engines' rates (at the slots' speed, without its share).
-        tokens, responses = self.fleet.decode_rates_alone()
-        alone = host.factor(slots)
-        factor = host.factor(slots + host.controller_load(tokens / alone, responses / alone))
+        factor = host.factor(slots)
+        if host.counts_controller:
+            # The controller process, a fractional tenant at its measured CPU per token
+            # and per response times the engines' rates (at the slots' speed, without
+            # its own share).
+            tokens, responses = self.fleet.decode_rates_alone()
+            factor = host.factor(slots + host.controller_load(tokens / factor, responses / factor))
         if factor == self.slowdown:
             return False
         self.slowdown = factor

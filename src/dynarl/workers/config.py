@@ -13,6 +13,7 @@ import msgspec
 
 from dynarl.core.config import NonNegativeInt, PositiveFloat, PositiveInt, Section
 from dynarl.core.errors import ConfigError
+from dynarl.data.peers import Balance
 from dynarl.workers.sglang.config import SGLangConfig
 
 
@@ -103,7 +104,7 @@ class RolloutConfig(Section, frozen=True, kw_only=True):
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     max_new_tokens: PositiveInt = 128
     request_order: Literal["fifo", "priority"] = "fifo"
-    balance: Literal["below_share", "on_join", "none"] = "below_share"
+    balance: Balance = "below_share"
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
 
 
