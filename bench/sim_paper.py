@@ -11,7 +11,13 @@ KV reads, then the last minibatch -- the longest groups -- on every device; see
 ``dynarl.sim.tail_floor``) and the scheduler's online overhead (wall-clock
 seconds deciding over simulated seconds); then dynamic's speedup over the better
 static mode beside the reference system's range, and on how many seeds dynamic is
-ahead. Last, one JSON line: ``{"bench": "sim_paper", "rows": [...]}``, each row's
+ahead. ``--reference-baselines`` also runs the static modes as the reference system's
+baselines run, without request-level balancing (``rollout.balance=none``: no engine
+takes a share of another's requests), as modes named ``static-colocated/none`` and so
+on, and prints dynamic's speedup over the better of those (JSON:
+``speedup_vs_unbalanced_static``, ``speedup_per_seed_unbalanced``): a like-for-like
+reading of the reference's ratios, whose static modes keep requests where they were
+first placed. Last, one JSON line: ``{"bench": "sim_paper", "rows": [...]}``, each row's
 throughputs and iteration times the means over the seeds.
 
 ``--rows math-1.5b-64,agentic-7b-128`` picks rows, ``--quick`` the 64-device math
@@ -50,13 +56,17 @@ Workload = Literal["math", "agentic"]
 def run_one(
     workload: Workload, size: Size, devices: int, mode: str, *, iterations: int, seed: int
 ) -> ModeResult:
-    """One simulation: ``mode`` (``dynamic+priority``: dynamic, priority order) on a
-    reference setting, with ``seed`` added to the recipe's seed."""
-    base, _, extra = mode.partition("+")
+    """One simulation: ``mode`` (``dynamic+priority``: dynamic, priority order;
+    ``MODE/none``: MODE with ``rollout.balance=none``) on a reference setting, with
+    ``seed`` added to the recipe's seed."""
+    named, _, balance = mode.partition("/")
+    base, _, extra = named.partition("+")
     cfg = paper_setting(workload, size, devices, mode=base, num_iterations=iterations)  # type: ignore[arg-type]
     overrides = [f"run.seed={cfg.job.run.seed + seed}"]
     if extra == "priority":
         overrides.append("sim.request_order=priority")
+    if balance:
+        overrides.append(f"rollout.balance={balance}")
     cfg = simulated_run(cfg, overrides)
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
         result, _ = runner.run(simulate(cfg, name=mode))
@@ -76,6 +86,11 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(SIZES), help="model sizes, e.g. 1.5b,7b")
     parser.add_argument("--rows", default="", help="rows by name, e.g. math-1.5b-64,agentic-7b-128")
     parser.add_argument("--jobs", type=int, default=1, help="simulations run at once")
+    parser.add_argument(
+        "--reference-baselines",
+        action="store_true",
+        help="also run the static modes without request-level balancing (rollout.balance=none)",
+    )
     args = parser.parse_args()
     settings: list[tuple[Workload, Size, int]] = [
         (w, s, n)
@@ -90,24 +105,28 @@ def main() -> None:
         if not settings:
             parser.error(f"no row named {args.rows!r} (rows look like math-1.5b-64)")
     seeds = range(args.seeds)
+
+    def modes_of(w: Workload) -> tuple[str, ...]:
+        modes = MATH_MODES if w == "math" else AGENTIC_MODES
+        if args.reference_baselines:
+            modes += tuple(f"{m}/none" for m in modes if not m.startswith("dynamic"))
+        return modes
+
     jobs = [
-        (w, s, n, m, args.iterations, k)
-        for w, s, n in settings
-        for m in (MATH_MODES if w == "math" else AGENTIC_MODES)
-        for k in seeds
+        (w, s, n, m, args.iterations, k) for w, s, n in settings for m in modes_of(w) for k in seeds
     ]
     t0 = time.perf_counter()
     pool = ProcessPoolExecutor(max_workers=args.jobs)
     futures = {job: pool.submit(_job, job) for job in jobs}
     header = (
-        f"{'setting':<16} {'mode':<22} {'throughput':>12} {'iter s':>8} {'spread s':>13} "
+        f"{'setting':<16} {'mode':<26} {'throughput':>12} {'iter s':>8} {'spread s':>13} "
         f"{'lower s':>8} {'gap':>6} {'floor s':>8} {'gap':>6} {'migr':>5} {'overhead':>9}"
     )
     print(header, flush=True)
     rows = []
     for w, s, n in settings:
         name = f"{w}-{s}-{n}"
-        modes = MATH_MODES if w == "math" else AGENTIC_MODES
+        modes = modes_of(w)
         runs = {
             m: [futures[(w, s, n, m, args.iterations, k)].result() for k in seeds] for m in modes
         }
@@ -119,7 +138,7 @@ def main() -> None:
         for m, rs in runs.items():
             lo, hi = min(r.mean_iteration_s for r in rs), max(r.mean_iteration_s for r in rs)
             print(
-                f"{name:<16} {m:<22} {tput[m]:>12.1f} {mean_s[m]:>8.1f} "
+                f"{name:<16} {m:<26} {tput[m]:>12.1f} {mean_s[m]:>8.1f} "
                 f"{f'{lo:.1f}-{hi:.1f}':>13} {lower:>8.1f} {mean_s[m] / lower - 1:>6.0%} "
                 f"{floor:>8.1f} {mean_s[m] / floor - 1:>6.0%} "
                 f"{statistics.fmean(r.num_migrations for r in rs):>5.0f} "
@@ -141,6 +160,24 @@ def main() -> None:
             prio = tput["dynamic+priority"] / best_static
             line += f"; dynamic+priority / best static = {prio:.2f}x"
         print(f"{line}   (reference {REFERENCE[(w, s)]})", flush=True)
+        unbalanced: dict[str, object] = {}
+        if args.reference_baselines:
+            plain = [f"{st}/none" for st in STATIC]
+            per_seed_none = [
+                runs["dynamic"][k].throughput / max(runs[st][k].throughput for st in plain)
+                for k in seeds
+            ]
+            ratio_none = tput["dynamic"] / max(tput[st] for st in plain)
+            ahead_none = sum(x > 1.0 for x in per_seed_none)
+            print(
+                f"{'':<16} dynamic / best static without request balancing = "
+                f"{ratio_none:.2f}x (ahead on {ahead_none}/{len(per_seed_none)} seeds)",
+                flush=True,
+            )
+            unbalanced = {
+                "speedup_vs_unbalanced_static": round(ratio_none, 3),
+                "speedup_per_seed_unbalanced": [round(x, 3) for x in per_seed_none],
+            }
         rows.append(
             {
                 "setting": name,
@@ -167,6 +204,7 @@ def main() -> None:
                     m: round(statistics.fmean(r.overhead for r in rs), 5) for m, rs in runs.items()
                 },
                 "reference": REFERENCE[(w, s)],
+                **unbalanced,
             }
         )
     pool.shutdown()
