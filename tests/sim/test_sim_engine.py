@@ -3,6 +3,7 @@ token-by-token reference, conservation across migrations, preemption, prefix reu
 
 import math
 import random
+import statistics
 
 import pytest
 
@@ -96,8 +97,9 @@ def test_stats_report_running_queued_and_usage() -> None:
     held = stats.kv_usage * 100_000
     assert 4000 < held < 4000 + 4 * 5000
     # Throughput since the last report (here: since start): every token generated in
-    # the first second (the prompts' 4 x 1000 were prefilled, not generated).
-    assert stats.gen_tokens_per_s == pytest.approx(held - 4000)
+    # the first second (the prompts' 4 x 1000 were prefilled, not generated), the
+    # step in progress pro rata.
+    assert held - 4000 <= stats.gen_tokens_per_s <= held - 4000 + 4
     assert stats.instance == "e0"
     assert stats.time_s == 1.0
     # A second report at the same instant has no window: the current decode rate.
@@ -121,6 +123,40 @@ def test_reported_throughput_integrates_to_the_tokens_generated() -> None:
         last = t
     assert stats.num_running == 0
     assert integral == pytest.approx(engine.totals().generated_tokens, rel=1e-9)
+
+
+def test_reports_between_step_boundaries_see_the_decode_rate() -> None:
+    """Reports a fraction of a step apart (a multi-turn workload's events come every
+    few milliseconds) each see the batch's decode rate, not a whole step or none of
+    it; a request recalled mid-step never makes a report negative, and the reports
+    still add up to the tokens generated."""
+    config = _config(max_running_requests=8, kv_capacity_tokens=100_000)
+    engine = _engine(config)
+    engine.submit([_job(f"r{i}", 1000, 400) for i in range(8)])
+    engine.advance_to(0.5)
+    first = engine.stats()
+    a, b = config.step_coefficients()
+    step_s = a + b * first.kv_tokens
+    rates = []
+    t, integral = 0.5, 0.0
+    for _ in range(12):
+        t += step_s / 3
+        engine.advance_to(t)
+        rates.append(engine.stats().gen_tokens_per_s)
+        integral += rates[-1] * step_s / 3
+    assert min(rates) > 0
+    assert max(rates) / min(rates) < 1.05
+    assert statistics.fmean(rates) == pytest.approx(8 / step_s, rel=0.05)
+    engine.abort([ItemId("r0"), ItemId("r1")])  # mid-step: their share of it is gone
+    while engine.next_event_time() < math.inf:
+        last = t
+        t = min(engine.next_event_time(), t + step_s / 3)
+        engine.advance_to(t)
+        rate = engine.stats().gen_tokens_per_s
+        assert rate >= 0.0
+        integral += rate * (t - last)
+    total = engine.totals().generated_tokens
+    assert integral + first.gen_tokens_per_s * 0.5 == pytest.approx(total, rel=1e-9)
 
 
 def test_preemption_when_kv_is_full_keeps_every_token() -> None:
