@@ -287,7 +287,9 @@ def _profile(args: argparse.Namespace) -> int:
     device = msgspec.structs.asdict(profile.device)
     for field in profile.measured:
         value = device[field]
-        if field == "transfer_bytes_per_s":
+        if field == "controller_cpu_per_token_s":
+            print(f"  {field:<28} {value * 1e6:10.4f} us")
+        elif field == "transfer_bytes_per_s":
             print(f"  {field:<28} {value / 1e9:10.3f} GB/s")
         elif field.endswith("_s"):
             print(f"  {field:<28} {value * 1e3:10.4f} ms")

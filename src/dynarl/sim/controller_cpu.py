@@ -139,8 +139,9 @@ def controller_cost_of_run(run_dir: str | Path, *, warmup: int = 1) -> Controlle
         raise SimError(
             f"{run_dir} holds {len(records)} iteration(s); fitting the controller's CPU "
             f"takes {MIN_ITERATIONS} after the {warmup} warm-up iteration(s): run it for "
-            f"at least {wanted} (`dynarl run --set run.num_iterations={wanted}`, or "
-            f"`dynarl run --resume {run_dir} --set run.num_iterations={wanted}`), or "
-            "leave out fewer (--warmup)"
+            f"at least {wanted} (continue it with `dynarl run --resume {run_dir} --set "
+            f"run.num_iterations={wanted}`, or start it again with "
+            f"run.num_iterations={wanted}), or leave out fewer warm-up iterations "
+            "(--warmup)"
         )
     return fit_controller_cost(records[warmup:])
