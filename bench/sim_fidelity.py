@@ -17,9 +17,10 @@ machine a slot's speed moves with the other tenants' load by 2x and more within
 minutes, and so does the host-sharing curve (two slots: 1.0x to 2.5x one alone), so
 only a profile taken through the run describes the machine the run saw. The profile
 also holds what the controller process (this one: every mode's controller, router and
-reward) spends per response and per generated token, measured around each iteration
-(``controller_cpu_per_request_s``, ``controller_cpu_per_token_s``: its CPU seconds
-fitted over the iterations after the warm-up, every mode), and this host's cores
+reward) spends per response and per generated token, as every run records it
+(``controller_cpu_per_request_s``, ``controller_cpu_per_token_s``: each iteration's
+recorded CPU seconds fitted over the iterations after the warm-up, every mode, by
+:func:`dynarl.sim.controller_cpu.fit_controller_cost`), and this host's cores
 (``host_cores``): the simulator counts the controller as a fractional busy slot and
 gives its controller's predictor the curve a real run's gets here.
 ``--profile builtin`` uses the built-in ``cpu-1t`` profile instead (measured once on
@@ -51,13 +52,13 @@ from typing import Any
 
 import anyio
 import msgspec
-import numpy as np
 
 from dynarl.api.config import DynaRLConfig
 from dynarl.control.predictor import usable_cores
 from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.sim.cluster import trace_workload
 from dynarl.sim.config import SimConfig, SimulatedRun, simulated_run
+from dynarl.sim.controller_cpu import ControllerCost, fit_controller_cost
 from dynarl.sim.cpu_profile import CPU_1T, CpuProfile, cpu_cluster
 from dynarl.sim.profile_file import (
     MEASURED,
@@ -103,68 +104,30 @@ class Profiler:
 
 
 async def run_and_profile(
-    runs: list[ModeRun],
-    args: argparse.Namespace,
-    profiler: Profiler | None,
-    controller_cpu_s: dict[str, list[float]],
+    runs: list[ModeRun], args: argparse.Namespace, profiler: Profiler | None
 ) -> None:
     """Open every mode's run side by side, then per round one iteration of each mode
     and (with a measured profile) one round of profiling, so the profile sees the same
-    drift of the machine's load as the iterations. ``controller_cpu_s[mode]`` gets the
+    drift of the machine's load as the iterations. Each iteration's record holds the
     CPU seconds this process (the mode's controller, router and reward; the other
-    modes' idle ones) spent on each of the mode's iterations: what the host's cores
-    run beside the mode's slots, which the model does not count."""
+    modes' idle ones) spent on it (``controller_cpu_s``): what the host's cores run
+    beside the mode's slots."""
     async with contextlib.AsyncExitStack() as stack:
         for run in runs:
             await open_run(stack, run)
         for _ in range(args.iterations):
             for run in runs:
-                cpu_s = time.process_time()
                 await step(run, args.iteration_limit_s)
-                controller_cpu_s.setdefault(run.mode, []).append(time.process_time() - cpu_s)
             if profiler is not None:
                 # in a thread: the open runs' controllers keep being served meanwhile
                 await anyio.to_thread.run_sync(profiler)
 
 
-def controller_cost(
-    cpu_s: dict[str, list[float]], runs: list[ModeRun], warmup: int
-) -> dict[str, float]:
+def controller_cost(runs: list[ModeRun], warmup: int) -> ControllerCost:
     """The controller's CPU per response and per generated token, fitted over every
-    mode's iterations after ``warmup``: CPU = per_request x responses + per_token x
-    tokens (least squares, both >= 0; every iteration has the same responses, so the
-    per-response part is the fit's intercept). Also how well each unit alone
-    describes the iterations (relative RMS residual of CPU = k x tokens and of CPU =
-    k x responses) and the fit's."""
-    rows = [
-        (c, float(s.num_samples), float(s.gen_tokens))
-        for r in runs
-        for c, s in list(zip(cpu_s.get(r.mode, []), r.stats, strict=False))[warmup:]
-    ]
-    if not rows:
-        return {"per_request_s": 0.0, "per_token_s": 0.0}
-    cpu = np.array([c for c, _, _ in rows])
-    x = np.array([[n, t] for _, n, t in rows])
-    (per_request, per_token), *_ = np.linalg.lstsq(x, cpu, rcond=None)
-    if per_request < 0:  # one unit alone, the other
-        per_request, per_token = 0.0, float(cpu.sum() / x[:, 1].sum())
-    elif per_token < 0:
-        per_request, per_token = float(cpu.sum() / x[:, 0].sum()), 0.0
-
-    def rms(pred: np.ndarray) -> float:
-        return float(np.sqrt(np.mean((cpu - pred) ** 2)) / cpu.mean())
-
-    return {
-        "per_request_s": float(per_request),
-        "per_token_s": float(per_token),
-        "rms_fit": rms(x @ np.array([per_request, per_token])),
-        "rms_per_token_only": rms(x[:, 1] * cpu.sum() / x[:, 1].sum()),
-        "rms_per_request_only": rms(x[:, 0] * cpu.sum() / x[:, 0].sum()),
-        "mean_cpu_s": float(cpu.mean()),
-        "mean_responses": float(x[:, 0].mean()),
-        "mean_tokens": float(x[:, 1].mean()),
-        "iterations": len(rows),
-    }
+    mode's iterations after ``warmup`` (:func:`fit_controller_cost`, as
+    ``dynarl profile --from-run`` fits one run's)."""
+    return fit_controller_cost(s for r in runs for s in r.stats[warmup:])
 
 
 def simulate_mode(run: ModeRun, profile: CpuProfile, warmup: int) -> ModeResult:
@@ -213,20 +176,19 @@ def main() -> None:
     )
     t0 = time.perf_counter()
     profiler = Profiler(cfg0) if args.profile == "measured" else None
-    controller_cpu_s: dict[str, list[float]] = {}
     try:
         if profiler is not None:
             profiler()
-        asyncio.run(run_and_profile(runs, args, profiler, controller_cpu_s))
+        asyncio.run(run_and_profile(runs, args, profiler))
     finally:
         if profiler is not None:
             profiler.pool.close()
     profile = profiler.profile() if profiler is not None else CPU_1T
-    ctrl = controller_cost(controller_cpu_s, runs, args.warmup)
+    ctrl = controller_cost(runs, args.warmup)
     profile = msgspec.structs.replace(
         profile,
-        controller_cpu_per_request_s=ctrl["per_request_s"],
-        controller_cpu_per_token_s=ctrl["per_token_s"],
+        controller_cpu_per_request_s=ctrl.per_request_s,
+        controller_cpu_per_token_s=ctrl.per_token_s,
         host_cores=usable_cores(),
     )
     tenant = ("controller_cpu_per_request_s", "controller_cpu_per_token_s", "host_cores")
@@ -261,7 +223,13 @@ def main() -> None:
         f"{'mode':22s} {'real s':>7s} {'sim s':>7s} {'error':>7s} {'real tok/s':>10s} "
         f"{'sim tok/s':>10s} {'error':>7s} {'ctrl cpu s':>10s}"
     )
-    cpu_s = {m: statistics.mean(v[args.warmup :] or v) for m, v in controller_cpu_s.items() if v}
+    cpu_s = {
+        r.mode: statistics.mean(
+            s.controller_cpu_s or 0.0 for s in r.stats[args.warmup :] or r.stats
+        )
+        for r in runs
+        if r.stats
+    }
     for m in simulated:
         print(
             f"{m:22s} {measured_s[m]:7.2f} {simulated_s[m]:7.2f} {error[m]:+7.1%} "
@@ -273,14 +241,12 @@ def main() -> None:
         f"{ranking(simulated_s)}: {'agrees' if agrees else 'DISAGREES'}"
     )
     print(
-        f"controller CPU: {ctrl['per_request_s'] * 1e3:.3f} ms per response + "
-        f"{ctrl['per_token_s'] * 1e6:.1f} us per generated token (relative RMS residual: "
-        f"fit {ctrl.get('rms_fit', math.nan):.2f}, per token alone "
-        f"{ctrl.get('rms_per_token_only', math.nan):.2f}, per response alone "
-        f"{ctrl.get('rms_per_request_only', math.nan):.2f}; "
-        f"{ctrl.get('mean_cpu_s', math.nan):.3f} s, {ctrl.get('mean_responses', 0):.0f} "
-        f"responses, {ctrl.get('mean_tokens', 0):.0f} tokens an iteration), "
-        f"{profile.host_cores} cores"
+        f"controller CPU: {ctrl.per_request_s * 1e3:.3f} ms per response + "
+        f"{ctrl.per_token_s * 1e6:.1f} us per generated token (relative RMS residual: "
+        f"fit {ctrl.rms_fit:.2f}, per token alone {ctrl.rms_per_token_only:.2f}, per "
+        f"response alone {ctrl.rms_per_request_only:.2f}; {ctrl.mean_cpu_s:.3f} s, "
+        f"{ctrl.mean_responses:.0f} responses, {ctrl.mean_tokens:.0f} tokens an "
+        f"iteration), {profile.host_cores} cores"
     )
     print(
         f"profile: {profile.name}, decode step {profile.decode_step_s * 1e3:.2f} ms "
@@ -296,7 +262,7 @@ def main() -> None:
         "simulated_s": {m: round(v, 3) for m, v in simulated_s.items()},
         "ranking_agrees": agrees,
         "controller_cpu_s": {m: round(v, 3) for m, v in cpu_s.items()},
-        "controller_cost": {k: round(v, 8) for k, v in ctrl.items()},
+        "controller_cost": {k: round(v, 8) for k, v in msgspec.structs.asdict(ctrl).items()},
         "host_cores": profile.host_cores,
         "ranking": ranking(measured_s),
         "profile": args.profile,

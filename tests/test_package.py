@@ -80,6 +80,7 @@ def test_no_module_below_the_facade_imports_it() -> None:
         "testing",
         "cli.py",
         "cli_display.py",
+        "cli_profile.py",
         "cli_run.py",
         "config_doc.py",
         "__init__.py",

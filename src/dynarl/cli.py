@@ -238,50 +238,9 @@ def _workload_overrides(path: str, sim_run: Any) -> list[str]:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from dynarl.control.predictor import usable_cores
-    from dynarl.sim.profile_file import measured_profile, read_profile, write_profile
-    from dynarl.workers.backends import reference_profiler
+    from dynarl.cli_profile import profile_command
 
-    cfg = resolve_config(args.config, args.set)
-    if cfg.cluster.accelerator != "cpu":
-        raise ConfigError(
-            f"dynarl profile measures the reference workers on this machine's CPU, not "
-            f"cluster.accelerator={cfg.cluster.accelerator}: set cluster.accelerator=cpu",
-            field="cluster.accelerator",
-        )
-    print(
-        f"profiling the reference workers on this machine: {args.threads} thread(s) per "
-        f"slot, model {cfg.model.arch} {cfg.model.num_layers}x{cfg.model.hidden_size} "
-        f"{cfg.model.dtype}, {args.repeat} round(s)"
-    )
-    measured = reference_profiler().measure_machine(
-        cfg, repeat=args.repeat, threads=args.threads, host_slots=args.host_slots
-    )
-    profile = measured_profile(
-        measured.costs,
-        model=cfg.model,
-        threads=measured.threads,
-        host=measured.host,
-        name=args.name or f"{measured.name}-{measured.threads}t",
-        host_slowdown=measured.host_slowdown,
-        host_cores=usable_cores(),
-    )
-    write_profile(args.out, profile)
-    read_profile(args.out)  # what `dynarl sim --profile` will read
-    device = msgspec.structs.asdict(profile.device)
-    for field in profile.measured:
-        value = device[field]
-        if field == "transfer_bytes_per_s":
-            print(f"  {field:<28} {value / 1e9:10.3f} GB/s")
-        elif field.endswith("_s"):
-            print(f"  {field:<28} {value * 1e3:10.4f} ms")
-        elif field == "host_cores":
-            print(f"  {field:<28} {value:10d}")
-        elif field == "host_slowdown":
-            curve = ", ".join(f"{n} busy x{f:.2f}" for n, f in enumerate(value, start=1))
-            print(f"  {field:<28} {curve}")
-    print(f"wrote {args.out}: simulate with `dynarl sim --profile {args.out}`")
-    return 0
+    return profile_command(args)
 
 
 def _plot(args: argparse.Namespace) -> int:
@@ -387,6 +346,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="measure how up to N slots busy at once on this host slow each other down "
         "(default: cluster.num_devices; 0: do not, the simulated slots are independent)",
+    )
+    profile.add_argument(
+        "--from-run",
+        metavar="RUN_DIR",
+        help="profile for a real run: its config, and its controller process's CPU per "
+        "response and per token fitted from its metrics.jsonl (the host's other tenant)",
+    )
+    profile.add_argument(
+        "--warmup",
+        type=int,
+        metavar="N",
+        help="with --from-run: its first N iterations are left out of the fit (default 1)",
     )
     profile.set_defaults(func=_profile)
     plot = sub.add_parser("plot", help="redraw a run directory's timeline.png")

@@ -21,24 +21,10 @@ from dynarl.cli import main  # noqa: E402
 from dynarl.obs.metrics import read_metrics  # noqa: E402
 from dynarl.obs.timeline import Interval, Mark, read_timeline  # noqa: E402
 
+from .conftest import CLI, sets  # noqa: E402
 from .test_facade import SMALL, config  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-CLI = [sys.executable, "-m", "dynarl.cli", "run", "--quiet"]
-
-
-def sets(*overrides: str) -> list[str]:
-    return [arg for o in overrides for arg in ("--set", o)]
-
-
-@pytest.fixture(scope="module")
-def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted 3-iteration run (checkpoints after each), by the CLI."""
-    out = tmp_path_factory.mktemp("whole") / "run"
-    args = sets(*SMALL, "run.num_iterations=3", "run.checkpoint_every=1")
-    subprocess.run([*CLI, "--out", str(out), *args], check=True, capture_output=True, timeout=240)
-    return out
 
 
 def weights(path: Path) -> dict[str, torch.Tensor]:
@@ -64,6 +50,8 @@ async def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path: Path, whole:
     assert len(records) == 1
     assert {"mean_reward", "tokens_per_s", "stage_s.rollout", "device_s.rollout"} <= set(records[0])
     assert records[0]["allocation.actor"] == 1 and records[0]["num_migrations"] == 0
+    # the controller process's own CPU, recorded beside what it generated
+    assert isinstance(cpu_s := records[0]["controller_cpu_s"], float) and cpu_s > 0
     run_dir = tmp_path / "part" / "run"
     assert (run_dir / "timeline.png").stat().st_size > 0
 
@@ -76,6 +64,7 @@ async def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path: Path, whole:
 
     resumed = read_metrics(run_dir / "metrics.jsonl")  # appended to, not overwritten
     assert [s.iteration for s in resumed] == [0, 1]
+    assert all((s.controller_cpu_s or 0.0) > 0 for s in resumed)
     assert [s.mean_reward for s in resumed] == [s.mean_reward for s in first_two]
     assert [s.gen_tokens for s in resumed] == [s.gen_tokens for s in first_two]
     np.testing.assert_allclose([s.loss for s in resumed], [s.loss for s in first_two], rtol=1e-5)

@@ -50,17 +50,25 @@ class Run(NamedTuple):
     sampler: PromptSampler
 
 
+def slots_share_host(cfg: DynaRLConfig) -> bool:
+    """Whether ``cfg``'s device slots compute on the cores of the controller's machine:
+    CPU slots (``cluster.accelerator=cpu``, every stage on the torch reference workers)
+    started by the local launcher. Otherwise (GPUs, SGLang, Megatron, Ray's other
+    hosts) each device computes on its own silicon: the slots do not slow each other
+    down, and the controller's CPU slows none of them."""
+    on_cpu = (cfg.rollout.backend, cfg.inference.backend, cfg.actor.backend) == ("torch",) * 3
+    return cfg.cluster.accelerator == "cpu" and cfg.cluster.launcher == "local" and on_cpu
+
+
 def host_slowdown(cfg: DynaRLConfig) -> tuple[float, ...]:
-    """The host curve the controller's predictor starts from: on CPU slots sharing this
-    machine's cores (the local launcher, every stage on the torch reference workers),
-    ideal processor sharing of ``cluster.num_devices`` slots of
-    ``cluster.threads_per_device`` threads on the cores this process may use
-    (:func:`~dynarl.control.predictor.cores_slowdown`); otherwise (Ray, SGLang,
-    Megatron: GPUs or other hosts) none, the devices being independent."""
+    """The host curve the controller's predictor starts from: on slots sharing this
+    machine's cores (:func:`slots_share_host`), ideal processor sharing of
+    ``cluster.num_devices`` slots of ``cluster.threads_per_device`` threads on the cores
+    this process may use (:func:`~dynarl.control.predictor.cores_slowdown`); otherwise
+    none, the devices being independent."""
     from dynarl.control.predictor import cores_slowdown, usable_cores
 
-    on_cpu = (cfg.rollout.backend, cfg.inference.backend, cfg.actor.backend) == ("torch",) * 3
-    if cfg.cluster.launcher != "local" or not on_cpu:
+    if not slots_share_host(cfg):
         return ()
     return cores_slowdown(cfg.cluster.num_devices, cfg.cluster.threads_per_device, usable_cores())
 

@@ -19,6 +19,7 @@ lazily, when a run starts.
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from pathlib import Path
 from types import TracebackType
@@ -266,6 +267,7 @@ class DynaRL:
         self._meter.take(self.controller.clock.now())  # count this iteration only
         sampler = self._sampler.state_dict() if self._sampler is not None else None
         scope = self._step_scope = anyio.CancelScope()
+        cpu_s = time.process_time()  # every thread of this process; workers are others
         try:
             with self._host.call(), scope:
                 stats = await self._watched(self._pipeline.run(index), scope)
@@ -299,6 +301,7 @@ class DynaRL:
             allocation=self._meter.allocation(),
             migrations=migrations,
             restarts={} if self._world is None else self._world.reboots.budget.taken(),
+            controller_cpu_s=time.process_time() - cpu_s,
         )
         self.history.append(stats)
         self._metrics.write(stats)

@@ -59,6 +59,12 @@ class IterationStats(msgspec.Struct, frozen=True, kw_only=True):
             (``turns``, ``tool_calls``, ``tool_errors``, ``parse_errors``, ``tool_s``,
             ...), ``tool_call_rate`` (episodes with a tool call), and the counts
             ``truncated`` and ``aborted`` (infrastructure failures, not scored).
+        controller_cpu_s: CPU seconds the controller process (the one running the
+            event loop: controller, data router, reward threads, result batches; not
+            the worker processes) spent on the iteration, what it takes from the
+            host's cores beside the slots (``dynarl profile --from-run`` fits it per
+            response and per generated token); ``None``: not recorded (a run by an
+            older dynarl).
     """
 
     iteration: int
@@ -78,6 +84,7 @@ class IterationStats(msgspec.Struct, frozen=True, kw_only=True):
     migrations: list[MigrationRecord] = msgspec.field(default_factory=list)
     restarts: dict[str, int] = msgspec.field(default_factory=dict)
     episodes: dict[str, float] = msgspec.field(default_factory=dict)
+    controller_cpu_s: float | None = None
 
 
 class DeviceMeter:

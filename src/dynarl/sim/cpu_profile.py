@@ -104,8 +104,9 @@ class CpuProfile(msgspec.Struct, frozen=True, kw_only=True):
             :class:`~dynarl.sim.host.HostSharing`). Empty: not measured, and the
             simulated slots are independent (as if each had cores of its own).
         controller_cpu_per_request_s: CPU seconds the controller process (router,
-            reward, result batches, controller) spends per response, measured in a real
-            run (``bench/sim_fidelity.py``); with ``host_slowdown`` the controller counts
+            reward, result batches, controller) spends per response, fitted from a real
+            run's records (``dynarl profile --from-run``, ``bench/sim_fidelity.py``:
+            :mod:`dynarl.sim.controller_cpu`); with ``host_slowdown`` the controller counts
             as a fractional busy slot on the curve while the engines decode
             (:class:`~dynarl.sim.host.HostSharing`). 0: not measured.
         controller_cpu_per_token_s: its CPU seconds per generated token on top (0:

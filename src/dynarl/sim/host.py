@@ -18,8 +18,9 @@ step. Migrations, weight sync and idle slots do not count.
 The slots are not the host's only tenant: the controller process (the router, the
 reward, the result batches, the controller itself) computes beside them, mostly while
 responses come in. Where its CPU per response and per generated token is measured
-(``controller_cpu_per_request_s``, ``controller_cpu_per_token_s``:
-``bench/sim_fidelity.py`` fits them in a real run), it counts as a fractional busy
+(``controller_cpu_per_request_s``, ``controller_cpu_per_token_s``: fitted from a
+real run's records by ``dynarl profile --from-run`` or ``bench/sim_fidelity.py``,
+:mod:`dynarl.sim.controller_cpu`), it counts as a fractional busy
 slot: its CPU-seconds per second at the engines' current decode rate, each response's
 cost spread over the tokens it generates (at most one core: one Python process), the
 factor interpolated between the curve's integer counts (:meth:`HostSharing.factor`),
@@ -139,5 +140,5 @@ def check_controller_cpu(value: float, field: str) -> None:
     if not (value >= 0.0 and math.isfinite(value)):
         raise SimError(
             f"{field}={value}: the controller's CPU seconds must be a finite number >= 0; "
-            "measure it with `python bench/sim_fidelity.py` (its profile.json)"
+            "fit it from a real run with `dynarl profile --from-run RUN_DIR`"
         )

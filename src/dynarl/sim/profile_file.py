@@ -17,6 +17,7 @@ from pathlib import Path
 
 import msgspec
 
+from dynarl.sim.controller_cpu import ControllerCost
 from dynarl.sim.cpu_profile import CPU_1T, CpuProfile
 from dynarl.sim.errors import SimError
 from dynarl.workers.config import ModelConfig
@@ -173,9 +174,11 @@ def measured_profile(
     name: str,
     host_slowdown: Sequence[float] | None = None,
     host_cores: int = 0,
+    controller: ControllerCost | None = None,
 ) -> ProfileFile:
     """The profile file of a profiling run's ``costs`` (and, measured with two or more
-    slots, its host-sharing curve; and the cores of the host, if given) on ``model``."""
+    slots, its host-sharing curve; the cores of the host, if given; and the controller
+    process's CPU fitted from a real run, if given) on ``model``."""
     device = profile_from(costs, name=name, threads=threads)
     fields: tuple[str, ...] = MEASURED
     if host_slowdown is not None:
@@ -184,6 +187,13 @@ def measured_profile(
     if host_cores:
         device = msgspec.structs.replace(device, host_cores=host_cores)
         fields = (*fields, "host_cores")
+    if controller is not None:
+        device = msgspec.structs.replace(
+            device,
+            controller_cpu_per_request_s=controller.per_request_s,
+            controller_cpu_per_token_s=controller.per_token_s,
+        )
+        fields = (*fields, "controller_cpu_per_request_s", "controller_cpu_per_token_s")
     return ProfileFile(
         profile_version=PROFILE_VERSION, device=device, model=model, measured=fields, host=host
     )
