@@ -31,7 +31,13 @@ Prints a table and one JSON line::
     {"bench": "sim_fidelity", "error": {mode: fraction}, "throughput_error": {...},
      "measured_s": {...}, "simulated_s": {...}, "ranking_agrees": bool, ...}
 
-where ``error`` is simulated over measured mean iteration time, minus one::
+where ``error`` is simulated over measured mean iteration time, minus one;
+``iteration_errors`` the same per measured iteration (the replay runs each iteration's
+own prompts and lengths) and ``error_interval`` a bootstrap 90% interval of ``error``
+over those iterations (how far the real machine's noise leaves it uncertain); with the
+measured profile, ``error_round_profile`` simulates each iteration on the profile
+measured around its own round (the machine's drift between rounds then cancels out)
+and ``error_round_profile_interval`` is its interval::
 
     python bench/sim_fidelity.py [--iterations 5] [--warmup 1] [--profile measured|builtin]
 """
@@ -47,11 +53,13 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
+import numpy as np
 
 from dynarl.api.config import DynaRLConfig
 from dynarl.control.predictor import usable_cores
@@ -71,6 +79,8 @@ from dynarl.sim.run import ModeResult, simulate
 from dynarl.workers.torch.host_scaling import SlotPool
 from dynarl.workers.torch.profiling import measure as measure_costs
 from e2e_cpu import MODES, ModeRun, mode_config, open_run, step, summarise
+
+Mode = TypeVar("Mode", bound=str)
 
 
 class Profiler:
@@ -97,8 +107,20 @@ class Profiler:
 
     def profile(self) -> CpuProfile:
         """One profile of the rounds' means."""
-        mean = {k: statistics.mean(c[k] for c in self.costs) for k in self.costs[0]}
-        curve = tuple(round(statistics.mean(c), 3) for c in zip(*self.curves, strict=True))
+        return self._mean(self.costs, self.curves)
+
+    def round_profiles(self) -> list[CpuProfile]:
+        """Per round of iterations ``k``, a profile of the two rounds of profiling
+        around it (before and after): the machine that round's iterations ran on."""
+        return [
+            self._mean(self.costs[k : k + 2], self.curves[k : k + 2])
+            for k in range(len(self.costs) - 1)
+        ]
+
+    @staticmethod
+    def _mean(costs: list[dict[str, float]], curves: list[tuple[float, ...]]) -> CpuProfile:
+        mean = {k: statistics.mean(c[k] for c in costs) for k in costs[0]}
+        curve = tuple(round(statistics.mean(c), 3) for c in zip(*curves, strict=True))
         profile = profile_from(mean, name="cpu-measured")
         return msgspec.structs.replace(profile, host_slowdown=curve)
 
@@ -148,7 +170,55 @@ def simulate_mode(run: ModeRun, profile: CpuProfile, warmup: int) -> ModeResult:
     return result
 
 
-def ranking(times: dict[str, float]) -> list[str]:
+def iteration_times(result: ModeResult) -> dict[int, float]:
+    """Each simulated iteration's time, by iteration."""
+    return {r.iteration: r.end_s - r.start_s for r in result.iterations}
+
+
+def simulate_rounds(run: ModeRun, profiles: list[CpuProfile], warmup: int) -> dict[int, float]:
+    """Each measured iteration's simulated time on the profile measured around it (the
+    replay of ``run`` on round ``k``'s profile, its iteration ``k``): the machine's
+    drift between rounds, which hits every mode's iteration of a round alike, then
+    cancels out of the comparison."""
+    out = {}
+    for k in range(warmup, min(len(run.stats), len(profiles))):
+        times = iteration_times(simulate_mode(run, profiles[k], warmup))
+        if k in times:
+            out[k] = times[k]
+    return out
+
+
+def paired_errors(run: ModeRun, sim: dict[int, float], warmup: int) -> list[float]:
+    """Simulated (``sim``: by iteration) over measured time of each measured iteration,
+    minus one (the replay runs the same prompts and lengths, iteration by iteration)."""
+    return [
+        sim[s.iteration] / s.elapsed_s - 1.0
+        for s in run.stats[warmup:]
+        if s.iteration in sim and s.elapsed_s > 0
+    ]
+
+
+def error_interval(
+    run: ModeRun, sim: dict[int, float], warmup: int, *, draws: int = 2000, level: float = 0.9
+) -> tuple[float, float]:
+    """A bootstrap interval (``level``) of the mean-time error over the measured
+    iterations: iterations resampled with replacement, simulated (``sim``: by
+    iteration) over measured total time each draw. On a shared 2-core machine one real
+    iteration's time moves by tens of percent with the other tenants, so a handful of
+    iterations pins the error down only to within about that over their square root."""
+    pairs = np.array(
+        [(sim[s.iteration], s.elapsed_s) for s in run.stats[warmup:] if s.iteration in sim]
+    )
+    if len(pairs) < 2:
+        return (math.nan, math.nan)
+    rng = np.random.default_rng(0)
+    picks = rng.integers(0, len(pairs), size=(draws, len(pairs)))
+    ratios = pairs[picks, 0].sum(axis=1) / pairs[picks, 1].sum(axis=1) - 1.0
+    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    return (float(lo), float(hi))
+
+
+def ranking(times: Mapping[Mode, float]) -> list[Mode]:
     """Modes from fastest to slowest."""
     return sorted(times, key=times.__getitem__)
 
@@ -217,6 +287,20 @@ def main() -> None:
     error = {m: simulated_s[m] / measured_s[m] - 1.0 for m in simulated}
     tps_error = {m: simulated_tps[m] / measured_tps[m] - 1.0 for m in simulated}
     agrees = ranking(measured_s) == ranking(simulated_s)
+    by_mode: dict[str, ModeRun] = {r.mode: r for r in runs}
+    sim_times = {m: iteration_times(r) for m, r in simulated.items()}
+    per_iteration = {m: paired_errors(by_mode[m], sim_times[m], args.warmup) for m in simulated}
+    interval = {m: error_interval(by_mode[m], sim_times[m], args.warmup) for m in simulated}
+    rounds: dict[str, dict[int, float]] = {}
+    if profiler is not None:
+        tenants = {k: getattr(profile, k) for k in tenant}
+        per_round = [msgspec.structs.replace(p, **tenants) for p in profiler.round_profiles()]
+        rounds = {m: simulate_rounds(by_mode[m], per_round, args.warmup) for m in simulated}
+    round_error: dict[str, float] = {}
+    for m, t in rounds.items():
+        if t:
+            measured_total = sum(by_mode[m].stats[k].elapsed_s for k in t)
+            round_error[m] = sum(t.values()) / measured_total - 1.0
 
     print()
     print(
@@ -235,6 +319,17 @@ def main() -> None:
             f"{m:22s} {measured_s[m]:7.2f} {simulated_s[m]:7.2f} {error[m]:+7.1%} "
             f"{measured_tps[m]:10.0f} {simulated_tps[m]:10.0f} {tps_error[m]:+7.1%} "
             f"{cpu_s.get(m, math.nan):10.2f}"
+        )
+    for m in simulated:
+        lo, hi = interval[m]
+        shown = " ".join(f"{e:+.0%}" for e in per_iteration[m])
+        print(f"{m:22s} error 90% interval {lo:+.1%} .. {hi:+.1%}; per iteration {shown}")
+    for m, err in round_error.items():
+        lo, hi = error_interval(by_mode[m], rounds[m], args.warmup)
+        shown = " ".join(f"{e:+.0%}" for e in paired_errors(by_mode[m], rounds[m], args.warmup))
+        print(
+            f"{m:22s} on each round's own profile: error {err:+.1%} (90% interval "
+            f"{lo:+.1%} .. {hi:+.1%}); per iteration {shown}"
         )
     print(
         f"ranking (fastest first): real {ranking(measured_s)}, simulated "
@@ -258,6 +353,13 @@ def main() -> None:
         "bench": "sim_fidelity",
         "error": {m: round(v, 3) for m, v in error.items()},
         "throughput_error": {m: round(v, 3) for m, v in tps_error.items()},
+        "error_interval": {m: [round(v, 3) for v in iv] for m, iv in interval.items()},
+        "iteration_errors": {m: [round(v, 3) for v in e] for m, e in per_iteration.items()},
+        "error_round_profile": {m: round(v, 3) for m, v in round_error.items()},
+        "error_round_profile_interval": {
+            m: [round(v, 3) for v in error_interval(by_mode[m], rounds[m], args.warmup)]
+            for m in round_error
+        },
         "measured_s": {m: round(v, 3) for m, v in measured_s.items()},
         "simulated_s": {m: round(v, 3) for m, v in simulated_s.items()},
         "ranking_agrees": agrees,
