@@ -43,6 +43,7 @@ from dynarl.sim.engine_config import EngineConfig
 from dynarl.sim.errors import SimError
 from dynarl.sim.jobs import Job, JobDone, JobProgress
 from dynarl.sim.prefix_cache import PrefixCache
+from dynarl.sim.reserve import Reservations
 
 # events this close after the target time are due (as the world's own tolerance): a
 # clock that lands one ulp short of an event must not leave it pending forever
@@ -117,6 +118,7 @@ class SimEngine:
         self._step_count = 0
         self._running: dict[ItemId, _Entry] = {}  # in admission order: last is youngest
         self._finish_heap: list[tuple[int, int, ItemId]] = []  # (finish step, seq, id)
+        self._reserved = Reservations(config.new_token_clip)  # the running jobs' future
         self._held = 0  # context tokens of the running jobs
         self._padded = config.padded_kv
         self._longest_base = 0  # longest running context = this + _step_count (padded_kv)
@@ -388,6 +390,7 @@ class SimEngine:
     def _remove(self, item: ItemId) -> _Entry:
         """Take ``item`` out of the running set, folding its progress into ``done``."""
         entry = self._running.pop(item)
+        self._reserved.remove(item, finish_step=entry.finish_step)
         entry.done += self._step_count - entry.start_step
         self._held -= entry.queued_context
         self._rows_changed()
@@ -458,14 +461,7 @@ class SimEngine:
         """Admit queued jobs in order while their context plus the reserved share of
         every job's future tokens fits (a lone job is always admitted)."""
         ratio = self._ratio()
-        step = self._step_count
-        clip = self.config.new_token_clip  # _reserve(finish_step - step), inlined: O(running)
-        future = sum(
-            [
-                min(e.start_step + e.job.output_tokens - e.done - step, clip)
-                for e in self._running.values()
-            ]
-        )
+        future = self._reserved.total(self._step_count)  # _reserve of each running job
         admitted: list[_Entry] = []
         held = self._held
         batch = len(self._running)
@@ -505,6 +501,9 @@ class SimEngine:
             entry.seq, entry.start_step = self._seq, self._step_count
             self._running[entry.job.id] = entry
             heapq.heappush(self._finish_heap, (entry.finish_step, entry.seq, entry.job.id))
+            self._reserved.add(
+                entry.job.id, entry.seq, finish_step=entry.finish_step, step=self._step_count
+            )
             self._held += context
         self._rows_changed()
         prefill_s = self.config.prefill_overhead_s + flops / self._flops_rate + joined

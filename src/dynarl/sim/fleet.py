@@ -89,7 +89,7 @@ class EngineFleet:
         self.placement = Placement(
             {PROMPTS: (ROLLOUT,)},
             policy=AffinityRouting(seed=seed),
-            emit=emit,
+            emit=self._placement_event,
             balance_on_join=self.router.balance_on_join,
             balance_below_share=self.router.balance_below_share,
             recall=self._recall,
@@ -100,6 +100,11 @@ class EngineFleet:
         self._tools: list[tuple[float, int, ItemId]] = []
         self._tool_seq = 0
         self._touched: dict[InstanceId, None] = {}
+        # Engines that may have room and queued requests (see route), by their order,
+        # with a heap of (order, id) to visit them in that order.
+        self._feed: dict[InstanceId, int] = {}
+        self._feed_heap: list[tuple[int, InstanceId]] = []
+        self._joined = 0
         self.slowdown = 1.0  # the host's: engines' work takes this many times its alone time
 
     def sync(self, now: float) -> None:
@@ -119,8 +124,10 @@ class EngineFleet:
                     clock=self.clock,
                     now_s=now,
                 )
-                self.engines[node.id] = EngineSlot(sim, w)
+                self._joined += 1
+                self.engines[node.id] = EngineSlot(sim, w, order=self._joined)
                 self._touched[node.id] = None
+                self._may_feed(node.id)
                 self.placement.add_worker(w, now)
 
     def admit(self, requests: Sequence[Request], now: float) -> None:
@@ -232,6 +239,7 @@ class EngineFleet:
         results would be: a tool call, or a request's last turn (reported downstream
         first)."""
         w, on_result = e.worker, self.placement.on_result
+        self._may_feed(iid)
         finals: list[JobDone] = []
         for d in done:
             seq = self.seqs[d.id]
@@ -267,11 +275,31 @@ class EngineFleet:
         self.placement.resume(item, b"", now, latency_s=latency, ok=ok)
 
     def route(self, now: float) -> None:
-        """Feed each engine from its queue up to its capacity (a worker link's pump)."""
+        """Feed each engine from its queue up to its capacity (a worker link's pump),
+        in the order the engines joined.
+
+        Only engines marked by :meth:`_may_feed` are looked at: an engine fed here is
+        left full or with an empty queue, and only a request routed to it (reported
+        ``ItemRouted``) or a result freeing room (:meth:`_completed`,
+        :meth:`_aborted`) changes that. An engine marked while this pass feeds
+        engines that joined later is fed in this pass, one marked behind it in the
+        next, as a pass over every engine in order would."""
         p = self.placement
         if p.backlog:
             p.refill(now)
-        for iid, e in self.engines.items():
+        heap, feed = self._feed_heap, self._feed
+        last = -1
+        behind: list[tuple[int, InstanceId]] = []
+        while heap:
+            order, iid = heapq.heappop(heap)
+            if feed.get(iid) != order:
+                continue  # fed since, or gone
+            if order <= last:
+                behind.append((order, iid))
+                continue
+            del feed[iid]
+            last = order
+            e = self.engines[iid]
             w = e.worker
             room = self.cap - len(w.in_flight)
             if room <= 0 or not len(w.queue):
@@ -284,6 +312,22 @@ class EngineFleet:
             if done:
                 self._completed(iid, e, done, now)
             self._schedule(iid, e, now)
+        for entry in behind:
+            heapq.heappush(heap, entry)
+
+    def _may_feed(self, iid: InstanceId) -> None:
+        """Engine ``iid`` may have room and queued requests: look at it in the next
+        :meth:`route`."""
+        if iid not in self._feed and (e := self.engines.get(iid)) is not None:
+            self._feed[iid] = e.order
+            heapq.heappush(self._feed_heap, (e.order, iid))
+
+    def _placement_event(self, event: ev.Event) -> None:
+        """What the placement reports goes on to the controller; a request routed to
+        an engine's queue marks the engine to be fed."""
+        if isinstance(event, ev.ItemRouted):
+            self._may_feed(event.instance)
+        self.emit(event)
 
     def _recall(self, w: WorkerState, items: tuple[ItemId, ...], now: float) -> None:
         """The placement asks for running requests back (for a joining engine): the
@@ -296,6 +340,7 @@ class EngineFleet:
         self._schedule(iid, e, now)
 
     def _aborted(self, w: WorkerState, aborted: Sequence[JobProgress], now: float) -> None:
+        self._may_feed(w.instance)
         for a in aborted:
             self.seqs[a.id].done += a.generated_tokens
             self.totals.generated_tokens += a.generated_tokens
@@ -314,6 +359,7 @@ class EngineFleet:
         worker is then reported failed (``WorkerFailed``)."""
         self._touch(iid, now)
         e = self.engines.pop(iid)
+        self._feed.pop(iid, None)
         self.emit(e.sim.stats())  # its last window, which would be lost with it
         w, p = e.worker, self.placement
         p.set_active(w, False, now)

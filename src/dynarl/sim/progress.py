@@ -42,13 +42,15 @@ class SeqProgress:
 
 class EngineSlot:
     """A live engine: the modelled engine, its worker as the data plane's placement
-    sees it (its request queue and the requests in flight on it) and its busy time (an
-    engine with any request running counts as busy)."""
+    sees it (its request queue and the requests in flight on it), its busy time (an
+    engine with any request running counts as busy) and ``order``, its place among the
+    fleet's engines (they are fed in the order they joined)."""
 
-    __slots__ = ("busy_s", "busy_since", "sim", "worker")
+    __slots__ = ("busy_s", "busy_since", "order", "sim", "worker")
 
-    def __init__(self, sim: SimEngine, worker: WorkerState) -> None:
+    def __init__(self, sim: SimEngine, worker: WorkerState, *, order: int = 0) -> None:
         self.sim = sim
         self.worker = worker
+        self.order = order
         self.busy_since: float | None = None
         self.busy_s = 0.0

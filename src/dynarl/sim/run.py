@@ -25,8 +25,7 @@ from dynarl.control.estimates import Estimates
 from dynarl.control.modes import make_hold, make_policy
 from dynarl.control.pipeline import build_hypergraph
 from dynarl.control.predictor import Predictor
-from dynarl.core.clock import LoopClock
-from dynarl.core.virtual_time import VirtualTimeLoop
+from dynarl.core.virtual_time import VirtualClock, VirtualTimeLoop
 from dynarl.obs.timeline import TimelineRecorder
 from dynarl.sim.bound import work_conserving_bound
 from dynarl.sim.cluster import ClusterModel, host_slowdown, sim_profile
@@ -118,9 +117,8 @@ async def simulate(
     Raises:
         SimError: the running loop keeps real time (it is not a ``VirtualTimeLoop``).
     """
-    _require_virtual_time()
+    clock = VirtualClock(_require_virtual_time())
     cfg = run.job
-    clock = LoopClock()
     graph, baseline = build_hypergraph(cfg.pipeline_layout(), now_s=clock.now())
     cluster = cluster or ClusterModel.from_config(run)
     # A "profiling run" on other prompts than the measured ones.
@@ -214,7 +212,7 @@ def run_simulation(
         return runner.run(simulate(run, check=check, name=name, on_event=on_event, cluster=cluster))
 
 
-def _require_virtual_time() -> None:
+def _require_virtual_time() -> VirtualTimeLoop:
     try:
         loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
     except RuntimeError:  # another async library (trio) runs this task
@@ -229,6 +227,7 @@ def _require_virtual_time() -> None:
             " another running loop, or run simulate(run) in"
             " `asyncio.Runner(loop_factory=VirtualTimeLoop)`"
         )
+    return loop
 
 
 def _summarise(

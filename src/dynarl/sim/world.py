@@ -47,6 +47,7 @@ from dynarl.core.ids import InstanceId, ItemId
 from dynarl.data.peers import RouterConfig, with_balance
 from dynarl.obs.trace_records import Request
 from dynarl.sim.actor import SimActor
+from dynarl.sim.alarm import Alarm
 from dynarl.sim.cluster import ClusterModel
 from dynarl.sim.config import SimulatedRun
 from dynarl.sim.errors import SimError
@@ -106,7 +107,7 @@ class SimWorld:
         self._after_rollout = TO_INFERENCE if INFERENCE in graph.components else TO_ACTOR
         self._t = clock.now()
         self._next_stats_s = self._t
-        self._wake = anyio.Event()
+        self._wake = Alarm()
         self._dirty = True
         self.totals = WorldTotals()
         self.fleet = EngineFleet(
@@ -168,12 +169,10 @@ class SimWorld:
                 )
             wait = self._next_time() - now
             if wait > 0:
-                with anyio.move_on_after(wait):
-                    await self._wake.wait()
+                await self._wake.wait(wait)
             else:
                 await anyio.lowlevel.checkpoint()
-            if self._wake.is_set():
-                self._wake = anyio.Event()
+            self._wake.clear()
         sync_s = self.cluster.weight_sync.time_s(self.cluster.model)
         await self.clock.sleep(sync_s)
         end = self._now()
