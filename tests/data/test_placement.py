@@ -271,6 +271,24 @@ async def test_an_idle_engine_leaves_a_session_with_the_engine_holding_its_prefi
     assert b.is_idle and not recalls.asked and len(a.in_flight) == 4
 
 
+async def test_each_donor_keeps_the_sessions_whose_prefix_it_holds() -> None:
+    """A joiner takes its share from several donors, each judged by its own rule: none
+    gives up a session whose KV prefix it holds (a rule taken from another donor would
+    let every session but that donor's move)."""
+    events: list[ev.Event] = []
+    p, recalls = _balancing(events)
+    a, b, c = _worker("a", 8), _worker("b", 8), _worker("c", 8)
+    p.add_worker(a, 0.0)
+    p.add_worker(b, 0.0)
+    p.admit([item(k, affinity="prefer", instance=InstanceId("a")) for k in range(4)], 0.0)
+    p.admit([item(k, affinity="prefer", instance=InstanceId("b")) for k in range(4, 8)], 0.0)
+    _start(a)
+    _start(b)
+    assert (len(a.in_flight), len(b.in_flight)) == (4, 4)
+    p.add_worker(c, 1.0)  # its share: 8 * 8/24 = 2, but every session stays put
+    assert not recalls.asked and c.is_idle
+
+
 async def test_without_tail_balancing_the_tail_stays_where_it_runs() -> None:
     """``b`` takes its share when it joins, runs it out, and then takes nothing more
     from ``a``'s three (with tail balancing it would take one)."""

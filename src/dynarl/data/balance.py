@@ -147,10 +147,6 @@ class Balancer:
             return
         edges = self.edges_of(w.component)
         exclude = self.rebalanced if tail else None
-        may_move = {
-            c.instance: functools.partial(movable, edges=edges, sticky=c, exclude=exclude)
-            for c in peers
-        }
         heap: list[tuple[int, InstanceId]] = []
         for c in peers:
             surplus = held[c.instance] - math.ceil(total * c.capacity / capacity)
@@ -158,21 +154,17 @@ class Balancer:
                 heap.append((-surplus, c.instance))
         heapq.heapify(heap)
         recalls: dict[InstanceId, list[ItemId]] = {}
-        in_flight: dict[InstanceId, Iterator[wire.Item]] = {
-            iid: (
-                item
-                for item in reversed(list(self.workers[iid].in_flight.values()))
-                if item.id not in self.recalled and may_move[iid](item)
-            )
-            for _, iid in heap
-        }
+        # Each donor's movable in-flight items, most recently dispatched first: made when
+        # the donor is first asked for one (most never are), by its own rule.
+        in_flight: dict[InstanceId, Iterator[wire.Item]] = {}
         while want > 0 and heap:
             neg, iid = heapq.heappop(heap)
             donor = self.workers[iid]
+            may_move = functools.partial(movable, edges=edges, sticky=donor, exclude=exclude)
             if (
-                self._take_queued(donor, w, may_move[iid], now)
+                self._take_queued(donor, w, may_move, now)
                 or self._redirect_one(coming.get(iid), w)
-                or self._recall_one(donor, w, in_flight, recalls)
+                or self._recall_one(donor, w, may_move, in_flight, recalls)
             ):
                 want -= 1
                 if neg < -1:
@@ -212,14 +204,24 @@ class Balancer:
         self,
         donor: WorkerState,
         w: WorkerState,
+        may_move: Callable[[wire.Item], bool],
         candidates: dict[InstanceId, Iterator[wire.Item]],
         recalls: dict[InstanceId, list[ItemId]],
     ) -> bool:
-        """Mark the next of ``donor``'s ``candidates`` (its movable in-flight items,
-        most recently dispatched first) for recall to ``w``; whether there was one."""
+        """Mark the next of ``donor``'s in-flight items that ``may_move`` (most recently
+        dispatched first; ``candidates`` keeps each donor's place) for recall to ``w``;
+        whether there was one."""
         if self.recall is None:
             return False
-        item = next(candidates[donor.instance], None)
+        found = candidates.get(donor.instance)
+        if found is None:
+            recalled = self.recalled
+            found = candidates[donor.instance] = (
+                item
+                for item in reversed(list(donor.in_flight.values()))
+                if item.id not in recalled and may_move(item)
+            )
+        item = next(found, None)
         if item is None:
             return False
         self.recalled[item.id] = (donor.instance, w.instance)
