@@ -9,7 +9,7 @@ import msgspec
 
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.run_dir import RunDirectory
-from dynarl.cli import resolve_config
+from dynarl.cli_sources import resolve_config
 from dynarl.control.predictor import usable_cores
 from dynarl.core.errors import ConfigError
 from dynarl.sim.controller_cpu import ControllerCost, controller_cost_of_run
