@@ -11,18 +11,55 @@ time on the virtual clock, after which the world creates workers for the new
 instances.
 """
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import Protocol
 
-from dynarl.control.plan import Migration
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.plan import Migration, MigrationKind
+from dynarl.core.clock import Clock
+from dynarl.core.ids import ComponentKind, InstanceId, ItemId
 
-if TYPE_CHECKING:
-    from dynarl.sim.world import SimWorld
+
+class MigratingWorld(Protocol):
+    """What the executor drives of the world that owns it (the
+    :class:`~dynarl.sim.world.SimWorld`)."""
+
+    @property
+    def graph(self) -> Hypergraph:
+        """The controller's hypergraph (read only)."""
+
+    @property
+    def clock(self) -> Clock:
+        """The controller's clock."""
+
+    def now(self) -> float:
+        """The world's time."""
+
+    def plan_moves(self, reassign: Iterable[tuple[ItemId, InstanceId]]) -> None:
+        """Where the drained instances' items go when next routed."""
+
+    def hold_workers(self, iids: Iterable[InstanceId], now: float) -> None:
+        """Route nothing more to ``iids``; their queued items go elsewhere."""
+
+    async def step_boundary(self) -> None:
+        """Return once no optimizer step runs."""
+
+    def release(self, iids: Iterable[InstanceId], now: float) -> None:
+        """Stop the workers of ``iids``; the items they held go elsewhere."""
+
+    def charge_migration(
+        self, kind: MigrationKind, src: ComponentKind | None, dst: ComponentKind | None
+    ) -> float:
+        """The move's time on the cost model, counted in the world's totals."""
+
+    def placement_changed(self) -> None:
+        """A migration ended: create workers for the new instances."""
 
 
 class SimExecutor:
     """The controller's :class:`~dynarl.control.controller.Executor` for ``world``."""
 
-    def __init__(self, world: "SimWorld") -> None:
+    def __init__(self, world: MigratingWorld) -> None:
         self.world = world
 
     async def execute(self, migration: Migration) -> float:
@@ -35,21 +72,14 @@ class SimExecutor:
         t0 = world.now()
         # Nothing more is routed to the drained engines; they finish what runs until
         # they are released (after the step boundary, for the trainer's migrations).
-        world.fleet.placement.plan(
-            (item, target) for item, target in migration.reassign if target in world.engines
-        )
-        world.inference.plan(migration.reassign)
+        world.plan_moves(migration.reassign)
         world.hold_workers(migration.drain, t0)
         if "actor" in (src, dst):
             await world.step_boundary()
         waited = world.now() - t0
         try:
             self.release(migration, world.now())
-            cost = world.cluster.migration.move_time_s(
-                migration.kind, src, dst, world.cluster.model
-            )
-            world.totals.migration_s += cost
-            await world.clock.sleep(cost)
+            await world.clock.sleep(world.charge_migration(migration.kind, src, dst))
         finally:
             world.placement_changed()
         return waited
@@ -57,10 +87,4 @@ class SimExecutor:
     def release(self, migration: Migration, now: float) -> None:
         """Drain the released instances: the items they held are routed elsewhere, as
         planned where the target can take them."""
-        world = self.world
-        for iid in migration.drain:
-            if iid in world.engines:
-                world.remove_engine(iid, now)
-            elif iid in world.inference.workers:
-                world.remove_replica(iid, now)
-        world.share_host(now)
+        self.world.release(migration.drain, now)

@@ -2,14 +2,10 @@
 records (throughput, busy device-seconds per component)."""
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from dynarl.obs.trace_records import Request
-
-if TYPE_CHECKING:
-    from dynarl.sim.world import SimWorld
 
 
 class WorldTotals(msgspec.Struct, kw_only=True):
@@ -27,14 +23,15 @@ class WorldTotals(msgspec.Struct, kw_only=True):
     preemptions: int = 0
     engine_tokens: int = 0
 
-    def snapshot(self, world: "SimWorld") -> dict[str, float]:
-        """The counters now, with busy device-seconds per component."""
+    def snapshot(self, *, busy_rollout: float, busy_inference: float) -> dict[str, float]:
+        """The counters now, with busy device-seconds per component (the rollout's and
+        inference's as their fleets count them now)."""
         return {
             "generated_tokens": float(self.generated_tokens),
             "requests_done": float(self.requests_done),
             "tool_calls": float(self.tool_calls),
-            "busy_rollout": world.rollout_busy_device_s(),
-            "busy_inference": world.inference.busy_device_s,
+            "busy_rollout": busy_rollout,
+            "busy_inference": busy_inference,
             "busy_actor": self.actor_device_s,
         }
 

@@ -41,9 +41,10 @@ import numpy as np
 
 from dynarl.control import events as ev
 from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.plan import MigrationKind
 from dynarl.control.topology import INFERENCE, TO_ACTOR, TO_INFERENCE
 from dynarl.core.clock import Clock
-from dynarl.core.ids import InstanceId, ItemId
+from dynarl.core.ids import ComponentKind, InstanceId, ItemId
 from dynarl.data.peers import RouterConfig, with_balance
 from dynarl.obs.trace_records import Request
 from dynarl.sim.actor import SimActor
@@ -146,7 +147,7 @@ class SimWorld:
 
     async def _iteration(self, iteration: int) -> None:
         start = self._now()
-        before = self.totals.snapshot(self)
+        before = self._snapshot()
         self.emit(ev.IterationStarted(iteration=iteration))
         requests = self.cluster.workload.generate(self.rng, iteration=iteration)
         self.actor.begin_iteration(iteration, [r.id for r in requests], self.cfg.run.seed)
@@ -177,7 +178,7 @@ class SimWorld:
         await self.clock.sleep(sync_s)
         end = self._now()
         self.emit(ev.IterationDone(iteration=iteration))
-        after = self.totals.snapshot(self)
+        after = self._snapshot()
         self.iterations.append(
             IterationRecord.between(
                 iteration=iteration,
@@ -228,6 +229,12 @@ class SimWorld:
         if report_all:
             self._next_stats_s = now + self.run_config.sim.stats_period_s
         self.fleet.report(now, all_engines=report_all)
+
+    def _snapshot(self) -> dict[str, float]:
+        return self.totals.snapshot(
+            busy_rollout=self.rollout_busy_device_s(),
+            busy_inference=self.inference.busy_device_s,
+        )
 
     def _sync_instances(self, now: float) -> None:
         """Create modelled workers for instances a migration started."""
@@ -310,6 +317,32 @@ class SimWorld:
         """A migration ended: create workers for new instances and wake the loop."""
         self._dirty = True
         self._wake.set()
+
+    def plan_moves(self, reassign: Iterable[tuple[ItemId, InstanceId]]) -> None:
+        """A migration's plan of where the drained instances' items go when next routed
+        (each placement takes those it routes)."""
+        moves = list(reassign)
+        self.fleet.placement.plan((item, dst) for item, dst in moves if dst in self.engines)
+        self.inference.plan(moves)
+
+    def release(self, iids: Iterable[InstanceId], now: float) -> None:
+        """Stop the engines and inference replicas of ``iids`` a migration drains; the
+        items they held are routed elsewhere, as planned where the target can take
+        them."""
+        for iid in iids:
+            if iid in self.engines:
+                self.remove_engine(iid, now)
+            elif iid in self.inference.workers:
+                self.remove_replica(iid, now)
+        self.share_host(now)
+
+    def charge_migration(
+        self, kind: MigrationKind, src: ComponentKind | None, dst: ComponentKind | None
+    ) -> float:
+        """A move's time on the cluster's cost model, counted in :attr:`totals`."""
+        cost = self.cluster.migration.move_time_s(kind, src, dst, self.cluster.model)
+        self.totals.migration_s += cost
+        return cost
 
     def hold_workers(self, iids: Iterable[InstanceId], now: float) -> None:
         """Route nothing more to those of ``iids`` that are engines or inference
