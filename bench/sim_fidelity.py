@@ -67,7 +67,8 @@ from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.sim.cluster import trace_workload
 from dynarl.sim.config import SimConfig, SimulatedRun, simulated_run
 from dynarl.sim.controller_cpu import ControllerCost, fit_controller_cost
-from dynarl.sim.cpu_profile import CPU_1T, CpuProfile, cpu_cluster
+from dynarl.sim.cpu_device import CPU_1T, CpuProfile
+from dynarl.sim.cpu_profile import cpu_cluster
 from dynarl.sim.profile_file import (
     MEASURED,
     PROFILE_VERSION,

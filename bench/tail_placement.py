@@ -38,7 +38,7 @@ from dynarl.control import events as ev
 from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.data.balance import Balancer
 from dynarl.data.routing import AffinityRouting
-from dynarl.sim.cluster import ClusterModel
+from dynarl.sim.cluster_build import build_cluster
 from dynarl.sim.config import SimulatedRun, simulated_run
 from dynarl.sim.run import simulate
 
@@ -48,7 +48,7 @@ ROLLOUT_EDGE = "prompts"
 def longest_ids(run: SimulatedRun, iterations: int) -> set[str]:
     """The ids of each iteration's requests of its longest length (the workload's own
     draws: the simulator generates the same, from the run's seed)."""
-    cluster = ClusterModel.from_config(run)
+    cluster = build_cluster(run)
     rng = np.random.default_rng(run.job.run.seed)
     ids: set[str] = set()
     for it in range(iterations):
@@ -110,7 +110,7 @@ def run_one(row: str, share: float, iterations: int) -> dict[str, Any]:
         num_iterations=iterations,
     )
     run = simulated_run(cfg, [f"run.seed={cfg.job.run.seed}"])
-    num_engines = int(devices) // ClusterModel.from_config(run).engine.tp
+    num_engines = int(devices) // build_cluster(run).engine.tp
     e_c = round(share * num_engines)
     long_ids = longest_ids(run, iterations)
     log: list[ev.Event] = []

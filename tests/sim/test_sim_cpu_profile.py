@@ -10,8 +10,10 @@ from recipes import e2e_cpu
 from dynarl.api.config import DynaRLConfig
 from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.sim.cluster import ClusterModel
+from dynarl.sim.cluster_build import build_cluster
 from dynarl.sim.config import SimConfig, SimulatedRun, simulated_run
-from dynarl.sim.cpu_profile import CPU_1T, cpu_cluster, replay_workload
+from dynarl.sim.cpu_device import CPU_1T
+from dynarl.sim.cpu_profile import cpu_cluster, replay_workload
 from dynarl.sim.errors import SimError
 from dynarl.sim.run import ModeResult, simulate
 
@@ -41,11 +43,11 @@ def _run(cfg: SimulatedRun, cluster: ClusterModel | None = None) -> ModeResult:
 
 
 def test_the_recipe_selects_the_cpu_profile() -> None:
-    cluster = ClusterModel.from_config(cpu_run(e2e_cpu()))
+    cluster = build_cluster(cpu_run(e2e_cpu()))
     assert cluster.gpu.name == CPU_1T.name
     assert cluster.train_after_rollout and cluster.padded_batches
     completion = cpu_run(e2e_cpu(), "algorithm.minibatch_order=completion")
-    assert not ClusterModel.from_config(completion).train_after_rollout
+    assert not build_cluster(completion).train_after_rollout
     a, b = cluster.engine.step_coefficients()
     assert a == pytest.approx(CPU_1T.decode_step_s + CPU_1T.step_dispatch_s)
     assert b == pytest.approx(CPU_1T.decode_per_context_token_s)
@@ -94,7 +96,7 @@ def test_a_replay_generates_the_recorded_lengths_and_training_waits_for_it() -> 
 def test_the_cpu_profile_refuses_a_workload_its_workers_do_not_run() -> None:
     cfg = cpu_run(e2e_cpu(), "sim.workload=agentic")
     with pytest.raises(SimError, match=r"sim\.workload=.agentic"):
-        ClusterModel.from_config(cfg)
+        build_cluster(cfg)
 
 
 def test_the_reference_engine_costs_reach_the_engine_model() -> None:
@@ -109,7 +111,7 @@ def test_the_reference_engine_costs_reach_the_engine_model() -> None:
     assert engine.prefill_overhead_s == pytest.approx(CPU_1T.prefill_overhead_s + 3e-4)
     assert engine.padded_kv
     assert (engine.join_per_held_token_s, engine.leave_per_held_token_s) == (1e-7, 2e-7)
-    gpu = ClusterModel.from_config(SimulatedRun()).engine
+    gpu = build_cluster(SimulatedRun()).engine
     assert not gpu.padded_kv
     assert gpu.join_per_held_token_s == gpu.leave_per_held_token_s == 0.0
 

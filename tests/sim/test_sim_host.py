@@ -15,8 +15,10 @@ from dynarl.core.ids import GroupId, InstanceId, ItemId
 from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.sim import H100, EngineConfig, Job, SimEngine, model
 from dynarl.sim.cluster import ClusterModel, host_slowdown
+from dynarl.sim.cluster_build import build_cluster
 from dynarl.sim.config import SimConfig, SimulatedRun, simulated_run
-from dynarl.sim.cpu_profile import CPU_1T, cpu_cluster, replay_workload
+from dynarl.sim.cpu_device import CPU_1T
+from dynarl.sim.cpu_profile import cpu_cluster, replay_workload
 from dynarl.sim.errors import SimError
 from dynarl.sim.host import HostSharing
 from dynarl.sim.profile_file import ProfileFile, measured_profile, read_profile
@@ -66,7 +68,7 @@ def test_the_predictor_gets_the_curve_a_real_run_gets_on_the_hosts_cores() -> No
     assert curve(1) == (1.0, 2.0)
     assert curve(0) == (1.0, 2.5)  # cores not recorded: the measured curve
     gpu = simulated_run({}, ["sim.gpu=H100", "run.num_iterations=1"])
-    assert host_slowdown(ClusterModel.from_config(gpu), 4) == ()
+    assert host_slowdown(build_cluster(gpu), 4) == ()
 
 
 @pytest.mark.parametrize(
@@ -173,7 +175,7 @@ def test_a_profile_without_the_curve_keeps_devices_independent() -> None:
     flat = _run(*_colocated((1.0, 1.0)))
     assert _run(cfg, cluster).mean_iteration_s == pytest.approx(flat.mean_iteration_s, rel=1e-9)
     gpu = simulated_run({}, ["sim.gpu=H100", "run.num_iterations=1"])
-    assert ClusterModel.from_config(gpu).host is None
+    assert build_cluster(gpu).host is None
 
 
 _VERSION_3 = ("step_dispatch_s", "join_per_held_token_s", "leave_per_held_token_s")

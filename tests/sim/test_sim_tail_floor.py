@@ -9,6 +9,7 @@ from dynarl.core.ids import GroupId, ItemId
 from dynarl.obs.trace_records import Request
 from dynarl.sim.bound import work_conserving_bound
 from dynarl.sim.cluster import ClusterModel, decode_alone_s
+from dynarl.sim.cluster_build import build_cluster
 from dynarl.sim.config import simulated_run
 from dynarl.sim.tail_floor import last_step_s, tail_floor_s
 
@@ -37,7 +38,7 @@ def cluster() -> ClusterModel:
             "algorithm.n_minibatches=4",
         ],
     )
-    return ClusterModel.from_config(run)
+    return build_cluster(run)
 
 
 def test_one_longest_request_costs_its_decode_alone(cluster: ClusterModel) -> None:

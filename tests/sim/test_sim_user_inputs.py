@@ -13,8 +13,10 @@ from dynarl.cli import main
 from dynarl.core.errors import ConfigError
 from dynarl.core.ids import GroupId, ItemId
 from dynarl.sim import Request, SimError, write_trace
+from dynarl.sim.cluster_build import build_cluster
 from dynarl.sim.config import simulated_run
-from dynarl.sim.cpu_profile import CPU_1T, cpu_profile
+from dynarl.sim.cpu_device import CPU_1T
+from dynarl.sim.cpu_profile import cpu_profile
 from dynarl.sim.lengths import Histogram, Lognormal, Mixture
 from dynarl.sim.profile_file import PROFILE_VERSION, ProfileFile, read_profile, write_profile
 from dynarl.sim.replay import ReplayWorkload
@@ -117,10 +119,9 @@ def test_dynarl_sim_replays_a_hand_written_trace(
 def test_a_trace_that_disagrees_with_the_job_is_refused(tmp_path: Path) -> None:
     trace = _trace(tmp_path / "trace.jsonl")
     run = simulated_run({}, [f"sim.trace={trace}", "sim.gpu=cpu-1t"])
-    from dynarl.sim.cluster import ClusterModel
 
     with pytest.raises(SimError, match=r"set algorithm\.num_prompts=2 algorithm\.group_size=4"):
-        ClusterModel.from_config(run)
+        build_cluster(run)
     requests = [
         Request(id=ItemId("a"), group=GroupId("g"), prompt_tokens=4, output_tokens=(3,)),
         Request(id=ItemId("b"), group=GroupId("g"), prompt_tokens=4, output_tokens=(3,)),
@@ -175,7 +176,6 @@ def test_a_bad_profile_file_is_refused_with_the_fix(
         cpu_profile(str(tmp_path / "absent.json"))
     other = _profile(tmp_path / "other.json")
     run = simulated_run({}, [f"sim.gpu={other}", "model.hidden_size=128"])
-    from dynarl.sim.cluster import ClusterModel
 
     with pytest.raises(SimError, match="measured on the model"):
-        ClusterModel.from_config(run)
+        build_cluster(run)

@@ -19,7 +19,7 @@ from dynarl.core.ids import GroupId, InstanceId, ItemId
 from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.obs.timeline import Interval, TimelineRecorder, read_timeline, write_timeline
 from dynarl.sim.actor import SimActor
-from dynarl.sim.cluster import ClusterModel
+from dynarl.sim.cluster_build import build_cluster
 from dynarl.sim.config import SimulatedRun, simulated_run
 from dynarl.sim.metrics import WorldTotals
 from dynarl.sim.run import ModeResult, simulate
@@ -333,7 +333,7 @@ def test_a_held_trainer_starts_no_step_until_the_hold_lifts() -> None:
         graph,
         emitted.append,
         cfg.job.algorithm,
-        cluster=ClusterModel.from_config(cfg),
+        cluster=build_cluster(cfg),
         tokens=lambda item: 1000,
         totals=WorldTotals(),
     )

@@ -59,15 +59,13 @@ class ClusterModel(msgspec.Struct, frozen=True, kw_only=True):
     host: HostSharing | None = None
 
     @classmethod
-    def from_config(cls, run: SimulatedRun) -> "ClusterModel":
-        """Build every model from ``run`` (its ``sim`` section and the job's component
-        sections: parallel sizes, batch caps, batch shape, length cap)."""
-        from dynarl.sim.cpu_profile import cpu_cluster, cpu_profile
-
+    def for_gpu(cls, run: SimulatedRun) -> "ClusterModel":
+        """Build every model from ``run`` on its GPU (``sim.gpu``, a built-in GPU
+        profile; :func:`~dynarl.sim.cluster_build.build_cluster` also takes CPU
+        profiles): its ``sim`` section and the job's component sections (parallel
+        sizes, batch caps, batch shape, length cap)."""
         cfg, sim, algo = run.job, run.sim, run.job.algorithm
         replay = None if sim.trace is None else trace_workload(run)
-        if cpu_profile(sim.gpu) is not None:
-            return cpu_cluster(run, workload=replay)
         device, shape = gpu(sim.gpu), model(sim.model)
         workload: MathWorkload | AgenticWorkload | ReplayWorkload
         if replay is not None:

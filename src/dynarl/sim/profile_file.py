@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from dynarl.sim.controller_cpu import ControllerCost
-from dynarl.sim.cpu_profile import CPU_1T, CpuProfile
+from dynarl.sim.cpu_device import CPU_1T, CpuProfile
 from dynarl.sim.errors import SimError
 from dynarl.workers.config import ModelConfig
 

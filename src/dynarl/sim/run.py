@@ -29,6 +29,7 @@ from dynarl.core.virtual_time import VirtualClock, VirtualTimeLoop
 from dynarl.obs.timeline import TimelineRecorder
 from dynarl.sim.bound import work_conserving_bound
 from dynarl.sim.cluster import ClusterModel, host_slowdown, sim_profile
+from dynarl.sim.cluster_build import build_cluster
 from dynarl.sim.config import SimulatedRun
 from dynarl.sim.errors import SimError
 from dynarl.sim.faults import SimFaults
@@ -120,7 +121,7 @@ async def simulate(
     clock = VirtualClock(_require_virtual_time())
     cfg = run.job
     graph, baseline = build_hypergraph(cfg.pipeline_layout(), now_s=clock.now())
-    cluster = cluster or ClusterModel.from_config(run)
+    cluster = cluster or build_cluster(run)
     # A "profiling run" on other prompts than the measured ones.
     sample = cluster.workload.generate(np.random.default_rng(cfg.run.seed + 1_000_003))
     profile = sim_profile(cluster, sample, cfg.cluster.num_devices)

@@ -50,6 +50,7 @@ from dynarl.obs.trace_records import Request
 from dynarl.sim.actor import SimActor
 from dynarl.sim.alarm import Alarm
 from dynarl.sim.cluster import ClusterModel
+from dynarl.sim.cluster_build import build_cluster
 from dynarl.sim.config import SimulatedRun
 from dynarl.sim.errors import SimError
 from dynarl.sim.executor import SimExecutor
@@ -90,7 +91,7 @@ class SimWorld:
         self.clock = clock
         self.run_config = run
         cfg = self.cfg = run.job
-        self.cluster = cluster or ClusterModel.from_config(run)
+        self.cluster = cluster or build_cluster(run)
         self.max_iteration_s = max_iteration_s
         self.rng = np.random.default_rng(cfg.run.seed)
         self.seqs: dict[ItemId, SeqProgress] = {}
