@@ -282,8 +282,10 @@ class Hypergraph:
             raise EventError(f"{e.item!r} routed to {e.instance!r} but {item.owner!r} holds it")
         if node.component not in edge.spec.consumers:
             raise EventError(f"{e.instance!r} does not consume edge {edge.id!r}")
-        if node.state != "active":
-            raise EventError(f"item {e.item!r} routed to draining instance {e.instance!r}")
+        # A draining instance may still be routed to: the data plane hears of a drain
+        # after the controller commits it (the executor carries it out), and an item it
+        # routes meanwhile is on that instance until the drain hands it back
+        # (``ItemsRequeued``) or the migration ends (then it is requeued here).
         del edge.queue[e.item]
         item.owner = item.last_instance = e.instance
         if not node.items:
