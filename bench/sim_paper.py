@@ -11,7 +11,9 @@ KV reads, then the last minibatch -- the longest groups -- on every device; see
 ``dynarl.sim.tail_floor``) and the scheduler's online overhead (wall-clock
 seconds deciding over simulated seconds); then dynamic's speedup over the better
 static mode beside the reference system's range, and on how many seeds dynamic is
-ahead. ``--reference-baselines`` also runs the static modes as the reference system's
+ahead. The last column is the wall-clock seconds one simulation of the mode took (the mean
+over the seeds; JSON ``wall_s``): where the table's own run time goes.
+``--reference-baselines`` also runs the static modes as the reference system's
 baselines run, without request-level balancing (``rollout.balance=none``: no engine
 takes a share of another's requests), as modes named ``static-colocated/none`` and so
 on, and prints dynamic's speedup over the better of those (JSON:
@@ -120,7 +122,8 @@ def main() -> None:
     futures = {job: pool.submit(_job, job) for job in jobs}
     header = (
         f"{'setting':<16} {'mode':<26} {'throughput':>12} {'iter s':>8} {'spread s':>13} "
-        f"{'lower s':>8} {'gap':>6} {'floor s':>8} {'gap':>6} {'migr':>5} {'overhead':>9}"
+        f"{'lower s':>8} {'gap':>6} {'floor s':>8} {'gap':>6} {'migr':>5} {'overhead':>9} "
+        f"{'wall s':>7}"
     )
     print(header, flush=True)
     rows = []
@@ -142,7 +145,8 @@ def main() -> None:
                 f"{f'{lo:.1f}-{hi:.1f}':>13} {lower:>8.1f} {mean_s[m] / lower - 1:>6.0%} "
                 f"{floor:>8.1f} {mean_s[m] / floor - 1:>6.0%} "
                 f"{statistics.fmean(r.num_migrations for r in rs):>5.0f} "
-                f"{statistics.fmean(r.overhead for r in rs):>9.2%}"
+                f"{statistics.fmean(r.overhead for r in rs):>9.2%} "
+                f"{statistics.fmean(r.wall_s for r in rs):>7.1f}"
             )
 
         per_seed = [
@@ -202,6 +206,9 @@ def main() -> None:
                 "speedup_per_seed": [round(x, 3) for x in per_seed],
                 "overhead": {
                     m: round(statistics.fmean(r.overhead for r in rs), 5) for m, rs in runs.items()
+                },
+                "wall_s": {
+                    m: round(statistics.fmean(r.wall_s for r in rs), 2) for m, rs in runs.items()
                 },
                 "reference": REFERENCE[(w, s)],
                 **unbalanced,

@@ -358,16 +358,19 @@ def test_dynamic_is_never_worse_than_the_better_static_mode_on_the_agentic_setti
     """On the reference agentic settings (64 devices) dynamic, with and without
     priority ordering, is at least as fast as the better static mode within 5%: with
     sessions sticky to their KV prefix the rollout is throughput-bound, so there is
-    little to reclaim, but nothing may be lost either."""
+    little to reclaim, but nothing may be lost either. The better static mode is
+    colocated: static-disaggregated takes 1.4-2.3x its time on every seed of these rows
+    (`bench/sim_paper.py`, which runs it), and simulating it here would cost CI a
+    minute for a comparison that cannot decide the test."""
     from recipes.paper import paper_setting
 
     results = {}
-    for mode in ("dynamic", "dynamic+priority", "static-colocated", "static-disaggregated"):
+    for mode in ("dynamic", "dynamic+priority", "static-colocated"):
         base, _, extra = mode.partition("+")
         cfg = paper_setting("agentic", size, 64, mode=base, num_iterations=2)
         if extra:
             cfg = simulated_run(cfg, ["sim.request_order=priority"])
         results[mode] = run(cfg, check=False)[0]
-    best = max(results["static-colocated"].throughput, results["static-disaggregated"].throughput)
+    best = results["static-colocated"].throughput
     assert results["dynamic"].throughput >= 0.95 * best
     assert results["dynamic+priority"].throughput >= 0.95 * best
