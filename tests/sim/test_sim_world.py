@@ -360,8 +360,8 @@ def test_dynamic_is_never_worse_than_the_better_static_mode_on_the_agentic_setti
     sessions sticky to their KV prefix the rollout is throughput-bound, so there is
     little to reclaim, but nothing may be lost either. The better static mode is
     colocated: static-disaggregated takes 1.4-2.3x its time on every seed of these rows
-    (`bench/sim_paper.py`, which runs it), and simulating it here would cost CI a
-    minute for a comparison that cannot decide the test."""
+    (`bench/sim_paper.py`, which runs it), and simulating it here would cost CI
+    about half a minute for a comparison that cannot decide the test."""
     from recipes.paper import paper_setting
 
     results = {}
