@@ -24,7 +24,7 @@ from dynarl.data.worker_link import WorkerLink
 from dynarl.workers.errors import BadRequestError
 from dynarl.workers.inference import InferenceEngine, LogprobRequest, LogprobResult
 from dynarl.workers.rollout import GenerateRequest, RolloutEngine
-from dynarl.workers.sinks import ItemSink
+from dynarl.workers.sinks import EachSink, ItemSink
 
 _ENCODER = msgspec.msgpack.Encoder()
 _GENERATE = msgspec.msgpack.Decoder(GenerateRequest)
@@ -52,11 +52,15 @@ async def feed_rollout(
 
 
 async def _requests(engine: RolloutEngine, link: WorkerLink) -> None:
+    """Submit each batch of items the router sends in one call: a submission takes
+    the engine's lock between two steps, so items submitted one at a time would enter
+    one per step, and a batch of them would decode far below the engine's width."""
     while True:
         try:
             items = await link.receive()
         except PeerLostError:
             return
+        batch: list[tuple[GenerateRequest, ItemSink]] = []
         for item in items:
             try:
                 request = _GENERATE.decode(item.payload)
@@ -65,13 +69,32 @@ async def _requests(engine: RolloutEngine, link: WorkerLink) -> None:
                 continue
             request = msgspec.structs.replace(request, request_id=item.id)
             sink = ItemSink(link, item, len(request.output_ids), multi_turn=request.multi_turn)
-            try:
-                await engine.submit([request], sink)
-            except BadRequestError as e:
-                link.complete(refused(item.id, e))
-                continue
-            if link.abort_requested(item.id):  # asked back while it was on its way
-                await engine.abort([item.id])
+            batch.append((request, sink))
+        submitted = await _submit(engine, link, batch)
+        asked_back = [rid for rid in submitted if link.abort_requested(ItemId(rid))]
+        if asked_back:  # asked back while they were on their way
+            await engine.abort(asked_back)
+
+
+async def _submit(
+    engine: RolloutEngine, link: WorkerLink, batch: list[tuple[GenerateRequest, ItemSink]]
+) -> list[str]:
+    """Submit ``batch`` in one call; if the engine refuses it (all or none), each
+    request alone, so one bad request does not take the others down with it. Returns
+    the ids of the requests the engine took."""
+    if not batch:
+        return []
+    try:
+        await engine.submit(
+            [request for request, _ in batch],
+            EachSink({request.request_id: sink for request, sink in batch}),
+        )
+    except BadRequestError as e:
+        if len(batch) == 1:
+            link.complete(refused(ItemId(batch[0][0].request_id), e))
+            return []
+        return [rid for one in batch for rid in await _submit(engine, link, [one])]
+    return [request.request_id for request, _ in batch]
 
 
 async def _aborts(engine: RolloutEngine, link: WorkerLink) -> None:

@@ -3,17 +3,18 @@
 (:class:`ItemSink`: completed with the :class:`~dynarl.workers.rollout.Completion` as its
 payload — a multi-turn episode's turn goes to its environment instead — or handed back
 ``aborted`` with the partial request as its payload, which
-another engine resumes). Both implement :class:`~dynarl.workers.rollout.RequestSink`.
+another engine resumes). Both implement :class:`~dynarl.workers.rollout.RequestSink`;
+:class:`EachSink` submits many requests in one call, each with a sink of its own.
 """
 
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 import msgspec
 
 from dynarl.data import wire
 from dynarl.data.worker_link import WorkerLink
 from dynarl.workers.protocol import Failed, Generated
-from dynarl.workers.rollout import Completion, GenerateRequest
+from dynarl.workers.rollout import Completion, GenerateRequest, RequestSink
 
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -123,3 +124,42 @@ class ItemSink:
                 prefix_tokens=self._item.prefix_tokens,
             )
         )
+
+
+class EachSink:
+    """The requests of one submission, each with its own sink: every outcome goes to
+    its request's sink, by request id. An engine is then handed a whole batch of items
+    in one ``submit`` (one turn of its lock) rather than one item per engine step.
+
+    Args:
+        sinks: each request's sink, by request id.
+    """
+
+    def __init__(self, sinks: Mapping[str, RequestSink]) -> None:
+        self._sinks = dict(sinks)
+        self._touched: dict[int, RequestSink] = {}
+
+    def done(self, completion: Completion) -> None:
+        """Hand ``completion`` to its request's sink."""
+        self._settle(completion.request_id).done(completion)
+
+    def aborted(self, request: GenerateRequest) -> None:
+        """Hand ``request`` back through its own sink."""
+        self._settle(request.request_id).aborted(request)
+
+    async def flush(self) -> None:
+        """Flush the sinks that heard of an outcome since the last flush."""
+        touched, self._touched = self._touched, {}
+        for sink in touched.values():
+            await sink.flush()
+
+    async def fail(self, error: Exception) -> None:
+        """Fail every request whose outcome is still to come."""
+        left, self._sinks = self._sinks, {}
+        for sink in {id(s): s for s in left.values()}.values():
+            await sink.fail(error)
+
+    def _settle(self, request_id: str) -> RequestSink:
+        sink = self._sinks.pop(request_id)
+        self._touched[id(sink)] = sink
+        return sink

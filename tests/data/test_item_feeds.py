@@ -1,0 +1,103 @@
+"""A rollout slot hands its engine each batch of items the router sends in one
+submission (items submitted one at a time entered the torch engine one per step, so a
+batch decoded far below the engine's width), and one request the engine refuses does
+not take the rest of its batch down with it."""
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import msgspec
+import pytest
+
+pytest.importorskip("torch")
+
+from dynarl.core.ids import EdgeId, GroupId, ItemId
+from dynarl.data import Item, WorkerLink
+from dynarl.workers import backends
+from dynarl.workers.config import ModelConfig, RolloutConfig
+from dynarl.workers.item_feeds import feed_rollout
+from dynarl.workers.protocol import RolloutRole
+from dynarl.workers.rollout import GenerateRequest, RequestSink, RolloutEngine, SamplingParams
+
+from .helpers import PROMPTS, Net, cluster
+
+MAX_SEQ_LEN = 64
+
+
+class Submissions:
+    """The real engine, recording how many requests each ``submit`` carried."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+        self.sizes: list[int] = []
+
+    async def submit(self, requests: Sequence[GenerateRequest], sink: RequestSink) -> None:
+        self.sizes.append(len(requests))
+        await self.engine.submit(requests, sink)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)
+
+
+def _item(i: int, prompt_len: int = 4) -> Item:
+    request = GenerateRequest(
+        request_id="set by the slot",
+        prompt_ids=(2,) + (5,) * (prompt_len - 1),
+        sampling=SamplingParams(max_new_tokens=3, ignore_eos=True, seed=i),
+    )
+    return Item(
+        id=ItemId(f"r{i}"),
+        group=GroupId("g"),
+        edge=EdgeId(PROMPTS),
+        payload=msgspec.msgpack.encode(request),
+    )
+
+
+def _engine() -> Submissions:
+    section = RolloutConfig(max_running_requests=16)
+    role = RolloutRole(model=ModelConfig(max_seq_len=MAX_SEQ_LEN), rollout=section)
+    built = backends.rollout_backend(section).build_rollout(role, name="t", num_threads=1)
+    return Submissions(built)
+
+
+async def _serve(engine: Submissions, link: WorkerLink) -> None:
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(engine.engine.run)
+        await feed_rollout(
+            engine,  # type: ignore[arg-type]  # the engine, recording its submissions
+            link,
+            instance=link.instance,
+            stats_interval_s=60.0,
+            reporting=lambda: False,
+        )
+        tg.cancel_scope.cancel()
+
+
+async def test_a_batch_of_items_enters_the_engine_in_one_submission(tmp_path: Path) -> None:
+    engine = _engine()
+    net = Net("inproc", tmp_path)
+    async with cluster(net, [], all_instances=["rollout-0"]) as c:
+        c.add_worker("rollout-0", capacity=32, serve=lambda link: _serve(engine, link))
+        await c.router.wait_for_instances(1)
+        await c.router.submit([_item(i) for i in range(12)])
+        results = await c.collect(12)
+    await net.aclose()
+    assert sorted(r.result.status for r in results) == ["done"] * 12
+    assert engine.sizes == [12]
+
+
+async def test_a_refused_request_leaves_the_rest_of_its_batch_served(tmp_path: Path) -> None:
+    engine = _engine()
+    net = Net("inproc", tmp_path)
+    async with cluster(net, [], all_instances=["rollout-0"]) as c:
+        c.add_worker("rollout-0", capacity=32, serve=lambda link: _serve(engine, link))
+        await c.router.wait_for_instances(1)
+        # r1's prompt fills the context: no room for a token, the engine refuses it
+        items = [_item(0), _item(1, prompt_len=MAX_SEQ_LEN), _item(2)]
+        await c.router.submit(items)
+        results = await c.collect(3)
+    await net.aclose()
+    status = {r.result.item: r.result.status for r in results}
+    assert status == {"r0": "done", "r1": "refused", "r2": "done"}
+    assert engine.sizes == [3, 1, 1, 1]  # refused as a batch, then each alone
