@@ -11,6 +11,8 @@ from dynarl.control.topology import PROMPTS, ROLLOUT
 from dynarl.core.clock import ManualClock
 from dynarl.core.ids import InstanceId, ItemId
 from dynarl.data import wire
+from dynarl.data.balance import Balancer
+from dynarl.data.in_flight import InFlight
 from dynarl.data.peers import RouterConfig, WorkerState, with_balance
 from dynarl.data.placement import Placement
 from dynarl.data.request_order import FifoOrder
@@ -37,7 +39,7 @@ def _worker(name: str, capacity: int) -> WorkerState:
 def _start(w: WorkerState) -> None:
     """What the router's pump does: move queued items in flight, up to capacity."""
     for it in w.queue.get_batch_nowait(w.capacity - len(w.in_flight)):
-        w.in_flight[it.id] = it
+        w.in_flight.add(it)
 
 
 def _placement(events: list[ev.Event]) -> Placement:
@@ -287,6 +289,47 @@ async def test_each_donor_keeps_the_sessions_whose_prefix_it_holds() -> None:
     assert (len(a.in_flight), len(b.in_flight)) == (4, 4)
     p.add_worker(c, 1.0)  # its share: 8 * 8/24 = 2, but every session stays put
     assert not recalls.asked and c.is_idle
+
+
+async def test_a_donor_found_with_nothing_to_give_is_asked_again_once_it_holds_more() -> None:
+    """The balancer remembers that a donor had nothing it could take and scans its
+    in-flight items again only once one is added there: ``a`` holds only requests
+    moved for balance before (the tail takes none of them again), then a fresh one,
+    which ``b``, below its share, then takes."""
+    a, b = _worker("a", 8), _worker("b", 8)
+    asked: list[tuple[InstanceId, tuple[ItemId, ...]]] = []
+    balancer = Balancer(
+        workers={a.instance: a, b.instance: b},
+        planned={},
+        edges_of=lambda component: {PROMPTS},
+        move=lambda it, w, now: None,
+        recall=lambda w, items, now: asked.append((w.instance, items)),
+    )
+    for k in range(4):
+        a.in_flight.add(item(k))
+        balancer.rebalanced.add(ItemId(f"i{k}"))
+    balancer.balance_for(b, 1.0, tail=True)  # share 2 of 4, but each moved once already
+    assert asked == []
+    balancer.balance_for(b, 1.5, tail=True)  # nothing came in: still nothing (remembered)
+    assert asked == []
+    a.in_flight.add(item(4))
+    balancer.balance_for(b, 2.0, tail=True)
+    assert asked == [(InstanceId("a"), (ItemId("i4"),))]
+
+
+def test_in_flight_counts_the_items_its_worker_does_not_pin() -> None:
+    held = InFlight(InstanceId("a"))
+    held.add(item(0))
+    held.add(item(1, affinity="prefer", instance=InstanceId("a")))  # a holds its prefix
+    held.add(item(2, affinity="must", instance=InstanceId("b")))
+    held.add(item(3, affinity="prefer", instance=InstanceId("b")))
+    assert (len(held), held.num_unpinned, held.num_added) == (4, 2, 4)
+    held.add(item(0))  # the same id again replaces it
+    assert (len(held), held.num_unpinned, held.num_added) == (4, 2, 5)
+    assert held.pop(ItemId("i3")) is not None and held.pop(ItemId("i3")) is None
+    assert held.num_unpinned == 1 and list(held) == ["i1", "i2", "i0"]  # dispatch order
+    held.clear()
+    assert (len(held), held.num_unpinned) == (0, 0)
 
 
 async def test_without_tail_balancing_the_tail_stays_where_it_runs() -> None:

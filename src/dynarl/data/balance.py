@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from dynarl.core.ids import ComponentId, EdgeId, InstanceId, ItemId
 from dynarl.data import wire
+from dynarl.data.in_flight import pinned_to
 from dynarl.data.peers import WorkerState
 
 
@@ -32,7 +33,7 @@ def movable(
     return (
         item.affinity != "must"
         and item.edge in edges
-        and (sticky is None or item.instance != sticky.instance)
+        and (sticky is None or not pinned_to(item, sticky.instance))
         and (exclude is None or item.id not in exclude)
     )
 
@@ -83,9 +84,15 @@ class Balancer:
         self.rebalanced: set[ItemId] = set()
         """Pending items moved by :meth:`balance_for` (a balance of the tail takes none
         of them: a request is re-prefilled for balance at most once)."""
+        self._exhausted: dict[tuple[InstanceId, bool], int] = {}
+        # (donor, tail) -> the donor's InFlight.num_added when a scan of its in-flight
+        # items found none to recall. Until an item is added there, none can be found:
+        # an item stops being recalled or rebalanced only as its result comes back
+        # (it leaves the donor) or as a worker leaves (forget_worker clears this).
 
     def forget_worker(self, instance: InstanceId) -> None:
         """``instance`` left: forget the recalls from it and for it."""
+        self._exhausted.clear()
         if self.recalled:
             for item in [i for i, (src, dst) in self.recalled.items() if instance in (src, dst)]:
                 del self.recalled[item]
@@ -164,7 +171,7 @@ class Balancer:
             if (
                 self._take_queued(donor, w, may_move, now)
                 or self._redirect_one(coming.get(iid), w)
-                or self._recall_one(donor, w, may_move, in_flight, recalls)
+                or self._recall_one(donor, w, may_move, in_flight, recalls, tail=tail)
             ):
                 want -= 1
                 if neg < -1:
@@ -207,12 +214,20 @@ class Balancer:
         may_move: Callable[[wire.Item], bool],
         candidates: dict[InstanceId, Iterator[wire.Item]],
         recalls: dict[InstanceId, list[ItemId]],
+        *,
+        tail: bool,
     ) -> bool:
         """Mark the next of ``donor``'s in-flight items that ``may_move`` (most recently
         dispatched first; ``candidates`` keeps each donor's place) for recall to ``w``;
         whether there was one."""
-        if self.recall is None:
-            return False
+        held = donor.in_flight
+        key = (donor.instance, tail)
+        if (
+            self.recall is None
+            or not held.num_unpinned
+            or self._exhausted.get(key) == held.num_added
+        ):
+            return False  # it pins all it holds, or nothing came in since a scan found none
         found = candidates.get(donor.instance)
         if found is None:
             recalled = self.recalled
@@ -223,6 +238,7 @@ class Balancer:
             )
         item = next(found, None)
         if item is None:
+            self._exhausted[key] = held.num_added
             return False
         self.recalled[item.id] = (donor.instance, w.instance)
         self.planned[item.id] = w.instance

@@ -11,9 +11,10 @@ import anyio
 import msgspec
 
 from dynarl.core.clock import Clock
-from dynarl.core.ids import ComponentId, InstanceId, ItemId
+from dynarl.core.ids import ComponentId, InstanceId
 from dynarl.data import wire
 from dynarl.data.codec import DEFAULT_MAX_FRAME_BYTES
+from dynarl.data.in_flight import InFlight
 from dynarl.data.request_order import RequestOrder
 from dynarl.data.request_queue import DEFAULT_AGING, AgingBound, QueueStatistics, RequestQueue
 from dynarl.data.transport import PeerId, TransportStatistics
@@ -159,7 +160,7 @@ class WorkerState:
         self.component = component
         self.capacity = capacity
         self.queue = queue
-        self.in_flight: dict[ItemId, wire.Item] = {}
+        self.in_flight = InFlight(instance)
         self.active = True
         self.last_seen_s = now_s
         self.kv_usage = 0.0

@@ -250,7 +250,7 @@ class Placement:
     def on_result(self, w: WorkerState, r: wire.ItemResult, now: float) -> RoutedResult | None:
         """Apply one result from ``w``; the completion to hand to the caller, if any.
         Raises :class:`RoutingError` if ``w`` does not hold the item (a stale result)."""
-        item = w.in_flight.pop(r.item, None)
+        item = w.in_flight.pop(r.item)
         if item is None:
             raise RoutingError(f"{w.instance!r} returned {r.item!r}, which it does not hold")
         generated = self.generated_tokens.pop(item.id, 0) + r.num_tokens
@@ -330,10 +330,11 @@ class Placement:
         ``w`` joins, resumes, or gets results back."""
         if not (w.active and w.can_start_now):
             return
-        donors = [
+        donors = [  # (an empty queue first: nothing waits there, the common case)
             c
             for c in self.workers.values()
-            if c is not w and c.active and c.component == w.component and c.num_waiting
+            if len(c.queue) and c is not w and c.active and c.component == w.component
+            if c.num_waiting
         ]
         edges = self._edges_of(w.component)
         while donors and w.can_start_now:

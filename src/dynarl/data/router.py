@@ -403,7 +403,7 @@ class Router:
                 return
             batch += w.queue.get_batch_nowait(min(w.capacity - len(w.in_flight), max_batch) - 1)
             for item in batch:
-                w.in_flight[item.id] = item
+                w.in_flight.add(item)
             if p.backlog:
                 p.refill(self._clock.now())
                 if len(p.backlog) < self.config.max_backlog_items:

@@ -306,7 +306,7 @@ class EngineFleet:
                 continue
             batch = w.queue.get_batch_nowait(room)
             for item in batch:
-                w.in_flight[item.id] = item
+                w.in_flight.add(item)
             done = e.sim.advance_to(max(now, e.sim.now))
             e.sim.submit([self.seqs[item.id].job() for item in batch])
             if done:

@@ -118,7 +118,7 @@ class InferenceFleet:
             if room <= 0 or not len(w.queue):
                 continue
             for item in w.queue.get_batch_nowait(room):
-                w.in_flight[item.id] = item
+                w.in_flight.add(item)
                 self.stage.assign(iid, item.id)
         self.stage.start(now)
 

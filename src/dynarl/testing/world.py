@@ -229,7 +229,7 @@ class FakeWorld:
             room = w.capacity - len(w.in_flight)
             if room > 0 and len(w.queue):
                 for item in w.queue.get_batch_nowait(room):
-                    w.in_flight[item.id] = item
+                    w.in_flight.add(item)
 
     def _workers(self, component: str) -> list[WorkerState]:
         """The component's workers, draining ones included, in instance order."""
