@@ -74,30 +74,29 @@ async def _serve(engine: Submissions, link: WorkerLink) -> None:
         tg.cancel_scope.cancel()
 
 
-async def test_a_batch_of_items_enters_the_engine_in_one_submission(tmp_path: Path) -> None:
+async def _route(tmp_path: Path, items: list[Item]) -> tuple[Submissions, dict[str, str]]:
+    """Route ``items`` at once to one rollout slot's feed; the engine (with its
+    submissions) and each item's result status."""
     engine = _engine()
     net = Net("inproc", tmp_path)
     async with cluster(net, [], all_instances=["rollout-0"]) as c:
         c.add_worker("rollout-0", capacity=32, serve=lambda link: _serve(engine, link))
         await c.router.wait_for_instances(1)
-        await c.router.submit([_item(i) for i in range(12)])
-        results = await c.collect(12)
+        await c.router.submit(items)
+        results = await c.collect(len(items))
     await net.aclose()
-    assert sorted(r.result.status for r in results) == ["done"] * 12
+    return engine, {r.result.item: r.result.status for r in results}
+
+
+async def test_a_batch_of_items_enters_the_engine_in_one_submission(tmp_path: Path) -> None:
+    engine, status = await _route(tmp_path, [_item(i) for i in range(12)])
+    assert sorted(status.values()) == ["done"] * 12
     assert engine.sizes == [12]
 
 
 async def test_a_refused_request_leaves_the_rest_of_its_batch_served(tmp_path: Path) -> None:
-    engine = _engine()
-    net = Net("inproc", tmp_path)
-    async with cluster(net, [], all_instances=["rollout-0"]) as c:
-        c.add_worker("rollout-0", capacity=32, serve=lambda link: _serve(engine, link))
-        await c.router.wait_for_instances(1)
-        # r1's prompt fills the context: no room for a token, the engine refuses it
-        items = [_item(0), _item(1, prompt_len=MAX_SEQ_LEN), _item(2)]
-        await c.router.submit(items)
-        results = await c.collect(3)
-    await net.aclose()
-    status = {r.result.item: r.result.status for r in results}
+    # r1's prompt fills the context: no room for a token, the engine refuses it
+    items = [_item(0), _item(1, prompt_len=MAX_SEQ_LEN), _item(2)]
+    engine, status = await _route(tmp_path, items)
     assert status == {"r0": "done", "r1": "refused", "r2": "done"}
     assert engine.sizes == [3, 1, 1, 1]  # refused as a batch, then each alone
