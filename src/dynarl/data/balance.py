@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from dynarl.core.ids import ComponentId, EdgeId, InstanceId, ItemId
 from dynarl.data import wire
-from dynarl.data.in_flight import pinned_to
+from dynarl.data.in_flight import InFlight, pinned_to
 from dynarl.data.peers import WorkerState
 
 
@@ -84,9 +84,10 @@ class Balancer:
         self.rebalanced: set[ItemId] = set()
         """Pending items moved by :meth:`balance_for` (a balance of the tail takes none
         of them: a request is re-prefilled for balance at most once)."""
-        self._exhausted: dict[tuple[InstanceId, bool], int] = {}
-        # (donor, tail) -> the donor's InFlight.num_added when a scan of its in-flight
-        # items found none to recall. Until an item is added there, none can be found:
+        self._exhausted: dict[tuple[InFlight, bool], int] = {}
+        # (a donor's in-flight items, tail) -> their num_added when a scan found none
+        # to recall (keyed by the object: a worker joining again under the same
+        # instance starts afresh). Until an item is added there, none can be found:
         # an item stops being recalled or rebalanced only as its result comes back
         # (it leaves the donor) or as a worker leaves (forget_worker clears this).
 
@@ -221,7 +222,7 @@ class Balancer:
         dispatched first; ``candidates`` keeps each donor's place) for recall to ``w``;
         whether there was one."""
         held = donor.in_flight
-        key = (donor.instance, tail)
+        key = (held, tail)
         if (
             self.recall is None
             or not held.num_unpinned
