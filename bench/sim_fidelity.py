@@ -37,7 +37,9 @@ own prompts and lengths) and ``error_interval`` a bootstrap 90% interval of ``er
 over those iterations (how far the real machine's noise leaves it uncertain); with the
 measured profile, ``error_round_profile`` simulates each iteration on the profile
 measured around its own round (the machine's drift between rounds then cancels out)
-and ``error_round_profile_interval`` is its interval::
+and ``error_round_profile_interval`` is its interval; ``stage_s`` gives per mode the
+mean (real, simulated) seconds of the rollout and of the rest of the iteration after it
+(which part an error is in)::
 
     python bench/sim_fidelity.py [--iterations 5] [--warmup 1] [--profile measured|builtin]
 """
@@ -62,7 +64,9 @@ import msgspec
 import numpy as np
 
 from dynarl.api.config import DynaRLConfig
+from dynarl.control import events as ev
 from dynarl.control.predictor import usable_cores
+from dynarl.control.topology import PROMPTS
 from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.sim.cluster import trace_workload
 from dynarl.sim.config import SimConfig, SimulatedRun, simulated_run
@@ -153,8 +157,33 @@ def controller_cost(runs: list[ModeRun], warmup: int) -> ControllerCost:
     return fit_controller_cost(s for r in runs for s in r.stats[warmup:])
 
 
-def simulate_mode(run: ModeRun, profile: CpuProfile, warmup: int) -> ModeResult:
-    """``run``'s job under its mode on ``profile``, replaying its own trace.jsonl."""
+class RolloutEnds:
+    """A controller listener on a replay: each iteration's start and its last rollout
+    completion, so the replay's rollout and what follows it can be set against the
+    real run's stage times."""
+
+    def __init__(self) -> None:
+        self.start: dict[int, float] = {}
+        self.rollout_end: dict[int, float] = {}
+        self._iteration = -1
+
+    def __call__(self, event: ev.Event) -> None:
+        if isinstance(event, ev.IterationStarted):
+            self._iteration = event.iteration
+            self.start[event.iteration] = event.time_s
+        elif isinstance(event, ev.ItemCompleted) and event.edge == PROMPTS:
+            self.rollout_end[self._iteration] = event.time_s
+
+    def rollout_s(self) -> dict[int, float]:
+        """Each iteration's rollout: its start to its last rollout completion."""
+        return {k: end - self.start[k] for k, end in self.rollout_end.items() if k in self.start}
+
+
+def simulate_mode(
+    run: ModeRun, profile: CpuProfile, warmup: int, *, ends: RolloutEnds | None = None
+) -> ModeResult:
+    """``run``'s job under its mode on ``profile``, replaying its own trace.jsonl
+    (``ends`` hears the replay's events)."""
     trace = run.rl.run_dir / "trace.jsonl"
     num = len(run.stats)
     sim = simulated_run(
@@ -167,7 +196,7 @@ def simulate_mode(run: ModeRun, profile: CpuProfile, warmup: int) -> ModeResult:
     )
     cluster = cpu_cluster(sim, profile=profile, workload=trace_workload(sim))
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
-        result, _ = runner.run(simulate(sim, cluster=cluster, name=run.mode))
+        result, _ = runner.run(simulate(sim, cluster=cluster, name=run.mode, on_event=ends))
     return result
 
 
@@ -217,6 +246,26 @@ def error_interval(
     ratios = pairs[picks, 0].sum(axis=1) / pairs[picks, 1].sum(axis=1) - 1.0
     lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
     return (float(lo), float(hi))
+
+
+def stage_split(
+    run: ModeRun, rollout_s: dict[int, float], sim: dict[int, float], warmup: int
+) -> dict[str, tuple[float, float]]:
+    """Mean (real, simulated) seconds of the rollout (the real ``stage_s["rollout"]``;
+    the replay's start to its last rollout completion) and of the rest of the iteration
+    after it, over the measured iterations the replay has: which part the error is in."""
+    pairs = [
+        (s.stage_s.get("rollout", math.nan), s.elapsed_s, rollout_s[s.iteration], sim[s.iteration])
+        for s in run.stats[warmup:]
+        if s.iteration in rollout_s and s.iteration in sim
+    ]
+    if not pairs:
+        return {}
+    real_roll, real_all, sim_roll, sim_all = (statistics.mean(c) for c in zip(*pairs, strict=True))
+    return {
+        "rollout": (real_roll, sim_roll),
+        "after_rollout": (real_all - real_roll, sim_all - sim_roll),
+    }
 
 
 def ranking(times: Mapping[Mode, float]) -> list[Mode]:
@@ -279,7 +328,10 @@ def main() -> None:
     )
     real = {r.mode: summarise(r, args.warmup) for r in runs}
     failed = {m: s["error"] for m, s in real.items() if s.get("error")}
-    simulated = {r.mode: simulate_mode(r, profile, args.warmup) for r in runs if r.stats}
+    ends = {r.mode: RolloutEnds() for r in runs}
+    simulated = {
+        r.mode: simulate_mode(r, profile, args.warmup, ends=ends[r.mode]) for r in runs if r.stats
+    }
 
     measured_s = {m: real[m]["mean_iteration_s"] for m in simulated}
     simulated_s = {m: r.mean_iteration_s for m, r in simulated.items()}
@@ -292,6 +344,10 @@ def main() -> None:
     sim_times = {m: iteration_times(r) for m, r in simulated.items()}
     per_iteration = {m: paired_errors(by_mode[m], sim_times[m], args.warmup) for m in simulated}
     interval = {m: error_interval(by_mode[m], sim_times[m], args.warmup) for m in simulated}
+    stages = {
+        m: stage_split(by_mode[m], ends[m].rollout_s(), sim_times[m], args.warmup)
+        for m in simulated
+    }
     rounds: dict[str, dict[int, float]] = {}
     if profiler is not None:
         tenants = {k: getattr(profile, k) for k in tenant}
@@ -325,6 +381,12 @@ def main() -> None:
         lo, hi = interval[m]
         shown = " ".join(f"{e:+.0%}" for e in per_iteration[m])
         print(f"{m:22s} error 90% interval {lo:+.1%} .. {hi:+.1%}; per iteration {shown}")
+    for m, split in stages.items():
+        shown = "; ".join(
+            f"{part.replace('_', ' ')} real {r:.2f} s / sim {v:.2f} s ({v / r - 1:+.0%})"
+            for part, (r, v) in split.items()
+        )
+        print(f"{m:22s} {shown}")
     for m, err in round_error.items():
         lo, hi = error_interval(by_mode[m], rounds[m], args.warmup)
         shown = " ".join(f"{e:+.0%}" for e in paired_errors(by_mode[m], rounds[m], args.warmup))
@@ -360,6 +422,10 @@ def main() -> None:
         "error_round_profile_interval": {
             m: [round(v, 3) for v in error_interval(by_mode[m], rounds[m], args.warmup)]
             for m in round_error
+        },
+        "stage_s": {
+            m: {part: [round(r, 3), round(v, 3)] for part, (r, v) in split.items()}
+            for m, split in stages.items()
         },
         "measured_s": {m: round(v, 3) for m, v in measured_s.items()},
         "simulated_s": {m: round(v, 3) for m, v in simulated_s.items()},
