@@ -1,7 +1,7 @@
 """The items a worker holds in flight, in dispatch order, with a count of those it does
 not pin (that may move to another instance of its component)."""
 
-from collections.abc import ItemsView, Iterator, ValuesView
+from collections.abc import Iterator, ValuesView
 
 from dynarl.core.ids import InstanceId, ItemId
 from dynarl.data import wire
@@ -59,10 +59,6 @@ class InFlight:
     def values(self) -> ValuesView[wire.Item]:
         """The items, oldest dispatch first."""
         return self._items.values()
-
-    def items(self) -> ItemsView[ItemId, wire.Item]:
-        """(id, item) pairs, oldest dispatch first."""
-        return self._items.items()
 
     def __getitem__(self, item_id: ItemId) -> wire.Item:
         return self._items[item_id]

@@ -333,8 +333,11 @@ class Placement:
         donors = [  # (an empty queue first: nothing waits there, the common case)
             c
             for c in self.workers.values()
-            if len(c.queue) and c is not w and c.active and c.component == w.component
-            if c.num_waiting
+            if len(c.queue)
+            and c is not w
+            and c.active
+            and c.component == w.component
+            and c.num_waiting
         ]
         edges = self._edges_of(w.component)
         while donors and w.can_start_now:

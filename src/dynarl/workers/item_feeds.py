@@ -53,8 +53,8 @@ async def feed_rollout(
 
 async def _requests(engine: RolloutEngine, link: WorkerLink) -> None:
     """Submit each batch of items the router sends in one call: a submission takes
-    the engine's lock between two steps, so items submitted one at a time would enter
-    one per step, and a batch of them would decode far below the engine's width."""
+    the engine's lock between two steps, so items submitted one at a time can enter
+    one per step while the engine decodes below its width."""
     while True:
         try:
             items = await link.receive()

@@ -128,8 +128,8 @@ class ItemSink:
 
 class EachSink:
     """The requests of one submission, each with its own sink: every outcome goes to
-    its request's sink, by request id. An engine is then handed a whole batch of items
-    in one ``submit`` (one turn of its lock) rather than one item per engine step.
+    its request's sink, by request id, so a batch of items goes to an engine in one
+    ``submit`` (one turn of its lock) rather than one submission per item.
 
     Args:
         sinks: each request's sink, by request id.
