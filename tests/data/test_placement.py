@@ -12,6 +12,7 @@ from dynarl.core.clock import ManualClock
 from dynarl.core.ids import InstanceId, ItemId
 from dynarl.data import wire
 from dynarl.data.balance import Balancer
+from dynarl.data.component_peers import ComponentPeers
 from dynarl.data.in_flight import InFlight
 from dynarl.data.peers import RouterConfig, WorkerState, with_balance
 from dynarl.data.placement import Placement
@@ -300,6 +301,7 @@ async def test_a_donor_found_with_nothing_to_give_is_asked_again_once_it_holds_m
     asked: list[tuple[InstanceId, tuple[ItemId, ...]]] = []
     balancer = Balancer(
         workers={a.instance: a, b.instance: b},
+        peers={a.component: ComponentPeers.of([a, b])},
         planned={},
         edges_of=lambda component: {PROMPTS},
         move=lambda it, w, now: None,
@@ -326,10 +328,36 @@ def test_in_flight_counts_the_items_its_worker_does_not_pin() -> None:
     assert (len(held), held.num_unpinned, held.num_added) == (4, 2, 4)
     held.add(item(0))  # the same id again replaces it
     assert (len(held), held.num_unpinned, held.num_added) == (4, 2, 5)
+    assert [i.id for i in held.unpinned_newest_first()] == ["i0", "i3"]  # i0 re-dispatched
     assert held.pop(ItemId("i3")) is not None and held.pop(ItemId("i3")) is None
     assert held.num_unpinned == 1 and list(held) == ["i1", "i2", "i0"]  # dispatch order
     held.clear()
     assert (len(held), held.num_unpinned) == (0, 0)
+
+
+async def test_a_component_tally_counts_what_its_workers_queue_and_hold_until_they_leave() -> None:
+    """The placement's per-component tallies follow every way an item enters or leaves
+    a queue or an in-flight map, and a worker that leaves stops counting."""
+    a, b = _worker("a", 2), _worker("b", 2)
+    a.queue.put_nowait(item(0))
+    peers = ComponentPeers.of([a, b])
+    assert (peers.queued.count, peers.in_flight.count, peers.capacity) == (1, 0, 4)
+    for k in range(1, 4):
+        b.queue.put_nowait(item(k))
+    a.in_flight.add(a.queue.get_nowait())
+    b.in_flight.add(item(9))
+    assert (peers.queued.count, peers.in_flight.count, peers.held_at_most) == (3, 2, 5)
+    assert b.queue.take_oldest(lambda it: it.id == "i2") is not None
+    b.queue.get_batch_nowait(1)
+    assert b.in_flight.pop(ItemId("i9")) is not None and peers.in_flight.count == 1
+    assert peers.queued.count == 1
+    peers.uncount(b)  # b leaves holding one queued item
+    assert peers.queued.count == 0 and len(b.queue) == 1
+    a.in_flight.clear()
+    assert peers.in_flight.count == 0
+    a.active = False
+    peers.refresh([a, b])
+    assert (peers.active, peers.capacity) == ([b], 2)
 
 
 async def test_without_tail_balancing_the_tail_stays_where_it_runs() -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from dynarl.core.ids import ComponentId, EdgeId, InstanceId, ItemId
 from dynarl.data import wire
+from dynarl.data.component_peers import ComponentPeers
 from dynarl.data.in_flight import InFlight, pinned_to
 from dynarl.data.peers import WorkerState
 
@@ -43,6 +44,7 @@ class Balancer:
 
     Args:
         workers: the placement's workers, by instance (read, never changed here).
+        peers: the placement's workers by component (read, never changed here).
         planned: the placement's plan of where items go when next routed; recalled
             items are planned to the instance they were recalled for.
         edges_of: the edges a component consumes.
@@ -62,6 +64,7 @@ class Balancer:
         self,
         *,
         workers: Mapping[InstanceId, WorkerState],
+        peers: Mapping[ComponentId, ComponentPeers],
         planned: dict[ItemId, InstanceId],
         edges_of: Callable[[ComponentId], set[EdgeId]],
         move: Callable[[wire.Item, WorkerState, float], None],
@@ -70,6 +73,7 @@ class Balancer:
         recall: Callable[[WorkerState, tuple[ItemId, ...], float], object] | None = None,
     ) -> None:
         self.workers = workers
+        self.peers = peers
         self.planned = planned
         self.edges_of = edges_of
         self.move = move
@@ -137,9 +141,14 @@ class Balancer:
         (``below_share=False``)."""
         if not ((self.below_share if tail else self.on_join) and w.active and w.can_start_now):
             return
-        peers = [c for c in self.workers.values() if c.active and c.component == w.component]
+        component = self.peers[w.component]
+        peers = component.active
         if len(peers) < 2:
             return
+        if not self.recalled and len(w.in_flight) + len(w.queue) >= min(
+            w.capacity, component.held_at_most * w.capacity // component.capacity
+        ):
+            return  # it holds its share already: O(1) (the exact sum below is no more)
         held = {c.instance: len(c.in_flight) + len(c.queue) for c in peers}
         coming: dict[InstanceId, list[ItemId]] = {}  # recalled items on their way to each
         for item_id, (src, dst) in self.recalled.items():
@@ -156,9 +165,13 @@ class Balancer:
         edges = self.edges_of(w.component)
         exclude = self.rebalanced if tail else None
         heap: list[tuple[int, InstanceId]] = []
-        for c in peers:
+        for c in peers:  # (donors with nothing they could give left out)
             surplus = held[c.instance] - math.ceil(total * c.capacity / capacity)
-            if c is not w and surplus > 0:
+            if (
+                surplus > 0
+                and c is not w
+                and (len(c.queue) or c.instance in coming or self._may_recall(c.in_flight, tail))
+            ):
                 heap.append((-surplus, c.instance))
         heapq.heapify(heap)
         recalls: dict[InstanceId, list[ItemId]] = {}
@@ -208,6 +221,16 @@ class Balancer:
         self.planned[item] = w.instance
         return True
 
+    def _may_recall(self, held: InFlight, tail: bool) -> bool:
+        """Whether a donor holding ``held`` in flight may have one to recall: not if
+        there is no recall, if it pins all it holds, or if nothing came in since a scan
+        (of this kind) found none."""
+        return (
+            self.recall is not None
+            and held.num_unpinned > 0
+            and self._exhausted.get((held, tail)) != held.num_added
+        )
+
     def _recall_one(
         self,
         donor: WorkerState,
@@ -222,24 +245,19 @@ class Balancer:
         dispatched first; ``candidates`` keeps each donor's place) for recall to ``w``;
         whether there was one."""
         held = donor.in_flight
-        key = (held, tail)
-        if (
-            self.recall is None
-            or not held.num_unpinned
-            or self._exhausted.get(key) == held.num_added
-        ):
-            return False  # it pins all it holds, or nothing came in since a scan found none
+        if not self._may_recall(held, tail):
+            return False
         found = candidates.get(donor.instance)
         if found is None:
             recalled = self.recalled
             found = candidates[donor.instance] = (
                 item
-                for item in reversed(list(donor.in_flight.values()))
+                for item in held.unpinned_newest_first()
                 if item.id not in recalled and may_move(item)
             )
         item = next(found, None)
         if item is None:
-            self._exhausted[key] = held.num_added
+            self._exhausted[held, tail] = held.num_added
             return False
         self.recalled[item.id] = (donor.instance, w.instance)
         self.planned[item.id] = w.instance

@@ -5,6 +5,7 @@ from collections.abc import Iterator, ValuesView
 
 from dynarl.core.ids import InstanceId, ItemId
 from dynarl.data import wire
+from dynarl.data.tally import Tally
 
 
 def pinned_to(item: wire.Item, instance: InstanceId) -> bool:
@@ -16,45 +17,65 @@ def pinned_to(item: wire.Item, instance: InstanceId) -> bool:
 class InFlight:
     """A worker's items in flight by id, oldest dispatch first.
 
-    Keeps :attr:`num_unpinned`, how many of them are not :func:`pinned_to` the worker:
-    when it is 0, no balance can take any of them (in a multi-turn rollout's tail
-    every session sits on the engine that holds its prefix), which the balancer then
-    knows without looking at each; and :attr:`num_added`, which tells the balancer
-    whether anything came in since it last found nothing here to take.
+    Keeps apart those not :func:`pinned_to` the worker (:meth:`unpinned_newest_first`,
+    :attr:`num_unpinned`): only they may move, so a balance looking for one to recall
+    never walks past the sessions whose prefix the worker holds (in a multi-turn
+    rollout's tail, nearly all it holds); and :attr:`num_added`, which tells the
+    balancer whether anything came in since it last found nothing here to take.
 
     Args:
         owner: the worker's instance.
     """
 
-    __slots__ = ("_items", "num_added", "num_unpinned", "owner")
+    __slots__ = ("_items", "_tally", "_unpinned", "num_added", "owner")
 
     def __init__(self, owner: InstanceId) -> None:
         self.owner = owner
         self._items: dict[ItemId, wire.Item] = {}
-        self.num_unpinned = 0
-        """Items held here that another instance could take."""
+        self._unpinned: dict[ItemId, wire.Item] = {}  # the movable ones, in dispatch order
         self.num_added = 0
         """Items ever added (a version: what is held here only grows by an add)."""
+        self._tally = Tally()
+
+    @property
+    def num_unpinned(self) -> int:
+        """Items held here that another instance could take."""
+        return len(self._unpinned)
+
+    def unpinned_newest_first(self) -> Iterator[wire.Item]:
+        """The items another instance could take, most recently dispatched first (do
+        not add or pop while iterating)."""
+        return reversed(self._unpinned.values())
+
+    def count_in(self, tally: Tally | None) -> None:
+        """Count these items in ``tally`` too, from now on (``None``: in no shared
+        tally), moving them out of the one they were counted in."""
+        self._tally.count -= len(self._items)
+        self._tally = Tally() if tally is None else tally
+        self._tally.count += len(self._items)
 
     def add(self, item: wire.Item) -> None:
         """``item`` was dispatched to the worker (replacing one of the same id)."""
         self.pop(item.id)
         self._items[item.id] = item
+        self._tally.count += 1
         self.num_added += 1
         if not pinned_to(item, self.owner):
-            self.num_unpinned += 1
+            self._unpinned[item.id] = item
 
     def pop(self, item_id: ItemId) -> wire.Item | None:
         """Take ``item_id`` out (its result came back); ``None`` if not held."""
         item = self._items.pop(item_id, None)
-        if item is not None and not pinned_to(item, self.owner):
-            self.num_unpinned -= 1
+        if item is not None:
+            self._tally.count -= 1
+            self._unpinned.pop(item_id, None)
         return item
 
     def clear(self) -> None:
         """Forget every item (the worker failed; they are routed again)."""
+        self._tally.count -= len(self._items)
         self._items.clear()
-        self.num_unpinned = 0
+        self._unpinned.clear()
 
     def values(self) -> ValuesView[wire.Item]:
         """The items, oldest dispatch first."""

@@ -23,6 +23,7 @@ from dynarl.control import events as ev
 from dynarl.core.ids import ComponentId, EdgeId, InstanceId, ItemId
 from dynarl.data import wire
 from dynarl.data.balance import Balancer, movable
+from dynarl.data.component_peers import ComponentPeers
 from dynarl.data.errors import RoutingError
 from dynarl.data.peers import WorkerState
 from dynarl.data.routing import RoutingPolicy
@@ -85,6 +86,8 @@ class Placement:
         self.policy = policy
         self.emit = emit
         self.workers: dict[InstanceId, WorkerState] = {}
+        self.peers: dict[ComponentId, ComponentPeers] = {}
+        """Each component's workers: the active ones, their capacity, what all hold."""
         self.candidates: dict[EdgeId, list[WorkerState]] = {e: [] for e in self.consumers}
         self.pending: set[ItemId] = set()
         self.in_tool: dict[ItemId, wire.Item] = {}
@@ -106,6 +109,7 @@ class Placement:
         :meth:`plan`), a recalled one's (see :meth:`balance_for`)."""
         self.balancer = Balancer(
             workers=self.workers,
+            peers=self.peers,
             planned=self.planned,
             edges_of=self._edges_of,
             move=self._move_queued,
@@ -122,6 +126,7 @@ class Placement:
     def add_worker(self, w: WorkerState, now: float) -> None:
         """A worker joined: route to it, starting with the backlog."""
         self.workers[w.instance] = w
+        self.peers.setdefault(w.component, ComponentPeers()).count(w)
         if w.instance in self.held:
             w.active = False
         self._refresh_candidates()
@@ -152,6 +157,7 @@ class Placement:
         items = w.queue.take_all() + list(w.in_flight.values())
         w.in_flight.clear()
         w.queue.close()
+        self.peers[w.component].uncount(w)
         self._refresh_candidates()
         return items
 
@@ -182,6 +188,8 @@ class Placement:
             self.candidates[edge] = [
                 w for w in self.workers.values() if w.active and w.component in components
             ]
+        for component, peers in self.peers.items():
+            peers.refresh(w for w in self.workers.values() if w.component == component)
 
     # ------------------------------------------------------------------ items in
 
@@ -330,15 +338,10 @@ class Placement:
         ``w`` joins, resumes, or gets results back."""
         if not (w.active and w.can_start_now):
             return
-        donors = [  # (an empty queue first: nothing waits there, the common case)
-            c
-            for c in self.workers.values()
-            if len(c.queue)
-            and c is not w
-            and c.active
-            and c.component == w.component
-            and c.num_waiting
-        ]
+        peers = self.peers[w.component]
+        if peers.queued.count == len(w.queue):
+            return  # no other instance queues anything (the common case)
+        donors = [c for c in peers.active if len(c.queue) and c is not w and c.num_waiting]
         edges = self._edges_of(w.component)
         while donors and w.can_start_now:
             donor = max(donors, key=lambda c: c.num_waiting)

@@ -25,6 +25,7 @@ import msgspec
 from dynarl.core.clock import Clock
 from dynarl.core.errors import ConfigError
 from dynarl.data.request_order import FifoOrder, RequestOrder
+from dynarl.data.tally import Tally
 
 
 class Prioritized(Protocol):
@@ -147,6 +148,7 @@ class RequestQueue(Generic[T]):
         self._heap: list[tuple[tuple[float, ...], int, _Entry[T]]] = []
         self._arrivals: deque[_Entry[T]] = deque()
         self._depth = 0
+        self._tally = Tally()
         self._seq = 0
         self._getters: deque[anyio.Event] = deque()
         self._putters: deque[anyio.Event] = deque()
@@ -158,6 +160,13 @@ class RequestQueue(Generic[T]):
 
     def __len__(self) -> int:
         return self._depth
+
+    def count_in(self, tally: Tally | None) -> None:
+        """Count this queue's requests in ``tally`` too, from now on (``None``: in no
+        shared tally), moving them out of the one they were counted in."""
+        self._tally.count -= self._depth
+        self._tally = Tally() if tally is None else tally
+        self._tally.count += self._depth
 
     @property
     def age_bound_s(self) -> float:
@@ -182,6 +191,7 @@ class RequestQueue(Generic[T]):
             heapq.heappush(self._heap, (self.order.key(entry), entry.seq, entry))
         self._arrivals.append(entry)
         self._depth += 1
+        self._tally.count += 1
         if self._getters:
             self._getters.popleft().set()
 
@@ -231,6 +241,7 @@ class RequestQueue(Generic[T]):
                 entry = heapq.heappop(heap)[2]
         entry.taken = True
         self._depth -= 1
+        self._tally.count -= 1
         if len(self._heap) > 2 * self._depth + 64 or len(arrivals) > 2 * self._depth + 64:
             self._compact()
         wait_s = now_s - entry.enqueued_s
@@ -263,6 +274,7 @@ class RequestQueue(Generic[T]):
             if not entry.taken and eligible(entry.item):
                 entry.taken = True
                 self._depth -= 1
+                self._tally.count -= 1
                 if self._putters:
                     self._putters.popleft().set()
                 return entry.item
@@ -274,6 +286,7 @@ class RequestQueue(Generic[T]):
         items = [e.item for e in self._arrivals if not e.taken]
         self._heap.clear()
         self._arrivals.clear()
+        self._tally.count -= self._depth
         self._depth = 0
         while self._putters:
             self._putters.popleft().set()
