@@ -281,11 +281,14 @@ def main() -> None:
     parser.add_argument("--out", default="runs/sim_fidelity", help="parent of the run dirs")
     parser.add_argument("--iteration-limit-s", type=float, default=300.0)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--modes", nargs="+", choices=MODES, default=list(MODES), help="(the ranking needs 2+)"
+    )
     args = parser.parse_args()
     args.quick, args.order = False, "interleaved"  # what e2e_cpu's helpers read
     logging.basicConfig(level=logging.WARNING)
     out = Path(args.out)
-    runs = [ModeRun(m, mode_config(m, args, out)) for m in MODES]
+    runs = [ModeRun(m, mode_config(m, args, out)) for m in args.modes]
     cfg0 = runs[0].cfg
     print(
         f"sim_fidelity: {cfg0.cluster.num_devices} slots x {cfg0.cluster.threads_per_device} "
