@@ -39,6 +39,27 @@ def test_decode_step_is_anchored_to_the_reference() -> None:
     assert 1000 < 8 / _config().decode_step_s(8, 8 * 20_000) < 2500
 
 
+def _one_prefill_reference(config: EngineConfig, jobs: list[Job]) -> dict[ItemId, float]:
+    """Token by token: one prefill of every job, which samples each one's first token
+    (a one-token job ends there), then one token per running job per step."""
+    a, b = config.step_coefficients()
+    c = config.step_per_request_s
+    t = config.prefill_overhead_s + sum(config.prefill_s(j.context_tokens) for j in jobs)
+    ctx = {j.id: j.context_tokens + 1 for j in jobs}
+    left = {j.id: j.output_tokens - 1 for j in jobs}
+    expected: dict[ItemId, float] = {i: t for i, n in left.items() if not n}
+    left = {i: n for i, n in left.items() if n}
+    while left:
+        t += a + c * len(left) + b * sum(ctx[i] for i in left)
+        for i in list(left):
+            ctx[i] += 1
+            left[i] -= 1
+            if not left[i]:
+                expected[i] = t
+                del left[i]
+    return expected
+
+
 def test_analytic_time_matches_token_by_token_reference() -> None:
     config = _config()
     rng = random.Random(3)
@@ -47,20 +68,7 @@ def test_analytic_time_matches_token_by_token_reference() -> None:
     engine.submit(jobs)
     done = engine.advance_to(1e9)
 
-    # reference: one prefill of everything, then one token per running job per step
-    a, b = config.step_coefficients()
-    t = config.prefill_overhead_s + sum(config.prefill_s(j.context_tokens) for j in jobs)
-    ctx = {j.id: j.context_tokens for j in jobs}
-    left = {j.id: j.output_tokens for j in jobs}
-    expected: dict[ItemId, float] = {}
-    while left:
-        t += a + b * sum(ctx[i] for i in left)
-        for i in list(left):
-            ctx[i] += 1
-            left[i] -= 1
-            if not left[i]:
-                expected[i] = t
-                del left[i]
+    expected = _one_prefill_reference(config, jobs)
     assert {d.id: d.time_s for d in done} == pytest.approx(expected, rel=1e-9)
     assert [d.time_s for d in done] == sorted(d.time_s for d in done)
     assert engine.totals().generated_tokens == sum(j.output_tokens for j in jobs)
@@ -358,19 +366,7 @@ def test_a_cost_per_running_request_matches_a_token_by_token_reference() -> None
     engine = _engine(config)
     engine.submit(jobs)
     done = engine.advance_to(1e9)
-    a, b = config.step_coefficients()
-    t = config.prefill_overhead_s + sum(config.prefill_s(j.context_tokens) for j in jobs)
-    ctx = {j.id: j.context_tokens for j in jobs}
-    left = {j.id: j.output_tokens for j in jobs}
-    expected: dict[ItemId, float] = {}
-    while left:
-        t += a + 2e-4 * len(left) + b * sum(ctx[i] for i in left)
-        for i in list(left):
-            ctx[i] += 1
-            left[i] -= 1
-            if not left[i]:
-                expected[i] = t
-                del left[i]
+    expected = _one_prefill_reference(config, jobs)
     assert {d.id: d.time_s for d in done} == pytest.approx(expected, rel=1e-9)
 
 
@@ -397,8 +393,16 @@ def _padded_reference(
         if admitted:
             t += config.prefill_overhead_s + config.join_per_held_token_s * read()
             t += sum(config.prefill_s(j.context_tokens) for j in admitted)
-            for j in admitted:
-                ctx[j.id], left[j.id] = j.context_tokens, j.output_tokens
+            for j in admitted:  # the prefill samples the first token
+                ctx[j.id], left[j.id] = j.context_tokens + 1, j.output_tokens - 1
+            ended = [j.id for j in admitted if not left[j.id]]
+            for i in ended:
+                expected[i] = t
+                del left[i], ctx[i]
+            if ended:  # room again: admit before the next decode step
+                if left:
+                    t += config.leave_per_held_token_s * read()
+                continue
         t += a + c * len(left) + b * read()
         finished = []
         for i in list(left):
@@ -445,4 +449,27 @@ def test_a_padded_cache_reports_the_step_rate_it_reads_at() -> None:
     engine.advance_to(prefilled_s)
     engine.stats()  # the window since construction
     a, b = config.step_coefficients()
-    assert engine.stats().gen_tokens_per_s == pytest.approx(2 / (a + b * 2 * 4000), rel=1e-9)
+    # (each row holds the token its prefill sampled)
+    assert engine.stats().gen_tokens_per_s == pytest.approx(2 / (a + b * 2 * 4001), rel=1e-9)
+
+
+def test_the_prefill_samples_the_first_token() -> None:
+    """As in SGLang's extend batch and the torch engine's prefill step: a one-token job
+    ends with its prefill, a job arriving during a prefill is admitted after it (once
+    that prefill's ended jobs have left), and a job aborted mid-prefill has no token."""
+    config = _config()
+    engine = _engine(config)
+    engine.submit([_job("one", 100, 1), _job("two", 100, 2)])
+    prefill_s = config.prefill_overhead_s + 2 * config.prefill_s(100)
+    engine.submit([_job("late", 50, 3)])  # mid-prefill: waits for its end
+    (aborted,) = engine.abort([ItemId("two")])
+    assert aborted.generated_tokens == 0  # its first token is not out yet
+    done = engine.advance_to(prefill_s)
+    assert [(d.id, d.time_s, d.generated_tokens) for d in done] == [("one", prefill_s, 1)]
+    later = engine.advance_to(1.0)
+    assert [(d.id, d.generated_tokens) for d in later] == [("late", 3)]
+    (late,) = later  # its own prefill after the first, then two decode steps
+    a, b = config.step_coefficients()
+    late_prefill_s = config.prefill_overhead_s + config.prefill_s(50)
+    assert late.time_s == pytest.approx(prefill_s + late_prefill_s + 2 * a + b * (51 + 52))
+    assert engine.totals().generated_tokens == 4

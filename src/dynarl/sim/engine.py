@@ -65,7 +65,8 @@ class EngineTotals(msgspec.Struct, frozen=True, kw_only=True):
 
 class _Entry:
     """A job inside the engine. ``done`` counts the tokens it generated here before its
-    current admission; while running it gains one per step since ``start_step``."""
+    current admission; while running it gains one per step since ``start_step`` (one
+    step before its admission: the prefill samples a token)."""
 
     __slots__ = ("done", "job", "seq", "start_step")
 
@@ -90,8 +91,10 @@ class SimEngine:
     completions) and :meth:`next_event_time`; it never reads a real clock.
 
     Running jobs advance together, so the engine keeps one step counter: a job admitted
-    at step ``s`` has generated ``done + (step - s)`` tokens; completions come off a heap
-    of finish steps. An event costs O(log running), whatever the batch.
+    at step ``s`` has generated ``done + 1 + (step - s)`` tokens (its prefill samples the
+    first, as a real engine's does: a one-token response ends at its prefill);
+    completions come off a heap of finish steps. An event costs O(log running),
+    whatever the batch.
     """
 
     def __init__(self, config: EngineConfig, *, instance: InstanceId, start_s: float = 0.0):
@@ -127,6 +130,8 @@ class SimEngine:
         self._cache = PrefixCache()
         self._admit_pending = False
         self._seq = 0
+        self._prefill_from = 1  # seq of the first job the last prefill admitted
+        self._prefill_end_s = start_s  # when that prefill ends
         self._event: tuple[float, int] | None = None  # memoised (time, steps)
         self._generated = self._prefilled = self._hits = self._preemptions = 0
         self._retractions = 0
@@ -165,12 +170,13 @@ class SimEngine:
         self._materialise()
         self._queue.extend(_Entry(job) for job in jobs)
         self._queued_ids.update(job.id for job in jobs)
-        if self._t >= self._now or not self._running:
-            # at a step boundary (or idle, or stalled in a prefill that ends at _t):
-            # admit now rather than one step later
+        if not self._running or (self._t >= self._now and self._prefill_end_s <= self._now):
+            # idle, or at a step boundary: admit now rather than one step later
             self._t = max(self._t, self._now)
             self._schedule()
         else:
+            # mid-step, or in a prefill (its jobs' first tokens, and the one-token jobs'
+            # ends, come out at _t): admit at the next step boundary
             self._admit_pending = True
         self._event = None
 
@@ -190,8 +196,13 @@ class SimEngine:
         if out:
             self._queue = deque(e for e in self._queue if e.job.id not in wanted)
             self._queued_ids -= wanted
+        # a prefill still running has not sampled its jobs' first token yet
+        in_prefill = self._now < self._prefill_end_s
         for item in [i for i in self._running if i in wanted]:  # in admission order
             entry = self._remove(item)
+            if in_prefill and entry.seq >= self._prefill_from:
+                entry.done -= 1
+                self._generated -= 1
             out.append(JobProgress(id=item, generated_tokens=entry.done))
         for item in wanted:
             self._cache.take(item)
@@ -489,6 +500,7 @@ class SimEngine:
         """Admit ``admitted``: prefill what the prefix cache does not hold; running
         jobs stall meanwhile."""
         flops = 0.0
+        self._prefill_from = self._seq + 1
         joined = self.config.join_per_held_token_s * self._read_tokens() if self._running else 0.0
         for entry in admitted:
             context = entry.queued_context
@@ -498,14 +510,18 @@ class SimEngine:
             self._prefilled += new
             self._hits += hit
             self._seq += 1
-            entry.seq, entry.start_step = self._seq, self._step_count
+            # The prefill samples the job's first token (SGLang's extend batch and the
+            # torch engine's prefill step both do): counted as one step already run.
+            entry.seq, entry.start_step = self._seq, self._step_count - 1
             self._running[entry.job.id] = entry
             heapq.heappush(self._finish_heap, (entry.finish_step, entry.seq, entry.job.id))
             self._reserved.add(
                 entry.job.id, entry.seq, finish_step=entry.finish_step, step=self._step_count
             )
-            self._held += context
+            self._held += context + 1
+            self._generated += 1
         self._rows_changed()
         prefill_s = self.config.prefill_overhead_s + flops / self._flops_rate + joined
         self._t += prefill_s * self._slowdown
+        self._prefill_end_s = self._t
         self._cache.shrink_to(self._capacity - self._held)
