@@ -2,8 +2,8 @@
 
 It behaves like an SGLang engine seen from outside: requests (:class:`Job`s) are
 submitted, queue, are admitted while the KV cache and ``max_running_requests`` allow,
-prefill (compute-bound; running requests stall meanwhile), then decode one token per
-step together. A decode step costs ``overhead + (weight bytes / tp + KV bytes read) /
+prefill (compute-bound; running requests stall meanwhile; the prefill samples each
+one's first token), then decode one token per step together. A decode step costs ``overhead + (weight bytes / tp + KV bytes read) /
 HBM bandwidth``; KV read grows by one token per running request per step. As in
 SGLang, admission reserves KV for a share (the "new token ratio") of each running
 job's future tokens, and when the cache is full anyway the youngest running requests
