@@ -132,3 +132,29 @@ def test_a_step_in_progress_ends_its_length_after_it_began_not_from_now() -> Non
     p = fitted(g, inference_rate=0.5)
     g.apply(ev.WorkerIdle(instance=trainers[0].id, time_s=40.0))  # the clock moves on
     assert trainers_to_hold(g, p) == {ACTOR}
+
+
+def test_a_move_under_way_holds_the_trainer_for_the_devices_left_idle() -> None:
+    # Inference has finished (nothing upstream), its 6 devices idle, while a move of
+    # one replica to rollout is under way: the scheduler plans nothing until it lands,
+    # so a step started now on the actor's 2 devices (50 s) would keep the idle ones
+    # waiting at its boundary (in simulated agentic 7B on 128 devices, a 151 s step on
+    # 4 devices while 120 waited). Holding for them (the move's cost, a reshard, then
+    # the step on 6) is sooner. Once the move lands, the hold lifts by itself.
+    g = last_minibatch(at_inference=0)
+    p = predictor_for(g)
+    assert trainers_to_hold(g, p) == set()
+    replica = min(g.components[INFERENCE].active_instances(), key=lambda n: n.id)
+    move = Migration(
+        id=MigrationId(0),
+        kind="workload",
+        src=INFERENCE,
+        dst=ROLLOUT,
+        devices=replica.devices,
+        drain=(replica.id,),
+        create=(InstanceSpec(id=InstanceId("rollout-0"), devices=replica.devices),),
+    )
+    g.apply(ev.MigrationStarted(migration=move))
+    assert trainers_to_hold(g, p) == {ACTOR}
+    g.apply(ev.MigrationDone(migration=MigrationId(0), duration_s=1.0))
+    assert trainers_to_hold(g, p) == set()

@@ -473,3 +473,18 @@ def test_the_prefill_samples_the_first_token() -> None:
     late_prefill_s = config.prefill_overhead_s + config.prefill_s(50)
     assert late.time_s == pytest.approx(prefill_s + late_prefill_s + 2 * a + b * (51 + 52))
     assert engine.totals().generated_tokens == 4
+
+
+def test_a_job_waiting_for_a_step_boundary_starts_when_every_running_job_is_aborted() -> None:
+    """A job submitted mid-prefill waits for that prefill's end; if the prefill's jobs
+    are all aborted meanwhile, it still starts (the engine does not sit idle on it)."""
+    config = _config()
+    engine = _engine(config)
+    engine.submit([_job("a", 1000, 50)])
+    engine.submit([_job("b", 10, 5)])  # mid-prefill: waits
+    engine.abort([ItemId("a")])
+    prefill_s = config.prefill_overhead_s + config.prefill_s(1000)
+    assert engine.next_event_time() == pytest.approx(prefill_s)  # a's prefill still runs
+    (done,) = engine.advance_to(1.0)
+    assert (done.id, done.generated_tokens) == ("b", 5)
+    assert done.time_s > prefill_s + config.prefill_overhead_s

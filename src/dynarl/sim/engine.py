@@ -3,17 +3,18 @@
 It behaves like an SGLang engine seen from outside: requests (:class:`Job`s) are
 submitted, queue, are admitted while the KV cache and ``max_running_requests`` allow,
 prefill (compute-bound; running requests stall meanwhile; the prefill samples each
-one's first token), then decode one token per step together. A decode step costs ``overhead + (weight bytes / tp + KV bytes read) /
-HBM bandwidth``; KV read grows by one token per running request per step. As in
-SGLang, admission reserves KV for a share (the "new token ratio") of each running
-job's future tokens, and when the cache is full anyway the youngest running requests
-are retracted until the rest have headroom for many steps
-(``retract_headroom_steps``): their KV is freed, they go to the front of the queue and
-re-prefill their whole context later. A retraction raises the ratio to 1, so admission
-is conservative right after it; the ratio then decays step by step back to its floor.
-Retractions are therefore rare events, not one per step. A job that ends in a tool call leaves its
-KV in a prefix cache (LRU, evicted by tokens from the least recent entry's tail), so
-its next turn re-prefills only what was evicted and the tool's output.
+one's first token), then decode one token per step together. A decode step costs
+``overhead + (weight bytes / tp + KV bytes read) / HBM bandwidth``; KV read grows by
+one token per running request per step. As in SGLang, admission reserves KV for a
+share (the "new token ratio") of each running job's future tokens, and when the cache
+is full anyway the youngest running requests are retracted until the rest have
+headroom for many steps (``retract_headroom_steps``): their KV is freed, they go to
+the front of the queue and re-prefill their whole context later. A retraction raises
+the ratio to 1, so admission is conservative right after it; the ratio then decays
+step by step back to its floor. Retractions are therefore rare events, not one per
+step. A job that ends in a tool call leaves its KV in a prefix cache (LRU, evicted by
+tokens from the least recent entry's tail), so its next turn re-prefills only what was
+evicted and the tool's output.
 
 Time moves analytically. Between events every running request advances the same
 number of steps, and step ``k`` from now costs ``a + c * B + b * (A + k * B)`` (``B``
@@ -372,7 +373,11 @@ class SimEngine:
             return self._event
         batch = len(self._running)
         if not batch:
-            return None
+            # jobs that waited for a step boundary whose running jobs were all aborted
+            # since: admitted once the engine is free (a lone job always fits)
+            if self._queue:
+                self._event = (max(self._t, self._now), 0)
+            return self._event
         heap = self._finish_heap
         while heap[0][2] not in self._running or self._running[heap[0][2]].seq != heap[0][1]:
             heapq.heappop(heap)  # stale: aborted or preempted
