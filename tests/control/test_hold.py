@@ -46,6 +46,21 @@ def last_minibatch(*, at_inference: int) -> Hypergraph:
     return g
 
 
+def _move_a_replica_to_rollout(g: Hypergraph) -> None:
+    """Start moving the first inference replica's devices to a new rollout engine."""
+    replica = min(g.components[INFERENCE].active_instances(), key=lambda n: n.id)
+    move = Migration(
+        id=MigrationId(0),
+        kind="workload",
+        src=INFERENCE,
+        dst=ROLLOUT,
+        devices=replica.devices,
+        drain=(replica.id,),
+        create=(InstanceSpec(id=InstanceId("rollout-0"), devices=replica.devices),),
+    )
+    g.apply(ev.MigrationStarted(migration=move))
+
+
 def test_the_next_step_waits_when_the_freed_devices_finish_it_sooner() -> None:
     # 60 samples left at inference: 0.1 s there, then a reshard (1.5 s) and the step on
     # 8 devices (12.5 s) beats the step on 2 (50 s) started now.
@@ -66,17 +81,7 @@ def test_the_hold_is_decided_while_another_stage_moves_devices() -> None:
     # as it was while any move ran let a 16-device step start and the cluster wait
     # 800 s behind it.)
     g = last_minibatch(at_inference=60)
-    replica = min(g.components[INFERENCE].active_instances(), key=lambda n: n.id)
-    move = Migration(
-        id=MigrationId(0),
-        kind="workload",
-        src=INFERENCE,
-        dst=ROLLOUT,
-        devices=replica.devices,
-        drain=(replica.id,),
-        create=(InstanceSpec(id=InstanceId("rollout-0"), devices=replica.devices),),
-    )
-    g.apply(ev.MigrationStarted(migration=move))
+    _move_a_replica_to_rollout(g)
     assert not g.components[ComponentId(ACTOR)].hold_steps
     p = predictor_for(g)
     assert HoldForDevices(p).holds(g) == frozenset({ACTOR})
@@ -144,17 +149,7 @@ def test_a_move_under_way_holds_the_trainer_for_the_devices_left_idle() -> None:
     g = last_minibatch(at_inference=0)
     p = predictor_for(g)
     assert trainers_to_hold(g, p) == set()
-    replica = min(g.components[INFERENCE].active_instances(), key=lambda n: n.id)
-    move = Migration(
-        id=MigrationId(0),
-        kind="workload",
-        src=INFERENCE,
-        dst=ROLLOUT,
-        devices=replica.devices,
-        drain=(replica.id,),
-        create=(InstanceSpec(id=InstanceId("rollout-0"), devices=replica.devices),),
-    )
-    g.apply(ev.MigrationStarted(migration=move))
+    _move_a_replica_to_rollout(g)
     assert trainers_to_hold(g, p) == {ACTOR}
     g.apply(ev.MigrationDone(migration=MigrationId(0), duration_s=1.0))
     assert trainers_to_hold(g, p) == set()
