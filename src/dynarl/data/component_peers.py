@@ -57,5 +57,6 @@ class ComponentPeers:
 
     @property
     def held_at_most(self) -> int:
-        """At least what its active workers hold (queued and in flight) together."""
+        """What all its workers hold, queued and in flight (draining ones too): never
+        less than what its active ones hold together."""
         return self.queued.count + self.in_flight.count

@@ -14,11 +14,11 @@ from dynarl.sim.costs import (
     MigrationCostModel,
     WeightSyncCost,
 )
-from dynarl.sim.engine import EngineTotals, SimEngine
+from dynarl.sim.engine import SimEngine
 from dynarl.sim.engine_config import EngineConfig
 from dynarl.sim.errors import SimError
 from dynarl.sim.hardware import A100, GPUS, H100, H200, GpuProfile, gpu
-from dynarl.sim.jobs import Job, JobDone, JobProgress
+from dynarl.sim.jobs import EngineTotals, Job, JobDone, JobProgress
 from dynarl.sim.models import MODELS, ModelProfile, model
 from dynarl.sim.traces import Trace, read_trace, write_trace
 from dynarl.sim.workloads import (

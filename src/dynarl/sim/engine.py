@@ -36,53 +36,17 @@ import math
 from collections import deque
 from collections.abc import Iterable
 
-import msgspec
-
 from dynarl.control.events import EngineStats
 from dynarl.core.ids import InstanceId, ItemId
 from dynarl.sim.engine_config import EngineConfig
 from dynarl.sim.errors import SimError
-from dynarl.sim.jobs import Job, JobDone, JobProgress
+from dynarl.sim.jobs import EngineEntry, EngineTotals, Job, JobDone, JobProgress
 from dynarl.sim.prefix_cache import PrefixCache
 from dynarl.sim.reserve import Reservations
 
 # events this close after the target time are due (as the world's own tolerance): a
 # clock that lands one ulp short of an event must not leave it pending forever
 _DUE_S = 1e-9
-
-
-class EngineTotals(msgspec.Struct, frozen=True, kw_only=True):
-    """Counters since the engine was made: tokens generated and prefilled (prefix-cache
-    hits excluded), prefix-cache hit tokens, preemptions (jobs retracted), retractions
-    (the events, each retracting one or more jobs), decode steps."""
-
-    generated_tokens: int
-    prefill_tokens: int
-    cached_tokens: int
-    num_preemptions: int
-    num_retractions: int
-    num_steps: int
-
-
-class _Entry:
-    """A job inside the engine. ``done`` counts the tokens it generated here before its
-    current admission; while running it gains one per step since ``start_step`` (one
-    step before its admission: the prefill samples a token)."""
-
-    __slots__ = ("done", "job", "seq", "start_step")
-
-    def __init__(self, job: Job, done: int = 0) -> None:
-        self.job, self.done, self.seq, self.start_step = job, done, 0, 0
-
-    @property
-    def queued_context(self) -> int:
-        """Context while not running (what a re-prefill must cover)."""
-        return self.job.context_tokens + self.done
-
-    @property
-    def finish_step(self) -> int:
-        """Engine step count at which it completes, while running."""
-        return self.start_step + self.job.output_tokens - self.done
 
 
 class SimEngine:
@@ -120,13 +84,13 @@ class SimEngine:
         self._now = start_s
         self._t = start_s  # the running state is exact at _t, a step boundary
         self._step_count = 0
-        self._running: dict[ItemId, _Entry] = {}  # in admission order: last is youngest
+        self._running: dict[ItemId, EngineEntry] = {}  # in admission order: last is youngest
         self._finish_heap: list[tuple[int, int, ItemId]] = []  # (finish step, seq, id)
         self._reserved = Reservations(config.new_token_clip)  # the running jobs' future
         self._held = 0  # context tokens of the running jobs
         self._padded = config.padded_kv
         self._longest_base = 0  # longest running context = this + _step_count (padded_kv)
-        self._queue: deque[_Entry] = deque()
+        self._queue: deque[EngineEntry] = deque()
         self._queued_ids: set[ItemId] = set()
         self._cache = PrefixCache()
         self._admit_pending = False
@@ -169,7 +133,7 @@ class SimEngine:
                     "before submitting it again"
                 )
         self._materialise()
-        self._queue.extend(_Entry(job) for job in jobs)
+        self._queue.extend(EngineEntry(job) for job in jobs)
         self._queued_ids.update(job.id for job in jobs)
         if not self._running or (self._t >= self._now and self._prefill_end_s <= self._now):
             # idle, or at a step boundary: admit now rather than one step later
@@ -403,7 +367,7 @@ class SimEngine:
 
     # ---- events ------------------------------------------------------------------
 
-    def _remove(self, item: ItemId) -> _Entry:
+    def _remove(self, item: ItemId) -> EngineEntry:
         """Take ``item`` out of the running set, folding its progress into ``done``."""
         entry = self._running.pop(item)
         self._reserved.remove(item, finish_step=entry.finish_step)
@@ -478,7 +442,7 @@ class SimEngine:
         every job's future tokens fits (a lone job is always admitted)."""
         ratio = self._ratio()
         future = self._reserved.total(self._step_count)  # _reserve of each running job
-        admitted: list[_Entry] = []
+        admitted: list[EngineEntry] = []
         held = self._held
         batch = len(self._running)
         limit = self.config.max_running_requests - batch
@@ -501,7 +465,7 @@ class SimEngine:
         if admitted:
             self._prefill(admitted)
 
-    def _prefill(self, admitted: list[_Entry]) -> None:
+    def _prefill(self, admitted: list[EngineEntry]) -> None:
         """Admit ``admitted``: prefill what the prefix cache does not hold; running
         jobs stall meanwhile."""
         flops = 0.0

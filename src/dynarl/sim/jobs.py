@@ -1,4 +1,5 @@
-"""What a modelled engine is asked to do and what it reports back, as data."""
+"""What a modelled engine is asked to do, what it holds, and what it reports back, as
+data."""
 
 import msgspec
 
@@ -40,7 +41,43 @@ class JobDone(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class JobProgress(msgspec.Struct, frozen=True, kw_only=True):
-    """An aborted job: how much of it this engine generated (whole decode steps only)."""
+    """An aborted job: how much of it this engine generated (its prefill's token, once
+    that prefill ended, and whole decode steps only)."""
 
     id: ItemId
     generated_tokens: int
+
+
+class EngineTotals(msgspec.Struct, frozen=True, kw_only=True):
+    """Counters since the engine was made: tokens generated and prefilled (prefix-cache
+    hits excluded), prefix-cache hit tokens, preemptions (jobs retracted), retractions
+    (the events, each retracting one or more jobs), decode steps."""
+
+    generated_tokens: int
+    prefill_tokens: int
+    cached_tokens: int
+    num_preemptions: int
+    num_retractions: int
+    num_steps: int
+
+
+class EngineEntry:
+    """A job inside an engine (:class:`~dynarl.sim.engine.SimEngine`). ``done`` counts
+    the tokens it generated there before its current admission; while running it gains
+    one per step since ``start_step`` (one step before its admission: the prefill
+    samples a token)."""
+
+    __slots__ = ("done", "job", "seq", "start_step")
+
+    def __init__(self, job: Job, done: int = 0) -> None:
+        self.job, self.done, self.seq, self.start_step = job, done, 0, 0
+
+    @property
+    def queued_context(self) -> int:
+        """Context while not running (what a re-prefill must cover)."""
+        return self.job.context_tokens + self.done
+
+    @property
+    def finish_step(self) -> int:
+        """Engine step count at which it completes, while running."""
+        return self.start_step + self.job.output_tokens - self.done
