@@ -590,6 +590,33 @@ async def test_a_retired_worker_sees_the_end(inproc: Net) -> None:
     assert "scaled in" in outcome[0]
 
 
+async def test_frames_already_on_their_way_when_a_worker_left_are_dropped_quietly(
+    inproc: Net,
+) -> None:
+    # A pong or a result can cross the router's Retire, or follow the worker's Bye: the
+    # worker knows it is gone, so these are counted, not refused or reported. A peer
+    # that never said hello is still rejected.
+    async with cluster(inproc, ["w0"], all_instances=["w0", "r", "b"]) as c:
+        retired, leaving, stranger = (inproc.connect(c.server) for _ in range(3))
+        for raw, name in ((retired, "r"), (leaving, "b")):
+            hello = wire.Hello(wire.PROTOCOL_VERSION, InstanceId(name), ROLLOUT, 1)
+            await raw.send(CONTROLLER, _encode(hello))
+        with anyio.fail_after(5):
+            await c.router.wait_for_instances(3)
+        await c.router.drain(InstanceId("r"))
+        await c.router.retire(InstanceId("r"), "scaled in")
+        await leaving.send(CONTROLLER, _encode(wire.Bye("closing")))
+        await wait_until(lambda: c.router.instances == ["w0"])
+        for raw in (retired, leaving, stranger):
+            await raw.send(CONTROLLER, _encode(wire.Pong(0)))
+            await raw.send(CONTROLLER, _encode(wire.Done(ItemResult(item=ItemId("late")))))
+        await wait_until(lambda: c.router.statistics().rejected.get("unexpected") == 2)
+        stats = c.router.statistics()
+    assert stats.num_late_frames == 4
+    assert stats.rejected == {"unexpected": 2}
+    assert [e.instance for e in c.graph.of(ev.WorkerFailed)] == ["b"]
+
+
 async def test_reports_are_stamped_and_forwarded(inproc: Net) -> None:
     async with cluster(inproc, ["w0"]) as c:
         await c.links["w0"].report(ev.WorkerIdle(instance=InstanceId("w0"), time_s=-5.0))

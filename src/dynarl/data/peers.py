@@ -75,7 +75,9 @@ class RouterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     took from another's queue (also counted in ``num_requeued``); ``num_balanced``
     counts items moved to a joining instance (``RouterConfig.balance_on_join``);
     ``num_frames_unsent`` counts control frames (pings, refusals) dropped because the
-    peer was not reading or gone.
+    peer was not reading or gone; ``num_late_frames`` counts frames (a pong, results)
+    that arrived from a worker after it was retired or said goodbye, dropped without a
+    rejection.
     """
 
     num_workers: int
@@ -93,6 +95,7 @@ class RouterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     num_balanced: int
     num_workers_failed: int
     num_frames_unsent: int
+    num_late_frames: int
     rejected: dict[str, int]
     transport: TransportStatistics
     queues: dict[InstanceId, QueueStatistics]

@@ -370,6 +370,7 @@ class Router:
             num_balanced=p.balancer.num_balanced,
             num_workers_failed=p.num_workers_failed,
             num_frames_unsent=self._sessions.num_frames_unsent,
+            num_late_frames=self._sessions.num_late_frames,
             rejected=rejected,
             transport=transport,
             queues={w.instance: w.queue.statistics() for w in workers},

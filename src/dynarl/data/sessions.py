@@ -11,6 +11,7 @@ carries — items and their results — belongs to the router
 
 import hmac
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,10 @@ from dynarl.data.request_order import RequestOrder
 from dynarl.data.transport import PeerId, Transport
 
 logger = logging.getLogger(__name__)
+
+DEPARTED_MEMORY = 4096
+"""How many departed peers (retired, or said goodbye) the sessions remember, so that
+frames already on their way when they left are dropped quietly."""
 
 _Handler = Callable[[PeerId, WorkerState | None, Any, float], None]
 OnResults = Callable[[WorkerState, Sequence[wire.ItemResult], float], None]
@@ -83,6 +88,9 @@ class Sessions:
         self.resumed_s = float("-inf")
         """When the router last stopped being stalled."""
         self.num_frames_unsent = 0
+        self.num_late_frames = 0
+        """Frames from a peer after it was retired or said goodbye, dropped."""
+        self._departed: OrderedDict[PeerId, None] = OrderedDict()
         self._handlers: dict[type[Any], _Handler] = {
             wire.Hello: self._on_hello,
             wire.Pong: self._on_pong,
@@ -159,6 +167,7 @@ class Sessions:
             now_s=now,
         )
         self.by_peer[peer] = w
+        self._departed.pop(peer, None)
         self._on_join(w)
         self.send_nowait(
             peer,
@@ -187,6 +196,12 @@ class Sessions:
         )
 
     def _unknown(self, peer: PeerId, what: str) -> None:
+        if peer in self._departed:
+            # A pong or result already on its way when the peer was retired or left:
+            # the peer knows it is gone, so nothing is refused or reported.
+            self.num_late_frames += 1
+            logger.debug("dropped %s from a departed peer", what)
+            return
         self.rejections.add("unexpected", f"{what} from a peer that is not a worker")
         self.send_nowait(
             peer,
@@ -239,6 +254,7 @@ class Sessions:
             self._unknown(peer, "a bye")
             return
         self.fail(w, f"it left ({msg.reason or 'no reason given'})", now)
+        self._remember_departed(peer)
 
     # ------------------------------------------------------------------ frames out
 
@@ -293,10 +309,18 @@ class Sessions:
         self._placement.fail_worker(w, reason, now)
 
     def forget(self, w: WorkerState) -> None:
-        """Drop ``w``, which holds nothing, without reporting a failure."""
+        """Drop ``w``, which holds nothing, without reporting a failure (it is being
+        retired: frames it still sends are dropped quietly)."""
         self._release(w)
         items = self._placement.remove_worker(w)
         assert not items, "only workers that hold nothing are forgotten"
+        self._remember_departed(w.peer)
+
+    def _remember_departed(self, peer: PeerId) -> None:
+        self._departed[peer] = None
+        self._departed.move_to_end(peer)
+        if len(self._departed) > DEPARTED_MEMORY:
+            self._departed.popitem(last=False)
 
     def _release(self, w: WorkerState) -> None:
         del self.by_peer[w.peer]
