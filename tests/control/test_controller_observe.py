@@ -8,7 +8,7 @@ from dynarl.control import events as ev
 from dynarl.control.controller import Controller
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, InstanceSpec, Migration, Plan
-from dynarl.control.predictor import Predictor
+from dynarl.control.predictor import Predictor, PrefillCost, Profile
 from dynarl.control.scheduler import Trigger
 from dynarl.control.topology import INFERENCE, PROMPTS, ROLLOUT, TO_INFERENCE, rl_pipeline
 from dynarl.core.clock import ManualClock
@@ -261,3 +261,59 @@ def test_a_resized_rollout_is_observed_again_only_after_the_meters_time_constant
     report(controller, 8)
     controller._observe_tick(clock.now())
     assert predictor.predict(ROLLOUT, 2, 16).num_observations == 1
+
+
+def test_a_rollout_is_not_observed_while_its_engines_re_prefill_moved_requests() -> None:
+    # A migration moves an engine's requests to another, which re-prefills them one
+    # after another, its running requests stalled meanwhile. Rates seen then are the
+    # stall: the controller waits the re-prefill out (by the profile's prefill cost)
+    # and the meter's time constant after it, however long ago the move started.
+    # (On simulated math 7B, 197 long requests moved to 8 engines stalled them ~10 s;
+    # observed, they drove the fitted fixed step cost to 0 and the predicted rollout
+    # end 270 s late.)
+    g = rollout_graph(max_running=8)
+    cost = PrefillCost(s_per_token=1e-3, s_per_token_context=0.0, kv_capacity_tokens=1e6)
+    predictor = Predictor(
+        {c: n.spec.scaling for c, n in g.components.items()},
+        profile=Profile(prefill={ROLLOUT: cost}),
+    )
+    clock = ManualClock()
+    controller = Controller(g, DoNothing(), NoMoves(), clock=clock, predictor=predictor)
+    refs = tuple(ev.ItemRef(ItemId(f"r{k}"), GroupId("g"), 1000) for k in range(8))
+    controller.handle(ev.ItemsEnqueued(edge=PROMPTS, items=refs))
+    for k, ref in enumerate(refs):
+        controller.handle(
+            ev.ItemRouted(edge=PROMPTS, item=ref.id, instance=InstanceId(f"rollout-{k % 2}"))
+        )
+    tau = g.components[ROLLOUT].work_rate.tau_s
+
+    def observed_after(seconds: float) -> int:
+        clock.advance(seconds)
+        report(controller, 4)
+        controller._observe_tick(clock.now())
+        return predictor.predict(ROLLOUT, 2, 8).num_observations
+
+    clock.advance(1.0)
+    report(controller, 4)  # its first window: the meter starts
+    assert observed_after(tau) == 1
+    # rollout-0's four requests (their 1,000-token prompts and what they generated:
+    # a millisecond a token) go to rollout-1, which re-prefills them in turn.
+    moved = tuple((ref.id, InstanceId("rollout-1")) for ref in refs[0::2])
+    source = g.instances[InstanceId("rollout-0")]
+    contexts = [source.context_of(g.edges[PROMPTS].items[item]) for item, _ in moved]
+    assert all(c > 1000 for c in contexts)
+    span = 1e-3 * sum(contexts)
+    controller._note_reprefill(
+        Migration(
+            id=MigrationId(0),
+            kind="workload",
+            src=ROLLOUT,
+            dst=None,
+            devices=(DeviceId(0),),
+            drain=(InstanceId("rollout-0"),),
+            reassign=moved,
+        )
+    )
+    assert observed_after(tau) == 1
+    assert observed_after(span - 0.1) == 1
+    assert observed_after(0.2) == 2

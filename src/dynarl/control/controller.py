@@ -11,6 +11,7 @@ how long decisions take, so the same controller runs on a virtual clock.
 """
 
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -26,6 +27,7 @@ from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import Migration, Plan
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Policy, StepHold, Trigger, TriggerKind
+from dynarl.control.scoring import reprefill_span_s
 from dynarl.core.clock import Clock
 from dynarl.core.errors import EventError
 from dynarl.core.ids import ComponentId
@@ -136,6 +138,9 @@ class Controller:
         self._occupancy: dict[ComponentId, tuple[int, float, float, int]] = {}
         # Per trainer: its work completed when its last optimizer step ended.
         self._step_mark: dict[ComponentId, float] = {}
+        # Per rollout: until when its engines re-prefill requests a migration moved to
+        # them (by the profile's prefill cost; see _note_reprefill).
+        self._reprefill_until: dict[ComponentId, float] = {}
 
     async def run(
         self,
@@ -268,9 +273,24 @@ class Controller:
         logger.info("plan (%s): %s", self.policy.name, plan.reason)
         self._stats.plans_committed += 1
         for migration in plan.migrations:
+            self._note_reprefill(migration)
             started = ev.MigrationStarted(migration=migration, time_s=self.clock.now())
             if self._apply(started):
                 self._tg.start_soon(self._execute, migration)
+
+    def _note_reprefill(self, migration: Migration) -> None:
+        """Remember until when the engines ``migration`` sends requests to will stall
+        re-prefilling them (they get them as the drain starts): a rate observed
+        meanwhile is the stall, not the engines' decode speed."""
+        cid = migration.src  # the drained engines' requests stay in their component
+        if self.predictor is None or not migration.reassign or cid is None:
+            return
+        cost = self.predictor.prefill_cost(cid)
+        if cost is None:
+            return
+        now = self.clock.now()
+        until = max(self._reprefill_until.get(cid, now), now)
+        self._reprefill_until[cid] = until + reprefill_span_s(self.graph, cost, migration)
 
     async def _execute(self, migration: Migration) -> None:
         t0 = self.clock.now()
@@ -321,10 +341,14 @@ class Controller:
                 # Mean context per running request, where the engines report their
                 # KV tokens (0 otherwise: the fit then has no context term).
                 context = sum(n.kv_tokens for n in active) / load if load > 0 else 0.0
-                if node.work_rate.age(now) < node.work_rate.tau_s:
-                    # Resized within the meter's time constant: its engines are still
-                    # re-prefilling the requests moved to them, and the fit would take
-                    # the stall for a per-request cost.
+                stalled_until = self._reprefill_until.get(cid, -math.inf)
+                settled = min(node.work_rate.age(now), now - stalled_until)
+                if settled < node.work_rate.tau_s:
+                    # Resized, or re-prefilling requests moved to its engines, within
+                    # the meter's time constant: the fit would take the stall for a
+                    # per-request cost (and, past that, drive the step's fixed cost to
+                    # zero: on simulated math 7B, 197 long requests moved to 8 engines
+                    # stalled them ~10 s and the predicted rollout end jumped by 270 s).
                     continue
                 if load > 0 and rate > 0:
                     self.predictor.observe(cid, devices, load, rate, context=context)

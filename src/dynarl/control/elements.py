@@ -174,6 +174,12 @@ class Node:
             return st.generated + self.tokens_per_request - st.mark
         return st.generated
 
+    def context_of(self, st: ItemState) -> float:
+        """Tokens of context ``st`` (held here) holds: its prompt and what it has
+        generated, or its session's cached prefix if that is longer (what re-prefilling
+        it elsewhere recomputes)."""
+        return max(st.tokens + self.progress_of(st), st.prefix_tokens)
+
     def progress_sum(self) -> float:
         """Tokens the items it holds have generated in all."""
         return self.progress_base + len(self.started) * self.tokens_per_request

@@ -38,8 +38,8 @@ from dynarl.control.demand import Demand, Rates
 from dynarl.control.elements import Node
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
-from dynarl.control.plan import Plan
-from dynarl.control.predictor import Predictor
+from dynarl.control.plan import Migration, Plan
+from dynarl.control.predictor import Predictor, PrefillCost
 from dynarl.control.trainer_steps import actor_finish, steps_in_arrival_order
 from dynarl.core.ids import ComponentId, GroupId, InstanceId
 
@@ -359,14 +359,32 @@ def _reprefill_s(
         def seconds(n: Node = n) -> float:
             out = 0.0
             for item, edge in n.items.items():
-                st = graph.edges[edge].items[item]
-                out += cost.seconds(max(st.tokens + n.progress_of(st), st.prefix_tokens))
+                out += cost.seconds(n.context_of(graph.edges[edge].items[item]))
             return out
 
         # An engine's sum changes only when it reports (progress) or its requests change.
         state = (n.last_stats_s, len(n.items), n.progress_base, n.tokens_per_request)
         total += est.reprefill_s(graph, n.id, state, cost, seconds)
     return total / keep
+
+
+def reprefill_span_s(graph: Hypergraph, cost: PrefillCost, migration: Migration) -> float:
+    """Seconds until the engines ``migration`` sends its drained engines' requests to
+    (its ``reassign``) have re-prefilled them: each engine re-prefills the requests
+    sent to it one after another (their contexts as they stand now), the engines side
+    by side. Requests that finished meanwhile are skipped."""
+    where = dict(migration.reassign)
+    per_engine: dict[InstanceId, float] = {}
+    for iid in migration.drain:
+        node = graph.instances.get(iid)
+        if node is None:
+            continue
+        for item, edge in node.items.items():
+            dst = where.get(item)
+            if dst is not None:
+                seconds = cost.seconds(node.context_of(graph.edges[edge].items[item]))
+                per_engine[dst] = per_engine.get(dst, 0.0) + seconds
+    return max(per_engine.values(), default=0.0)
 
 
 def after_moves(
