@@ -5,6 +5,7 @@ the longest remaining response."""
 import pytest
 
 from dynarl.control import events as ev
+from dynarl.control.demand import Demand, Rates
 from dynarl.control.estimates import Estimates
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.rollout_lengths import (
@@ -15,11 +16,13 @@ from dynarl.control.rollout_lengths import (
     mean_progress,
     pending_progress,
 )
-from dynarl.control.topology import PROMPTS, ROLLOUT
+from dynarl.control.scoring import demands, finish_times
+from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT
 from dynarl.core.errors import EventError, InvariantError
 from dynarl.core.ids import GroupId, InstanceId, ItemId
 
 from .test_item_sizes import sized_graph
+from .test_policies import predictor_for
 
 E0 = InstanceId("rollout-0")
 E1 = InstanceId("rollout-1")
@@ -286,3 +289,35 @@ def test_requests_complete_short_remainders_first_and_the_longest_at_the_end() -
     later = completion_order(g, ROLLOUT)
     assert later is not None and min(later.length) == pytest.approx(7000.0)
     assert later.time[0] == pytest.approx(1000.0 / expected_longest_remaining(g, ROLLOUT))
+
+
+def test_a_stage_fed_by_the_rollout_is_predicted_to_work_through_its_inputs_as_they_arrive() -> (
+    None
+):
+    # Heavy-tailed lengths: most of the scoring work comes with the last, longest
+    # responses. Inference's work arrives in the rollout's completion order, each
+    # chunk's share by its samples' length, and it cannot get ahead of it: sized to
+    # its total work it would idle early and finish late, after the rollout's last
+    # chunk by at least that chunk's work.
+    g = sized_graph()
+    g.max_tokens_per_request = 10_000.0
+    finished_iteration(g, [1000 * k for k in range(1, 11)] * 10)  # 1,000 .. 10,000
+    ids = enqueue(g, [f"p{k}" for k in range(32)], t=10.0)
+    for k, item in enumerate(ids):
+        g.apply(ev.ItemRouted(edge=PROMPTS, item=item, instance=(E0, E1)[k % 2], time_s=10.0))
+    predictor = predictor_for(g)
+    demand = demands(g)
+    d = demand[INFERENCE]
+    shares = [share for share, _ in d.arriving]
+    work = [w for _, w in d.arriving]
+    assert len(d.arriving) == 16 and shares == sorted(shares) and shares[-1] == 1.0
+    assert sum(work) == pytest.approx(d.upstream)
+    assert work == sorted(work) and work[-1] > 5 * work[0]  # the longest come last
+    devices = {ROLLOUT: 2, INFERENCE: 1, ACTOR: 1}
+    finish = finish_times(g, predictor, devices, demand=demand)
+    rate = Rates(g, predictor)(INFERENCE, 1, d)
+    assert finish[INFERENCE] >= finish[ROLLOUT] + work[-1] / rate
+    # Taken as if its work were all here, inference would be predicted done sooner.
+    evenly = dict(demand)
+    evenly[INFERENCE] = Demand(work=d.work, load=d.load, tail=d.tail, upstream=d.upstream)
+    assert finish_times(g, predictor, devices, demand=evenly)[INFERENCE] < finish[INFERENCE]

@@ -19,6 +19,7 @@ class Demand:
     """Remaining work of one component, in the units its throughput is measured in."""
 
     __slots__ = (
+        "arriving",
         "context",
         "hottest",
         "load",
@@ -46,6 +47,7 @@ class Demand:
         context: float = 0.0,
         ready: tuple[float, ...] = (),
         running_since: float | None = None,
+        arriving: tuple[tuple[float, float], ...] = (),
     ) -> None:
         self.work = work  # units still to process
         self.longest = longest  # rollout: tokens of the longest remaining response
@@ -63,6 +65,9 @@ class Demand:
         self.ready = ready
         # actor: when the step it is running began (None: no step is running)
         self.running_since = running_since
+        # a stage fed by a rollout: its upstream work in the order it arrives, as
+        # (share of the time until its predecessors finish, work) chunks (empty: unknown)
+        self.arriving = arriving
 
     def with_hottest(self, num_items: int) -> "Demand":
         """The same demand with ``num_items`` items on the most loaded engine."""
@@ -78,6 +83,7 @@ class Demand:
             context=self.context,
             ready=self.ready,
             running_since=self.running_since,
+            arriving=self.arriving,
         )
 
 

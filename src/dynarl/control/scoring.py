@@ -139,8 +139,41 @@ def _demands(graph: Hypergraph, est: Estimates) -> dict[ComponentId, Demand]:
         else:
             # After its last input arrives, it still processes that input (one item).
             chunk = min(work, work / total) if total else 0.0
-            out[cid] = Demand(work=work, load=total, tail=chunk, upstream=upstream_work)
+            arriving = _arriving(graph, cid, upstream_work, est) if upstream_work > 0 else ()
+            out[cid] = Demand(
+                work=work, load=total, tail=chunk, upstream=upstream_work, arriving=arriving
+            )
     return out
+
+
+def _arriving(
+    graph: Hypergraph, cid: ComponentId, upstream_work: float, est: Estimates
+) -> tuple[tuple[float, float], ...]:
+    """The work still on its way to ``cid`` from the rollout feeding it, in the order
+    the rollout completes it: its pending requests in the equal-count buckets of
+    :func:`~dynarl.control.rollout_lengths.completion_order`, each bucket's work its
+    share of ``upstream_work`` by its samples' length (prompt and response), arriving
+    at the bucket's share of the rollout's remaining time. Empty when ``cid`` is not
+    fed by exactly one rollout or no iteration has finished yet."""
+    rollouts = [p for p in graph.predecessors[cid] if graph.components[p].spec.kind == "rollout"]
+    if len(rollouts) != 1:
+        return ()
+    order = rollout_lengths.completion_order(graph, rollouts[0], est)
+    if order is None:
+        return ()
+    if graph.sized:
+        edges = graph.edges_into(rollouts[0])
+        pending = max(graph.pending(rollouts[0]), 1)
+        prompt = sum(e.tokens_pending for e in edges) / pending
+        sizes = [prompt + length for length in order.length]
+    else:
+        sizes = [1.0] * len(order.length)
+    total = sum(sizes)
+    if total <= 0:
+        return ()
+    return tuple(
+        (share, upstream_work * size / total) for share, size in zip(order.time, sizes, strict=True)
+    )
 
 
 def remaining_time(
@@ -248,9 +281,15 @@ def finish_times(
             if waits and waiting is not None:
                 waiting.add(cid)
             continue
-        own = _time_for(d.work, old, new, delays.get(cid, 0.0)) + penalties.get(cid, 0.0)
+        delay, penalty = delays.get(cid, 0.0), penalties.get(cid, 0.0)
+        own = _time_for(d.work, old, new, delay) + penalty
         tail = d.tail / new if new > 0 else math.inf if d.tail > 0 else 0.0
         finish[cid] = max(own, arrival + tail)
+        left = None  # work left when the last input arrives, if its arrivals are known
+        if d.arriving and new > 0 and arrival > 0:
+            drained = _drain(d, old, new, delay, arrival)
+            finish[cid] = max(finish[cid], drained + penalty)
+            left = max(drained - arrival, 0.0) * new
         if d.upstream > 0 and arrival > 0:
             # Devices flow downstream: once its predecessors finish, their devices can
             # join this stage (after a migration) for the work still left then. A stage
@@ -260,7 +299,10 @@ def finish_times(
             pooled = n_new + sum(devices.get(p, 0) for p in graph.ancestors[cid])
             pooled -= pooled % unit
             if pooled > n_new:
-                done = min(max(d.work - d.tail, 0.0), new * arrival)
+                if left is None:
+                    done = min(max(d.work - d.tail, 0.0), new * arrival)
+                else:
+                    done = max(d.work - left, 0.0)
                 later = rate_of(cid, pooled, d)
                 kind = "reshard" if spec.kind == "actor" else "workload"
                 if later > 0:
@@ -430,6 +472,19 @@ def _place_groups(loads: dict[InstanceId, int], sizes: Iterable[int]) -> None:
         load, iid = heapq.heappop(heap)
         loads[iid] = load + size
         heapq.heappush(heap, (load + size, iid))
+
+
+def _drain(d: Demand, old: float, new: float, delay: float, arrival: float) -> float:
+    """When a stage whose inputs come in ``d.arriving``'s chunks (the last at
+    ``arrival``) has done its work: what is here first, then each chunk once it has
+    arrived, in order. Devices idle while their inputs are still coming do not get
+    ahead: a stage sized to its work's total finishes late when most of that work
+    arrives last (the longest responses do)."""
+    here = max(d.work - sum(w for _, w in d.arriving), 0.0)
+    t = _time_for(here, old, new, delay)
+    for share, w in d.arriving:
+        t = max(t, share * arrival) + w / new
+    return t
 
 
 def _time_for(work: float, old: float, new: float, delay: float) -> float:
