@@ -39,7 +39,9 @@ measured profile, ``error_round_profile`` simulates each iteration on the profil
 measured around its own round (the machine's drift between rounds then cancels out)
 and ``error_round_profile_interval`` is its interval; ``stage_s`` gives per mode the
 mean (real, simulated) seconds of the rollout and of the rest of the iteration after it
-(which part an error is in)::
+(which part an error is in), and ``engine_steps`` the mean (real, simulated) engine
+steps an iteration by kind and the mean step of each kind in ms (whether the replay
+takes the real engines' steps, and what one costs in each)::
 
     python bench/sim_fidelity.py [--iterations 5] [--warmup 1] [--profile measured|builtin]
 """
@@ -68,6 +70,7 @@ from dynarl.control import events as ev
 from dynarl.control.predictor import usable_cores
 from dynarl.control.topology import PROMPTS
 from dynarl.core.virtual_time import VirtualTimeLoop
+from dynarl.obs.metrics import EngineSteps
 from dynarl.sim.cluster import trace_workload
 from dynarl.sim.config import SimConfig, SimulatedRun, simulated_run
 from dynarl.sim.controller_cpu import ControllerCost, fit_controller_cost
@@ -157,22 +160,35 @@ def controller_cost(runs: list[ModeRun], warmup: int) -> ControllerCost:
     return fit_controller_cost(s for r in runs for s in r.stats[warmup:])
 
 
-class RolloutEnds:
-    """A controller listener on a replay: each iteration's start and its last rollout
-    completion, so the replay's rollout and what follows it can be set against the
-    real run's stage times."""
+class ReplayParts:
+    """A controller listener on a replay: each iteration's start, its last rollout
+    completion and its engines' steps (:class:`~dynarl.obs.metrics.EngineSteps`, as a
+    real run's ``engine_steps``), so the replay's rollout, what follows it and its
+    steps can be set against the real run's."""
 
     def __init__(self) -> None:
         self.start: dict[int, float] = {}
         self.rollout_end: dict[int, float] = {}
+        self.steps: dict[int, dict[str, float]] = {}
+        self._counter = EngineSteps()
         self._iteration = -1
 
     def __call__(self, event: ev.Event) -> None:
         if isinstance(event, ev.IterationStarted):
+            self._close()
             self._iteration = event.iteration
             self.start[event.iteration] = event.time_s
         elif isinstance(event, ev.ItemCompleted) and event.edge == PROMPTS:
             self.rollout_end[self._iteration] = event.time_s
+        elif isinstance(event, ev.EngineStats):
+            self._counter(event)
+        elif isinstance(event, ev.IterationDone):
+            self._close()
+
+    def _close(self) -> None:
+        steps = self._counter.take()
+        if steps and self._iteration >= 0:
+            self.steps[self._iteration] = steps
 
     def rollout_s(self) -> dict[int, float]:
         """Each iteration's rollout: its start to its last rollout completion."""
@@ -180,7 +196,7 @@ class RolloutEnds:
 
 
 def simulate_mode(
-    run: ModeRun, profile: CpuProfile, warmup: int, *, ends: RolloutEnds | None = None
+    run: ModeRun, profile: CpuProfile, warmup: int, *, ends: ReplayParts | None = None
 ) -> ModeResult:
     """``run``'s job under its mode on ``profile``, replaying its own trace.jsonl
     (``ends`` hears the replay's events)."""
@@ -268,6 +284,43 @@ def stage_split(
     }
 
 
+STEP_PARTS = ("prefill_steps", "decode_steps", "prefill_step_ms", "decode_step_ms")
+
+
+def step_split(
+    run: ModeRun, sim_steps: dict[int, dict[str, float]], warmup: int
+) -> dict[str, tuple[float, float]]:
+    """Mean (real, simulated) engine steps an iteration, by kind, and the mean step of
+    each kind in ms (summed over the engines, over the measured iterations both
+    counted): whether the replay takes the real engines' steps, and what a step costs
+    in each. The real step is the engine's own ``step()``, the worker loop around it
+    not included; a simulated step includes its share of the loop
+    (``step_dispatch_s``)."""
+    pairs = [
+        (s.engine_steps, sim_steps[s.iteration])
+        for s in run.stats[warmup:]
+        if s.engine_steps and s.iteration in sim_steps
+    ]
+    if not pairs:
+        return {}
+
+    def parts(steps: dict[str, float]) -> tuple[float, ...]:
+        prefills, decodes = steps.get("prefill_steps", 0.0), steps.get("decode_steps", 0.0)
+        return (
+            prefills,
+            decodes,
+            1e3 * steps.get("prefill_s", 0.0) / prefills if prefills else math.nan,
+            1e3 * steps.get("decode_s", 0.0) / decodes if decodes else math.nan,
+        )
+
+    real = [parts(r) for r, _ in pairs]
+    sim = [parts(v) for _, v in pairs]
+    return {
+        name: (statistics.mean(r[k] for r in real), statistics.mean(v[k] for v in sim))
+        for k, name in enumerate(STEP_PARTS)
+    }
+
+
 def ranking(times: Mapping[Mode, float]) -> list[Mode]:
     """Modes from fastest to slowest."""
     return sorted(times, key=times.__getitem__)
@@ -331,7 +384,7 @@ def main() -> None:
     )
     real = {r.mode: summarise(r, args.warmup) for r in runs}
     failed = {m: s["error"] for m, s in real.items() if s.get("error")}
-    ends = {r.mode: RolloutEnds() for r in runs}
+    ends = {r.mode: ReplayParts() for r in runs}
     simulated = {
         r.mode: simulate_mode(r, profile, args.warmup, ends=ends[r.mode]) for r in runs if r.stats
     }
@@ -351,6 +404,7 @@ def main() -> None:
         m: stage_split(by_mode[m], ends[m].rollout_s(), sim_times[m], args.warmup)
         for m in simulated
     }
+    steps = {m: step_split(by_mode[m], ends[m].steps, args.warmup) for m in simulated}
     rounds: dict[str, dict[int, float]] = {}
     if profiler is not None:
         tenants = {k: getattr(profile, k) for k in tenant}
@@ -390,6 +444,13 @@ def main() -> None:
             for part, (r, v) in split.items()
         )
         print(f"{m:22s} {shown}")
+    for m, split in steps.items():
+        if split:
+            shown = "; ".join(
+                f"{part.replace('_', ' ')} real {r:.1f} / sim {v:.1f} ({v / r - 1:+.0%})"
+                for part, (r, v) in split.items()
+            )
+            print(f"{m:22s} engine steps an iteration: {shown}")
     for m, err in round_error.items():
         lo, hi = error_interval(by_mode[m], rounds[m], args.warmup)
         shown = " ".join(f"{e:+.0%}" for e in paired_errors(by_mode[m], rounds[m], args.warmup))
@@ -429,6 +490,10 @@ def main() -> None:
         "stage_s": {
             m: {part: [round(r, 3), round(v, 3)] for part, (r, v) in split.items()}
             for m, split in stages.items()
+        },
+        "engine_steps": {
+            m: {part: [round(r, 3), round(v, 3)] for part, (r, v) in split.items()}
+            for m, split in steps.items()
         },
         "measured_s": {m: round(v, 3) for m, v in measured_s.items()},
         "simulated_s": {m: round(v, 3) for m, v in simulated_s.items()},

@@ -99,6 +99,10 @@ async def test_dynamic_mode_trains_as_groups_finish_on_real_workers(tmp_path: Pa
     assert all(s.gen_tokens > 0 and s.mean_reward >= 0 for s in history)
     assert all(s.stage_s["train"] > 0 and s.grad_norm > 0 for s in history)
     assert any(s.migrations for s in history)
+    # The torch engines count their steps; the metrics hold each iteration's.
+    for s in history:
+        assert s.engine_steps["prefill_steps"] >= 1 and s.engine_steps["decode_steps"] >= 1
+        assert s.engine_steps["decode_s"] > 0
     assert not {"ItemRouted", "ItemCompleted", "ItemsRequeued", "WorkerIdle"} & set(rejected), (
         rejected
     )

@@ -281,3 +281,32 @@ def test_from_config_builds_the_engine_of_a_run() -> None:
     )
     (completion,) = engine.generate(_requests(1.0, max_new_tokens=8)[:1])
     assert 1 <= len(completion.output_ids) <= 8
+
+
+def test_the_engine_counts_its_steps_by_kind_and_their_seconds(model: PreTrainedModel) -> None:
+    # A step either prefills the requests it admits or decodes every running one: the
+    # counts say how many of each, and the seconds what they cost (the metrics'
+    # engine_steps, which the simulator's fidelity bench compares step for step).
+    clock = ManualClock()
+
+    def now_s() -> float:
+        clock.advance(0.25)  # every reading a quarter second later: a step is 0.25 s
+        return clock.now()
+
+    engine = _engine(model, max_running_requests=2, kv_capacity_tokens=256, now_s=now_s)
+    kinds: list[str] = []
+    for request in _requests(max_new_tokens=5)[:3]:
+        engine.add_request(request)
+    while engine.num_unfinished:
+        before = engine.stats()
+        engine.step()
+        after = engine.stats()
+        kinds.append("prefill" if after.prefill_steps > before.prefill_steps else "decode")
+        assert after.prefill_steps + after.decode_steps == len(kinds)
+    final = engine.stats()
+    # Two slots for three requests: two prefills at least (the third waits for a slot),
+    # and each request decodes its remaining tokens.
+    assert final.prefill_steps == kinds.count("prefill") >= 2
+    assert final.decode_steps == kinds.count("decode") >= 4
+    assert final.prefill_s == pytest.approx(0.25 * final.prefill_steps)
+    assert final.decode_s == pytest.approx(0.25 * final.decode_steps)

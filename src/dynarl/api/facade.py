@@ -294,12 +294,13 @@ class DynaRL:
             raise IterationInterruptedError(
                 f"iteration {index} was stopped before it finished (request_stop)"
             )
-        device_s, migrations = self._meter.take(self.controller.clock.now())
+        reading = self._meter.take(self.controller.clock.now())
         stats = msgspec.structs.replace(
             stats,
-            device_s=device_s,
+            device_s=reading.device_s,
             allocation=self._meter.allocation(),
-            migrations=migrations,
+            migrations=reading.migrations,
+            engine_steps=reading.engine_steps,
             restarts={} if self._world is None else self._world.reboots.budget.taken(),
             controller_cpu_s=time.process_time() - cpu_s,
         )

@@ -109,7 +109,9 @@ class EngineStats(Event, frozen=True, kw_only=True):
     request counts, its recent generation throughput and, if it says, ``kv_tokens``:
     the tokens of context its running requests hold (SGLang's ``num_used_tokens``; 0
     when the engine does not report it). A decode step reads that KV, so it is what
-    the step costs beyond the weights."""
+    the step costs beyond the weights. ``prefill_steps`` and ``decode_steps`` count
+    the engine's steps since it started and ``prefill_s`` and ``decode_s`` the seconds
+    they took (0 where the engine does not count them)."""
 
     instance: InstanceId
     kv_usage: float
@@ -117,6 +119,10 @@ class EngineStats(Event, frozen=True, kw_only=True):
     num_queued: int
     gen_tokens_per_s: float = 0.0
     kv_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
 
 class WorkerIdle(Event, frozen=True, kw_only=True):

@@ -1,5 +1,6 @@
-"""Per-iteration metrics of a real run: the record, the device-seconds meter behind it,
-and the ``metrics.jsonl`` writer (one JSON object per line, one line per iteration).
+"""Per-iteration metrics of a real run: the record, the meters behind it (device-seconds
+and migrations; the rollout engines' steps) and the ``metrics.jsonl`` writer (one JSON
+object per line, one line per iteration).
 """
 
 import json
@@ -13,6 +14,7 @@ import msgspec
 
 from dynarl.control import events as ev
 from dynarl.control.hypergraph import Hypergraph
+from dynarl.core.ids import InstanceId
 
 
 class MigrationRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -59,6 +61,12 @@ class IterationStats(msgspec.Struct, frozen=True, kw_only=True):
             (``turns``, ``tool_calls``, ``tool_errors``, ``parse_errors``, ``tool_s``,
             ...), ``tool_call_rate`` (episodes with a tool call), and the counts
             ``truncated`` and ``aborted`` (infrastructure failures, not scored).
+        engine_steps: the rollout engines' steps in the iteration, summed over the
+            engines (``prefill_steps``, ``decode_steps``) and the seconds they took
+            (``prefill_s``, ``decode_s``; so ``decode_s / decode_steps`` is the mean
+            decode step); empty where the engines do not count their steps (SGLang).
+            Counted from the engines' load reports, so steps after an engine's last
+            report of the iteration count in the next.
         controller_cpu_s: CPU seconds the controller process (the one running the
             event loop: controller, data router, reward threads, result batches; not
             the worker processes) spent on the iteration, what it takes from the
@@ -84,12 +92,58 @@ class IterationStats(msgspec.Struct, frozen=True, kw_only=True):
     migrations: list[MigrationRecord] = msgspec.field(default_factory=list)
     restarts: dict[str, int] = msgspec.field(default_factory=dict)
     episodes: dict[str, float] = msgspec.field(default_factory=dict)
+    engine_steps: dict[str, float] = msgspec.field(default_factory=dict)
     controller_cpu_s: float | None = None
 
 
+_STEP_FIELDS = ("prefill_steps", "decode_steps", "prefill_s", "decode_s")
+
+
+class EngineSteps:
+    """The rollout engines' steps and their seconds, summed over the engines, from
+    their ``EngineStats`` reports (each carries its engine's counts since it started);
+    a controller listener.
+
+    An engine whose counts go down started again (a restarted slot): its new counts
+    are all new steps.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[InstanceId, tuple[float, ...]] = {}
+        self._total = [0.0] * len(_STEP_FIELDS)
+
+    def __call__(self, event: ev.Event) -> None:
+        """Count the steps an engine report adds."""
+        if not isinstance(event, ev.EngineStats):
+            return
+        counts = tuple(float(getattr(event, name)) for name in _STEP_FIELDS)
+        last = self._last.get(event.instance)
+        if last is None or counts[0] < last[0] or counts[1] < last[1]:
+            last = (0.0,) * len(_STEP_FIELDS)
+        for k, (now, before) in enumerate(zip(counts, last, strict=True)):
+            self._total[k] += now - before
+        self._last[event.instance] = counts
+
+    def take(self) -> dict[str, float]:
+        """The steps and seconds counted since the previous call (empty if no engine
+        counted a step), and start again."""
+        total, self._total = self._total, [0.0] * len(_STEP_FIELDS)
+        if not (total[0] or total[1]):
+            return {}
+        return dict(zip(_STEP_FIELDS, total, strict=True))
+
+
+class MeterReading(msgspec.Struct, frozen=True, kw_only=True):
+    """What a :class:`DeviceMeter` counted since its previous reading."""
+
+    device_s: dict[str, float]
+    migrations: list[MigrationRecord]
+    engine_steps: dict[str, float]
+
+
 class DeviceMeter:
-    """Device-seconds per component and finished migrations, from the controller's
-    events; a controller listener.
+    """Device-seconds per component, finished migrations and the rollout engines'
+    steps (:class:`EngineSteps`), from the controller's events; a controller listener.
 
     Args:
         graph: the controller's hypergraph (read only).
@@ -102,12 +156,15 @@ class DeviceMeter:
         self._device_s: dict[str, float] = {}
         self._started: dict[int, tuple[float, MigrationRecord]] = {}
         self._migrations: list[MigrationRecord] = []
+        self._steps = EngineSteps()
 
     def __call__(self, event: ev.Event) -> None:
         """Account the time since the previous event at the placement before ``event``
         (listeners see events after they are applied; the difference is one event)."""
         self.advance(event.time_s)
-        if isinstance(event, ev.MigrationStarted):
+        if isinstance(event, ev.EngineStats):
+            self._steps(event)
+        elif isinstance(event, ev.MigrationStarted):
             m = event.migration
             record = MigrationRecord(
                 kind=m.kind,
@@ -145,12 +202,14 @@ class DeviceMeter:
             if node.spec.on_devices
         }
 
-    def take(self, now_s: float) -> tuple[dict[str, float], list[MigrationRecord]]:
-        """Device-seconds and migrations since the previous call, and reset."""
+    def take(self, now_s: float) -> MeterReading:
+        """What was counted since the previous call, and reset."""
         self.advance(now_s)
         device_s, self._device_s = self._device_s, {}
         migrations, self._migrations = self._migrations, []
-        return device_s, migrations
+        return MeterReading(
+            device_s=device_s, migrations=migrations, engine_steps=self._steps.take()
+        )
 
 
 class MetricsWriter:

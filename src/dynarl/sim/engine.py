@@ -84,6 +84,8 @@ class SimEngine:
         self._now = start_s
         self._t = start_s  # the running state is exact at _t, a step boundary
         self._step_count = 0
+        self._num_prefills = 0
+        self._step_s = [0.0, 0.0]  # seconds of prefill and of decode steps, in all
         self._running: dict[ItemId, EngineEntry] = {}  # in admission order: last is youngest
         self._finish_heap: list[tuple[int, int, ItemId]] = []  # (finish step, seq, id)
         self._reserved = Reservations(config.new_token_clip)  # the running jobs' future
@@ -259,6 +261,10 @@ class SimEngine:
             num_queued=len(self._queue),
             gen_tokens_per_s=rate,
             kv_tokens=held,
+            prefill_steps=self._num_prefills,
+            decode_steps=self._step_count,
+            prefill_s=self._step_s[0],
+            decode_s=self._step_s[1],
         )
 
     def decode_rates_alone(self) -> tuple[float, float]:
@@ -360,7 +366,9 @@ class SimEngine:
             self._event = None
 
     def _step(self, steps: int) -> None:
-        self._t += self._span_s(steps)
+        span_s = self._span_s(steps)
+        self._t += span_s
+        self._step_s[1] += span_s
         self._step_count += steps
         self._held += len(self._running) * steps
         self._generated += len(self._running) * steps
@@ -493,4 +501,6 @@ class SimEngine:
         prefill_s = self.config.prefill_overhead_s + flops / self._flops_rate + joined
         self._t += prefill_s * self._slowdown
         self._prefill_end_s = self._t
+        self._num_prefills += 1
+        self._step_s[0] += prefill_s * self._slowdown
         self._cache.shrink_to(self._capacity - self._held)

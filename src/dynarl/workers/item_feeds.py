@@ -28,6 +28,7 @@ from dynarl.workers.sinks import EachSink, ItemSink
 
 _ENCODER = msgspec.msgpack.Encoder()
 _GENERATE = msgspec.msgpack.Decoder(GenerateRequest)
+_DRY_CHECK_S = 0.05  # how often the load reporter looks whether the engine ran dry
 _SCORE = msgspec.msgpack.Decoder(LogprobRequest)
 
 
@@ -124,8 +125,19 @@ async def _report_load(
     interval_s: float,
     reporting: Callable[[], bool],
 ) -> None:
+    """Report ``engine``'s load every ``interval_s`` while ``reporting()``, and at
+    once when the engine runs out of requests: its step counts are then final for what
+    it was given (a rollout's end), which a report on schedule might only give after
+    the slot stopped serving."""
+    due_s = anyio.current_time() + interval_s
+    busy = False
     while True:
-        await anyio.sleep(interval_s)
+        await anyio.sleep(min(_DRY_CHECK_S, interval_s))
+        now = anyio.current_time()
+        was_busy, busy = busy, engine.num_requests > 0
+        if now < due_s and (busy or not was_busy):
+            continue
+        due_s = now + interval_s
         if reporting():
             load = engine.load()
             await link.report(
@@ -137,6 +149,10 @@ async def _report_load(
                     num_queued=load.num_queued,
                     gen_tokens_per_s=load.gen_tokens_per_s,
                     kv_tokens=load.kv_tokens,
+                    prefill_steps=load.prefill_steps,
+                    decode_steps=load.decode_steps,
+                    prefill_s=load.prefill_s,
+                    decode_s=load.decode_s,
                 )
             )
 

@@ -142,6 +142,11 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
             started.
         prefill_tokens: tokens fed by prefills since the engine started (hits are not
             fed, so hit rate = hits / (hits + prefill)).
+        prefill_steps, decode_steps: the engine's steps since it started, by kind (a
+            prefill step admits requests, a decode step advances every running one by
+            a token); 0 where the engine does not count them (the SGLang adapter:
+            the server does not say).
+        prefill_s, decode_s: seconds those steps took, in all.
     """
 
     kv_usage: float
@@ -152,6 +157,10 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
     cached_prefix_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefill_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
 
 
 # ------------------------------------------------------------------ the role

@@ -123,6 +123,9 @@ class RolloutEngine:
         self._recent: collections.deque[tuple[float, int, float]] = collections.deque()
         self._prefixes = PrefixCache()
         self._prefill_tokens = 0
+        # Steps since the engine started and the seconds they took: [prefill, decode].
+        self._steps = [0, 0]
+        self._step_s = [0.0, 0.0]
 
     @classmethod
     def from_config(
@@ -237,6 +240,9 @@ class RolloutEngine:
         self._fit_prefixes()
         end_s = self._now_s()
         self._recent.append((end_s, len(batch), end_s - start_s))
+        kind = 0 if admitted else 1
+        self._steps[kind] += 1
+        self._step_s[kind] += end_s - start_s
         return outputs
 
     def generate(self, requests: Iterable[GenerateRequest]) -> list[Completion]:
@@ -270,8 +276,9 @@ class RolloutEngine:
         return self._prefixes
 
     def stats(self) -> EngineLoad:
-        """KV usage, running and queued counts, and generation throughput: tokens per
-        second of stepping over the steps of the last few seconds (0 after none)."""
+        """KV usage, running and queued counts, generation throughput (tokens per
+        second of stepping over the steps of the last few seconds; 0 after none), and
+        the steps taken since the engine started, by kind, with their seconds."""
         now = self._now_s()
         while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
             self._recent.popleft()
@@ -286,6 +293,10 @@ class RolloutEngine:
             cached_prefix_tokens=self._prefixes.num_tokens,
             prefix_hit_tokens=self._prefixes.hit_tokens,
             prefill_tokens=self._prefill_tokens,
+            prefill_steps=self._steps[0],
+            decode_steps=self._steps[1],
+            prefill_s=self._step_s[0],
+            decode_s=self._step_s[1],
         )
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:
