@@ -268,7 +268,7 @@ def test_a_rollout_is_not_observed_while_its_engines_re_prefill_moved_requests()
     # after another, its running requests stalled meanwhile. Rates seen then are the
     # stall: the controller waits the re-prefill out (by the profile's prefill cost)
     # and the meter's time constant after it, however long ago the move started.
-    # (On simulated math 7B, 197 long requests moved to 8 engines stalled them ~10 s;
+    # (On simulated math 7B, 199 long requests moved to 8 engines stalled them ~15 s;
     # observed, they drove the fitted fixed step cost to 0 and the predicted rollout
     # end 270 s late.)
     g = rollout_graph(max_running=8)

@@ -347,8 +347,8 @@ class Controller:
                     # Resized, or re-prefilling requests moved to its engines, within
                     # the meter's time constant: the fit would take the stall for a
                     # per-request cost (and, past that, drive the step's fixed cost to
-                    # zero: on simulated math 7B, 197 long requests moved to 8 engines
-                    # stalled them ~10 s and the predicted rollout end jumped by 270 s).
+                    # zero: on simulated math 7B, 199 long requests moved to 8 engines
+                    # stalled them ~15 s and the predicted rollout end jumped by 270 s).
                     continue
                 if load > 0 and rate > 0:
                     self.predictor.observe(cid, devices, load, rate, context=context)
