@@ -101,8 +101,8 @@ _STEP_FIELDS = ("prefill_steps", "decode_steps", "prefill_s", "decode_s")
 
 class EngineSteps:
     """The rollout engines' steps and their seconds, summed over the engines, from
-    their ``EngineStats`` reports (each carries its engine's counts since it started);
-    a controller listener.
+    their ``EngineStats`` reports (each carries its engine's counts since it started
+    serving as that instance); a controller listener.
 
     An engine whose counts go down started again (a restarted slot): its new counts
     are all new steps.

@@ -4,7 +4,7 @@ A rollout engine is fed generate requests (each item's payload is a msgpack
 :class:`~dynarl.workers.rollout.GenerateRequest`; its outcome goes back through an
 :class:`~dynarl.workers.sinks.ItemSink`), gives back the items the controller asks for
 with their partial output, hears which multi-turn sessions are over, and reports its
-load every few seconds. An inference engine scores the items (msgpack
+load (:mod:`dynarl.workers.load_reports`). An inference engine scores the items (msgpack
 :class:`~dynarl.workers.inference.LogprobRequest`) in the batches they arrive in.
 
 An item a worker cannot serve (an undecodable payload, a request its engine refuses) is
@@ -16,19 +16,18 @@ from collections.abc import Callable
 import anyio
 import msgspec
 
-from dynarl.control import events as ev
-from dynarl.core.ids import InstanceId, ItemId
+from dynarl.core.ids import ItemId
 from dynarl.data import wire
 from dynarl.data.errors import PeerLostError
 from dynarl.data.worker_link import WorkerLink
 from dynarl.workers.errors import BadRequestError
 from dynarl.workers.inference import InferenceEngine, LogprobRequest, LogprobResult
+from dynarl.workers.load_reports import LoadReporter
 from dynarl.workers.rollout import GenerateRequest, RolloutEngine
 from dynarl.workers.sinks import EachSink, ItemSink
 
 _ENCODER = msgspec.msgpack.Encoder()
 _GENERATE = msgspec.msgpack.Decoder(GenerateRequest)
-_DRY_CHECK_S = 0.05  # how often the load reporter looks whether the engine ran dry
 _SCORE = msgspec.msgpack.Decoder(LogprobRequest)
 
 
@@ -36,15 +35,16 @@ async def feed_rollout(
     engine: RolloutEngine,
     link: WorkerLink,
     *,
-    instance: InstanceId,
+    reporter: LoadReporter,
     stats_interval_s: float,
     reporting: Callable[[], bool],
 ) -> None:
     """Serve ``link``'s rollout items on ``engine`` until the link is lost: requests,
-    aborts, session ends, and an ``EngineStats`` report every ``stats_interval_s``
-    while ``reporting()`` says the engine serves."""
+    aborts, session ends, and ``reporter``'s ``EngineStats`` reports (every
+    ``stats_interval_s`` while ``reporting()`` says the engine serves, and when it ran
+    dry: :class:`~dynarl.workers.load_reports.LoadReporter`)."""
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_report_load, engine, link, instance, stats_interval_s, reporting)
+        tg.start_soon(reporter.run, stats_interval_s, reporting)
         async with anyio.create_task_group() as feeds:
             feeds.start_soon(_requests, engine, link)
             feeds.start_soon(_aborts, engine, link)
@@ -116,45 +116,6 @@ async def _session_ends(engine: RolloutEngine, link: WorkerLink) -> None:
         except PeerLostError:
             return
         await engine.end_sessions(ended)
-
-
-async def _report_load(
-    engine: RolloutEngine,
-    link: WorkerLink,
-    instance: InstanceId,
-    interval_s: float,
-    reporting: Callable[[], bool],
-) -> None:
-    """Report ``engine``'s load every ``interval_s`` while ``reporting()``, and at
-    once when the engine runs out of requests: its step counts are then final for what
-    it was given (a rollout's end), which a report on schedule might only give after
-    the slot stopped serving."""
-    due_s = anyio.current_time() + interval_s
-    busy = False
-    while True:
-        await anyio.sleep(min(_DRY_CHECK_S, interval_s))
-        now = anyio.current_time()
-        was_busy, busy = busy, engine.num_requests > 0
-        if now < due_s and (busy or not was_busy):
-            continue
-        due_s = now + interval_s
-        if reporting():
-            load = engine.load()
-            await link.report(
-                ev.EngineStats(
-                    time_s=0.0,
-                    instance=instance,
-                    kv_usage=load.kv_usage,
-                    num_running=load.num_running,
-                    num_queued=load.num_queued,
-                    gen_tokens_per_s=load.gen_tokens_per_s,
-                    kv_tokens=load.kv_tokens,
-                    prefill_steps=load.prefill_steps,
-                    decode_steps=load.decode_steps,
-                    prefill_s=load.prefill_s,
-                    decode_s=load.decode_s,
-                )
-            )
 
 
 async def feed_inference(engine: InferenceEngine, link: WorkerLink) -> None:

@@ -41,6 +41,7 @@ from dynarl.workers import protocol as p
 from dynarl.workers.errors import LifecycleError
 from dynarl.workers.inference import InferenceEngine
 from dynarl.workers.lifecycle import Lifecycle
+from dynarl.workers.load_reports import LoadReporter
 from dynarl.workers.rollout import RolloutEngine
 from dynarl.workers.sinks import CallSink
 from dynarl.workers.weights import WeightReceiver, WeightSyncGroup
@@ -98,6 +99,7 @@ class SlotServer:
         self._inference: tuple[p.InferenceRole, InferenceEngine] | None = None
         self._sync_holder: WeightReceiver | None = None
         self._streamed: set[str] = set()  # requests of Generate calls, not items
+        self._reporter: LoadReporter | None = None  # while a rollout link is fed
         self._preloaded = anyio.Event()
         if not config.preload_modules:
             self._preloaded.set()
@@ -313,13 +315,17 @@ class SlotServer:
         return p.Aborted(requests=tuple(r for r in taken if r.request_id in streamed))
 
     async def _feed_rollout(self, engine: RolloutEngine, link: WorkerLink) -> None:
-        await feeds.feed_rollout(
-            engine,
-            link,
-            instance=self.identity[0],
-            stats_interval_s=self.config.stats_interval_s,
-            reporting=lambda: self.lifecycle.state in ("active", "draining"),
-        )
+        reporter = self._reporter = LoadReporter(engine, link, self.identity[0])
+        try:
+            await feeds.feed_rollout(
+                engine,
+                link,
+                reporter=reporter,
+                stats_interval_s=self.config.stats_interval_s,
+                reporting=lambda: self.lifecycle.state in ("active", "draining"),
+            )
+        finally:
+            self._reporter = None
 
     async def _run_engine(self, engine: RolloutEngine) -> None:
         await engine.run()
@@ -337,6 +343,8 @@ class SlotServer:
 
     async def _release(self, req: p.ReleaseMemory) -> p.SlotReply:
         self.lifecycle.require("active", "draining", action="release memory")
+        if self._reporter is not None and isinstance(self._role, p.RolloutRole):
+            await self._reporter.report()  # its last steps, before it stops serving
         await self._release_current(host_backup=req.host_backup)
         self.lifecycle.to("released")
         return p.Ack(state=self.lifecycle.state)
