@@ -26,8 +26,8 @@ from dynarl.control.elements import HyperNode
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import Migration, Plan
 from dynarl.control.predictor import Predictor
+from dynarl.control.reprefill import reprefill_span_s
 from dynarl.control.scheduler import Policy, StepHold, Trigger, TriggerKind
-from dynarl.control.scoring import reprefill_span_s
 from dynarl.core.clock import Clock
 from dynarl.core.errors import EventError
 from dynarl.core.ids import ComponentId

@@ -35,11 +35,11 @@ from collections.abc import Iterable, Mapping
 
 from dynarl.control import rollout_lengths
 from dynarl.control.demand import Demand, Rates
-from dynarl.control.elements import Node
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
-from dynarl.control.plan import Migration, Plan
-from dynarl.control.predictor import Predictor, PrefillCost
+from dynarl.control.plan import Plan
+from dynarl.control.predictor import Predictor
+from dynarl.control.reprefill import reprefill_s
 from dynarl.control.trainer_steps import actor_finish, steps_in_arrival_order
 from dynarl.core.ids import ComponentId, GroupId, InstanceId
 
@@ -357,7 +357,7 @@ def score_plan(
             if kind != "actor":
                 during[m.src] -= num_devices
             if any(n.items for n in drained):
-                stall = _reprefill_s(graph, predictor, m.src, drained, len(m.drain), est=est)
+                stall = reprefill_s(graph, predictor, m.src, drained, len(m.drain), est=est)
                 penalties[m.src] = max(penalties.get(m.src, 0.0), cost, stall)
         if m.dst is not None:
             after[m.dst] += sum(len(s.devices) for s in m.create)
@@ -376,57 +376,6 @@ def score_plan(
         estimates=est,
         rates=rates,
     )
-
-
-def _reprefill_s(
-    graph: Hypergraph,
-    predictor: Predictor,
-    cid: ComponentId,
-    drained: list[Node],
-    num_drained: int,
-    *,
-    est: Estimates,
-) -> float:
-    """Seconds each engine ``cid`` keeps stalls re-prefilling the requests of its
-    ``drained`` engines (0 without a measured prefill cost). The candidates of every
-    decision drain the same engines over and over: each engine's sum is kept in
-    ``est`` while its state stays."""
-    cost = predictor.prefill_cost(cid)
-    keep = graph.components[cid].num_active - num_drained
-    if cost is None or keep <= 0:
-        return 0.0
-    total = 0.0
-    for n in drained:
-
-        def seconds(n: Node = n) -> float:
-            out = 0.0
-            for item, edge in n.items.items():
-                out += cost.seconds(n.context_of(graph.edges[edge].items[item]))
-            return out
-
-        # An engine's sum changes only when it reports (progress) or its requests change.
-        state = (n.last_stats_s, len(n.items), n.progress_base, n.tokens_per_request)
-        total += est.reprefill_s(graph, n.id, state, cost, seconds)
-    return total / keep
-
-
-def reprefill_span_s(graph: Hypergraph, cost: PrefillCost, migration: Migration) -> float:
-    """Seconds until the engines ``migration`` sends its drained engines' requests to
-    (its ``reassign``) have re-prefilled them: each engine re-prefills the requests
-    sent to it one after another (their contexts as they stand now), the engines side
-    by side. Requests that finished meanwhile are skipped."""
-    where = dict(migration.reassign)
-    per_engine: dict[InstanceId, float] = {}
-    for iid in migration.drain:
-        node = graph.instances.get(iid)
-        if node is None:
-            continue
-        for item, edge in node.items.items():
-            dst = where.get(item)
-            if dst is not None:
-                seconds = cost.seconds(node.context_of(graph.edges[edge].items[item]))
-                per_engine[dst] = per_engine.get(dst, 0.0) + seconds
-    return max(per_engine.values(), default=0.0)
 
 
 def after_moves(
