@@ -429,7 +429,7 @@ def _drain(d: Demand, old: float, new: float, delay: float, arrival: float) -> f
     arrived, in order. Devices idle while their inputs are still coming do not get
     ahead: a stage sized to its work's total finishes late when most of that work
     arrives last (the longest responses do)."""
-    here = max(d.work - sum(w for _, w in d.arriving), 0.0)
+    here = max(d.work - d.upstream, 0.0)  # the chunks carry ``d.upstream`` in all
     t = _time_for(here, old, new, delay)
     for share, w in d.arriving:
         t = max(t, share * arrival) + w / new

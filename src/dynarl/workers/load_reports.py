@@ -64,7 +64,7 @@ class LoadReporter:
         while True:
             await anyio.sleep(min(DRY_CHECK_S, interval_s))
             now = anyio.current_time()
-            if now < due_s and self._engine.num_requests:
+            if now < due_s and (self._engine.num_requests or not reporting()):
                 continue
             load = self._engine.load()
             if now < due_s and (load.prefill_steps, load.decode_steps) == self._reported:
