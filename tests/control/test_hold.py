@@ -1,5 +1,7 @@
 """Holding the trainer at a step boundary while devices are on their way to it."""
 
+import pytest
+
 from dynarl.control import events as ev
 from dynarl.control.config import SchedulerConfig
 from dynarl.control.controller import Controller
@@ -153,3 +155,20 @@ def test_a_move_under_way_holds_the_trainer_for_the_devices_left_idle() -> None:
     assert trainers_to_hold(g, p) == {ACTOR}
     g.apply(ev.MigrationDone(migration=MigrationId(0), duration_s=1.0))
     assert trainers_to_hold(g, p) == set()
+
+
+def test_devices_flow_to_the_trainer_only_after_the_plans_migrations_end() -> None:
+    # No plan commits while one is in flight, so the devices the stages before the
+    # trainer free move on only once the plan's own migrations are done. A plan whose
+    # move takes 20 s (a new inference replica booting) must not be scored as if
+    # inference's devices joined the trainer 0.1 s + a reshard from now. (In a
+    # simulated run, moving idle rollout engines to inference at the rollout's end
+    # kept the trainer waiting 3.5 s for devices the score had it use at once.)
+    g = last_minibatch(at_inference=60)
+    p = predictor_for(g)
+    devices = {c: n.num_active_devices for c, n in g.components.items()}
+    now = finish_times(g, p, devices)[ACTOR]
+    later = finish_times(g, p, devices, delays={ComponentId(INFERENCE): 20.0})[ACTOR]
+    reshard = p.migration_cost("reshard")
+    assert now == pytest.approx(0.1 + reshard + 2 * 12.5, rel=0.05)
+    assert later == pytest.approx(20.0 + reshard + 2 * 12.5, rel=0.05)

@@ -224,7 +224,10 @@ def finish_times(
         predictor: throughput model.
         devices: devices per component after the plan.
         delays: seconds before a receiver's new devices take effect (it runs on
-            ``before`` until then).
+            ``before`` until then). The longest is when the plan's migrations are all
+            done: no later migration starts before (the controller commits no plan
+            while one is in flight), so devices flowing downstream as stages finish
+            move only after it.
         penalties: seconds a donor loses (its drained requests re-prefill elsewhere).
         before: devices per component now (defaults to ``devices``).
         demand: precomputed :func:`demands` (saves recomputing across candidates).
@@ -239,6 +242,7 @@ def finish_times(
     demand = demands(graph, estimates=estimates) if demand is None else demand
     rate_of = Rates(graph, predictor) if rates is None else rates
     delays = delays or {}
+    settled = max(delays.values(), default=0.0)
     penalties = penalties or {}
     before = before or devices
     finish: dict[ComponentId, float] = {}
@@ -260,7 +264,8 @@ def finish_times(
             unit = graph.components[cid].spec.devices_per_instance
             later = rate_of(cid, max(unit, upstream - upstream % unit), d)
             cost = predictor.migration_cost("workload")
-            finish[cid] = arrival + cost + (d.work / later if later > 0 else math.inf)
+            start = max(arrival, settled) + cost
+            finish[cid] = start + (d.work / later if later > 0 else math.inf)
             continue
         new = rate_of(cid, n_new, d)
         old = rate_of(cid, n_old, d) if n_old != n_new else new
@@ -274,6 +279,7 @@ def finish_times(
                 n_new=n_new,
                 delay=delays.get(cid, 0.0),
                 arrival=arrival,
+                settled=settled,
                 devices=devices,
                 rates=rate_of,
             )
@@ -306,7 +312,8 @@ def finish_times(
                 later = rate_of(cid, pooled, d)
                 kind = "reshard" if spec.kind == "actor" else "workload"
                 if later > 0:
-                    joined = arrival + predictor.migration_cost(kind) + (d.work - done) / later
+                    start = max(arrival, settled) + predictor.migration_cost(kind)
+                    joined = start + (d.work - done) / later
                     finish[cid] = min(finish[cid], joined)
     return finish
 

@@ -181,6 +181,7 @@ def actor_finish(
     arrival: float,
     devices: Mapping[ComponentId, int],
     rates: Rates | None = None,
+    settled: float = 0.0,
 ) -> tuple[float, bool]:
     """When the trainer finishes its remaining optimizer steps, and whether its next
     step (the first not yet running) waits for its predecessors' devices.
@@ -204,8 +205,10 @@ def actor_finish(
     waits. :func:`~dynarl.control.scoring.finish_times` uses it for an actor with work
     left; ``n_old``/``n_new`` are its devices now and after the plan, ``delay`` the
     plan's migration cost, ``arrival`` when its predecessors are predicted to finish,
-    and ``devices`` every component's devices after the plan (``rates``: the
-    decision's :class:`~dynarl.control.demand.Rates`, if it keeps them).
+    ``settled`` when the plan's migrations are all done (the predecessors' devices
+    move on only after both) and ``devices`` every component's devices after the plan
+    (``rates``: the decision's :class:`~dynarl.control.demand.Rates`, if it keeps
+    them).
     """
     sizes = d.steps or (d.tail,) * max(1, round(d.work / d.tail))
     steps = len(sizes)
@@ -214,7 +217,7 @@ def actor_finish(
     unit = node.spec.devices_per_instance
     pooled = n_new + sum(devices.get(p, 0) for p in graph.ancestors[cid])
     pooled -= pooled % unit
-    join = arrival + predictor.migration_cost("reshard") if arrival > 0 else math.inf
+    join = max(arrival, settled) + predictor.migration_cost("reshard") if arrival > 0 else math.inf
     rate_of = Rates(graph, predictor) if rates is None else rates
 
     def step_s(j: int, n: int) -> float:
