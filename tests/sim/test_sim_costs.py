@@ -12,7 +12,7 @@ from dynarl.sim import (
     WeightSyncCost,
     model,
 )
-from dynarl.sim.costs import attended_context
+from dynarl.sim.costs import attended_context, expected_longest
 
 SMALL, MEDIUM, LARGE = (model(f"R1-Distill-Qwen-{s}") for s in ("1.5B", "7B", "32B"))
 
@@ -81,3 +81,15 @@ def test_attention_cost_follows_the_long_sequences_of_a_minibatch() -> None:
     slow = actor.step_time_s(tokens, 8, attended_context(skewed))
     fast = actor.step_time_s(tokens, 8, attended_context(even))
     assert slow > 1.1 * fast
+
+
+def test_the_expected_longest_of_a_draw_is_exact_on_small_cases() -> None:
+    assert expected_longest([], 4) == 0.0
+    assert expected_longest([5, 5, 5], 7) == pytest.approx(5.0)
+    assert expected_longest([1, 3], 1) == pytest.approx(2.0)  # the mean
+    # two draws from {1, 3}: the longest is 1 only if both are 1
+    assert expected_longest([1, 3], 2) == pytest.approx(0.25 * 1 + 0.75 * 3)
+    # it grows towards the longest with the draw's size
+    tail = [10] * 99 + [1000]
+    assert expected_longest(tail, 1) < expected_longest(tail, 64) < 1000
+    assert expected_longest(tail, 64) == pytest.approx(10 + 990 * (1 - 0.99**64))

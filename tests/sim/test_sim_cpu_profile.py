@@ -4,14 +4,17 @@ import asyncio
 import math
 
 import msgspec
+import numpy as np
 import pytest
 from recipes import e2e_cpu
 
 from dynarl.api.config import DynaRLConfig
+from dynarl.control.topology import ACTOR
 from dynarl.core.virtual_time import VirtualTimeLoop
-from dynarl.sim.cluster import ClusterModel
+from dynarl.sim.cluster import ClusterModel, sequence_tokens, sim_profile
 from dynarl.sim.cluster_build import build_cluster
 from dynarl.sim.config import SimConfig, SimulatedRun, simulated_run
+from dynarl.sim.costs import attended_context, expected_longest
 from dynarl.sim.cpu_device import CPU_1T
 from dynarl.sim.cpu_profile import cpu_cluster, replay_workload
 from dynarl.sim.errors import SimError
@@ -137,3 +140,31 @@ def test_a_profiling_run_fills_the_reference_engine_costs() -> None:
     assert profile.step_dispatch_s == 2e-4 and profile.join_per_held_token_s == 1e-7
     assert profile.leave_per_held_token_s == 0.0  # a fitted slope clipped at zero
     assert {"step_dispatch_s", "join_per_held_token_s", "leave_per_held_token_s"} <= set(MEASURED)
+
+
+def test_the_seed_rows_of_a_padding_trainer_cost_its_steps_as_it_runs_them() -> None:
+    # The reference trainer pads each minibatch to its longest sample, so with
+    # heavy-tailed lengths a step costs several times its tokens' worth. Seeded with
+    # unpadded rows, the simulated controller expected a 1.3 s step to take 0.4 s and
+    # kept an idle device from the trainer that the real run's controller moved.
+    # Heavy-tailed responses (median 60 tokens, capped at 384), as in the bench.
+    run = cpu_run(
+        e2e_cpu("dynamic"),  # type: ignore[arg-type]
+        "sim.median_output_tokens=60",
+        "rollout.max_new_tokens=384",
+    )
+    cluster = build_cluster(run)
+    requests = cluster.workload.generate(np.random.default_rng(0))
+    lengths = [sequence_tokens(r) for r in requests]
+    per_step = len(requests) // cluster.actor.n_minibatches
+    profile = sim_profile(cluster, requests, run.job.cluster.num_devices)
+    row = next(r for r in profile.rows if r.component == ACTOR and r.devices == 1)
+    longest = expected_longest(lengths, per_step)
+    step_s = cluster.actor.step_time_s(per_step * longest, 1, longest / 2)
+    step_s *= cluster.host.factor(1) if cluster.host is not None else 1.0
+    real_tokens = per_step * sum(lengths) / len(lengths)
+    assert row.throughput == pytest.approx(real_tokens / step_s)
+    # ... half what the same samples would do unpadded
+    unpadded = cluster.actor.step_time_s(real_tokens, 1, attended_context(lengths))
+    unpadded *= cluster.host.factor(1) if cluster.host is not None else 1.0
+    assert row.throughput < 0.5 * real_tokens / unpadded

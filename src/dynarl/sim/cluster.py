@@ -22,6 +22,7 @@ from dynarl.sim.costs import (
     MigrationCostModel,
     WeightSyncCost,
     attended_context,
+    expected_longest,
 )
 from dynarl.sim.engine_config import EngineConfig
 from dynarl.sim.errors import SimError
@@ -133,7 +134,9 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
     tokens are generated at (token-weighted mean, from ``requests``), a quarter of it
     and four times it; inference and
     actor rows (sample tokens/s) from their cost models at the workload's mean sample
-    length and token-weighted attended context; migration costs from the migration
+    length and token-weighted attended context (a trainer that pads each minibatch to
+    its longest sample, ``cluster.padded_batches``: every sample at the expected
+    longest of a minibatch drawn from the workload); migration costs from the migration
     model; the rollout engine's re-prefill cost from its prefill model and KV capacity.
     On slots sharing a host (``cluster.host``) each row's throughput is divided by the
     host's slowdown at the slots its work keeps busy, as such a run would measure (seed
@@ -175,8 +178,13 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
             ProfileRow(component=INFERENCE, devices=n, load=1024, throughput=mean_tokens / per_item)
         )
     unit = cluster.actor.replica_devices
+    if cluster.padded_batches:  # every row padded to the minibatch's longest (as actor.py)
+        longest = expected_longest(lengths, samples_per_step)
+        step_tokens, step_context = samples_per_step * longest, longest / 2
+    else:
+        step_tokens, step_context = samples_per_step * mean_tokens, attended
     for n in range(unit, num_devices + 1, unit):
-        step_s = cluster.actor.step_time_s(samples_per_step * mean_tokens, n, attended)
+        step_s = cluster.actor.step_time_s(step_tokens, n, step_context)
         rows.append(
             ProfileRow(
                 component=ACTOR,

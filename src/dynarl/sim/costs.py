@@ -29,6 +29,17 @@ def attended_context(lengths: Sequence[int]) -> float:
     return sum(n * n for n in lengths) / (2 * total) if total else 0.0
 
 
+def expected_longest(lengths: Sequence[int], k: int) -> float:
+    """The expected longest of ``k`` sequences drawn at random (with replacement) from
+    ``lengths``: what a minibatch padded to its longest row is padded to. The ``i``-th
+    shortest of ``N`` is the longest with probability ``(i/N)**k - ((i-1)/N)**k``."""
+    ordered = sorted(lengths)
+    n = len(ordered)
+    if not n or k <= 0:
+        return 0.0
+    return sum(x * ((i / n) ** k - ((i - 1) / n) ** k) for i, x in enumerate(ordered, 1))
+
+
 class DataParallelEfficiency(msgspec.Struct, frozen=True, kw_only=True):
     """Scaling efficiency of ``n`` data-parallel replicas: ``1 / (1 + alpha *
     log2(n))`` (gradient all-reduce and stragglers grow with the log of the group)."""
