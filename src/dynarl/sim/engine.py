@@ -33,12 +33,12 @@ completion) costs its own time per token it holds (:attr:`EngineConfig.join_per_
 
 import heapq
 import math
-from collections import deque
 from collections.abc import Iterable
 
 from dynarl.control.events import EngineStats
 from dynarl.core.ids import InstanceId, ItemId
 from dynarl.sim.engine_config import EngineConfig
+from dynarl.sim.engine_queue import EngineQueue
 from dynarl.sim.errors import SimError
 from dynarl.sim.jobs import EngineEntry, EngineTotals, Job, JobDone, JobProgress
 from dynarl.sim.prefix_cache import PrefixCache
@@ -92,8 +92,7 @@ class SimEngine:
         self._held = 0  # context tokens of the running jobs
         self._padded = config.padded_kv
         self._longest_base = 0  # longest running context = this + _step_count (padded_kv)
-        self._queue: deque[EngineEntry] = deque()
-        self._queued_ids: set[ItemId] = set()
+        self._queue = EngineQueue()
         self._cache = PrefixCache()
         self._admit_pending = False
         self._seq = 0
@@ -129,14 +128,14 @@ class SimEngine:
                     f"tokens must be positive and fit the KV cache ({self._capacity} tokens); "
                     "raise tp or lower the max length"
                 )
-            if job.id in self._running or job.id in self._queued_ids:
+            if job.id in self._running or job.id in self._queue:
                 raise SimError(
                     f"job {job.id} is already on engine {self.instance}; abort it "
                     "before submitting it again"
                 )
         self._materialise()
-        self._queue.extend(EngineEntry(job) for job in jobs)
-        self._queued_ids.update(job.id for job in jobs)
+        for job in jobs:
+            self._queue.push(EngineEntry(job))
         if not self._running or (self._t >= self._now and self._prefill_end_s <= self._now):
             # idle, or at a step boundary: admit now rather than one step later
             self._t = max(self._t, self._now)
@@ -156,13 +155,8 @@ class SimEngine:
         wanted = set(ids)
         self._materialise()
         out = [
-            JobProgress(id=e.job.id, generated_tokens=e.done)
-            for e in self._queue
-            if e.job.id in wanted
+            JobProgress(id=e.job.id, generated_tokens=e.done) for e in self._queue.remove(wanted)
         ]
-        if out:
-            self._queue = deque(e for e in self._queue if e.job.id not in wanted)
-            self._queued_ids -= wanted
         # a prefill still running has not sampled its jobs' first token yet
         in_prefill = self._now < self._prefill_end_s
         for item in [i for i in self._running if i in wanted]:  # in admission order
@@ -178,7 +172,7 @@ class SimEngine:
 
     def abort_all(self) -> list[JobProgress]:
         """Abort everything running or queued (a drained engine)."""
-        return self.abort(self._running.keys() | self._queued_ids)
+        return self.abort(self._running.keys() | self._queue.ids)
 
     @property
     def slowdown(self) -> float:
@@ -439,8 +433,7 @@ class SimEngine:
             self._held + len(self._running) * self._headroom_steps > self._capacity
         ):
             youngest = next(reversed(self._running))
-            self._queue.appendleft(self._remove(youngest))
-            self._queued_ids.add(youngest)
+            self._queue.push_front(self._remove(youngest))
             self._preemptions += 1
         self._retractions += 1
         self._set_ratio(max(1.0, self._ratio()))
@@ -455,7 +448,7 @@ class SimEngine:
         batch = len(self._running)
         limit = self.config.max_running_requests - batch
         while self._queue and len(admitted) < limit:
-            entry = self._queue[0]
+            entry = self._queue.peek()
             context = entry.queued_context
             need = self._reserve(entry.job.output_tokens - entry.done)
             if (batch or admitted) and (
@@ -466,8 +459,7 @@ class SimEngine:
                 or held + context + batch + len(admitted) + 1 > self._capacity
             ):
                 break
-            admitted.append(self._queue.popleft())
-            self._queued_ids.discard(entry.job.id)
+            admitted.append(self._queue.pop())
             held += context
             future += need
         if admitted:

@@ -3,8 +3,10 @@ behind the real data plane's placement.
 
 Requests are routed by :class:`~dynarl.data.placement.Placement`, the data router's own
 bookkeeping and decisions, as in a real run: each modelled engine is a
-:class:`~dynarl.data.peers.WorkerState` (``capacity = max_running_requests``) with the
-real :class:`~dynarl.data.request_queue.RequestQueue` in front of it (FIFO or tool-call
+:class:`~dynarl.data.peers.WorkerState` with the capacity a real slot announces
+(:data:`~dynarl.workers.config.SLOT_CAPACITY` requests, more than the engine runs at
+once: it queues the rest in its own queue, in the run's request order, as real engines
+do) and the real :class:`~dynarl.data.request_queue.RequestQueue` in front of it (FIFO or tool-call
 priority, with the aging bound), the :class:`~dynarl.data.routing.AffinityRouting`
 policy (seeded with the run's seed) places each request, and an engine with room takes
 the requests waiting elsewhere (``Placement.steal_for``). What a worker's link would
@@ -21,6 +23,9 @@ the world's ``finished`` callback, which hands them downstream.
 import heapq
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import msgspec
 
 from dynarl.control import events as ev
 from dynarl.control.hypergraph import Hypergraph
@@ -36,10 +41,18 @@ from dynarl.data.transport import PeerId
 from dynarl.obs.trace_records import Request
 from dynarl.sim.cluster import ClusterModel
 from dynarl.sim.engine import SimEngine
-from dynarl.sim.jobs import JobDone, JobProgress
+from dynarl.sim.jobs import Job, JobDone, JobProgress
 from dynarl.sim.metrics import WorldTotals
 from dynarl.sim.progress import EngineSlot, SeqProgress
-from dynarl.workers.config import RolloutConfig
+from dynarl.workers.config import SLOT_CAPACITY, RolloutConfig
+
+
+class QueuedRequest(NamedTuple):
+    """What the request order reads of a request reaching an engine's queue."""
+
+    tool_calls: int
+    prefix_tokens: int
+    enqueued_s: float
 
 
 class EngineFleet:
@@ -94,7 +107,8 @@ class EngineFleet:
             balance_below_share=self.router.balance_below_share,
             recall=self._recall,
         )
-        self.cap = rollout.max_running_requests
+        self.cap = SLOT_CAPACITY
+        self._ranked = request_order == "priority"
         self.engines: dict[InstanceId, EngineSlot] = {}
         self._eheap: list[tuple[float, InstanceId]] = []
         self._tools: list[tuple[float, int, ItemId]] = []
@@ -308,12 +322,21 @@ class EngineFleet:
             for item in batch:
                 w.in_flight.add(item)
             done = e.sim.advance_to(max(now, e.sim.now))
-            e.sim.submit([self.seqs[item.id].job() for item in batch])
+            e.sim.submit([self._job(item, now) for item in batch])
             if done:
                 self._completed(iid, e, done, now)
             self._schedule(iid, e, now)
         for entry in behind:
             heapq.heappush(heap, entry)
+
+    def _job(self, item: wire.Item, now: float) -> Job:
+        """What is left of ``item``'s turn, ranked in the engine's queue by the request
+        order (as a real engine orders its own queue; under FIFO, arrival alone)."""
+        job = self.seqs[item.id].job()
+        if not self._ranked:
+            return job
+        info = QueuedRequest(item.tool_calls, item.prefix_tokens, now)
+        return msgspec.structs.replace(job, rank=self.order.key(info))
 
     def _may_feed(self, iid: InstanceId) -> None:
         """Engine ``iid`` may have room and queued requests: look at it in the next

@@ -9,13 +9,16 @@ from dynarl.core.ids import GroupId, ItemId
 class Job(msgspec.Struct, frozen=True, kw_only=True):
     """One stretch of generation: prefill ``context_tokens``, generate
     ``output_tokens``. ``tool_call_after``: the job ends in a tool call (its context is
-    kept in the prefix cache for the next turn)."""
+    kept in the prefix cache for the next turn). ``rank``: where the engine's queue
+    serves it (smaller first; the request order's key, see
+    :class:`~dynarl.sim.engine_queue.EngineQueue`)."""
 
     id: ItemId
     group: GroupId
     context_tokens: int
     output_tokens: int
     tool_call_after: bool = False
+    rank: tuple[float, ...] = ()
 
     def resume(self, progress: "JobProgress") -> "Job":
         """The work left after an abort: the context grew by what was generated."""
@@ -25,6 +28,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
             context_tokens=self.context_tokens + progress.generated_tokens,
             output_tokens=self.output_tokens - progress.generated_tokens,
             tool_call_after=self.tool_call_after,
+            rank=self.rank,
         )
 
 

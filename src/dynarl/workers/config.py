@@ -16,6 +16,10 @@ from dynarl.core.errors import ConfigError
 from dynarl.data.peers import Balance
 from dynarl.workers.sglang.config import SGLangConfig
 
+SLOT_CAPACITY = 256
+"""Items of the data router a worker slot serves at once (it says so at hello): a
+rollout engine holds those beyond its running batch in a queue of its own."""
+
 
 class ModelConfig(Section, frozen=True, kw_only=True):
     """The policy model: a local checkpoint, or a random-init architecture.

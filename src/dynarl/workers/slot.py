@@ -38,6 +38,7 @@ from dynarl.data.worker_link import WorkerLink
 from dynarl.workers import backends
 from dynarl.workers import item_feeds as feeds
 from dynarl.workers import protocol as p
+from dynarl.workers.config import SLOT_CAPACITY
 from dynarl.workers.errors import LifecycleError
 from dynarl.workers.inference import InferenceEngine
 from dynarl.workers.lifecycle import Lifecycle
@@ -72,7 +73,7 @@ class SlotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """
 
     num_threads: int = 1
-    capacity: int = 256
+    capacity: int = SLOT_CAPACITY
     stats_interval_s: float = 1.0
     hello_timeout_s: float = 30.0
     preload_modules: tuple[str, ...] = ()
