@@ -29,7 +29,8 @@ the development machine: a test of the built-in figures more than of the model).
 Prints a table and one JSON line::
 
     {"bench": "sim_fidelity", "error": {mode: fraction}, "throughput_error": {...},
-     "measured_s": {...}, "simulated_s": {...}, "ranking_agrees": bool, ...}
+     "measured_s": {...}, "simulated_s": {...}, "ranking_agrees": bool,
+     "separated_pairs": [[faster, slower], ...], "separated_pairs_kept": bool, ...}
 
 where ``error`` is simulated over measured mean iteration time, minus one;
 ``iteration_errors`` the same per measured iteration (the replay runs each iteration's
@@ -41,7 +42,11 @@ and ``error_round_profile_interval`` is its interval; ``stage_s`` gives per mode
 mean (real, simulated) seconds of the rollout and of the rest of the iteration after it
 (which part an error is in), and ``engine_steps`` the mean (real, simulated) engine
 steps an iteration by kind and the mean step of each kind in ms (whether the replay
-takes the real engines' steps, and what one costs in each)::
+takes the real engines' steps, and what one costs in each); ``separated_pairs`` are the
+pairs of modes the real run tells apart (the mean log ratio of their paired
+iterations has a 90% Student-t interval excluding 0: :mod:`fidelity_stats`) and
+``separated_pairs_kept`` whether the replay orders every one of them so (the ranking
+of modes the machine's noise cannot separate is no test of the replay)::
 
     python bench/sim_fidelity.py [--iterations 5] [--warmup 1] [--profile measured|builtin]
 """
@@ -57,13 +62,11 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
 import msgspec
-import numpy as np
 
 from dynarl.api.config import DynaRLConfig
 from dynarl.control import events as ev
@@ -87,6 +90,14 @@ from dynarl.sim.run import ModeResult, simulate
 from dynarl.workers.torch.host_scaling import SlotPool
 from dynarl.workers.torch.profiling import measure as measure_costs
 from e2e_cpu import MODES, ModeRun, mode_config, open_run, step, summarise
+from fidelity_stats import (
+    error_interval,
+    paired_errors,
+    ranking,
+    separated_pairs,
+    stage_split,
+    step_split,
+)
 
 Mode = TypeVar("Mode", bound=str)
 
@@ -234,98 +245,6 @@ def simulate_rounds(run: ModeRun, profiles: list[CpuProfile], warmup: int) -> di
     return out
 
 
-def paired_errors(run: ModeRun, sim: dict[int, float], warmup: int) -> list[float]:
-    """Simulated (``sim``: by iteration) over measured time of each measured iteration,
-    minus one (the replay runs the same prompts and lengths, iteration by iteration)."""
-    return [
-        sim[s.iteration] / s.elapsed_s - 1.0
-        for s in run.stats[warmup:]
-        if s.iteration in sim and s.elapsed_s > 0
-    ]
-
-
-def error_interval(
-    run: ModeRun, sim: dict[int, float], warmup: int, *, draws: int = 2000, level: float = 0.9
-) -> tuple[float, float]:
-    """A bootstrap interval (``level``) of the mean-time error over the measured
-    iterations: iterations resampled with replacement, simulated (``sim``: by
-    iteration) over measured total time each draw. On a shared 2-core machine one real
-    iteration's time moves by tens of percent with the other tenants, so a handful of
-    iterations pins the error down only to within about that over their square root."""
-    pairs = np.array(
-        [(sim[s.iteration], s.elapsed_s) for s in run.stats[warmup:] if s.iteration in sim]
-    )
-    if len(pairs) < 2:
-        return (math.nan, math.nan)
-    rng = np.random.default_rng(0)
-    picks = rng.integers(0, len(pairs), size=(draws, len(pairs)))
-    ratios = pairs[picks, 0].sum(axis=1) / pairs[picks, 1].sum(axis=1) - 1.0
-    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
-    return (float(lo), float(hi))
-
-
-def stage_split(
-    run: ModeRun, rollout_s: dict[int, float], sim: dict[int, float], warmup: int
-) -> dict[str, tuple[float, float]]:
-    """Mean (real, simulated) seconds of the rollout (the real ``stage_s["rollout"]``;
-    the replay's start to its last rollout completion) and of the rest of the iteration
-    after it, over the measured iterations the replay has: which part the error is in."""
-    pairs = [
-        (s.stage_s.get("rollout", math.nan), s.elapsed_s, rollout_s[s.iteration], sim[s.iteration])
-        for s in run.stats[warmup:]
-        if s.iteration in rollout_s and s.iteration in sim
-    ]
-    if not pairs:
-        return {}
-    real_roll, real_all, sim_roll, sim_all = (statistics.mean(c) for c in zip(*pairs, strict=True))
-    return {
-        "rollout": (real_roll, sim_roll),
-        "after_rollout": (real_all - real_roll, sim_all - sim_roll),
-    }
-
-
-STEP_PARTS = ("prefill_steps", "decode_steps", "prefill_step_ms", "decode_step_ms")
-
-
-def step_split(
-    run: ModeRun, sim_steps: dict[int, dict[str, float]], warmup: int
-) -> dict[str, tuple[float, float]]:
-    """Mean (real, simulated) engine steps an iteration, by kind, and the mean step of
-    each kind in ms (summed over the engines, over the measured iterations both
-    counted): whether the replay takes the real engines' steps, and what a step costs
-    in each. The real step is the engine's own ``step()``, the worker loop around it
-    not included; a simulated step includes its share of the loop
-    (``step_dispatch_s``)."""
-    pairs = [
-        (s.engine_steps, sim_steps[s.iteration])
-        for s in run.stats[warmup:]
-        if s.engine_steps and s.iteration in sim_steps
-    ]
-    if not pairs:
-        return {}
-
-    def parts(steps: dict[str, float]) -> tuple[float, ...]:
-        prefills, decodes = steps.get("prefill_steps", 0.0), steps.get("decode_steps", 0.0)
-        return (
-            prefills,
-            decodes,
-            1e3 * steps.get("prefill_s", 0.0) / prefills if prefills else math.nan,
-            1e3 * steps.get("decode_s", 0.0) / decodes if decodes else math.nan,
-        )
-
-    real = [parts(r) for r, _ in pairs]
-    sim = [parts(v) for _, v in pairs]
-    return {
-        name: (statistics.mean(r[k] for r in real), statistics.mean(v[k] for v in sim))
-        for k, name in enumerate(STEP_PARTS)
-    }
-
-
-def ranking(times: Mapping[Mode, float]) -> list[Mode]:
-    """Modes from fastest to slowest."""
-    return sorted(times, key=times.__getitem__)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=5)
@@ -398,6 +317,8 @@ def main() -> None:
     agrees = ranking(measured_s) == ranking(simulated_s)
     by_mode: dict[str, ModeRun] = {r.mode: r for r in runs}
     sim_times = {m: iteration_times(r) for m, r in simulated.items()}
+    separated = separated_pairs({m: by_mode[m] for m in simulated}, args.warmup)
+    kept = [(a, b) for a, b in separated if simulated_s[a] < simulated_s[b]]
     per_iteration = {m: paired_errors(by_mode[m], sim_times[m], args.warmup) for m in simulated}
     interval = {m: error_interval(by_mode[m], sim_times[m], args.warmup) for m in simulated}
     stages = {
@@ -462,6 +383,11 @@ def main() -> None:
         f"ranking (fastest first): real {ranking(measured_s)}, simulated "
         f"{ranking(simulated_s)}: {'agrees' if agrees else 'DISAGREES'}"
     )
+    told = ", ".join(f"{a} < {b}" for a, b in separated) or "none"
+    print(
+        f"pairs the real run tells apart (90%, paired by iteration): {told}; the replay "
+        f"keeps {len(kept)} of {len(separated)}"
+    )
     print(
         f"controller CPU: {ctrl.per_request_s * 1e3:.3f} ms per response + "
         f"{ctrl.per_token_s * 1e6:.1f} us per generated token (relative RMS residual: "
@@ -498,6 +424,8 @@ def main() -> None:
         "measured_s": {m: round(v, 3) for m, v in measured_s.items()},
         "simulated_s": {m: round(v, 3) for m, v in simulated_s.items()},
         "ranking_agrees": agrees,
+        "separated_pairs": [list(p) for p in separated],
+        "separated_pairs_kept": len(kept) == len(separated),
         "controller_cpu_s": {m: round(v, 3) for m, v in cpu_s.items()},
         "controller_cost": {k: round(v, 8) for k, v in msgspec.structs.asdict(ctrl).items()},
         "host_cores": profile.host_cores,
