@@ -10,7 +10,7 @@ from the running batch goes back in front of the jobs of its rank.
 """
 
 import heapq
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from dynarl.core.ids import ItemId
 from dynarl.sim.jobs import EngineEntry
@@ -30,10 +30,6 @@ class EngineQueue:
 
     def __contains__(self, item: ItemId) -> bool:
         return item in self._ids
-
-    def __iter__(self) -> Iterator[EngineEntry]:
-        """The queued jobs, in no particular order."""
-        return (entry for _, _, entry in self._heap)
 
     @property
     def ids(self) -> frozenset[ItemId]:
