@@ -143,6 +143,32 @@ async def test_a_duplicate_instance_is_refused(inproc: Net) -> None:
                 pass
 
 
+async def test_a_worker_says_how_many_of_the_items_it_takes_it_runs(inproc: Net) -> None:
+    """A rollout slot takes more than its engine runs (the rest waits in the engine's
+    queue) and says so at hello; the router fills its capacity and counts its slots as
+    its room. Slots below 0 are refused."""
+    async with cluster(inproc, [], all_instances=["w0", "w1"]) as c:
+        transport = inproc.connect(c.server)
+        async with open_worker_link(
+            transport, instance=InstanceId("w0"), component=ROLLOUT, capacity=8, slots=2
+        ) as link:
+            await c.router.wait_for_instances(1)
+            w = c.router._placement.workers[InstanceId("w0")]
+            assert (w.capacity, w.slots) == (8, 2)
+            await c.router.submit([item(k) for k in range(6)])
+            await wait_until(lambda: link.statistics().num_held == 6)  # all sent to it
+            assert w.num_waiting == 4 and not w.can_start_now
+        with pytest.raises(HelloRefusedError, match="slots >= 0"):
+            async with open_worker_link(
+                inproc.connect(c.server),
+                instance=InstanceId("w1"),
+                component=ROLLOUT,
+                capacity=4,
+                slots=-1,
+            ):
+                pass
+
+
 async def test_no_controller_means_peer_lost(inproc: Net) -> None:
     server = inproc.bind()
     with pytest.raises(PeerLostError, match="no answer to hello"):

@@ -26,6 +26,7 @@ from dynarl.data import Item, Router, RouterConfig  # noqa: E402
 from dynarl.data.zmq_transport import ZmqTransport  # noqa: E402
 from dynarl.launch.local import LaunchConfig, LocalLauncher  # noqa: E402
 from dynarl.workers import sync_group  # noqa: E402
+from dynarl.workers.config import SLOT_CAPACITY  # noqa: E402
 from dynarl.workers.errors import WorkerCallError  # noqa: E402
 from dynarl.workers.handles import CallChannel, RolloutHandle  # noqa: E402
 from dynarl.workers.inference import LogprobRequest  # noqa: E402
@@ -227,6 +228,11 @@ async def test_router_items_are_served_and_moved_with_their_partial_output(
             done += await router.receive_batch()
     router.reactivate(InstanceId("rollout-0"))
     assert router.statistics().num_requeued > 0, "nothing was moved: the test proves nothing"
+    # Each slot told the router at hello what it takes and what its engine runs at once.
+    workers = router._placement.workers
+    assert {(workers[i].capacity, workers[i].slots) for i in ("rollout-0", other.instance)} == {
+        (SLOT_CAPACITY, ROLLOUT.max_running_requests)
+    }
     assert {d.instance for d in done} == {other.instance}
     decoder = msgspec.msgpack.Decoder(Completion)
     got = [decoder.decode(d.result.payload) for d in done]

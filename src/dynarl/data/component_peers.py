@@ -18,12 +18,12 @@ from dynarl.data.tally import Tally
 class ComponentPeers:
     """One component's workers: the active ones, their capacity, and what all hold."""
 
-    __slots__ = ("active", "capacity", "in_flight", "queued")
+    __slots__ = ("active", "in_flight", "queued", "slots")
 
     def __init__(self) -> None:
         self.active: list[WorkerState] = []
         """Its active workers (routed to), in the order they joined."""
-        self.capacity = 0
+        self.slots = 0
         """Their capacity, summed."""
         self.queued = Tally()
         """Items queued at any of its workers, active or draining."""
@@ -53,7 +53,7 @@ class ComponentPeers:
         """The component's workers changed, or one drained or resumed: keep the active
         ones of ``workers`` (the component's, in join order)."""
         self.active = [w for w in workers if w.active]
-        self.capacity = sum(w.capacity for w in self.active)
+        self.slots = sum(w.slots for w in self.active)
 
     @property
     def held_at_most(self) -> int:

@@ -143,6 +143,7 @@ class WorkerState:
         "peer",
         "queue",
         "scope",
+        "slots",
         "sticky_max_queued",
     )
 
@@ -157,11 +158,16 @@ class WorkerState:
         now_s: float,
         sticky_max_queued: int,
         kv_full: float,
+        slots: int = 0,
     ) -> None:
         self.peer = peer
         self.instance = instance
         self.component = component
         self.capacity = capacity
+        """Items it takes at once (sent to it, not yet back): what the pump fills."""
+        self.slots = min(slots, capacity) if slots > 0 else capacity
+        """Items it runs at once; what it holds beyond them waits (in its own queue or
+        here). Routing, balance and stealing read this."""
         self.queue = queue
         self.in_flight = InFlight(instance)
         self.active = True
@@ -185,9 +191,11 @@ class WorkerState:
         order: RequestOrder,
         clock: Clock,
         now_s: float,
+        slots: int = 0,
     ) -> "WorkerState":
         """A worker that joins now, with a fresh queue in ``order``: its size, aging,
-        stickiness and KV threshold as the router's ``config`` says."""
+        stickiness and KV threshold as the router's ``config`` says; it takes
+        ``capacity`` items at once and runs ``slots`` of them (0: all)."""
         queue: RequestQueue[wire.Item] = RequestQueue(
             order, max_size=config.max_queued_per_instance, clock=clock, aging=config.aging
         )
@@ -200,12 +208,13 @@ class WorkerState:
             now_s=now_s,
             sticky_max_queued=config.sticky_max_queued,
             kv_full=config.kv_full,
+            slots=slots,
         )
 
     @property
     def load(self) -> float:
-        """Items queued and in flight per unit of capacity."""
-        return (len(self.in_flight) + len(self.queue)) / self.capacity
+        """Items queued and in flight per slot."""
+        return (len(self.in_flight) + len(self.queue)) / self.slots
 
     @property
     def has_room(self) -> bool:
@@ -225,13 +234,14 @@ class WorkerState:
     @property
     def can_start_now(self) -> bool:
         """An item routed to it now starts at once: what it has queued and in flight
-        leaves room within its capacity."""
-        return len(self.in_flight) + len(self.queue) < self.capacity
+        leaves a slot free."""
+        return len(self.in_flight) + len(self.queue) < self.slots
 
     @property
     def num_waiting(self) -> int:
-        """Queued items that cannot start until something in flight finishes."""
-        return max(0, len(self.in_flight) + len(self.queue) - self.capacity)
+        """Items it holds (queued here or in flight) that cannot start until something
+        running finishes."""
+        return max(0, len(self.in_flight) + len(self.queue) - self.slots)
 
     def after_results(self) -> None:
         """Results came back: wake the pump if it waits for capacity; note idleness."""

@@ -149,11 +149,12 @@ class Sessions:
                 ),
             )
             return
-        if msg.capacity < 1:
+        if msg.capacity < 1 or msg.slots < 0:
             self.rejections.add(
-                "invalid", f"hello from {msg.instance!r} with capacity {msg.capacity}"
+                "invalid",
+                f"hello from {msg.instance!r} with capacity {msg.capacity}, slots {msg.slots}",
             )
-            self.send_nowait(peer, wire.Refused("invalid", "capacity must be >= 1"))
+            self.send_nowait(peer, wire.Refused("invalid", "capacity must be >= 1 and slots >= 0"))
             return
         cfg = self._config
         w = WorkerState.configured(
@@ -161,6 +162,7 @@ class Sessions:
             instance=msg.instance,
             component=msg.component,
             capacity=msg.capacity,
+            slots=msg.slots,
             config=cfg,
             order=self._order,
             clock=self._clock,
@@ -175,7 +177,13 @@ class Sessions:
                 wire.PROTOCOL_VERSION, w.instance, cfg.heartbeat_interval_s, cfg.liveness_timeout_s
             ),
         )
-        logger.info("worker %s (%s, capacity %d) joined", w.instance, w.component, w.capacity)
+        logger.info(
+            "worker %s (%s, capacity %d, slots %d) joined",
+            w.instance,
+            w.component,
+            w.capacity,
+            w.slots,
+        )
         self._placement.add_worker(w, now)
         self.joined.set()
 

@@ -161,14 +161,17 @@ class Call(ToWorker, frozen=True):
 
 class Hello(ToController, frozen=True):
     """First message of a worker: its protocol version, the instance it runs, the
-    component it belongs to, how many items it serves at once, and the run's token
-    (:mod:`dynarl.data.endpoint`; a router that asks for one refuses any other)."""
+    component it belongs to, how many items it takes at once (``capacity``), the run's
+    token (:mod:`dynarl.data.endpoint`; a router that asks for one refuses any other),
+    and how many of those it runs at once (``slots``: a rollout engine's batch, the rest
+    waiting in its own queue; 0: all of them)."""
 
     protocol: int
     instance: InstanceId
     component: ComponentId
     capacity: int
     token: str = ""
+    slots: int = 0
 
 
 class Pong(ToController, frozen=True):

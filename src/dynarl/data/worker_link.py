@@ -300,11 +300,12 @@ async def open_worker_link(
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     max_batch_items: int = 256,
     token: str = "",
+    slots: int = 0,
 ) -> AsyncIterator[WorkerLink]:
-    """Say hello as ``instance`` of ``component`` serving up to ``capacity`` items at
-    once, presenting the run's ``token``, and run the link while the block runs; on
-    exit, say bye (the controller then routes whatever this worker still holds
-    elsewhere).
+    """Say hello as ``instance`` of ``component`` taking up to ``capacity`` items at
+    once and running ``slots`` of them (0: all), presenting the run's ``token``, and run
+    the link while the block runs; on exit, say bye (the controller then routes
+    whatever this worker still holds elsewhere).
 
     Raises :class:`ProtocolVersionError`, :class:`UnauthorizedError` (wrong token) or
     :class:`HelloRefusedError` if the controller refuses, :class:`PeerLostError` if it
@@ -312,7 +313,7 @@ async def open_worker_link(
     """
     clock = clock or LoopClock()
     codec = worker_codec(Rejections(f"worker {instance}"), max_frame_bytes=max_frame_bytes)
-    hello = wire.Hello(wire.PROTOCOL_VERSION, instance, component, capacity, token)
+    hello = wire.Hello(wire.PROTOCOL_VERSION, instance, component, capacity, token, slots)
     await transport.send(CONTROLLER, codec.encode(hello))
     welcome = await _await_welcome(transport, codec, hello_timeout_s)
     link = WorkerLink(transport, codec, welcome, clock, max_batch_items)

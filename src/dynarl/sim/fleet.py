@@ -1,12 +1,14 @@
-"""The rollout side of :class:`~dynarl.sim.world.SimWorld`: its modelled engines
-behind the real data plane's placement.
+"""The rollout side of :class:`~dynarl.sim.world.SimWorld`: its modelled engines behind the
+real data plane's placement.
 
 Requests are routed by :class:`~dynarl.data.placement.Placement`, the data router's own
 bookkeeping and decisions, as in a real run: each modelled engine is a
 :class:`~dynarl.data.peers.WorkerState` with the capacity a real slot announces
 (:data:`~dynarl.workers.config.SLOT_CAPACITY` requests, more than the engine runs at
 once: it queues the rest in its own queue, in the run's request order, as real engines
-do) and the real :class:`~dynarl.data.request_queue.RequestQueue` in front of it (FIFO or tool-call
+do) and the slots a real rollout slot announces (its engine's batch,
+``max_running_requests``: what routing, stealing and balance count as room) and the real
+:class:`~dynarl.data.request_queue.RequestQueue` in front of it (FIFO or tool-call
 priority, with the aging bound), the :class:`~dynarl.data.routing.AffinityRouting`
 policy (seeded with the run's seed) places each request, and an engine with room takes
 the requests waiting elsewhere (``Placement.steal_for``). What a worker's link would
@@ -108,6 +110,7 @@ class EngineFleet:
             recall=self._recall,
         )
         self.cap = SLOT_CAPACITY
+        self.batch = rollout.max_running_requests
         self._ranked = request_order == "priority"
         self.engines: dict[InstanceId, EngineSlot] = {}
         self._eheap: list[tuple[float, InstanceId]] = []
@@ -133,6 +136,7 @@ class EngineFleet:
                     instance=node.id,
                     component=ROLLOUT,
                     capacity=self.cap,
+                    slots=self.batch,
                     config=self.router,
                     order=self.order,
                     clock=self.clock,

@@ -89,11 +89,13 @@ class RolloutConfig(Section, frozen=True, kw_only=True):
             aging bound so nothing starves).
         balance: how the data router spreads requests over the engines beyond routing
             each to the least loaded: ``below_share`` (an engine that joins, or gets
-            results back while it holds less than its fair share, takes its share of
-            what the others hold: queued requests, then running ones asked back with
-            their partial output and re-prefilled, each at most once in the tail),
-            ``on_join`` (only an engine that joins or resumes), or ``none`` (an engine
-            with room takes only requests waiting beyond another's capacity). Sessions
+            results back while it holds less than its fair share of what all run at
+            once, takes its share of what the others hold: queued requests, then ones
+            asked back -- waiting in another engine's queue, or running, with their
+            partial output, re-prefilled; in the tail, running ones only for an engine
+            left with under half its share, and each at most once), ``on_join`` (only
+            an engine that joins or resumes), or ``none`` (an engine with a free slot
+            takes only requests waiting beyond another's slots). Sessions
             whose KV prefix their engine holds never move. Inference replicas follow the
             same rule with their queued samples.
         sglang: the SGLang servers (``backend="sglang"``): launched or attached to.

@@ -70,6 +70,7 @@ async def _serve(server: SlotServer, endpoint: str, name: str, config: SlotConfi
                     instance=identity[0],
                     component=identity[1],
                     capacity=config.capacity,
+                    slots=server.slots,
                     hello_timeout_s=config.hello_timeout_s,
                     token=token,
                 ) as link:

@@ -143,6 +143,16 @@ class SlotServer:
                     with anyio.CancelScope(shield=True), anyio.move_on_after(5.0):
                         await self._rollout[1].abort(None)
 
+    @property
+    def slots(self) -> int:
+        """Items it runs at once in its role, as it tells the router at hello: a
+        rollout engine's batch (``rollout.max_running_requests``; the rest of its
+        capacity waits in the engine's own queue, so its admissions batch), else 0 (all
+        it takes)."""
+        if isinstance(self._role, p.RolloutRole):
+            return self._role.rollout.max_running_requests
+        return 0
+
     def take_next_identity(self) -> Identity | None:
         """The identity to reconnect as after the link was lost (set by
         ``AssumeRole``), or ``None`` to stop; it becomes the current identity."""
