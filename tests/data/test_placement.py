@@ -328,6 +328,23 @@ async def test_near_its_share_an_engine_takes_only_what_waits_beyond_a_donors_sl
     assert recalls.asked[1:] == [(InstanceId("a"), (ItemId("i5"), ItemId("i4")))]
 
 
+def _bare_balancer(
+    a: WorkerState, b: WorkerState
+) -> tuple[Balancer, list[tuple[InstanceId, tuple[ItemId, ...]]]]:
+    """A balancer over ``a`` and ``b`` alone (no placement around it), and the list
+    of its recalls: (holder, items) each."""
+    asked: list[tuple[InstanceId, tuple[ItemId, ...]]] = []
+    balancer = Balancer(
+        workers={a.instance: a, b.instance: b},
+        peers={a.component: ComponentPeers.of([a, b])},
+        planned={},
+        edges_of=lambda component: {PROMPTS},
+        move=lambda it, w, now: None,
+        recall=lambda w, items, now: asked.append((w.instance, items)),
+    )
+    return balancer, asked
+
+
 async def test_a_tail_shortfall_beyond_chance_moves_running_requests() -> None:
     """In the tail, running requests move once an engine is short of its share by
     more than the share's square root (how far engines that hold alike drift apart
@@ -335,16 +352,7 @@ async def test_a_tail_shortfall_beyond_chance_moves_running_requests() -> None:
     holding 10 it takes 6; holding 13, none."""
     for held_b, taken in ((10, 6), (13, 0)):
         a, b = _worker("a", 64), _worker("b", 64)
-        asked: list[tuple[InstanceId, tuple[ItemId, ...]]] = []
-        record = asked.append
-        balancer = Balancer(
-            workers={a.instance: a, b.instance: b},
-            peers={a.component: ComponentPeers.of([a, b])},
-            planned={},
-            edges_of=lambda component: {PROMPTS},
-            move=lambda it, w, now: None,
-            recall=lambda w, items, now, record=record: record((w.instance, items)),
-        )
+        balancer, asked = _bare_balancer(a, b)
         for k in range(32 - held_b):
             a.in_flight.add(item(k))
         for k in range(32 - held_b, 32):
@@ -390,15 +398,7 @@ async def test_a_donor_found_with_nothing_to_give_is_asked_again_once_it_holds_m
     moved for balance before (the tail takes none of them again), then a fresh one,
     which ``b``, below its share, then takes."""
     a, b = _worker("a", 8), _worker("b", 8)
-    asked: list[tuple[InstanceId, tuple[ItemId, ...]]] = []
-    balancer = Balancer(
-        workers={a.instance: a, b.instance: b},
-        peers={a.component: ComponentPeers.of([a, b])},
-        planned={},
-        edges_of=lambda component: {PROMPTS},
-        move=lambda it, w, now: None,
-        recall=lambda w, items, now: asked.append((w.instance, items)),
-    )
+    balancer, asked = _bare_balancer(a, b)
     for k in range(4):
         a.in_flight.add(item(k))
         balancer.rebalanced.add(ItemId(f"i{k}"))

@@ -137,8 +137,8 @@ class Balancer:
 
         The share is by slots (what each runs at once): ``w`` is brought up to ``held *
         slots(w) / slots(all)`` items (at most its capacity), taken from the instances
-        holding the most beyond their own share, each down to its share: queued items first
-        (oldest first: they move as they are), then in-flight ones, most recently
+        holding the most beyond their own share, each down to its share: queued items
+        first (oldest first: they move as they are), then in-flight ones, most recently
         dispatched first (they have generated least): these are recalled (see
         ``recall``) and routed to ``w`` when their aborted result comes back, with
         their partial output. In the tail (``tail``), running items are asked back only
@@ -151,10 +151,10 @@ class Balancer:
         ``w`` takes only what a donor holds beyond its slots (waiting in the donor's
         engine queue: nothing generated, no KV). Items already recalled count where
         they are going (a donor's share may be paid with items still on their way to
-        it: they are sent on to ``w``). Items that must return to their instance never move, nor do
-        sessions whose KV prefix the donor holds (their next turn is worth more there
-        than a re-prefill of the whole context elsewhere). Off with ``on_join=False``
-        (``below_share=False``)."""
+        it: they are sent on to ``w``). Items that must return to their instance never
+        move, nor do sessions whose KV prefix the donor holds (their next turn is worth
+        more there than a re-prefill of the whole context elsewhere). Off with
+        ``on_join=False`` (``below_share=False``)."""
         if not ((self.below_share if tail else self.on_join) and w.active and w.can_start_now):
             return
         component = self.peers[w.component]

@@ -93,7 +93,8 @@ class RolloutConfig(Section, frozen=True, kw_only=True):
             once, takes its share of what the others hold: queued requests, then ones
             asked back -- waiting in another engine's queue, or running, with their
             partial output, re-prefilled; in the tail, running ones only for an engine
-            left with under half its share, and each at most once), ``on_join`` (only
+            short of its share by more than the share's square root, and each at most
+            once), ``on_join`` (only
             an engine that joins or resumes), or ``none`` (an engine with a free slot
             takes only requests waiting beyond another's slots). Sessions
             whose KV prefix their engine holds never move. Inference replicas follow the
