@@ -1,10 +1,11 @@
 """The rollout role's contract (:class:`~dynarl.workers.rollout.RolloutEngine`), for
 every rollout backend: completions carry tokens, log-probs, a finish reason and the
-weight version; an abort returns exactly the tokens generated so far, and another
-engine resumes them without losing or repeating one; log-probs are what teacher
-forcing gives; memory is released and resumed without changing the output; an ended multi-turn
-session leaves nothing cached; weight versions travel with the weights; bad requests
-get a typed error and queue nothing."""
+weight version; no more requests run at once than the engine announces; an abort
+returns exactly the tokens generated so far, and another engine resumes them without
+losing or repeating one; log-probs are what teacher forcing gives; memory is released
+and resumed without changing the output; an ended multi-turn session leaves nothing
+cached; weight versions travel with the weights; bad requests get a typed error and
+queue nothing."""
 
 import socket
 
@@ -104,6 +105,29 @@ async def test_abort_returns_exactly_the_tokens_so_far_and_another_engine_resume
         resumed = await generate(second, list(taken))
     assert_same(resumed, uninterrupted)
     assert all(len(c.output_ids) == 64 for c in resumed.values())
+
+
+async def test_an_engine_runs_no_more_requests_at_once_than_it_announces(
+    rollout_factory: RolloutFactory,
+) -> None:
+    """What it says it runs at once is what its slot tells the data router: never
+    less than what it really runs."""
+    async with rollout_factory() as engine:
+        limit = engine.max_running_requests
+        requests = [
+            msgspec.structs.replace(r, request_id=f"{r.request_id}-{k}")
+            for k in range(limit // len(PROMPTS) + 2)
+            for r in greedy(12)
+        ]
+        sink = RecordingSink()
+        await engine.submit(requests, sink)
+        peak = 0
+        with anyio.fail_after(60):
+            while len(sink.completions) < len(requests):
+                peak = max(peak, engine.load().num_running)
+                await anyio.sleep(0.002)
+    assert len(requests) > limit
+    assert 0 < peak <= limit
 
 
 async def test_logprobs_match_teacher_forcing(

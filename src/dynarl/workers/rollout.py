@@ -199,6 +199,14 @@ class RolloutEngine(WeightReceiver, Protocol):
     """
 
     @property
+    def max_running_requests(self) -> int:
+        """Requests it runs at once (its batch; the others it holds wait in its queue):
+        what its slot tells the data router at hello. The configured
+        ``rollout.max_running_requests``, or the limit the engine really runs with where
+        it knows better (an SGLang server reports its own)."""
+        ...
+
+    @property
     def num_requests(self) -> int:
         """Requests in the engine (waiting or running)."""
         ...

@@ -146,11 +146,11 @@ class SlotServer:
     @property
     def slots(self) -> int:
         """Items it runs at once in its role, as it tells the router at hello: a
-        rollout engine's batch (``rollout.max_running_requests``; the rest of its
-        capacity waits in the engine's own queue, so its admissions batch), else 0 (all
-        it takes)."""
-        if isinstance(self._role, p.RolloutRole):
-            return self._role.rollout.max_running_requests
+        rollout engine's batch (its ``max_running_requests``: the configured one, or an
+        SGLang server's own; the rest of its capacity waits in the engine's queue, so
+        its admissions batch), else 0 (all it takes)."""
+        if isinstance(self._role, p.RolloutRole) and self._rollout is not None:
+            return self._rollout[1].max_running_requests
         return 0
 
     def take_next_identity(self) -> Identity | None:

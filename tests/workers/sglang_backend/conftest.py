@@ -13,7 +13,7 @@ pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from dynarl.testing.fake_sglang import FakeSGLang  # noqa: E402
-from dynarl.workers.config import ModelConfig  # noqa: E402
+from dynarl.workers.config import ModelConfig, RolloutConfig  # noqa: E402
 from dynarl.workers.sglang.backend import connect  # noqa: E402
 from dynarl.workers.sglang.config import SGLangConfig  # noqa: E402
 from dynarl.workers.sglang.rollout import SGLangRollout  # noqa: E402
@@ -31,11 +31,15 @@ def one_thread() -> Iterator[None]:
 
 @contextlib.asynccontextmanager
 async def running(fake: FakeSGLang, **config: Any) -> AsyncIterator[SGLangRollout]:
-    """An adapter attached to ``fake``, running."""
+    """An adapter attached to ``fake``, running (``order`` and ``max_running_requests``
+    as the rollout section's, the rest of ``config`` as ``rollout.sglang``'s)."""
     order = config.pop("order", "fifo")
+    batch = config.pop("max_running_requests", RolloutConfig().max_running_requests)
     section = SGLangConfig(urls=(fake.url,), **config)
     engine = await anyio.to_thread.run_sync(
-        lambda: connect(section, url=fake.url, name="slot-0", order=order)
+        lambda: connect(
+            section, url=fake.url, name="slot-0", max_running_requests=batch, order=order
+        )
     )
     async with anyio.create_task_group() as tg:
         tg.start_soon(engine.run)

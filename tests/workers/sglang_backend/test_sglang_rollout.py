@@ -117,7 +117,7 @@ def test_a_server_of_another_version_is_refused_at_start_up(version: str) -> Non
         FakeSGLang(MODEL, version=version) as old,
         pytest.raises(ProtocolMismatchError, match=rf"{version}.*0\.5\.x from 0\.5\.6"),
     ):
-        connect(SGLangConfig(urls=(old.url,)), url=old.url, name="slot-0")
+        connect(SGLangConfig(urls=(old.url,)), url=old.url, name="slot-0", max_running_requests=8)
 
 
 async def test_load_reports_running_requests_and_their_kv_tokens(fake: FakeSGLang) -> None:

@@ -55,7 +55,10 @@ at commit 0025436e, and ``managers/tokenizer_manager.py`` / ``managers/io_struct
   ``abort_all_requests``; ``weight_version`` is taken on success; ``flush_cache``
   empties the prefix cache), and ``/destroy_weights_update_group``:
   ``{"success", "message"}``, 400 on failure.
-- ``GET /get_server_info`` (server args + scheduler info + ``version``),
+- ``GET /get_server_info`` (server args, ``max_running_requests`` the flag as given
+  or ``null``; scheduler info; ``internal_states``, one per data-parallel rank, with
+  ``Scheduler.get_internal_state``'s ``effective_max_running_requests_per_dp``, the
+  limit the scheduler runs with; ``version``),
   ``/get_model_info``, ``/get_weight_version``, ``/get_load`` (``GetLoadReqOutput``
   per data-parallel rank), ``/v1/models`` (``max_model_len``), ``/health``.
 

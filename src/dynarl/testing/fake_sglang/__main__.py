@@ -15,9 +15,9 @@ def main(argv: list[str] | None = None) -> None:
     """Serve until signalled, taking the flags of ``sglang.launch_server`` that
     dynarl's launcher passes (others are ignored): ``--model-path`` (a checkpoint
     directory), ``--context-length``, ``--dtype``, ``--random-seed``,
-    ``--max-running-requests``, ``--max-total-tokens``, ``--tp-size``, the memory-saver
-    and priority-scheduling flags; and ``--dynarl-version``, the SGLang version it
-    reports."""
+    ``--max-running-requests`` (unset: it runs 16 at once), ``--max-total-tokens``,
+    ``--tp-size``, the memory-saver and priority-scheduling flags; and
+    ``--dynarl-version``, the SGLang version it reports."""
     parser = argparse.ArgumentParser(prog="python -m dynarl.testing.fake_sglang")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--random-seed", type=int, default=0)
-    parser.add_argument("--max-running-requests", type=int, default=16)
+    parser.add_argument("--max-running-requests", type=int, default=None)
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--tp", "--tp-size", type=int, default=1)
     parser.add_argument("--enable-memory-saver", action="store_true")
@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     FakeSGLang(
         model,
         seed=args.random_seed,
-        max_running_requests=args.max_running_requests,
+        max_running_requests=args.max_running_requests or 16,
+        requested_max_running_requests=args.max_running_requests,
         kv_capacity_tokens=args.max_total_tokens,
         version=args.dynarl_version,
         enable_memory_saver=args.enable_memory_saver,

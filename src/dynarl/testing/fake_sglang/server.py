@@ -40,7 +40,13 @@ class FakeSGLang:
     Args:
         model: the tiny policy (random init from ``seed`` without a path).
         seed: model initialisation and default sampling seeds.
-        max_running_requests, kv_capacity_tokens: the engine's limits.
+        max_running_requests, kv_capacity_tokens: the engine's limits;
+            ``max_running_requests`` is what it reports as its scheduler's own
+            (``internal_states[0].effective_max_running_requests_per_dp``).
+        requested_max_running_requests: the ``--max-running-requests`` flag it
+            reports among its server args (``None``: not given, as SGLang's default).
+        reports_running_limit: whether its ``internal_states`` carry its limit
+            (``False``: as a server whose scheduler does not report it).
         version: the SGLang version it reports.
         enable_memory_saver, enable_weights_cpu_backup: the server flags.
         enable_priority_scheduling: serve waiting requests by ``priority``.
@@ -56,6 +62,8 @@ class FakeSGLang:
         *,
         seed: int = 0,
         max_running_requests: int = 16,
+        requested_max_running_requests: int | None = None,
+        reports_running_limit: bool = True,
         kv_capacity_tokens: int = 16384,
         version: str = DEFAULT_VERSION,
         enable_memory_saver: bool = True,
@@ -76,6 +84,9 @@ class FakeSGLang:
             incremental=incremental_streaming_output,
         )
         self.engine = self.scheduler.engine
+        self.max_running_requests = max_running_requests
+        self.requested_max_running_requests = requested_max_running_requests
+        self.reports_running_limit = reports_running_limit
         self.version = version
         self.memory_saver = enable_memory_saver
         self.cpu_backup = enable_weights_cpu_backup
@@ -321,6 +332,9 @@ class FakeSGLang:
 
     async def _server_info(self, http: Request) -> Response:
         load = self.engine.stats()
+        state: dict[str, Any] = {"num_running_reqs": load.num_running}
+        if self.reports_running_limit:
+            state["effective_max_running_requests_per_dp"] = self.max_running_requests
         return JSONResponse(
             {
                 "model_path": self._model_path(),
@@ -330,10 +344,11 @@ class FakeSGLang:
                 "enable_memory_saver": self.memory_saver,
                 "enable_weights_cpu_backup": self.cpu_backup,
                 "enable_priority_scheduling": True,
+                "max_running_requests": self.requested_max_running_requests,
                 "weight_version": self.weight_version,
                 "max_total_num_tokens": self.scheduler.kv_capacity_tokens,
                 "max_req_input_len": self.model.max_seq_len - 1,
-                "internal_states": [{"num_running_reqs": load.num_running}],
+                "internal_states": [state],
                 "version": self.version,
             }
         )

@@ -41,9 +41,15 @@ class SGLangBackend:
         if not config.launches:
             url = config.urls[index % len(config.urls)]
             engine = connect(
-                config, url=url, name=name, order=role.order, accelerator=role.accelerator
+                config,
+                url=url,
+                name=name,
+                max_running_requests=role.rollout.max_running_requests,
+                order=role.order,
+                accelerator=role.accelerator,
             )
             _note_server_limits(engine, role)
+            _note_batch_limit(engine, role)
             return engine
         stop = contextlib.ExitStack()  # closed by the engine, or here on failure
         try:
@@ -66,14 +72,17 @@ class SGLangBackend:
             server = ServerProcess(command, url=f"http://{config.host}:{port}", env=SERVER_ENV)
             stop.callback(server.stop)
             server.start(timeout_s=config.startup_timeout_s)
-            return connect(
+            engine = connect(
                 config,
                 url=server.url,
                 name=name,
+                max_running_requests=role.rollout.max_running_requests,
                 on_close=stop.close,
                 order=role.order,
                 accelerator=role.accelerator,
             )
+            _note_batch_limit(engine, role)
+            return engine
         except BaseException:
             stop.close()
             raise
@@ -84,6 +93,7 @@ def connect(
     *,
     url: str,
     name: str,
+    max_running_requests: int,
     on_close: Callable[[], None] | None = None,
     order: OrderName = "fifo",
     accelerator: Accelerator = "cpu",
@@ -91,7 +101,8 @@ def connect(
     """An engine on the server at ``url``, once it is known to speak this adapter's
     protocol (a clear :class:`ProtocolMismatchError` otherwise); its weight-sync group
     speaks the backend of the trainer's sender on ``accelerator`` unless ``config``
-    names one."""
+    names one. ``max_running_requests`` (``rollout.max_running_requests``) is its batch
+    only if the server does not report its own."""
     with httpx.Client(base_url=url, timeout=config.connect_timeout_s) as http:
 
         def get(path: str, result: type[Any]) -> Any:
@@ -124,6 +135,7 @@ def connect(
         name=name,
         info=info,
         context_len=context_len,
+        max_running_requests=max_running_requests,
         weight_version=version,
         stats_interval_s=config.stats_interval_s,
         weight_sync_backend=config.sync_backend(accelerator),
@@ -148,6 +160,23 @@ def _note_server_limits(engine: SGLangRollout, role: RolloutRole) -> None:
             rollout.kv_capacity_tokens,
             rollout.tp,
             rollout.tp,
+        )
+
+
+def _note_batch_limit(engine: SGLangRollout, role: RolloutRole) -> None:
+    """Say once when the server runs another number of requests at once than
+    ``rollout.max_running_requests`` (its own flag, or a limit its memory pools set):
+    the slot tells the data router the server's."""
+    running, configured = engine.max_running_requests, role.rollout.max_running_requests
+    if running != configured:
+        logger.warning(
+            "%s: the server at %s runs %d requests at once, rollout.max_running_requests "
+            "is %d; the slot tells the data router %d",
+            engine.name,
+            engine.client.url,
+            running,
+            configured,
+            running,
         )
 
 

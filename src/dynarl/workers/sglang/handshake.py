@@ -1,6 +1,6 @@
 """What the SGLang adapter checks of a server before it serves: the SGLang version
 (its HTTP API, and flattened-bucket weight updates), a generation model, the context
-length, and the weight version it holds."""
+length, the weight version it holds, and the requests it runs at once."""
 
 import re
 from collections.abc import Callable
@@ -60,3 +60,25 @@ def check_server(get: Callable[[str, type[Any]], Any], url: str) -> tuple[m.Serv
     if context is None:
         raise ProtocolMismatchError(f"the SGLang server at {url} reports no context length")
     return info, context, weight_version_of(model.weight_version)
+
+
+def running_limit(info: m.ServerInfo) -> int | None:
+    """Requests the server runs at once, as its ``/get_server_info`` says; ``None``
+    when it does not say.
+
+    SGLang's ``http_server.get_server_info`` spreads ``internal_states`` into its
+    answer, one per data-parallel rank, each from ``Scheduler.get_internal_state``
+    (``python/sglang/srt/managers/scheduler.py``, read at sgl-project/sglang
+    ``0003215c``), which sets ``ret["effective_max_running_requests_per_dp"] =
+    self.max_running_requests``: the limit the scheduler runs with after sizing its
+    pools. The top-level ``max_running_requests`` is only the flag as given, so it is
+    read when no rank reports its limit (the scheduler runs at most that many). With
+    several ranks: the smallest rank's limit times the ranks (their sum would count
+    on the server filling its larger ranks first, which it need not do).
+    """
+    limits = [state.effective_max_running_requests_per_dp for state in info.internal_states]
+    if limits and all(limit is not None and limit > 0 for limit in limits):
+        return min(limit for limit in limits if limit is not None) * len(limits)
+    if info.max_running_requests is not None and info.max_running_requests > 0:
+        return info.max_running_requests
+    return None

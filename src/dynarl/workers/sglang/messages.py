@@ -148,9 +148,27 @@ class SuccessResponse(msgspec.Struct, kw_only=True):
     message: str = ""
 
 
+class InternalState(msgspec.Struct, kw_only=True):
+    """One data-parallel rank's entry of ``/get_server_info``'s ``internal_states``
+    (``Scheduler.get_internal_state`` in ``python/sglang/srt/managers/scheduler.py``).
+
+    ``effective_max_running_requests_per_dp`` is the scheduler's own
+    ``max_running_requests``: the limit it runs with once it has sized its memory pools
+    (``--max-running-requests`` divided among the data-parallel ranks and capped by
+    the KV pool and any state cache; chosen from the pool when the flag is unset).
+    ``None`` from servers whose scheduler does not report it.
+    """
+
+    effective_max_running_requests_per_dp: int | None = None
+
+
 class ServerInfo(msgspec.Struct, kw_only=True):
-    """What the adapter reads from ``GET /get_server_info`` (server args, scheduler
-    info and ``version``, spread into one object)."""
+    """What the adapter reads from ``GET /get_server_info``: ``http_server.get_server_info``
+    answers ``dataclasses.asdict(server_args)``, the scheduler's start-up info
+    (``max_total_num_tokens``, ``max_req_input_len``), ``internal_states`` (one
+    :class:`InternalState` per data-parallel rank) and ``version``, spread into one
+    object. ``max_running_requests`` is the ``--max-running-requests`` flag as given
+    (``None``: unset), not what the scheduler runs; that is in ``internal_states``."""
 
     version: str
     max_total_num_tokens: int
@@ -160,6 +178,8 @@ class ServerInfo(msgspec.Struct, kw_only=True):
     enable_memory_saver: bool = False
     enable_weights_cpu_backup: bool = False
     tp_size: int = 1
+    max_running_requests: int | None = None
+    internal_states: list[InternalState] = []
 
 
 class ModelInfo(msgspec.Struct, kw_only=True):

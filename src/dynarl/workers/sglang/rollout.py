@@ -34,6 +34,7 @@ from dynarl.workers.sglang.errors import (
     ServerLostError,
     SGLangError,
 )
+from dynarl.workers.sglang.handshake import running_limit
 from dynarl.workers.sglang.live import LiveRequest, Outcome
 from dynarl.workers.sglang.server_group import ServerGroup
 from dynarl.workers.weights import WeightManifest, WeightReceiver, WeightSyncGroup
@@ -52,6 +53,8 @@ class SGLangRollout:
         name: for log lines.
         info: the server's ``/get_server_info`` (checked by :func:`check_server`).
         context_len: the model's context length (``/v1/models``).
+        max_running_requests: the configured batch (``rollout.max_running_requests``),
+            what :attr:`max_running_requests` says when the server does not say its own.
         weight_version: the version of the weights the server holds.
         stats_interval_s: how often :meth:`run` reads the server's ``/get_load``.
         weight_sync_backend: the collective backend of weight-sync groups.
@@ -69,6 +72,7 @@ class SGLangRollout:
         name: str,
         info: m.ServerInfo,
         context_len: int,
+        max_running_requests: int,
         weight_version: int = 0,
         stats_interval_s: float = 1.0,
         weight_sync_backend: str = "nccl",
@@ -81,6 +85,7 @@ class SGLangRollout:
         self.name = name
         self.info = info
         self.context_len = context_len
+        self._configured_max_running = max_running_requests
         self._version = weight_version
         self._stats_interval_s = stats_interval_s
         self._on_close = on_close
@@ -104,6 +109,15 @@ class SGLangRollout:
     def weight_version(self) -> int:
         """Version of the weights the server holds."""
         return self._version
+
+    @property
+    def max_running_requests(self) -> int:
+        """Requests the server runs at once, as it reports them
+        (:func:`~dynarl.workers.sglang.handshake.running_limit`), else the configured
+        batch. Not the smaller of the two: every request goes to the server as soon as
+        it is submitted, so the server's own limit is what binds, whatever the
+        configuration says."""
+        return running_limit(self.info) or self._configured_max_running
 
     @property
     def num_requests(self) -> int:

@@ -168,6 +168,11 @@ class RolloutEngine:
         return self._version
 
     @property
+    def max_running_requests(self) -> int:
+        """Requests decoded at once."""
+        return self._scheduler.max_running_requests
+
+    @property
     def num_unfinished(self) -> int:
         """Requests waiting or running."""
         return self._scheduler.num_waiting + len(self._scheduler.running)

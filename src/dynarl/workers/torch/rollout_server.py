@@ -53,6 +53,11 @@ class TorchRollout:
         return self.engine.weight_version
 
     @property
+    def max_running_requests(self) -> int:
+        """Requests the engine decodes at once (``rollout.max_running_requests``)."""
+        return self.engine.max_running_requests
+
+    @property
     def num_requests(self) -> int:
         """Requests in the engine (waiting or running)."""
         return len(self._sinks)

@@ -45,6 +45,11 @@ class Scheduler:
         """Running sequences, oldest admission first."""
 
     @property
+    def max_running_requests(self) -> int:
+        """Sequences decoded at once."""
+        return self._max_running
+
+    @property
     def num_waiting(self) -> int:
         """Sequences waiting for admission."""
         return len(self._waiting)
