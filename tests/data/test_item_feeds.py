@@ -115,9 +115,9 @@ async def test_an_engine_reports_its_steps_when_it_runs_dry_counted_per_instance
     engine = _engine()
     net = Net("inproc", tmp_path)
 
-    def steps_of(c: Cluster, instance: str) -> list[tuple[int, int]]:
+    def steps_of(c: Cluster, instance: str) -> list[tuple[int, int, int]]:
         return [
-            (e.prefill_steps, e.decode_steps)
+            (e.prefill_steps, e.decode_steps, e.decode_tokens)
             for e in c.graph.of(ev.EngineStats)
             if isinstance(e, ev.EngineStats) and e.instance == instance and e.decode_steps
         ]
@@ -136,7 +136,7 @@ async def test_an_engine_reports_its_steps_when_it_runs_dry_counted_per_instance
             c.scopes[name].cancel()
             await wait_until(lambda: not c.router.instances)
         # One prefill admits the four, then two decode steps give their 2nd and 3rd
-        # tokens: the same for both instances.
-        assert steps_of(c, "rollout-0")[-1] == steps_of(c, "rollout-1")[-1] == (1, 2)
+        # tokens (8 decode tokens): the same for both instances.
+        assert steps_of(c, "rollout-0")[-1] == steps_of(c, "rollout-1")[-1] == (1, 2, 8)
     await net.aclose()
     assert engine.engine.load().decode_steps == 4  # the engine's own counts go on

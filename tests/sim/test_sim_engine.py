@@ -133,6 +133,29 @@ def test_reported_throughput_integrates_to_the_tokens_generated() -> None:
     assert integral == pytest.approx(engine.totals().generated_tokens, rel=1e-9)
 
 
+def test_step_counts_keep_pace_with_the_tokens_reported() -> None:
+    """A report counts the decode steps done by its time and their seconds, as a real
+    engine counts each step as it ends: between two reports, the tokens generated over
+    the steps are the batch (the controller reads its decode rate from them), however
+    long the engine has gone without an event of its own."""
+    config = _config(max_running_requests=8, kv_capacity_tokens=1_000_000)
+    engine = _engine(config)
+    engine.submit([_job(f"r{i}", 1000, 4000) for i in range(8)])
+    engine.advance_to(1.0)
+    before, generated = engine.stats(), 0.0
+    for k in range(1, 11):  # no event falls in these 5 s: one segment of steps
+        engine.advance_to(1.0 + 0.5 * k)
+        stats = engine.stats()
+        generated += stats.gen_tokens_per_s * 0.5
+    steps = stats.decode_steps - before.decode_steps
+    assert steps > 100
+    assert stats.decode_tokens - before.decode_tokens == 8 * steps
+    assert generated / steps == pytest.approx(8, rel=0.01)
+    decode_s = stats.decode_s - before.decode_s
+    assert decode_s == pytest.approx(5.0, rel=0.01)
+    assert stats.prefill_s == before.prefill_s
+
+
 def test_reports_between_step_boundaries_see_the_decode_rate() -> None:
     """Reports a fraction of a step apart (a multi-turn workload's events come every
     few milliseconds) each see the batch's decode rate, not a whole step or none of

@@ -299,14 +299,21 @@ def test_the_engine_counts_its_steps_by_kind_and_their_seconds(model: PreTrained
         engine.add_request(request)
     while engine.num_unfinished:
         before = engine.stats()
+        running = before.num_running
         engine.step()
         after = engine.stats()
         kinds.append("prefill" if after.prefill_steps > before.prefill_steps else "decode")
         assert after.prefill_steps + after.decode_steps == len(kinds)
+        # A decode step generates a token for each request it ran (the controller
+        # reads the batch from tokens over steps); a prefill's first tokens are not
+        # decode tokens.
+        decoded = running if kinds[-1] == "decode" else 0
+        assert after.decode_tokens - before.decode_tokens == decoded
     final = engine.stats()
     # Two slots for three requests: two prefills at least (the third waits for a slot),
     # and each request decodes its remaining tokens.
     assert final.prefill_steps == kinds.count("prefill") >= 2
     assert final.decode_steps == kinds.count("decode") >= 4
+    assert final.decode_tokens >= final.decode_steps
     assert final.prefill_s == pytest.approx(0.25 * final.prefill_steps)
     assert final.decode_s == pytest.approx(0.25 * final.decode_steps)

@@ -22,6 +22,7 @@ import msgspec
 from anyio.abc import ObjectReceiveStream, TaskGroup, TaskStatus
 
 from dynarl.control import events as ev
+from dynarl.control.decode_window import DecodeWindows, active_context, counts_steps
 from dynarl.control.elements import HyperNode
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import Migration, Plan
@@ -141,6 +142,8 @@ class Controller:
         # Per rollout: until when its engines re-prefill requests a migration moved to
         # them (by the profile's prefill cost; see _note_reprefill).
         self._reprefill_until: dict[ComponentId, float] = {}
+        # Per rollout: its engines' step counters over the last few seconds.
+        self._decode_windows = DecodeWindows(graph.rate_tau_s)
 
     async def run(
         self,
@@ -333,27 +336,45 @@ class Controller:
             devices = node.num_active_devices
             if not devices:
                 self._occupancy.pop(cid, None)
+                self._decode_windows.forget(cid)
                 continue
             if node.spec.kind == "rollout":
-                active = list(node.active_instances())
-                load = float(sum(n.num_running for n in active))
-                rate = sum(n.gen_tokens_per_s for n in active)
-                # Mean context per running request, where the engines report their
-                # KV tokens (0 otherwise: the fit then has no context term).
-                context = sum(n.kv_tokens for n in active) / load if load > 0 else 0.0
-                stalled_until = self._reprefill_until.get(cid, -math.inf)
-                settled = min(node.work_rate.age(now), now - stalled_until)
-                if settled < node.work_rate.tau_s:
-                    # Resized, or re-prefilling requests moved to its engines, within
-                    # the meter's time constant: the fit would take the stall for a
-                    # per-request cost (and, past that, drive the step's fixed cost to
-                    # zero: on simulated math 7B, 199 long requests moved to 8 engines
-                    # stalled them ~15 s and the predicted rollout end jumped by 270 s).
-                    continue
-                if load > 0 and rate > 0:
-                    self.predictor.observe(cid, devices, load, rate, context=context)
+                self._observe_rollout(self.predictor, cid, node, devices, now)
             elif node.spec.kind != "actor":  # the actor is observed per optimizer step
                 self._observe_occupancy(self.predictor, cid, node, devices, now)
+
+    def _observe_rollout(
+        self, predictor: Predictor, cid: ComponentId, node: HyperNode, devices: int, now: float
+    ) -> None:
+        """Observe a rollout's decode rate: over a window of its engines' step counters
+        where they count their steps (:class:`DecodeWindows`; the prefill seconds
+        apart), else their summed recent rates, which mix in the prefills."""
+        sample = self._decode_windows.sample(node, now)
+        stalled_until = self._reprefill_until.get(cid, -math.inf)
+        if counts_steps(node):
+            if sample is None:
+                return
+            predictor.observe(cid, devices, sample.load, sample.throughput, context=sample.context)
+            if sample.start_s >= stalled_until:
+                # A migration's re-prefills are priced where the move is scored
+                # (control/reprefill.py), not as the workload's own prefills.
+                predictor.observe_prefill(
+                    cid, devices, sample.load, sample.prefill_device_s, sample.tokens
+                )
+            return
+        active = list(node.active_instances())
+        load = float(sum(n.num_running for n in active))
+        rate = sum(n.gen_tokens_per_s for n in active)
+        settled = min(node.work_rate.age(now), now - stalled_until)
+        if settled < node.work_rate.tau_s:
+            # Resized, or re-prefilling requests moved to its engines, within the
+            # meter's time constant: the fit would take the stall for a per-request
+            # cost (and, past that, drive the step's fixed cost to zero: on simulated
+            # math 7B, 199 long requests moved to 8 engines stalled them ~15 s and the
+            # predicted rollout end jumped by 270 s).
+            return
+        if load > 0 and rate > 0:
+            predictor.observe(cid, devices, load, rate, context=active_context(node))
 
     def _observe_occupancy(
         self, predictor: Predictor, cid: ComponentId, node: HyperNode, devices: int, now: float

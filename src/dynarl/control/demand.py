@@ -95,7 +95,8 @@ def rate(
     For rollout with fitted step costs (:class:`~dynarl.control.predictor.StepCosts`)
     the finish time is ``a * longest + b' * work / devices``: every step pays the fixed
     cost ``a`` until the longest response ends, while a token's own cost ``b' = b + c
-    * context`` (its request, and the KV of its context: ``d.context``) is shared by
+    * context + p`` (its request, the KV of its context -- ``d.context`` -- and its
+    share of the engines' prefills, ``StepCosts.prefill``) is shared by
     the devices (those its requests can keep busy, one engine each at least:
     :func:`~dynarl.control.predictor.busy_devices`). So the tail cannot be bought down
     with devices, and devices given to a rollout at its tail are wasted.

@@ -66,6 +66,9 @@ class Node:
         "below_since_s",
         "busy",
         "component",
+        "decode_s",
+        "decode_steps",
+        "decode_tokens",
         "devices",
         "gen_tokens_per_s",
         "held_since_s",
@@ -76,6 +79,7 @@ class Node:
         "last_stats_s",
         "num_queued",
         "num_running",
+        "prefill_s",
         "progress_base",
         "started",
         "state",
@@ -95,6 +99,13 @@ class Node:
         self.num_running = 0
         self.num_queued = 0
         self.gen_tokens_per_s = 0.0
+        # The engine's step counters, as last reported: decode steps, the tokens they
+        # generated, and the seconds they and its prefills took (0 where the engine
+        # does not count them).
+        self.decode_steps = 0
+        self.decode_tokens = 0
+        self.decode_s = 0.0
+        self.prefill_s = 0.0
         # The last stats report (its creation before any: an engine's first report
         # covers its time since it started).
         self.last_stats_s = now_s

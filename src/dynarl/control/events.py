@@ -110,8 +110,9 @@ class EngineStats(Event, frozen=True, kw_only=True):
     the tokens of context its running requests hold (SGLang's ``num_used_tokens``; 0
     when the engine does not report it). A decode step reads that KV, so it is what
     the step costs beyond the weights. ``prefill_steps`` and ``decode_steps`` count
-    the engine's steps since it started serving as ``instance`` and ``prefill_s`` and
-    ``decode_s`` the seconds they took (0 where the engine does not count them)."""
+    the engine's steps since it started serving as ``instance``, ``prefill_s`` and
+    ``decode_s`` the seconds they took and ``decode_tokens`` the tokens its decode
+    steps generated (0 where the engine does not count them)."""
 
     instance: InstanceId
     kv_usage: float
@@ -123,6 +124,7 @@ class EngineStats(Event, frozen=True, kw_only=True):
     decode_steps: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    decode_tokens: int = 0
 
 
 class WorkerIdle(Event, frozen=True, kw_only=True):

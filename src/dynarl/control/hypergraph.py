@@ -65,6 +65,7 @@ class Hypergraph:
         self.spec = spec
         self.num_devices = num_devices
         self.u_low = u_low
+        self.rate_tau_s = rate_tau_s
         self.expected_tokens_per_request = expected_tokens_per_request
         self.max_tokens_per_request = max_tokens_per_request
         self.now_s = now_s
@@ -399,8 +400,8 @@ class Hypergraph:
         node = self._instance(e.instance)
         if (
             not 0.0 <= e.kv_usage <= 1.0
-            or min(e.num_running, e.num_queued, e.kv_tokens) < 0
-            or not e.gen_tokens_per_s >= 0.0
+            or min(e.num_running, e.num_queued, e.kv_tokens, e.decode_steps, e.decode_tokens) < 0
+            or not min(e.gen_tokens_per_s, e.decode_s, e.prefill_s) >= 0.0
         ):
             raise EventError(f"impossible engine stats from {e.instance!r}: {e}")
         hn = self.components[node.component]
@@ -421,6 +422,8 @@ class Hypergraph:
         node.busy = e.num_running + e.num_queued > 0
         node.last_stats_s = e.time_s
         node.gen_tokens_per_s = e.gen_tokens_per_s
+        node.decode_steps, node.decode_tokens = e.decode_steps, e.decode_tokens
+        node.decode_s, node.prefill_s = e.decode_s, e.prefill_s
         if e.kv_usage >= self.u_low:
             node.below_since_s = None
         elif node.below_since_s is None:

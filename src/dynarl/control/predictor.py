@@ -15,6 +15,11 @@ forgetting so it follows drift):
   count: ``devices`` is floored at ``load x devices per instance`` (at the tail, with
   fewer requests than engines, a request's step does not get cheaper with the idle
   engines; without the floor the fit reads the tail's slow steps as a large ``b``).
+  Prefills (admitting requests, sessions returning from their tools) stall an engine's
+  batch beside its decode steps: where engines count their steps the fit sees their
+  decode rate alone, and the prefill's device-seconds per generated token ``p`` are
+  kept apart (a ratio of sums, forgetting as the fit does) and added to the token's
+  cost, ``b + c * context + p`` (see :mod:`dynarl.control.decode_window`).
 * **linear** (actor, inference): ``throughput = k * devices ** e`` with ``e <= 1`` the
   data-parallel efficiency; fitted in log space. Devices beyond the load do nothing.
 
@@ -101,15 +106,18 @@ class StepCosts(msgspec.Struct, frozen=True):
     """A rollout's fitted decode-step costs: a step over ``load`` requests holding
     ``context`` tokens each on average, on ``devices`` devices, takes ``a + (b + c *
     context) * load / devices`` seconds (``devices`` floored as :func:`busy_devices`
-    says)."""
+    says); besides, its engines spend ``prefill`` device-seconds prefilling per token
+    they generate (0 where they do not count their steps: ``b`` then absorbs it)."""
 
     a: float  # seconds per step
     b: float  # device-seconds per request per step
     c: float  # device-seconds per token of context per step
+    prefill: float = 0.0  # device-seconds of prefill per generated token
 
     def per_token(self, context: float) -> float:
-        """Device-seconds one request's token costs at ``context`` beyond ``a``."""
-        return self.b + self.c * max(context, 0.0)
+        """Device-seconds one request's token costs at ``context`` beyond ``a``, its
+        share of the prefills included."""
+        return self.b + self.c * max(context, 0.0) + self.prefill
 
 
 class Estimate(msgspec.Struct, frozen=True):
@@ -207,6 +215,10 @@ class _Fit:
         self.ysum = 0.0
         self.weight = 0.0
         self.context_sum = 0.0  # forgetting-weighted, as ``weight``
+        # Prefill device-seconds (on devices alone) and the tokens generated beside
+        # them, forgetting-weighted per sample (concave only; see add_prefill).
+        self.prefill_s = 0.0
+        self.prefill_tokens = 0.0
         self.count = 0
         self.coef: np.ndarray | None = None
         self._coef_list: list[float] | None = None  # coef as floats, for predict
@@ -250,6 +262,19 @@ class _Fit:
         self.coef = None
         self._coef_list = None
         self._rel_std = None
+
+    @property
+    def prefill(self) -> float:
+        """Prefill device-seconds per generated token (0 before any sample)."""
+        return self.prefill_s / self.prefill_tokens if self.prefill_tokens > 0 else 0.0
+
+    def add_prefill(self, devices: float, load: float, device_s: float, tokens: float) -> None:
+        if tokens <= 0 or device_s < 0 or not math.isfinite(device_s):
+            return
+        self.prefill_s = self.forget * self.prefill_s + device_s / host_factor(
+            self.host, self.busy(devices, load)
+        )
+        self.prefill_tokens = self.forget * self.prefill_tokens + tokens
 
     def solve(self) -> np.ndarray | None:
         if self.coef is None and self.count >= 2:
@@ -313,7 +338,7 @@ class _Fit:
         busy = self.busy(devices, load)
         if self.scaling == "concave":
             ctx = max(self.context if context is None else context, 0.0)
-            y = c[0] / load + c[1] / busy + c[2] * ctx / busy
+            y = c[0] / load + (c[1] + c[2] * ctx + self.prefill) / busy
             return 1.0 / (y * host_factor(self.host, busy)) if y > 0 else None
         return math.exp(c[0] + c[1] * math.log(busy)) / host_factor(self.host, busy)
 
@@ -376,6 +401,17 @@ class Predictor:
         if fit is not None:
             fit.add(devices, load, throughput, context)
 
+    def observe_prefill(
+        self, component: ComponentId, devices: int, load: float, device_s: float, tokens: float
+    ) -> None:
+        """Add what a rollout's engines spent prefilling (``device_s`` device-seconds)
+        while they generated ``tokens`` tokens, on ``devices`` devices at ``load``
+        running requests (a concave component whose decode rate :meth:`observe` sees
+        apart from its prefills)."""
+        fit = self._fits.get(component)
+        if fit is not None and fit.scaling == "concave":
+            fit.add_prefill(devices, load, device_s, tokens)
+
     def observe_all(self, rows: Iterable[ProfileRow]) -> None:
         """Add profile rows."""
         for r in rows:
@@ -425,7 +461,9 @@ class Predictor:
         ``None`` before the fit exists."""
         fit = self._fits[component]
         coef = fit.solve() if fit.scaling == "concave" else None
-        return None if coef is None else StepCosts(*(float(v) for v in coef))
+        if coef is None:
+            return None
+        return StepCosts(float(coef[0]), float(coef[1]), float(coef[2]), fit.prefill)
 
     def to_profile(self, rows: Iterable[ProfileRow] = ()) -> Profile:
         """A profile holding ``rows`` and the learned migration costs."""
@@ -439,5 +477,8 @@ class Predictor:
         for c, fit in self._fits.items():
             coef = fit.solve()
             shown = "no data" if coef is None else json.dumps([round(float(v), 6) for v in coef])
-            lines.append(f"{c}: {fit.scaling} {shown} n={fit.count} rel_std={fit.rel_std():.3f}")
+            prefill = f" prefill={fit.prefill:.3g}" if fit.prefill > 0 else ""
+            lines.append(
+                f"{c}: {fit.scaling} {shown}{prefill} n={fit.count} rel_std={fit.rel_std():.3f}"
+            )
         return "\n".join(lines)

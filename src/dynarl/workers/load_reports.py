@@ -53,6 +53,7 @@ class LoadReporter:
             decode_steps=load.decode_steps - base.decode_steps,
             prefill_s=load.prefill_s - base.prefill_s,
             decode_s=load.decode_s - base.decode_s,
+            decode_tokens=load.decode_tokens - base.decode_tokens,
         )
         with contextlib.suppress(anyio.ClosedResourceError, DataPlaneError):
             await self._link.report(event)

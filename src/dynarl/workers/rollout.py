@@ -147,6 +147,8 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
             a token); 0 where the engine does not count them (the SGLang adapter:
             the server does not say).
         prefill_s, decode_s: seconds those steps took, in all.
+        decode_tokens: tokens the decode steps generated, in all (each step one per
+            running request: over a window, its tokens per step are the batch it ran).
     """
 
     kv_usage: float
@@ -161,6 +163,7 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
     decode_steps: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    decode_tokens: int = 0
 
 
 # ------------------------------------------------------------------ the role

@@ -126,6 +126,7 @@ class RolloutEngine:
         # Steps since the engine started and the seconds they took: [prefill, decode].
         self._steps = [0, 0]
         self._step_s = [0.0, 0.0]
+        self._decode_tokens = 0
 
     @classmethod
     def from_config(
@@ -248,6 +249,8 @@ class RolloutEngine:
         kind = 0 if admitted else 1
         self._steps[kind] += 1
         self._step_s[kind] += end_s - start_s
+        if kind:
+            self._decode_tokens += len(batch)
         return outputs
 
     def generate(self, requests: Iterable[GenerateRequest]) -> list[Completion]:
@@ -302,6 +305,7 @@ class RolloutEngine:
             decode_steps=self._steps[1],
             prefill_s=self._step_s[0],
             decode_s=self._step_s[1],
+            decode_tokens=self._decode_tokens,
         )
 
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor], version: int) -> None:

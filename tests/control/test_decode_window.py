@@ -1,0 +1,181 @@
+"""A rollout whose engines count their steps is fitted on its decode rate alone, with
+its prefills priced apart: prefill stalls that swing its recent rate (sessions coming
+back from their tools) no longer read as noise in the decode fit."""
+
+import random
+
+import pytest
+
+from dynarl.control import events as ev
+from dynarl.control.controller import Controller
+from dynarl.control.decode_window import DecodeWindows
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.plan import Migration
+from dynarl.control.predictor import Predictor, PrefillCost, Profile
+from dynarl.control.topology import PROMPTS, ROLLOUT
+from dynarl.core.clock import ManualClock
+from dynarl.core.ids import DeviceId, GroupId, InstanceId, ItemId, MigrationId
+
+from .test_controller_observe import DoNothing, NoMoves, rollout_graph
+
+A, B, C = 0.02, 1e-4, 1e-7  # the engines' decode step: A + (B + C * context) * batch
+TICK_S = 0.5
+P_SOME = 1e-4  # prefill seconds per generated token
+
+
+class CountingEngines:
+    """Two engines that count their steps: each report window they decode at the step
+    cost and prefill ``prefill`` seconds per token they generate (sessions coming back
+    with new tokens to take in), the batch stalled meanwhile."""
+
+    def __init__(self, controller: Controller, clock: ManualClock) -> None:
+        self.controller, self.clock = controller, clock
+        self.steps = [0, 0]
+        self.tokens = [0, 0]
+        self.decode_s = [0.0, 0.0]
+        self.prefill_s = [0.0, 0.0]
+
+    def run(
+        self, running: int, context: int, prefill: float, engines: tuple[int, ...] = (0, 1)
+    ) -> None:
+        """One tick: ``TICK_S`` pass, the engines report, the controller observes."""
+        self.clock.advance(TICK_S)
+        step = A + (B + C * context) * running
+        for i in engines:
+            steps = int(TICK_S / (step + prefill * running))
+            self.steps[i] += steps
+            self.tokens[i] += steps * running
+            self.decode_s[i] += steps * step
+            self.prefill_s[i] += steps * running * prefill  # (idle for the rest)
+            self.controller.handle(
+                ev.EngineStats(
+                    instance=InstanceId(f"rollout-{i}"),
+                    kv_usage=min(1.0, running * context / 1e6),
+                    num_running=running,
+                    num_queued=0,
+                    gen_tokens_per_s=steps * running / TICK_S,
+                    kv_tokens=running * context,
+                    decode_steps=self.steps[i],
+                    decode_tokens=self.tokens[i],
+                    decode_s=self.decode_s[i],
+                    prefill_s=self.prefill_s[i],
+                )
+            )
+        self.controller._observe_tick(self.clock.now())
+
+
+def counting_setup(
+    predictor: Predictor | None = None,
+) -> tuple[Hypergraph, Controller, Predictor, CountingEngines]:
+    g = rollout_graph(max_running=64)
+    predictor = predictor or Predictor({c: n.spec.scaling for c, n in g.components.items()})
+    clock = ManualClock()
+    controller = Controller(g, DoNothing(), NoMoves(), clock=clock, predictor=predictor)
+    return g, controller, predictor, CountingEngines(controller, clock)
+
+
+def test_prefill_stalls_that_swing_the_rate_leave_the_decode_fit_exact() -> None:
+    # Each half-second the engines prefill a random 0-2x of P seconds per token they
+    # generate: at a full batch their summed recent rate swings nearly twofold at a
+    # constant running count (what broke the fit on simulated agentic rollouts). The
+    # decode fit sees the steps alone; the prefills are priced per token.
+    p = 2e-4
+    rng = random.Random(0)
+    _, _, predictor, engines = counting_setup()
+    for running, context in [(64, 500), (64, 2000), (32, 4000), (16, 8000), (8, 12000)]:
+        for _ in range(40):
+            engines.run(running, context, p * rng.uniform(0.0, 2.0))
+    costs = predictor.step_costs(ROLLOUT)
+    assert costs is not None
+    assert (costs.a, costs.b) == pytest.approx((A, B), rel=0.03)
+    # (Windows that straddle a jump in context mix two; real contexts grow smoothly.)
+    assert costs.c == pytest.approx(C, rel=0.1)
+    assert predictor.predict(ROLLOUT, 2, 128).rel_std < 0.01
+    # The prefill device-seconds per generated token (one device an engine).
+    assert costs.prefill == pytest.approx(p, rel=0.1)
+    # What the engines deliver at a full batch, prefills included.
+    step = A + (B + C * 1000) * 64
+    got = predictor.predict(ROLLOUT, 2, 128, context=1000).throughput
+    assert got == pytest.approx(2.0 / (step / 64 + p), rel=0.05)
+    assert got < 0.8 * 128 / step
+
+
+def test_a_window_covers_the_same_engines_and_restarts_when_one_leaves() -> None:
+    g, controller, predictor, engines = counting_setup()
+    span = g.rate_tau_s
+    ticks = int(span / TICK_S)
+    for _ in range(ticks):
+        engines.run(32, 1000, P_SOME)
+    assert predictor.predict(ROLLOUT, 2, 64).num_observations == 0  # under a span yet
+    engines.run(32, 1000, P_SOME)
+    assert predictor.predict(ROLLOUT, 2, 64).num_observations == 1
+    # rollout-1 leaves: the window starts again on rollout-0 alone.
+    controller.handle(ev.WorkerFailed(instance=InstanceId("rollout-1"), reason="gone"))
+    for _ in range(ticks):
+        engines.run(32, 1000, P_SOME, engines=(0,))
+    assert predictor.predict(ROLLOUT, 1, 32).num_observations == 1
+    engines.run(32, 1000, P_SOME, engines=(0,))
+    assert predictor.predict(ROLLOUT, 1, 32).num_observations == 2
+
+
+def test_an_engine_that_does_not_count_steps_leaves_the_rollout_on_its_reported_rates() -> None:
+    g = rollout_graph(max_running=8)
+    windows = DecodeWindows(g.rate_tau_s)
+    g.apply(
+        ev.EngineStats(
+            instance=InstanceId("rollout-0"),
+            kv_usage=0.1,
+            num_running=8,
+            num_queued=0,
+            gen_tokens_per_s=100.0,
+            time_s=1.0,
+        )
+    )
+    for t in (1.0, 10.0, 20.0):
+        assert windows.sample(g.components[ROLLOUT], t) is None
+
+
+def test_a_moved_requests_re_prefill_is_not_the_workloads_prefill() -> None:
+    # A migration's re-prefills are priced where the move is scored: while the engines
+    # re-prefill moved requests (and for a window after), the decode fit goes on but
+    # the prefill cost does not learn from them.
+    cost = PrefillCost(s_per_token=1e-3, s_per_token_context=0.0, kv_capacity_tokens=1e6)
+    g = rollout_graph(max_running=64)
+    predictor = Predictor(
+        {c: n.spec.scaling for c, n in g.components.items()},
+        profile=Profile(prefill={ROLLOUT: cost}),
+    )
+    clock = ManualClock()
+    controller = Controller(g, DoNothing(), NoMoves(), clock=clock, predictor=predictor)
+    engines = CountingEngines(controller, clock)
+    refs = tuple(ev.ItemRef(ItemId(f"r{k}"), GroupId("g"), 1000) for k in range(4))
+    controller.handle(ev.ItemsEnqueued(edge=PROMPTS, items=refs))
+    for ref in refs:
+        controller.handle(
+            ev.ItemRouted(edge=PROMPTS, item=ref.id, instance=InstanceId("rollout-0"))
+        )
+    for _ in range(20):
+        engines.run(32, 1000, P_SOME)
+    before = predictor.step_costs(ROLLOUT)
+    assert before is not None and before.prefill > 0
+    observed = predictor.predict(ROLLOUT, 2, 64).num_observations
+    # Its four requests (1,000-token prompts and more) go to rollout-1: a 4 s stall.
+    controller._note_reprefill(
+        Migration(
+            id=MigrationId(0),
+            kind="workload",
+            src=ROLLOUT,
+            dst=None,
+            devices=(DeviceId(0),),
+            drain=(InstanceId("rollout-0"),),
+            reassign=tuple((ref.id, InstanceId("rollout-1")) for ref in refs),
+        )
+    )
+    stall_ticks = int(4.0 / TICK_S) + 1
+    for _ in range(stall_ticks):
+        engines.run(32, 1000, 0.9)
+    for _ in range(int(g.rate_tau_s / TICK_S)):
+        engines.run(32, 1000, P_SOME)  # windows that still hold some of the stall
+    after = predictor.step_costs(ROLLOUT)
+    assert after is not None and after.prefill == pytest.approx(before.prefill, rel=0.05)
+    assert predictor.predict(ROLLOUT, 2, 64).num_observations > observed + stall_ticks
