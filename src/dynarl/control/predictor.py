@@ -9,7 +9,10 @@ forgetting so it follows drift):
   (reading their KV), ``context`` being the mean context per running request. So
   throughput is ``load / step`` tokens/s: each extra device helps less as requests
   finish, and the same batch slows down as its contexts grow. Fitted as ``1/throughput
-  = a/load + b/devices + c * context/devices``. Without context in the observations
+  = a/load + b/devices + c * context/devices``, each observation weighted by
+  ``throughput^2`` so that the fit minimises relative errors (``1/throughput`` spans
+  orders of magnitude between a full batch and a tail request alone; unweighted, the
+  slowest few observations decide the fit). Without context in the observations
   (an engine that does not report its KV tokens) ``c`` stays 0 and ``b`` absorbs the
   context. A request runs on one engine, so only the devices of engines holding one
   count: ``devices`` is floored at ``load x devices per instance`` (at the tail, with
@@ -212,7 +215,6 @@ class _Fit:
         self.xtx = np.zeros((k, k))
         self.xty = np.zeros(k)
         self.yty = 0.0
-        self.ysum = 0.0
         self.weight = 0.0
         self.context_sum = 0.0  # forgetting-weighted, as ``weight``
         # Prefill device-seconds (on devices alone) and the tokens generated beside
@@ -252,10 +254,14 @@ class _Fit:
             return
         # Fitted as if the devices were independent: what they would do alone.
         y = self.target(throughput * host_factor(self.host, self.busy(devices, load)))
-        self.xtx = self.forget * self.xtx + np.outer(x, x)
-        self.xty = self.forget * self.xty + x * y
-        self.yty = self.forget * self.yty + y * y
-        self.ysum = self.forget * self.ysum + y
+        # Concave: 1/throughput spans orders of magnitude (a full batch on many
+        # devices against a tail request alone), and plain least squares would fit the
+        # few slowest observations and err on the rest; each is weighted by 1/y^2 so
+        # the fit minimises relative errors. (Log space does that for linear.)
+        w = 1.0 / (y * y) if self.scaling == "concave" else 1.0
+        self.xtx = self.forget * self.xtx + w * np.outer(x, x)
+        self.xty = self.forget * self.xty + w * x * y
+        self.yty = self.forget * self.yty + w * y * y
         self.weight = self.forget * self.weight + 1.0
         self.context_sum = self.forget * self.context_sum + max(context, 0.0)
         self.count += 1
@@ -283,7 +289,12 @@ class _Fit:
             # device count) is decided by the prior, not by numerical noise.
             k = len(self.xty)
             prior = np.array([0.0, 1.0]) if self.scaling == "linear" else np.zeros(k)
-            ridge = np.diag([1e-9, 1e-3, 1e-3][:k])
+            if self.scaling == "concave":
+                # Relative to the (weighted) data: enough to settle a direction the
+                # observations do not vary in, too little to bias one they do.
+                ridge = np.diag(1e-6 * np.diag(self.xtx) + 1e-12)
+            else:
+                ridge = np.diag([1e-9, 1e-3])
             free = np.ones(k, dtype=bool)
             while True:
                 coef = prior.copy()
@@ -317,12 +328,10 @@ class _Fit:
             return 1.0
         sse = self.yty - 2 * coef @ self.xty + coef @ self.xtx @ coef
         var = max(float(sse), 0.0) / (self.weight - k)
-        std = math.sqrt(var)
-        if self.scaling == "concave":
-            # y is 1/throughput: its relative error is the throughput's relative error.
-            mean_y = self.ysum / self.weight
-            return min(1.0, std / mean_y) if mean_y > 0 else 1.0
-        return min(1.0, std)  # log space: std is the relative error
+        # Concave residuals are weighted by 1/y^2, linear ones in log space: either way
+        # the residual is relative, and a relative error of 1/throughput is one of the
+        # throughput (to first order).
+        return min(1.0, math.sqrt(var))
 
     def predict(self, devices: float, load: float, context: float | None) -> float | None:
         # Plain floats: this runs for every candidate plan, and a 3-vector numpy dot
