@@ -52,9 +52,11 @@ def demands(
 
     With ``per_engine``, a rollout's demand also holds its most loaded engine's work
     (``hottest``), which then bounds its predicted finish (see :func:`rate`). Policies
-    that move requests between engines ask for it; device moves are scored without it,
-    since the concave fit's per-request cost ``b`` is learned largely at the tail (long
-    contexts) and would make a busy engine's queue look several times slower than it is.
+    that move requests between engines ask for it; device moves are scored without it.
+    (That choice dates from a fit whose per-request cost ``b`` the tail's slow windows
+    inflated, which made a busy engine's queue look several times slower than it is;
+    the fit now weighs relative errors and reads decode steps apart from prefills, and
+    scoring device moves with it has not been tried since.)
 
     The result is shared (with ``estimates``, once per state of the hypergraph): copy
     it before changing it.
