@@ -263,6 +263,20 @@ def test_a_resized_rollout_is_observed_again_only_after_the_meters_time_constant
     assert predictor.predict(ROLLOUT, 2, 16).num_observations == 1
 
 
+def drain_rollout_0(moved: tuple[tuple[ItemId, InstanceId], ...]) -> Migration:
+    """A workload migration that drains rollout-0, sending its requests as ``moved``
+    says."""
+    return Migration(
+        id=MigrationId(0),
+        kind="workload",
+        src=ROLLOUT,
+        dst=None,
+        devices=(DeviceId(0),),
+        drain=(InstanceId("rollout-0"),),
+        reassign=moved,
+    )
+
+
 def test_a_rollout_is_not_observed_while_its_engines_re_prefill_moved_requests() -> None:
     # A migration moves an engine's requests to another, which re-prefills them one
     # after another, its running requests stalled meanwhile. Rates seen then are the
@@ -303,17 +317,7 @@ def test_a_rollout_is_not_observed_while_its_engines_re_prefill_moved_requests()
     contexts = [source.context_of(g.edges[PROMPTS].items[item]) for item, _ in moved]
     assert all(c > 1000 for c in contexts)
     span = 1e-3 * sum(contexts)
-    controller._note_reprefill(
-        Migration(
-            id=MigrationId(0),
-            kind="workload",
-            src=ROLLOUT,
-            dst=None,
-            devices=(DeviceId(0),),
-            drain=(InstanceId("rollout-0"),),
-            reassign=moved,
-        )
-    )
+    controller._note_reprefill(drain_rollout_0(moved))
     assert observed_after(tau) == 1
     assert observed_after(span - 0.1) == 1
     assert observed_after(0.2) == 2

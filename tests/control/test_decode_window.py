@@ -10,13 +10,12 @@ from dynarl.control import events as ev
 from dynarl.control.controller import Controller
 from dynarl.control.decode_window import DecodeWindows
 from dynarl.control.hypergraph import Hypergraph
-from dynarl.control.plan import Migration
 from dynarl.control.predictor import Predictor, PrefillCost, Profile
 from dynarl.control.topology import PROMPTS, ROLLOUT
 from dynarl.core.clock import ManualClock
-from dynarl.core.ids import DeviceId, GroupId, InstanceId, ItemId, MigrationId
+from dynarl.core.ids import GroupId, InstanceId, ItemId
 
-from .test_controller_observe import DoNothing, NoMoves, rollout_graph
+from .test_controller_observe import DoNothing, NoMoves, drain_rollout_0, rollout_graph
 
 A, B, C = 0.02, 1e-4, 1e-7  # the engines' decode step: A + (B + C * context) * batch
 TICK_S = 0.5
@@ -65,10 +64,10 @@ class CountingEngines:
 
 
 def counting_setup(
-    predictor: Predictor | None = None,
+    profile: Profile | None = None,
 ) -> tuple[Hypergraph, Controller, Predictor, CountingEngines]:
     g = rollout_graph(max_running=64)
-    predictor = predictor or Predictor({c: n.spec.scaling for c, n in g.components.items()})
+    predictor = Predictor({c: n.spec.scaling for c, n in g.components.items()}, profile=profile)
     clock = ManualClock()
     controller = Controller(g, DoNothing(), NoMoves(), clock=clock, predictor=predictor)
     return g, controller, predictor, CountingEngines(controller, clock)
@@ -140,14 +139,7 @@ def test_a_moved_requests_re_prefill_is_not_the_workloads_prefill() -> None:
     # re-prefill moved requests (and for a window after), the decode fit goes on but
     # the prefill cost does not learn from them.
     cost = PrefillCost(s_per_token=1e-3, s_per_token_context=0.0, kv_capacity_tokens=1e6)
-    g = rollout_graph(max_running=64)
-    predictor = Predictor(
-        {c: n.spec.scaling for c, n in g.components.items()},
-        profile=Profile(prefill={ROLLOUT: cost}),
-    )
-    clock = ManualClock()
-    controller = Controller(g, DoNothing(), NoMoves(), clock=clock, predictor=predictor)
-    engines = CountingEngines(controller, clock)
+    g, controller, predictor, engines = counting_setup(Profile(prefill={ROLLOUT: cost}))
     refs = tuple(ev.ItemRef(ItemId(f"r{k}"), GroupId("g"), 1000) for k in range(4))
     controller.handle(ev.ItemsEnqueued(edge=PROMPTS, items=refs))
     for ref in refs:
@@ -161,19 +153,11 @@ def test_a_moved_requests_re_prefill_is_not_the_workloads_prefill() -> None:
     observed = predictor.predict(ROLLOUT, 2, 64).num_observations
     # Its four requests (1,000-token prompts and more) go to rollout-1: a 4 s stall.
     controller._note_reprefill(
-        Migration(
-            id=MigrationId(0),
-            kind="workload",
-            src=ROLLOUT,
-            dst=None,
-            devices=(DeviceId(0),),
-            drain=(InstanceId("rollout-0"),),
-            reassign=tuple((ref.id, InstanceId("rollout-1")) for ref in refs),
-        )
+        drain_rollout_0(tuple((ref.id, InstanceId("rollout-1")) for ref in refs))
     )
     stall_ticks = int(4.0 / TICK_S) + 1
     for _ in range(stall_ticks):
-        engines.run(32, 1000, 0.9)
+        engines.run(32, 1000, 20 * P_SOME)  # the stall: mostly prefill
     for _ in range(int(g.rate_tau_s / TICK_S)):
         engines.run(32, 1000, P_SOME)  # windows that still hold some of the stall
     after = predictor.step_costs(ROLLOUT)

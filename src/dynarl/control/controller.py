@@ -349,9 +349,9 @@ class Controller:
         """Observe a rollout's decode rate: over a window of its engines' step counters
         where they count their steps (:class:`DecodeWindows`; the prefill seconds
         apart), else their summed recent rates, which mix in the prefills."""
-        sample = self._decode_windows.sample(node, now)
         stalled_until = self._reprefill_until.get(cid, -math.inf)
         if counts_steps(node):
+            sample = self._decode_windows.sample(node, now)
             if sample is None:
                 return
             predictor.observe(cid, devices, sample.load, sample.throughput, context=sample.context)
@@ -362,6 +362,7 @@ class Controller:
                     cid, devices, sample.load, sample.prefill_device_s, sample.tokens
                 )
             return
+        self._decode_windows.forget(cid)
         active = list(node.active_instances())
         load = float(sum(n.num_running for n in active))
         rate = sum(n.gen_tokens_per_s for n in active)
