@@ -114,7 +114,8 @@ def _steps(graph: Hypergraph, cid: ComponentId, steps_left: int, est: Estimates)
                 g = groups.setdefault(group, [0.0, 0.0, 0.0, 0.0, 0.0])
                 g[0] += num
                 g[1] += size if sized else num
-            works = [max(st.tokens, 1) for st in states] if sized else [1] * len(order)
+            # max(tokens, 1), with no call per sample (sizes are never negative)
+            works = [st.tokens or 1 for st in states] if sized else [1] * len(order)
             running = accumulate(works, initial=arrived)
             next(running)
             arrival.update(zip(order, running, strict=True))

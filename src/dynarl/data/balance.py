@@ -165,7 +165,15 @@ class Balancer:
             w.capacity, component.held_at_most * w.slots // component.slots
         ):
             return  # it holds its share already: O(1) (the exact sum below is no more)
-        held = {c.instance: len(c.in_flight) + len(c.queue) for c in peers}
+        held: dict[InstanceId, int] = {}
+        # Whether another instance holds an item that can move without its engine
+        # losing work: one in its request queue, or one beyond its slots (waiting in
+        # its engine's own queue).
+        spare = False
+        for c in peers:
+            n = held[c.instance] = len(c.in_flight) + len(c.queue)
+            if not spare and c is not w and (n > c.slots or len(c.queue)):
+                spare = True
         coming: dict[InstanceId, list[ItemId]] = {}  # recalled items on their way to each
         for item_id, (src, dst) in self.recalled.items():
             if src in held:
@@ -184,6 +192,11 @@ class Balancer:
         # donor holds beyond its slots (waiting in its engine's queue: no KV, nothing
         # generated) is asked back.
         running_too = not tail or want * want > share
+        if not (running_too or spare or self.recalled):
+            # Only running requests could move, and none may: the scan below would
+            # find nothing (in a rollout's tail, most scans; a sixth of an agentic
+            # simulation's time went to them).
+            return
         waiting: dict[InstanceId, int] = {}  # per donor: what it holds beyond its slots
         edges = self.edges_of(w.component)
         exclude = self.rebalanced if tail else None

@@ -270,7 +270,10 @@ class RequestQueue(Generic[T]):
     def take_oldest(self, eligible: Callable[[T], bool]) -> T | None:
         """Remove and return the oldest queued request ``eligible`` accepts (``None`` if
         none does), to route it elsewhere. Not counted as served."""
-        for entry in self._arrivals:
+        arrivals = self._arrivals
+        while arrivals and arrivals[0].taken:  # taken ones ahead of the oldest left
+            arrivals.popleft()
+        for entry in arrivals:
             if not entry.taken and eligible(entry.item):
                 entry.taken = True
                 self._depth -= 1
