@@ -11,7 +11,10 @@ KV reads, then the last minibatch -- the longest groups -- on every device; see
 ``dynarl.sim.tail_floor``) and the scheduler's online overhead (wall-clock
 seconds deciding over simulated seconds); then dynamic's speedup over the better
 static mode beside the reference system's range, and on how many seeds dynamic is
-ahead. The last column is the wall-clock seconds one simulation of the mode took (the mean
+ahead. ``plan err`` is how far the plans the mode committed predicted the iteration's end
+(:mod:`dynarl.sim.plan_accuracy`): the median relative error over the seeds and the 90th
+percentile of its magnitude (JSON ``plan_error``, for the modes that score their plans).
+The last column is the wall-clock seconds one simulation of the mode took (the mean
 over the seeds; JSON ``wall_s``): where the table's own run time goes.
 ``--reference-baselines`` also runs the static modes as the reference system's
 baselines run, without request-level balancing (``rollout.balance=none``: no engine
@@ -75,6 +78,21 @@ def run_one(
     return result
 
 
+def _plan_error(results: list[ModeResult]) -> dict[str, float]:
+    """How far a mode's committed plans predicted the iteration's end, over its seeds:
+    the mean of the seeds' median relative errors, the largest of their 90th
+    percentiles of the error's magnitude, and the plans scored in all (``plans`` 0: the
+    mode scores no plans)."""
+    scored = [r.plan_accuracy for r in results if r.plan_accuracy.plans]
+    if not scored:
+        return {"median": 0.0, "p90_abs": 0.0, "plans": 0}
+    return {
+        "median": round(statistics.fmean(a.median for a in scored), 3),
+        "p90_abs": round(max(a.p90_abs for a in scored), 3),
+        "plans": sum(a.plans for a in scored),
+    }
+
+
 def _job(args: tuple[Workload, Size, int, str, int, int]) -> ModeResult:
     w, s, n, mode, iterations, seed = args
     return run_one(w, s, n, mode, iterations=iterations, seed=seed)
@@ -123,7 +141,7 @@ def main() -> None:
     header = (
         f"{'setting':<16} {'mode':<26} {'throughput':>12} {'iter s':>8} {'spread s':>13} "
         f"{'lower s':>8} {'gap':>6} {'floor s':>8} {'gap':>6} {'migr':>5} {'overhead':>9} "
-        f"{'wall s':>7}"
+        f"{'plan err':>11} {'wall s':>7}"
     )
     print(header, flush=True)
     rows = []
@@ -138,14 +156,17 @@ def main() -> None:
         floor = statistics.fmean(r.tail_floor_s for r in runs["dynamic"])
         mean_s = {m: statistics.fmean(r.mean_iteration_s for r in rs) for m, rs in runs.items()}
         tput = {m: statistics.fmean(r.throughput for r in rs) for m, rs in runs.items()}
+        accuracy = {m: _plan_error(rs) for m, rs in runs.items()}
         for m, rs in runs.items():
             lo, hi = min(r.mean_iteration_s for r in rs), max(r.mean_iteration_s for r in rs)
+            acc = accuracy[m]
+            err = f"{acc['median']:+.0%}/{acc['p90_abs']:.0%}" if acc["plans"] else "-"
             print(
                 f"{name:<16} {m:<26} {tput[m]:>12.1f} {mean_s[m]:>8.1f} "
                 f"{f'{lo:.1f}-{hi:.1f}':>13} {lower:>8.1f} {mean_s[m] / lower - 1:>6.0%} "
                 f"{floor:>8.1f} {mean_s[m] / floor - 1:>6.0%} "
                 f"{statistics.fmean(r.num_migrations for r in rs):>5.0f} "
-                f"{statistics.fmean(r.overhead for r in rs):>9.2%} "
+                f"{statistics.fmean(r.overhead for r in rs):>9.2%} {err:>11} "
                 f"{statistics.fmean(r.wall_s for r in rs):>7.1f}"
             )
 
@@ -210,6 +231,7 @@ def main() -> None:
                 "wall_s": {
                     m: round(statistics.fmean(r.wall_s for r in rs), 2) for m, rs in runs.items()
                 },
+                "plan_error": {m: acc for m, acc in accuracy.items() if acc["plans"]},
                 "reference": REFERENCE[(w, s)],
                 **unbalanced,
             }

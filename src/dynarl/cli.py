@@ -141,6 +141,12 @@ def _sim(args: argparse.Namespace) -> int:
                 f"{c} {t.busy:.0f}/{t.held:.0f}" for c, t in result.devices.items() if t.held
             )
             print(f"{'':<22} busy/held device-s: {busy}")
+            acc = result.plan_accuracy
+            if acc.plans:
+                print(
+                    f"{'':<22} its {acc.plans} scored plans predicted the iteration's end "
+                    f"{acc.median:+.0%} (median; 90% within {acc.p90_abs:.0%})"
+                )
     _print_bound(results)
     write_timeline(run_dir / "timeline.jsonl", recorders)
     title = f"{sim.workload} {model} on {cfg.cluster.num_devices} x {device}"

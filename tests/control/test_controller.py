@@ -84,6 +84,16 @@ def test_every_mode_completes_iterations_with_consistent_state(mode: str) -> Non
         assert not result.migrations
     else:
         assert result.migrations
+    # Each committed plan is kept with what its policy predicted of it: the dynamic
+    # mode's scored plans a finite remaining time that the plan shortens.
+    plans = result.stats.plans
+    assert len(plans) == result.stats.plans_committed
+    assert [p.time_s for p in plans] == sorted(p.time_s for p in plans)
+    scored = [p for p in plans if p.predicted_s > 0]
+    if mode == "dynamic":
+        assert scored and all(p.predicted_s < p.predicted_without_s for p in scored)
+    else:
+        assert not scored  # the static modes do not score their plans
     if mode == "static-colocated":
         # Every stage in turn holds the whole cluster (the actor at its largest valid
         # data-parallel size: 4 divides the 32-sample minibatch, 6 does not).
@@ -216,4 +226,5 @@ def test_a_failing_move_is_retried_with_exponential_back_off() -> None:
     assert 5 <= len(starts) <= 15, starts
     assert gaps == sorted(gaps) and max(gaps) <= 16.0 + 1.5 + 0.5
     assert stats.plans_held_back > 0
+    assert len(stats.plans) == stats.plans_committed  # a held-back plan is not committed
     assert controller.graph.components["rollout"].num_active_devices == 3  # old placement kept

@@ -154,6 +154,10 @@ def test_no_mode_beats_the_work_conserving_bound() -> None:
         result, _ = run(small(16, f"scheduler.mode={mode}"), check=False)
         assert result.bound_gap > 0
         assert result.bound_s < result.mean_iteration_s
+        # Only the dynamic mode scores its plans, so only its predictions are judged.
+        accuracy = result.plan_accuracy
+        assert (accuracy.plans > 0) == (mode == "dynamic")
+        assert accuracy.p90_abs >= abs(accuracy.median)
 
 
 def test_timeline_never_puts_a_device_in_two_places(tmp_path: Path) -> None:

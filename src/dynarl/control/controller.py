@@ -52,6 +52,18 @@ class Executor(Protocol):
         ...
 
 
+class CommittedPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """A plan the controller committed, with what its policy predicted of it: the
+    seconds until the iteration's work is done with the plan (``predicted_s``) and
+    without it (``predicted_without_s``); both 0 for a policy that does not score its
+    plans (the static modes)."""
+
+    time_s: float
+    reason: str
+    predicted_s: float
+    predicted_without_s: float
+
+
 class ControllerStats(msgspec.Struct, kw_only=True):
     """What the controller has done so far."""
 
@@ -67,6 +79,8 @@ class ControllerStats(msgspec.Struct, kw_only=True):
     """Wall-clock seconds of the most recent decisions (up to 4096)."""
     decision_total_s: float = 0.0
     """Wall-clock seconds of every decision so far."""
+    plans: list[CommittedPlan] = msgspec.field(default_factory=list)
+    """The most recent committed plans (up to 4096), oldest first."""
 
 
 _TRIGGERS: dict[type[ev.Event], TriggerKind] = {
@@ -130,6 +144,7 @@ class Controller:
         self._stats = ControllerStats()
         self._rejected: Counter[str] = Counter()
         self._decision_s: deque[float] = deque(maxlen=4096)
+        self._plans: deque[CommittedPlan] = deque(maxlen=4096)
         self._tg: TaskGroup | None = None
         self._stopped = False  # run() ended: plans from late events are dropped
         # Moves that failed recently, by (src, dst, kind): (retry not before, failures).
@@ -235,6 +250,7 @@ class Controller:
             migrations_failed=s.migrations_failed,
             plans_held_back=s.plans_held_back,
             decision_s=list(self._decision_s),
+            plans=list(self._plans),
             decision_total_s=s.decision_total_s,
         )
 
@@ -275,6 +291,14 @@ class Controller:
             return
         logger.info("plan (%s): %s", self.policy.name, plan.reason)
         self._stats.plans_committed += 1
+        self._plans.append(
+            CommittedPlan(
+                time_s=now,
+                reason=plan.reason,
+                predicted_s=plan.score_after,
+                predicted_without_s=plan.score_before,
+            )
+        )
         for migration in plan.migrations:
             self._note_reprefill(migration)
             started = ev.MigrationStarted(migration=migration, time_s=self.clock.now())

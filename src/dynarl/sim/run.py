@@ -34,6 +34,7 @@ from dynarl.sim.config import SimulatedRun
 from dynarl.sim.errors import SimError
 from dynarl.sim.faults import SimFaults
 from dynarl.sim.metrics import IterationRecord
+from dynarl.sim.plan_accuracy import PlanAccuracy, plan_accuracy
 from dynarl.sim.tail_floor import tail_floor_s
 from dynarl.sim.world import SimWorld
 
@@ -89,6 +90,9 @@ class ModeResult(msgspec.Struct, frozen=True, kw_only=True):
     requested_tokens: int
     engine_tokens: int
     wall_s: float
+    plan_accuracy: PlanAccuracy = PlanAccuracy()
+    """How far the committed plans' predicted remaining iteration time was from the
+    measured iterations' actual ends (:mod:`~dynarl.sim.plan_accuracy`)."""
 
 
 async def simulate(
@@ -288,4 +292,5 @@ def _summarise(
         requested_tokens=requested,
         engine_tokens=world.engine_generated_tokens(),
         wall_s=wall_s,
+        plan_accuracy=plan_accuracy(stats.plans, measured),
     )
