@@ -191,6 +191,30 @@ def test_stats_report_kv_usage_running_and_queued(model: PreTrainedModel) -> Non
     assert engine.stats().gen_tokens_per_s > 0
 
 
+def test_throughput_is_per_second_of_wall_time(model: PreTrainedModel) -> None:
+    """The control plane integrates the rate over the time between reports: a worker
+    that steps for 0.1 s and then waits 0.3 s generates at a quarter of its stepping
+    rate, and that is what the engine reports (not the stepping rate)."""
+    clock = [0.0]
+
+    def now() -> float:
+        clock[0] += 0.05  # each step reads the clock twice: 0.05 s in, 0.05 s out
+        return clock[0]
+
+    engine = _engine(model, max_running_requests=2, now_s=now)
+    for request in _requests(1.0, max_new_tokens=8)[:2]:
+        engine.add_request(request)
+    start = clock[0]
+    engine.step()  # the prefill: one token each
+    engine.step()  # a decode: one more each
+    clock[0] += 0.3  # the worker does something else
+    engine.step()
+    stats = engine.stats()  # reads the clock once more: 0.05 s
+    elapsed = clock[0] - start
+    assert stats.gen_tokens_per_s == pytest.approx(6 / (elapsed - 0.05), rel=1e-9)
+    assert stats.gen_tokens_per_s < 6 / 0.3  # the stepping rate: 6 tokens in 0.3 s of steps
+
+
 def test_waiting_requests_follow_the_request_order(model: PreTrainedModel) -> None:
     engine = _engine(model, max_running_requests=1, order=ToolCallPriorityOrder())
     for i, request in enumerate(_requests(1.0, max_new_tokens=2)[:3]):

@@ -120,6 +120,7 @@ class RolloutEngine:
         self._now_s = now_s
         self._seeds = random.Random(seed)
         self._version = weight_version
+        # The last few seconds of steps: (end, tokens generated, start).
         self._recent: collections.deque[tuple[float, int, float]] = collections.deque()
         self._prefixes = PrefixCache()
         self._prefill_tokens = 0
@@ -245,7 +246,7 @@ class RolloutEngine:
         self._sync_rows()
         self._fit_prefixes()
         end_s = self._now_s()
-        self._recent.append((end_s, len(batch), end_s - start_s))
+        self._recent.append((end_s, len(batch), start_s))
         kind = 0 if admitted else 1
         self._steps[kind] += 1
         self._step_s[kind] += end_s - start_s
@@ -284,19 +285,25 @@ class RolloutEngine:
         return self._prefixes
 
     def stats(self) -> EngineLoad:
-        """KV usage, running and queued counts, generation throughput (tokens per
-        second of stepping over the steps of the last few seconds; 0 after none), and
-        the steps taken since the engine started, by kind, with their seconds."""
+        """KV usage, running and queued counts, generation throughput, and the steps
+        taken since the engine started, by kind, with their seconds.
+
+        The throughput is tokens per second of wall time over the steps of the last
+        few seconds: from the first of those steps' start to now (0 after none). The
+        control plane integrates it over the time between reports to advance each
+        running request, so it counts the gaps between steps (the worker's loop, a
+        shared host) as well as the steps.
+        """
         now = self._now_s()
         while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
             self._recent.popleft()
-        busy_s = sum(duration for _, _, duration in self._recent)
+        span_s = now - self._recent[0][2] if self._recent else 0.0
         tokens = sum(count for _, count, _ in self._recent)
         return EngineLoad(
             kv_usage=self._scheduler.kv_tokens_held / self._scheduler.kv_capacity_tokens,
             num_running=len(self._scheduler.running),
             num_queued=self._scheduler.num_waiting,
-            gen_tokens_per_s=tokens / busy_s if busy_s > 0 else 0.0,
+            gen_tokens_per_s=tokens / span_s if span_s > 0 else 0.0,
             kv_tokens=self._scheduler.kv_tokens_held,
             cached_prefix_tokens=self._prefixes.num_tokens,
             prefix_hit_tokens=self._prefixes.hit_tokens,
