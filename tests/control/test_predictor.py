@@ -178,3 +178,44 @@ def test_a_few_slow_tail_observations_do_not_bend_the_fit_of_the_bulk() -> None:
         assert p.predict(R, devices, load, context=ctx).throughput == pytest.approx(
             world(devices, load, ctx), rel=0.05
         )
+
+
+def test_a_run_predictor_knows_each_component_s_devices_per_instance() -> None:
+    """Built from the pipeline (as the simulator and a real run both build it), a
+    component's load keeps whole instances busy: one request on TP-2 engines keeps 2
+    devices busy, so the fit is the same from 2 devices up (not from 1)."""
+    from dynarl.control.layout import PipelineLayout
+    from dynarl.control.pipeline import build_pipeline
+
+    layout = PipelineLayout(
+        num_devices=8,
+        rollout_tp=2,
+        inference_tp=1,
+        actor_devices_per_replica=1,
+        actor_initial_devices=2,
+        rollout_initial_devices=4,
+        inference_initial_devices=2,
+        rollout_max_running=8,
+        max_new_tokens=64,
+        actor_steps_per_iteration=1,
+        actor_steps_in_arrival_order=False,
+        samples_per_minibatch=8,
+        allow_uneven_micro_batches=False,
+        u_low=0.2,
+    )
+    spec, _, _ = build_pipeline(layout)
+    p = Predictor.for_pipeline(spec)
+    rollout = next(c for c in spec.components if c.kind == "rollout")
+    assert rollout.devices_per_instance == 2
+
+    def world(devices: int, load: int) -> float:
+        busy = min(devices, 2 * load)  # the devices of the engines holding a request
+        return load / (0.01 + 0.02 * load / busy)
+
+    for devices in (2, 4, 8) * 10:
+        for load in (1, 2, 4, 16):
+            p.observe(rollout.id, devices, load, world(devices, load))
+    for devices, load in ((8, 1), (8, 2), (16, 4), (16, 64)):
+        assert p.predict(rollout.id, devices, load).throughput == pytest.approx(
+            world(devices, load), rel=1e-2
+        )

@@ -198,10 +198,7 @@ async def assemble(
 
     clock = LoopClock()
     graph, baseline = build_hypergraph(cfg.pipeline_layout(), now_s=clock.now())
-    predictor = Predictor(
-        {c: n.spec.scaling for c, n in graph.components.items()},
-        host_slowdown=host_slowdown(cfg),
-    )
+    predictor = Predictor.for_pipeline(graph.spec, host_slowdown=host_slowdown(cfg))
     meter = DeviceMeter(graph, now_s=clock.now())
     # Old log-probs come from inference instances, else from the engines' own.
     uses_inference = INFERENCE in graph.components

@@ -51,7 +51,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from dynarl.control.topology import Scaling
+from dynarl.control.topology import PipelineSpec, Scaling
 from dynarl.core.errors import ConfigError
 from dynarl.core.ids import ComponentId
 
@@ -394,6 +394,25 @@ class Predictor:
             self.observe_all(profile.rows)
             self.migration_s.update(profile.migration_s)
             self._prefill.update(profile.prefill)
+
+    @classmethod
+    def for_pipeline(
+        cls,
+        pipeline: PipelineSpec,
+        *,
+        profile: Profile | None = None,
+        host_slowdown: tuple[float, ...] = (),
+    ) -> "Predictor":
+        """The predictor of a run of ``pipeline``: each component's model family and
+        devices per instance from its spec (so a simulated run and a real one predict
+        alike), seeded with ``profile``, on a host that slows its devices by
+        ``host_slowdown`` (see the class)."""
+        return cls(
+            {c.id: c.scaling for c in pipeline.components},
+            profile=profile,
+            devices_per_instance={c.id: c.devices_per_instance for c in pipeline.components},
+            host_slowdown=host_slowdown,
+        )
 
     def observe(
         self,

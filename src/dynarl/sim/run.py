@@ -129,11 +129,8 @@ async def simulate(
     # A "profiling run" on other prompts than the measured ones.
     sample = cluster.workload.generate(np.random.default_rng(cfg.run.seed + 1_000_003))
     profile = sim_profile(cluster, sample, cfg.cluster.num_devices)
-    predictor = Predictor(
-        {c: n.spec.scaling for c, n in graph.components.items()},
-        profile=profile,
-        devices_per_instance={c: n.spec.devices_per_instance for c, n in graph.components.items()},
-        host_slowdown=host_slowdown(cluster, cfg.cluster.num_devices),
+    predictor = Predictor.for_pipeline(
+        graph.spec, profile=profile, host_slowdown=host_slowdown(cluster, cfg.cluster.num_devices)
     )
     estimates = Estimates()  # shared by the policy and the hold
     policy = make_policy(cfg.scheduler, predictor, baseline, estimates)

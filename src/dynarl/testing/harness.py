@@ -74,7 +74,7 @@ async def run_with_fake_world(
     """
     clock = LoopClock()
     graph, baseline = build_hypergraph(cfg.pipeline_layout(), now_s=clock.now())
-    predictor = Predictor({c: n.spec.scaling for c, n in graph.components.items()}, profile=profile)
+    predictor = Predictor.for_pipeline(graph.spec, profile=profile)
     policy = make_policy(cfg.scheduler, predictor, baseline)
     allocation: list[tuple[float, dict[str, int]]] = []
     migrations: list[Migration] = []
