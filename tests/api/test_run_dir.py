@@ -205,3 +205,53 @@ def test_a_device_that_arrives_and_leaves_at_one_instant_keeps_one_interval() ->
     )
     assert spans == [(0.0, 1.0, "rollout"), (1.0, 5.0, "migrating"), (5.0, 6.0, "rollout")]
     assert sum(iv.end_s - iv.start_s for iv in recorder.intervals) == pytest.approx(12.0)
+
+
+def test_a_run_starts_its_predictor_from_the_profile_it_names_or_its_own(tmp_path: Path) -> None:
+    from dynarl.api.assembly import predictor_profile
+    from dynarl.control.predictor import Predictor, Profile, ProfileRow
+    from dynarl.core.errors import ConfigError
+    from dynarl.core.ids import ComponentId
+
+    spec = build_hypergraph(DynaRLConfig().pipeline_layout())[0].spec
+    rollout = ComponentId("rollout")
+    learnt = Predictor.for_pipeline(spec)
+    for load in (1, 4, 16, 64):
+        learnt.observe(rollout, 2, load, 100.0 * load / (1 + load / 16))
+    earlier = RunDirectory(tmp_path / "earlier")
+    earlier.path.mkdir()
+    earlier.write_predictor(learnt.to_profile())
+
+    def named(path: object) -> DynaRLConfig:
+        return apply_overrides(DynaRLConfig(), [f"scheduler.predictor_profile={path}"])
+
+    # Named: that profile; unnamed: nothing, or a resumed run's own predictor.json.
+    profile = predictor_profile(named(earlier.predictor_path), spec)
+    assert profile is not None and len(profile.rows) == 4
+    assert predictor_profile(DynaRLConfig(), spec) is None
+    assert predictor_profile(DynaRLConfig(), spec, tmp_path / "fresh") is None
+    own = predictor_profile(DynaRLConfig(), spec, earlier.path)
+    assert own == profile
+    seeded = Predictor.for_pipeline(spec, profile=own)
+    assert seeded.predict(rollout, 2, 8).num_observations == 4
+
+    # What cannot seed it is refused, naming the setting.
+    with pytest.raises(ConfigError, match="does not exist") as missing:
+        predictor_profile(named(tmp_path / "nowhere.json"), spec)
+    assert missing.value.field == "scheduler.predictor_profile"
+    (tmp_path / "bad.json").write_text('{"rows": 3}')
+    with pytest.raises(ConfigError, match="is not a predictor profile"):
+        predictor_profile(named(tmp_path / "bad.json"), spec)
+    other = ProfileRow(component=ComponentId("critic"), devices=1, load=1, throughput=1.0)
+    Profile(rows=(other,)).save(tmp_path / "other.json")
+    with pytest.raises(ConfigError, match=r"measures \[.critic.\]"):
+        predictor_profile(named(tmp_path / "other.json"), spec)
+
+
+def test_the_simulator_refuses_a_real_run_s_predictor_profile() -> None:
+    from dynarl.core.errors import ConfigError
+    from dynarl.sim.config import simulated_run
+
+    with pytest.raises(ConfigError, match="profiling run on the simulated hardware") as err:
+        simulated_run(DynaRLConfig(), ["scheduler.predictor_profile=runs/x/predictor.json"])
+    assert err.value.field == "scheduler.predictor_profile"

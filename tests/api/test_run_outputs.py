@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 from dynarl.api.facade import DynaRL  # noqa: E402
 from dynarl.cli import main  # noqa: E402
+from dynarl.control.predictor import Profile  # noqa: E402
 from dynarl.obs.metrics import read_metrics  # noqa: E402
 from dynarl.obs.timeline import Interval, Mark, read_timeline  # noqa: E402
 
@@ -54,6 +55,9 @@ async def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path: Path, whole:
     assert isinstance(cpu_s := records[0]["controller_cpu_s"], float) and cpu_s > 0
     run_dir = tmp_path / "part" / "run"
     assert (run_dir / "timeline.png").stat().st_size > 0
+    # What the scheduler's predictor learnt, saved with the checkpoint.
+    learnt = Profile.load(run_dir / "predictor.json")
+    assert "actor" in learnt.components()  # the trainer's steps, at least
 
     # Resume as a user would; stdout is a pipe, so progress is plain lines.
     command = [sys.executable, "-m", "dynarl.cli", "run", "--resume", str(run_dir)]
@@ -61,6 +65,14 @@ async def test_a_resumed_run_ends_as_an_uninterrupted_one(tmp_path: Path, whole:
     assert result.returncode == 0, result.stderr.decode()
     lines = result.stdout.decode().splitlines()
     assert [line[:8] for line in lines if line.startswith("iter ")] == ["iter   1"], lines
+
+    # The resumed run's predictor started from the first run's observations (in
+    # order, then its own).
+    continued = Profile.load(run_dir / "predictor.json")
+    for component in learnt.components():
+        before = [r for r in learnt.rows if r.component == component]
+        after = [r for r in continued.rows if r.component == component]
+        assert len(after) > len(before) and after[: len(before)] == before, component
 
     resumed = read_metrics(run_dir / "metrics.jsonl")  # appended to, not overwritten
     assert [s.iteration for s in resumed] == [0, 1]

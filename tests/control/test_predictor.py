@@ -219,3 +219,35 @@ def test_a_run_predictor_knows_each_component_s_devices_per_instance() -> None:
         assert p.predict(rollout.id, devices, load).throughput == pytest.approx(
             world(devices, load), rel=1e-2
         )
+
+
+def test_a_predictor_hands_on_what_it_learnt() -> None:
+    """``to_profile()`` holds the newest observations (prefills too) and learned costs:
+    a predictor seeded with it predicts as the one that learnt them, and one more
+    observation moves both alike (the rows keep their order, so forgetting agrees)."""
+    from dynarl.control.predictor import RECENT_ROWS
+
+    learnt = Predictor({R: "concave", A: "linear"}, devices_per_instance={R: 2})
+    for step in range(RECENT_ROWS + 200):  # more than it keeps
+        n = 2 * (1 + step % 4)
+        load = 1 + step % 64
+        learnt.observe(R, n, load, decode_rate(n, load) * (1 + 0.01 * (step % 7)))
+        learnt.observe_prefill(R, n, load, 0.01 * load, 10.0 * load)
+    for n in (1, 2, 4, 8) * 3:
+        learnt.observe(A, n, 64, 10.0 * n**0.9)
+    learnt.observe_migration("reshard", 3.0)
+    profile = learnt.to_profile()
+    assert len([r for r in profile.rows if r.component == R]) == RECENT_ROWS
+    assert len(profile.prefill_rows) == RECENT_ROWS
+    assert profile.components() == {R, A}
+    seeded = Predictor({R: "concave", A: "linear"}, devices_per_instance={R: 2}, profile=profile)
+    for p in (learnt, seeded):
+        p.observe(R, 4, 32, decode_rate(4, 32))
+    for component, n, load in ((R, 8, 64), (R, 2, 1), (A, 16, 64)):
+        assert seeded.predict(component, n, load).throughput == pytest.approx(
+            learnt.predict(component, n, load).throughput, rel=1e-3
+        )
+    here, there = learnt.step_costs(R), seeded.step_costs(R)
+    assert here is not None and there is not None
+    assert there.prefill == pytest.approx(here.prefill, rel=1e-3) and there.prefill > 0
+    assert seeded.migration_cost("reshard") == learnt.migration_cost("reshard")

@@ -23,11 +23,21 @@ import msgspec
 
 from dynarl.api.checkpoint import Checkpoint
 from dynarl.api.config import DynaRLConfig
+from dynarl.api.run_dir import RunDirectory
 from dynarl.api.world import RealWorld
 from dynarl.control import events as ev
 from dynarl.control.controller import Controller
 from dynarl.control.pipeline import build_hypergraph
-from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT, TO_ACTOR, TO_INFERENCE
+from dynarl.control.predictor import Profile
+from dynarl.control.topology import (
+    ACTOR,
+    INFERENCE,
+    PROMPTS,
+    ROLLOUT,
+    TO_ACTOR,
+    TO_INFERENCE,
+    PipelineSpec,
+)
 from dynarl.core.clock import LoopClock
 from dynarl.core.errors import ConfigError
 from dynarl.envs.environment import EnvironmentSpec
@@ -115,6 +125,46 @@ def environment_of(
     return builtin_environment(cfg.env.name, seed=cfg.run.seed)
 
 
+def predictor_profile(
+    cfg: DynaRLConfig, pipeline: PipelineSpec, resumed_dir: Path | None = None
+) -> Profile | None:
+    """What a real run's predictor starts from: the profile ``scheduler.predictor_profile``
+    names, else the ``predictor.json`` of the run directory a resumed run continues
+    (``resumed_dir``), else nothing.
+
+    Raises:
+        ConfigError: the named profile is missing, unreadable, or measures components
+            this pipeline does not have.
+    """
+    named = cfg.scheduler.predictor_profile
+    if named is None:
+        if resumed_dir is None:
+            return None
+        own = RunDirectory(resumed_dir).predictor_path
+        return Profile.load(own) if own.is_file() else None
+    field = "scheduler.predictor_profile"
+    try:
+        profile = Profile.load(named)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{field}: {named} does not exist; name the predictor.json of an earlier "
+            "run's directory, or leave it unset",
+            field=field,
+        ) from None
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ConfigError(
+            f"{field}: {named} is not a predictor profile ({exc})", field=field
+        ) from None
+    unknown = profile.components() - {c.id for c in pipeline.components}
+    if unknown:
+        raise ConfigError(
+            f"{field}: {named} measures {sorted(unknown)}, which this pipeline does not "
+            f"have (its components: {sorted(c.id for c in pipeline.components)})",
+            field=field,
+        )
+    return profile
+
+
 async def warm_started(
     cfg: DynaRLConfig, environment: EnvironmentSpec | None, run_dir: Path
 ) -> DynaRLConfig:
@@ -198,7 +248,11 @@ async def assemble(
 
     clock = LoopClock()
     graph, baseline = build_hypergraph(cfg.pipeline_layout(), now_s=clock.now())
-    predictor = Predictor.for_pipeline(graph.spec, host_slowdown=host_slowdown(cfg))
+    predictor = Predictor.for_pipeline(
+        graph.spec,
+        profile=predictor_profile(cfg, graph.spec, run_dir if resumed is not None else None),
+        host_slowdown=host_slowdown(cfg),
+    )
     meter = DeviceMeter(graph, now_s=clock.now())
     # Old log-probs come from inference instances, else from the engines' own.
     uses_inference = INFERENCE in graph.components

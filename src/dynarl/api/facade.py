@@ -404,8 +404,10 @@ class DynaRL:
     async def save_checkpoint(self) -> Path:
         """Write a checkpoint of the run so far: the actor's model and optimizer state
         in ``checkpoints/iter_NNNN.pt``, what the driver needs to resume beside it
-        (``iter_NNNN.json``), and the timeline so far (``timeline.jsonl``,
-        ``timeline.png``). Returns the trainer state's path."""
+        (``iter_NNNN.json``), the timeline so far (``timeline.jsonl``,
+        ``timeline.png``) and what the scheduler's predictor learnt (``predictor.json``,
+        which a resumed or later run starts from: ``scheduler.predictor_profile``).
+        Returns the trainer state's path."""
         if (
             self._host is None
             or self._world is None
@@ -453,6 +455,9 @@ class DynaRL:
         await anyio.to_thread.run_sync(
             functools.partial(self._files.write_timeline, lines, title=self._title())
         )
+        if self.controller is not None and self.controller.predictor is not None:
+            profile = self.controller.predictor.to_profile()
+            await anyio.to_thread.run_sync(self._files.write_predictor, profile)
         return path
 
     # ------------------------------------------------------------------ notebooks

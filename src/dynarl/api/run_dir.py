@@ -1,5 +1,6 @@
 """A run directory's files: ``config.yaml``, ``metrics.jsonl``, ``timeline.jsonl``,
-``timeline.png`` and ``checkpoints/``, and reading them back to resume a run.
+``timeline.png``, ``predictor.json`` and ``checkpoints/``, and reading them back to
+resume a run.
 
 Every file a run rewrites is replaced atomically (a temporary file renamed), so a run
 killed at any moment leaves a directory it can resume from. An open run holds the
@@ -22,11 +23,16 @@ import msgspec
 from dynarl.api.checkpoint import Checkpoint, ResumeError, checkpoint_to_resume
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import load_config
+from dynarl.control.predictor import Profile
 from dynarl.core.errors import DynaRLError
 from dynarl.obs.metrics import IterationStats, write_metrics
 from dynarl.obs.timeline import Interval, TimelineLine, read_timeline, write_lines
 
 logger = logging.getLogger(__name__)
+
+PREDICTOR = "predictor.json"
+"""What the scheduler's predictor learnt, in a run directory (see
+:attr:`RunDirectory.predictor_path`)."""
 
 
 class Resumed(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,6 +79,12 @@ class RunDirectory:
     def picture_path(self) -> Path:
         """The timeline's picture."""
         return self.path / "timeline.png"
+
+    @property
+    def predictor_path(self) -> Path:
+        """What the scheduler's predictor learnt (a
+        :class:`~dynarl.control.predictor.Profile`, written with each checkpoint)."""
+        return self.path / PREDICTOR
 
     @property
     def lock_path(self) -> Path:
@@ -164,6 +176,12 @@ class RunDirectory:
                     "restore the file, or start a new run"
                 ) from None
         return records
+
+    def write_predictor(self, profile: Profile) -> None:
+        """Write ``predictor.json`` (atomically)."""
+        tmp = self.predictor_path.with_name(PREDICTOR + ".tmp")
+        tmp.write_bytes(msgspec.json.encode(profile))
+        os.replace(tmp, self.predictor_path)
 
     def write_timeline(self, lines: Sequence[TimelineLine], *, title: str = "") -> None:
         """Write ``timeline.jsonl``, and draw ``timeline.png`` when matplotlib is

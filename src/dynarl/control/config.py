@@ -44,6 +44,13 @@ class SchedulerConfig(Section, frozen=True, kw_only=True):
             this fraction of its engines without slowing any decode step (no engine
             holding more requests than its cap or more KV than the busiest one), they
             are consolidated there and the freed devices start inference.
+        predictor_profile: a real run's predictor starts from this profile (a JSON
+            file: :class:`~dynarl.control.predictor.Profile`), such as the
+            ``predictor.json`` an earlier run on the same cluster wrote into its run
+            directory with each checkpoint, instead of from nothing; a resumed run
+            starts from its own ``predictor.json`` when this is not set. (The
+            simulator seeds its predictor with a profiling run on the simulated
+            hardware and refuses this setting.)
     """
 
     mode: SchedulingMode = "dynamic"
@@ -58,3 +65,4 @@ class SchedulerConfig(Section, frozen=True, kw_only=True):
     actor_takes_cluster: bool = True
     hold_trainer: bool = True
     fusion_tail_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.2
+    predictor_profile: str | None = None

@@ -42,6 +42,7 @@ error of the fit beside the estimate. Migration costs per kind are learned the s
 costs a rollout engine (:class:`PrefillCost`) comes from the profile alone.
 """
 
+import collections
 import json
 import math
 import os
@@ -87,13 +88,32 @@ class PrefillCost(msgspec.Struct, frozen=True, kw_only=True):
         return n * (self.s_per_token + self.s_per_token_context * n / 2.0)
 
 
+class PrefillRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One measurement of a rollout's own prefills: its engines on ``devices`` devices
+    at ``load`` running requests spent ``device_s`` device-seconds prefilling while they
+    generated ``tokens`` tokens (see :meth:`Predictor.observe_prefill`)."""
+
+    component: ComponentId
+    devices: int
+    load: float
+    device_s: float
+    tokens: float
+
+
 class Profile(msgspec.Struct, frozen=True, kw_only=True):
     """A table of measurements that seeds the predictor (and rollout components'
-    re-prefill costs)."""
+    re-prefill costs): a profiling run's, or what a run observed
+    (:meth:`Predictor.to_profile`; a real run writes it to ``predictor.json`` in its
+    run directory with every checkpoint)."""
 
     rows: tuple[ProfileRow, ...] = ()
     migration_s: dict[str, float] = msgspec.field(default_factory=dict)
     prefill: dict[str, PrefillCost] = msgspec.field(default_factory=dict)
+    prefill_rows: tuple[PrefillRow, ...] = ()
+
+    def components(self) -> set[ComponentId]:
+        """The components its measurements name."""
+        return {r.component for r in self.rows} | {r.component for r in self.prefill_rows}
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON."""
@@ -352,6 +372,11 @@ class _Fit:
         return math.exp(c[0] + c[1] * math.log(busy)) / host_factor(self.host, busy)
 
 
+RECENT_ROWS = 1024
+"""Observations per component a predictor keeps for :meth:`Predictor.to_profile` (its
+fit forgets at 0.5% an observation: the 1,024th newest weighs 0.6%)."""
+
+
 class Predictor:
     """Throughput predictions per component, seeded by a profile and refined online.
 
@@ -390,8 +415,15 @@ class Predictor:
         self._prior = dict(prior_per_device or {})
         self.migration_s: dict[str, float] = dict(DEFAULT_MIGRATION_S)
         self._prefill: dict[str, PrefillCost] = {}
+        # The newest observations per component, in order (what to_profile hands on).
+        self._rows = {c: collections.deque[ProfileRow](maxlen=RECENT_ROWS) for c in scalings}
+        self._prefill_rows = {
+            c: collections.deque[PrefillRow](maxlen=RECENT_ROWS) for c in scalings
+        }
         if profile is not None:
             self.observe_all(profile.rows)
+            for r in profile.prefill_rows:
+                self.observe_prefill(r.component, r.devices, r.load, r.device_s, r.tokens)
             self.migration_s.update(profile.migration_s)
             self._prefill.update(profile.prefill)
 
@@ -428,6 +460,15 @@ class Predictor:
         fit = self._fits.get(component)
         if fit is not None:
             fit.add(devices, load, throughput, context)
+            self._rows[component].append(
+                ProfileRow(
+                    component=component,
+                    devices=devices,
+                    load=load,
+                    throughput=throughput,
+                    context=context,
+                )
+            )
 
     def observe_prefill(
         self, component: ComponentId, devices: int, load: float, device_s: float, tokens: float
@@ -439,6 +480,15 @@ class Predictor:
         fit = self._fits.get(component)
         if fit is not None and fit.scaling == "concave":
             fit.add_prefill(devices, load, device_s, tokens)
+            self._prefill_rows[component].append(
+                PrefillRow(
+                    component=component,
+                    devices=devices,
+                    load=load,
+                    device_s=device_s,
+                    tokens=tokens,
+                )
+            )
 
     def observe_all(self, rows: Iterable[ProfileRow]) -> None:
         """Add profile rows."""
@@ -493,8 +543,17 @@ class Predictor:
             return None
         return StepCosts(float(coef[0]), float(coef[1]), float(coef[2]), fit.prefill)
 
-    def to_profile(self, rows: Iterable[ProfileRow] = ()) -> Profile:
-        """A profile holding ``rows`` and the learned migration costs."""
+    def to_profile(self, rows: Iterable[ProfileRow] | None = None) -> Profile:
+        """A profile that seeds a fresh predictor with what this one has learnt: its
+        newest observations (:data:`RECENT_ROWS` per component, with its prefills), or
+        ``rows`` instead, and the learned migration and re-prefill costs."""
+        if rows is None:
+            return Profile(
+                rows=tuple(r for q in self._rows.values() for r in q),
+                migration_s=dict(self.migration_s),
+                prefill=dict(self._prefill),
+                prefill_rows=tuple(r for q in self._prefill_rows.values() for r in q),
+            )
         return Profile(
             rows=tuple(rows), migration_s=dict(self.migration_s), prefill=dict(self._prefill)
         )

@@ -117,6 +117,16 @@ class SimulatedRun(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     job: DynaRLConfig = msgspec.field(default_factory=DynaRLConfig)
     sim: SimConfig = msgspec.field(default_factory=SimConfig)
 
+    def __post_init__(self) -> None:
+        if self.job.scheduler.predictor_profile is not None:
+            raise ConfigError(
+                "the simulator seeds the scheduler's predictor with a profiling run on "
+                "the simulated hardware, so a real run's predictor profile "
+                f"({self.job.scheduler.predictor_profile}) would be ignored: unset "
+                "scheduler.predictor_profile (set sim.gpu to simulate other hardware)",
+                field="scheduler.predictor_profile",
+            )
+
 
 def simulated_run(
     base: DynaRLConfig | SimulatedRun | Mapping[str, Any], overrides: Iterable[str] = ()

@@ -15,6 +15,7 @@ from dynarl.control.plan import Migration
 from dynarl.control.predictor import Predictor, Profile, ProfileRow
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
 from dynarl.core.clock import LoopClock
+from dynarl.core.errors import ConfigError
 from dynarl.testing.world import FakeWorld, FakeWorldConfig
 
 
@@ -72,6 +73,12 @@ async def run_with_fake_world(
     With ``check`` the hypergraph's invariants are verified after every event. Run it
     on a :class:`~dynarl.core.virtual_time.VirtualTimeLoop` to take no real time.
     """
+    if cfg.scheduler.predictor_profile is not None:
+        raise ConfigError(
+            "the fake world seeds the scheduler's predictor with its own profile: "
+            "scheduler.predictor_profile applies to real runs; unset it",
+            field="scheduler.predictor_profile",
+        )
     clock = LoopClock()
     graph, baseline = build_hypergraph(cfg.pipeline_layout(), now_s=clock.now())
     predictor = Predictor.for_pipeline(graph.spec, profile=profile)
