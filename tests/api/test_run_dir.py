@@ -234,6 +234,10 @@ def test_a_run_starts_its_predictor_from_the_profile_it_names_or_its_own(tmp_pat
     assert own == profile
     seeded = Predictor.for_pipeline(spec, profile=own)
     assert seeded.predict(rollout, 2, 8).num_observations == 4
+    damaged = RunDirectory(tmp_path / "damaged")
+    damaged.path.mkdir()
+    damaged.predictor_path.write_text('{"rows": [')  # not needed to resume: skipped
+    assert predictor_profile(DynaRLConfig(), spec, damaged.path) is None
 
     # What cannot seed it is refused, naming the setting.
     with pytest.raises(ConfigError, match="does not exist") as missing:

@@ -11,6 +11,7 @@ here, not on ``import dynarl``.
 """
 
 import contextlib
+import logging
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -47,6 +48,8 @@ from dynarl.obs.timeline import TimelineRecorder
 from dynarl.rl.pipeline import Pipeline
 from dynarl.rl.progress import Progress
 from dynarl.rl.trace import RunTrace
+
+logger = logging.getLogger(__name__)
 
 
 class Run(NamedTuple):
@@ -130,7 +133,7 @@ def predictor_profile(
 ) -> Profile | None:
     """What a real run's predictor starts from: the profile ``scheduler.predictor_profile``
     names, else the ``predictor.json`` of the run directory a resumed run continues
-    (``resumed_dir``), else nothing.
+    (``resumed_dir``; one that cannot be read is logged and skipped), else nothing.
 
     Raises:
         ConfigError: the named profile is missing, unreadable, or measures components
@@ -141,7 +144,14 @@ def predictor_profile(
         if resumed_dir is None:
             return None
         own = RunDirectory(resumed_dir).predictor_path
-        return Profile.load(own) if own.is_file() else None
+        if not own.is_file():
+            return None
+        try:
+            return Profile.load(own)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            # Not needed to resume: the predictor learns afresh, as a new run's does.
+            logger.warning("not starting the predictor from %s (%s)", own, exc)
+            return None
     field = "scheduler.predictor_profile"
     try:
         profile = Profile.load(named)
