@@ -259,3 +259,19 @@ def test_the_simulator_refuses_a_real_run_s_predictor_profile() -> None:
     with pytest.raises(ConfigError, match="profiling run on the simulated hardware") as err:
         simulated_run(DynaRLConfig(), ["scheduler.predictor_profile=runs/x/predictor.json"])
     assert err.value.field == "scheduler.predictor_profile"
+
+
+async def test_a_predictor_profile_that_cannot_seed_the_run_fails_before_it_writes(
+    tmp_path: Path,
+) -> None:
+    from dynarl.api.facade import DynaRL
+    from dynarl.core.errors import ConfigError
+
+    cfg = apply_overrides(
+        DynaRLConfig(),
+        [f"run.run_dir={tmp_path / 'run'}", f"scheduler.predictor_profile={tmp_path / 'x'}"],
+    )
+    with pytest.raises(ConfigError, match="does not exist"):
+        async with DynaRL(cfg):
+            pass
+    assert not (tmp_path / "run").exists()

@@ -175,6 +175,13 @@ def predictor_profile(
     return profile
 
 
+def check_predictor_profile(cfg: DynaRLConfig) -> None:
+    """Refuse a ``scheduler.predictor_profile`` that cannot seed this run's predictor
+    (see :func:`predictor_profile`), before the run writes or starts anything."""
+    if cfg.scheduler.predictor_profile is not None:
+        predictor_profile(cfg, build_hypergraph(cfg.pipeline_layout())[0].spec)
+
+
 async def warm_started(
     cfg: DynaRLConfig, environment: EnvironmentSpec | None, run_dir: Path
 ) -> DynaRLConfig:

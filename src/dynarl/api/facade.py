@@ -187,9 +187,15 @@ class DynaRL:
     async def _open(self, stack: contextlib.AsyncExitStack) -> None:
         # Checked first: a backend that cannot run here, or a directory with nothing to
         # resume, fails before anything loads.
-        from dynarl.api.assembly import check_backends, environment_of, warm_started
+        from dynarl.api.assembly import (
+            check_backends,
+            check_predictor_profile,
+            environment_of,
+            warm_started,
+        )
 
         check_backends(self.cfg)
+        check_predictor_profile(self.cfg)
         environment = environment_of(self.cfg, self.environment)
         if self.resume_from is not None:  # before the directory is locked or written
             self._files.checkpoint(self.resume_at)
