@@ -209,7 +209,8 @@ def test_a_device_that_arrives_and_leaves_at_one_instant_keeps_one_interval() ->
 
 def test_a_run_starts_its_predictor_from_the_profile_it_names_or_its_own(tmp_path: Path) -> None:
     from dynarl.api.assembly import predictor_profile
-    from dynarl.control.predictor import Predictor, Profile, ProfileRow
+    from dynarl.control.predictor import Predictor
+    from dynarl.control.predictor_profile import Profile, ProfileRow
     from dynarl.core.errors import ConfigError
     from dynarl.core.ids import ComponentId
 

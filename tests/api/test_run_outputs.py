@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 from dynarl.api.facade import DynaRL  # noqa: E402
 from dynarl.cli import main  # noqa: E402
-from dynarl.control.predictor import Profile  # noqa: E402
+from dynarl.control.predictor_profile import Profile  # noqa: E402
 from dynarl.obs.metrics import read_metrics  # noqa: E402
 from dynarl.obs.timeline import Interval, Mark, read_timeline  # noqa: E402
 

@@ -8,7 +8,8 @@ from dynarl.control import events as ev
 from dynarl.control.controller import Controller
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, InstanceSpec, Migration, Plan
-from dynarl.control.predictor import Predictor, PrefillCost, Profile
+from dynarl.control.predictor import Predictor
+from dynarl.control.predictor_profile import PrefillCost, Profile
 from dynarl.control.scheduler import Trigger
 from dynarl.control.topology import INFERENCE, PROMPTS, ROLLOUT, TO_INFERENCE, rl_pipeline
 from dynarl.core.clock import ManualClock

@@ -10,7 +10,8 @@ from dynarl.control import events as ev
 from dynarl.control.controller import Controller
 from dynarl.control.decode_window import DecodeWindows
 from dynarl.control.hypergraph import Hypergraph
-from dynarl.control.predictor import Predictor, PrefillCost, Profile
+from dynarl.control.predictor import Predictor
+from dynarl.control.predictor_profile import PrefillCost, Profile
 from dynarl.control.topology import PROMPTS, ROLLOUT
 from dynarl.core.clock import ManualClock
 from dynarl.core.ids import GroupId, InstanceId, ItemId

@@ -17,7 +17,8 @@ from dynarl.control.policies.colocated import ColocatedPolicy
 from dynarl.control.policies.donors import spare_engines, underused_engines
 from dynarl.control.policies.phases import ActorTakesCluster, RolloutBorrowsActor
 from dynarl.control.policies.rlhfuse import RlhfusePolicy
-from dynarl.control.predictor import Predictor, PrefillCost, Profile
+from dynarl.control.predictor import Predictor
+from dynarl.control.predictor_profile import PrefillCost, Profile
 from dynarl.control.scheduler import Trigger, TriggerKind
 from dynarl.control.scoring import remaining_time, score_plan
 from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT, TO_ACTOR, TO_INFERENCE

@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from dynarl.control.predictor import Predictor, PrefillCost, Profile, ProfileRow
+from dynarl.control.predictor import Predictor
+from dynarl.control.predictor_profile import PrefillCost, Profile, ProfileRow
 from dynarl.core.ids import ComponentId
 
 R, A = ComponentId("rollout"), ComponentId("actor")

@@ -28,8 +28,8 @@ from dynarl.api.run_dir import RunDirectory
 from dynarl.api.world import RealWorld
 from dynarl.control import events as ev
 from dynarl.control.controller import Controller
-from dynarl.control.pipeline import build_hypergraph
-from dynarl.control.predictor import Profile
+from dynarl.control.pipeline import build_hypergraph, build_pipeline
+from dynarl.control.predictor_profile import Profile
 from dynarl.control.topology import (
     ACTOR,
     INFERENCE,
@@ -179,7 +179,7 @@ def check_predictor_profile(cfg: DynaRLConfig) -> None:
     """Refuse a ``scheduler.predictor_profile`` that cannot seed this run's predictor
     (see :func:`predictor_profile`), before the run writes or starts anything."""
     if cfg.scheduler.predictor_profile is not None:
-        predictor_profile(cfg, build_hypergraph(cfg.pipeline_layout())[0].spec)
+        predictor_profile(cfg, build_pipeline(cfg.pipeline_layout())[0])
 
 
 async def warm_started(

@@ -23,7 +23,7 @@ import msgspec
 from dynarl.api.checkpoint import Checkpoint, ResumeError, checkpoint_to_resume
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import load_config
-from dynarl.control.predictor import Profile
+from dynarl.control.predictor_profile import Profile
 from dynarl.core.errors import DynaRLError
 from dynarl.obs.metrics import IterationStats, write_metrics
 from dynarl.obs.timeline import Interval, TimelineLine, read_timeline, write_lines

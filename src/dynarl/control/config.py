@@ -45,7 +45,7 @@ class SchedulerConfig(Section, frozen=True, kw_only=True):
             holding more requests than its cap or more KV than the busiest one), they
             are consolidated there and the freed devices start inference.
         predictor_profile: a real run's predictor starts from this profile (a JSON
-            file: :class:`~dynarl.control.predictor.Profile`), such as the
+            file: :class:`~dynarl.control.predictor_profile.Profile`), such as the
             ``predictor.json`` an earlier run on the same cluster wrote into its run
             directory with each checkpoint, instead of from nothing; a resumed run
             starts from its own ``predictor.json`` when this is not set. (The

@@ -47,82 +47,14 @@ import json
 import math
 import os
 from collections.abc import Iterable
-from pathlib import Path
 
 import msgspec
 import numpy as np
 
+from dynarl.control.predictor_profile import PrefillCost, PrefillRow, Profile, ProfileRow
 from dynarl.control.topology import PipelineSpec, Scaling
 from dynarl.core.errors import ConfigError
 from dynarl.core.ids import ComponentId
-
-
-class ProfileRow(msgspec.Struct, frozen=True, kw_only=True):
-    """One measurement: ``component`` on ``devices`` devices with ``load`` parallel
-    work items (running requests, samples) did ``throughput`` units/s; for rollout,
-    ``context`` is the mean tokens of context a running request held (0: unknown)."""
-
-    component: ComponentId
-    devices: int
-    load: float
-    throughput: float
-    context: float = 0.0
-
-
-class PrefillCost(msgspec.Struct, frozen=True, kw_only=True):
-    """What one engine of a rollout component pays to re-prefill a request it is sent
-    (a migration moves requests without their KV): compute-bound, a request holding
-    ``L`` tokens of context (prompt and tokens generated so far) takes ``L *
-    (s_per_token + s_per_token_context * L / 2)`` seconds (causal attention: each token
-    attends to the ones before it), stalling the engine's running requests meanwhile.
-    ``kv_capacity_tokens`` is the engine's KV cache, which turns its reported KV usage
-    into tokens of context."""
-
-    s_per_token: float
-    s_per_token_context: float
-    kv_capacity_tokens: float
-
-    def seconds(self, context_tokens: float) -> float:
-        """Seconds to re-prefill one request of ``context_tokens`` tokens."""
-        n = max(context_tokens, 0.0)
-        return n * (self.s_per_token + self.s_per_token_context * n / 2.0)
-
-
-class PrefillRow(msgspec.Struct, frozen=True, kw_only=True):
-    """One measurement of a rollout's own prefills: its engines on ``devices`` devices
-    at ``load`` running requests spent ``device_s`` device-seconds prefilling while they
-    generated ``tokens`` tokens (see :meth:`Predictor.observe_prefill`)."""
-
-    component: ComponentId
-    devices: int
-    load: float
-    device_s: float
-    tokens: float
-
-
-class Profile(msgspec.Struct, frozen=True, kw_only=True):
-    """A table of measurements that seeds the predictor (and rollout components'
-    re-prefill costs): a profiling run's, or what a run observed
-    (:meth:`Predictor.to_profile`; a real run writes it to ``predictor.json`` in its
-    run directory with every checkpoint)."""
-
-    rows: tuple[ProfileRow, ...] = ()
-    migration_s: dict[str, float] = msgspec.field(default_factory=dict)
-    prefill: dict[str, PrefillCost] = msgspec.field(default_factory=dict)
-    prefill_rows: tuple[PrefillRow, ...] = ()
-
-    def components(self) -> set[ComponentId]:
-        """The components its measurements name."""
-        return {r.component for r in self.rows} | {r.component for r in self.prefill_rows}
-
-    def save(self, path: str | Path) -> None:
-        """Write the profile as JSON."""
-        Path(path).write_bytes(msgspec.json.encode(self))
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Profile":
-        """Read a profile written by :meth:`save`."""
-        return msgspec.json.decode(Path(path).read_bytes(), type=cls)
 
 
 class StepCosts(msgspec.Struct, frozen=True):
@@ -543,19 +475,15 @@ class Predictor:
             return None
         return StepCosts(float(coef[0]), float(coef[1]), float(coef[2]), fit.prefill)
 
-    def to_profile(self, rows: Iterable[ProfileRow] | None = None) -> Profile:
+    def to_profile(self) -> Profile:
         """A profile that seeds a fresh predictor with what this one has learnt: its
-        newest observations (:data:`RECENT_ROWS` per component, with its prefills), or
-        ``rows`` instead, and the learned migration and re-prefill costs."""
-        if rows is None:
-            return Profile(
-                rows=tuple(r for q in self._rows.values() for r in q),
-                migration_s=dict(self.migration_s),
-                prefill=dict(self._prefill),
-                prefill_rows=tuple(r for q in self._prefill_rows.values() for r in q),
-            )
+        newest observations (:data:`RECENT_ROWS` per component, with its prefills) and
+        the learned migration and re-prefill costs."""
         return Profile(
-            rows=tuple(rows), migration_s=dict(self.migration_s), prefill=dict(self._prefill)
+            rows=tuple(r for q in self._rows.values() for r in q),
+            migration_s=dict(self.migration_s),
+            prefill=dict(self._prefill),
+            prefill_rows=tuple(r for q in self._prefill_rows.values() for r in q),
         )
 
     def describe(self) -> str:

@@ -12,7 +12,8 @@ from dynarl.control.elements import Node
 from dynarl.control.estimates import Estimates
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import Migration
-from dynarl.control.predictor import Predictor, PrefillCost
+from dynarl.control.predictor import Predictor
+from dynarl.control.predictor_profile import PrefillCost
 from dynarl.core.ids import ComponentId, InstanceId
 
 

@@ -12,7 +12,8 @@ from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.modes import make_hold, make_policy
 from dynarl.control.pipeline import build_hypergraph
 from dynarl.control.plan import Migration
-from dynarl.control.predictor import Predictor, Profile, ProfileRow
+from dynarl.control.predictor import Predictor
+from dynarl.control.predictor_profile import Profile, ProfileRow
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
 from dynarl.core.clock import LoopClock
 from dynarl.core.errors import ConfigError
