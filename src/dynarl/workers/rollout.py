@@ -133,8 +133,9 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
         kv_usage: KV-cache tokens held by running requests / the engine's capacity.
         num_running: requests being decoded.
         num_queued: requests waiting to be admitted (including preempted ones).
-        gen_tokens_per_s: tokens generated per second of stepping, over the steps of
-            the last few seconds (0 when there were none).
+        gen_tokens_per_s: tokens generated per second of wall time over the last few
+            seconds of steps (0 when there were none): the control plane integrates
+            it over the time between reports to advance each running request.
         kv_tokens: KV-cache tokens held by running requests.
         cached_prefix_tokens: KV-cache tokens held for sessions between their turns
             (prefix cache; evicted first when running requests need room).
