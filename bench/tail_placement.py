@@ -37,6 +37,7 @@ from recipes.paper import paper_setting
 from dynarl.control import events as ev
 from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.data.balance import Balancer
+from dynarl.data.component_peers import ComponentPeers
 from dynarl.data.routing import AffinityRouting
 from dynarl.sim.cluster_build import build_cluster
 from dynarl.sim.config import SimulatedRun, simulated_run
@@ -81,12 +82,15 @@ def segregated(long_ids: set[str], num_engines: int, e_c: int) -> Iterator[None]
             balance_for(self, w, now, tail=tail)
             return
         mine = is_long_engine(w.instance)
-        everyone = self.workers
-        self.workers = {i: c for i, c in everyone.items() if is_long_engine(i) == mine}
+        everyone = self.peers
+        own = ComponentPeers()
+        own.queued, own.in_flight = everyone[w.component].queued, everyone[w.component].in_flight
+        own.refresh(c for c in everyone[w.component].active if is_long_engine(c.instance) == mine)
+        self.peers = {**everyone, w.component: own}
         try:
             balance_for(self, w, now, tail=tail)
         finally:
-            self.workers = everyone
+            self.peers = everyone
 
     if e_c == 0:
         yield
