@@ -16,7 +16,7 @@ from dynarl.sim.run import simulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-import tail_placement  # noqa: E402
+import tail_placement
 
 
 def test_segregated_routing_keeps_the_longest_requests_on_their_engines() -> None:
