@@ -15,7 +15,11 @@ ahead. ``plan err`` is how far the plans the mode committed predicted the iterat
 (:mod:`dynarl.sim.plan_accuracy`): the median relative error over the seeds and the 90th
 percentile of its magnitude (JSON ``plan_error``, for the modes that score their plans).
 The last column is the wall-clock seconds one simulation of the mode took (the mean
-over the seeds; JSON ``wall_s``): where the table's own run time goes.
+over the seeds; JSON ``wall_s``): where the table's own run time goes. Under each row,
+where dynamic's and the better static mode's time above the work-conserving bound went
+(``ModeResult.gap_s``, the mean over the seeds; JSON ``gap_s``): each component's busy
+time beyond the bound's useful work (a rollout's thin batches and re-prefills,
+data-parallel loss), devices moving, and devices held idle.
 ``--reference-baselines`` also runs the static modes as the reference system's
 baselines run, without request-level balancing (``rollout.balance=none``: no engine
 takes a share of another's requests), as modes named ``static-colocated/none`` and so
@@ -185,6 +189,14 @@ def main() -> None:
             prio = tput["dynamic+priority"] / best_static
             line += f"; dynamic+priority / best static = {prio:.2f}x"
         print(f"{line}   (reference {REFERENCE[(w, s)]})", flush=True)
+        gap = {
+            m: {c: statistics.fmean(r.gap_s[c] for r in rs) for c in rs[0].gap_s}
+            for m, rs in runs.items()
+        }
+        closest = min(STATIC, key=lambda st: mean_s[st])
+        for m in ("dynamic", closest):
+            causes = ", ".join(f"{c} {v:+.1f}" for c, v in gap[m].items() if abs(v) >= 0.05)
+            print(f"{'':<16} {m} above the bound, s: {causes}", flush=True)
         unbalanced: dict[str, object] = {}
         if args.reference_baselines:
             plain = [f"{st}/none" for st in STATIC]
@@ -215,6 +227,7 @@ def main() -> None:
                 "lower_bound_gap": {m: round(v / lower - 1, 3) for m, v in mean_s.items()},
                 "tail_floor_s": round(floor, 2),
                 "tail_floor_gap": {m: round(v / floor - 1, 3) for m, v in mean_s.items()},
+                "gap_s": {m: {c: round(v, 2) for c, v in g.items()} for m, g in gap.items()},
                 "seeds": len(per_seed),
                 "iteration_s_range": {
                     m: [

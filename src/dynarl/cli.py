@@ -141,6 +141,10 @@ def _sim(args: argparse.Namespace) -> int:
                 f"{c} {t.busy:.0f}/{t.held:.0f}" for c, t in result.devices.items() if t.held
             )
             print(f"{'':<22} busy/held device-s: {busy}")
+            above = ", ".join(
+                f"{cause} {secs:+.1f}" for cause, secs in result.gap_s.items() if abs(secs) >= 0.05
+            )
+            print(f"{'':<22} above the bound, s: {above}")
             acc = result.plan_accuracy
             if acc.plans:
                 print(

@@ -93,6 +93,13 @@ class ModeResult(msgspec.Struct, frozen=True, kw_only=True):
     plan_accuracy: PlanAccuracy = PlanAccuracy()
     """How far the committed plans' predicted remaining iteration time was from the
     measured iterations' actual ends (:mod:`~dynarl.sim.plan_accuracy`)."""
+    gap_s: dict[str, float] = msgspec.field(default_factory=dict)
+    """Where the mean iteration's time above the work-conserving bound went, in seconds
+    of the whole cluster (device-seconds over the devices), by cause: per component
+    (``rollout``, ``inference``, ``actor``) its busy time beyond the bound's useful work
+    (a rollout's thin batches and re-prefills, data-parallel loss), ``moving`` (devices
+    migrating) and ``idle`` (held but idle, or free, less the weight sync the bound
+    counts). They sum to ``mean_iteration_s - bound_s``."""
 
 
 async def simulate(
@@ -263,6 +270,14 @@ def _summarise(
         )
         for c in ("rollout", "inference", "actor")
     }
+    per_iteration = n * len(measured)
+    gap = {
+        c: (t.busy - sum(b.device_s.get(c, 0.0) for b in bounds)) / per_iteration
+        for c, t in devices.items()
+    }
+    gap["moving"] = held.get("migrating", 0.0) / per_iteration
+    idle = sum(t.idle for t in devices.values()) + held.get("free", 0.0)
+    gap["idle"] = idle / per_iteration - sum(b.serial_s for b in bounds) / len(bounds)
     stats = controller.statistics()
     decisions = sorted(stats.decision_s) or [0.0]
     requested = sum(r.total_output_tokens for w in world.workloads for r in w)
@@ -290,4 +305,5 @@ def _summarise(
         engine_tokens=world.engine_generated_tokens(),
         wall_s=wall_s,
         plan_accuracy=plan_accuracy(stats.plans, measured),
+        gap_s=gap,
     )
