@@ -14,8 +14,9 @@ It runs ``static-colocated`` (the rollout holds every device, so only the placem
 differs) and prints, per row and ``E_c``, when the longest requests finish, when the
 others do (the rollout's end is the later), and the iteration time; then one JSON line
 ``{"bench": "tail_placement", "rows": [...]}``. The model's answer (see
-docs/simulator.md): segregation moves the two finishing times in opposite directions,
-and where they cross the rollout ends no sooner than with the mix.
+docs/simulator-history.md, "Request placement against the tail"): segregation moves
+the two finishing times in opposite directions, and where they cross the rollout ends
+no sooner than with the mix.
 
 ``--rows math-1.5b-64,math-7b-64`` picks rows, ``--shares`` the fractions of engines
 given to the longest requests, ``--jobs`` runs that many simulations at once.
