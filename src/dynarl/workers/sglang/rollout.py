@@ -14,7 +14,6 @@ reduced by what was generated. Releasing memory retracts the running requests
 back and continues.
 """
 
-import collections
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +26,7 @@ from dynarl.data.request_order import OrderName
 from dynarl.workers.errors import BadRequestError
 from dynarl.workers.rollout import EngineLoad, GenerateRequest, RequestSink
 from dynarl.workers.sglang import messages as m
+from dynarl.workers.sglang.arrival_rate import ArrivalRate
 from dynarl.workers.sglang.client import SGLangClient
 from dynarl.workers.sglang.errors import (
     ProtocolMismatchError,
@@ -98,7 +98,7 @@ class SGLangRollout:
         self._group = ServerGroup(
             client, name=name, tp_size=info.tp_size, backend=weight_sync_backend
         )
-        self._recent: collections.deque[tuple[float, int]] = collections.deque()
+        self._rate = ArrivalRate(THROUGHPUT_WINDOW_S)
         self._server_load: tuple[float, list[m.LoadReport]] | None = None
         self.num_server_aborts = 0
         """Requests the server ended with an abort the engine did not ask for."""
@@ -239,8 +239,6 @@ class SGLangRollout:
         them; KV tokens: its running requests' tokens, or the server's last report
         (``/get_load``, which counts waiting requests' input too) when fresh and more."""
         now = self._now_s()
-        while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
-            self._recent.popleft()
         running = [live for live in self._live.values() if live.streaming]
         kv_tokens = sum(len(live.input_ids) for live in running)
         if (
@@ -248,13 +246,11 @@ class SGLangRollout:
             and now - self._server_load[0] < 2 * self._stats_interval_s
         ):
             kv_tokens = max(kv_tokens, sum(report.num_tokens for report in self._server_load[1]))
-        span_s = now - self._recent[0][0] if len(self._recent) > 1 else 0.0
-        tokens = sum(count for _, count in self._recent)
         return EngineLoad(
             kv_usage=min(1.0, kv_tokens / max(1, self.info.max_total_num_tokens)),
             num_running=len(running),
             num_queued=len(self._live) - len(running),
-            gen_tokens_per_s=tokens / span_s if span_s > 0 else 0.0,
+            gen_tokens_per_s=self._rate.rate(now),
             kv_tokens=kv_tokens,
         )
 
@@ -362,7 +358,7 @@ class SGLangRollout:
                 raise ProtocolMismatchError(f"/generate sent a chunk without meta_info: {chunk}")
             new = live.apply(meta)
             if new:
-                self._recent.append((self._now_s(), new))
+                self._rate.arrived(self._now_s(), new)
             live.streaming = True
             if live.abort_requested and not live.abort_resent:
                 # An abort sent before the server knew the rid was ignored there.
