@@ -19,6 +19,7 @@ def make_graph(
     actor_sizes: tuple[int, ...] = (1, 2, 4, 8),
     u_low: float = 0.2,
     actor_steps: int = 1,
+    actor_steps_in_arrival_order: bool = False,
 ) -> Hypergraph:
     """A math pipeline with the given device counts (actor first, as the launcher lays
     it out) and ``free`` unplaced devices; each count is split into instances of
@@ -29,6 +30,7 @@ def make_graph(
         actor_devices_per_replica=actor_unit,
         actor_dp_sizes=actor_sizes,
         actor_steps_per_iteration=actor_steps,
+        actor_steps_in_arrival_order=actor_steps_in_arrival_order,
     )
     placement: dict[ComponentId, list[InstanceSpec]] = {}
     device = 0

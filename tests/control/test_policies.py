@@ -20,7 +20,7 @@ from dynarl.control.policies.rlhfuse import RlhfusePolicy
 from dynarl.control.predictor import Predictor
 from dynarl.control.predictor_profile import PrefillCost, Profile
 from dynarl.control.scheduler import Trigger, TriggerKind
-from dynarl.control.scoring import remaining_time, score_plan
+from dynarl.control.scoring import demands, remaining_time, score_plan
 from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT, TO_ACTOR, TO_INFERENCE
 from dynarl.core.ids import EdgeId, GroupId, InstanceId, ItemId
 
@@ -112,6 +112,52 @@ def test_a_rollout_gives_the_engines_its_requests_do_not_need_when_it_pays() -> 
     assert plan.score_after < plan.score_before
     g = tail_state(low_engines=0)  # every engine needed, none under-used
     assert not BottleneckPolicy(cfg, predictor_for(g)).decide(g, tick(100.0))
+
+
+@pytest.mark.parametrize("completion_order", [True, False])
+def test_a_trainer_idle_before_its_last_minibatch_is_a_donor(completion_order: bool) -> None:
+    """In completion order the last minibatch holds the iteration's last groups, so a
+    trainer with only that step left waits for the rollout whatever samples it holds:
+    its devices are offered (all but one instance). Not before an earlier step, not
+    while a step runs, not once nothing is upstream, and not when minibatches are
+    drawn from the whole iteration."""
+    g = make_graph(
+        rollout=2,
+        inference=1,
+        actor=4,
+        actor_steps=4,
+        actor_steps_in_arrival_order=completion_order,
+    )
+    g.apply(ev.IterationStarted(iteration=0, time_s=0.0))
+    enqueue(g, PROMPTS, 8, "r")  # the rollout's last requests: work upstream
+    queued = enqueue(g, TO_ACTOR, 6, "a")  # samples of the last minibatch, not all of it
+    policy = BottleneckPolicy(SchedulerConfig(), predictor_for(g))
+
+    def offered() -> int:
+        return policy.donatable(g, ACTOR, demands(g)[ACTOR], 1.0)
+
+    for step in range(3):
+        assert offered() == 0  # an earlier minibatch may complete any moment
+        g.apply(
+            ev.TrainStepDone(component=ACTOR, step=step, num_steps=4, num_samples=8, duration_s=1.0)
+        )
+    assert offered() == (3 if completion_order else 0)
+    g.apply(ev.ItemRouted(edge=TO_ACTOR, item=queued[0], instance=InstanceId("actor-0")))
+    assert offered() == 0  # a step runs
+
+
+def test_a_trainer_before_its_last_minibatch_with_nothing_upstream_is_no_donor() -> None:
+    g = make_graph(
+        rollout=2, inference=1, actor=4, actor_steps=4, actor_steps_in_arrival_order=True
+    )
+    g.apply(ev.IterationStarted(iteration=0, time_s=0.0))
+    enqueue(g, TO_ACTOR, 8, "a")  # the whole last minibatch is here: its step starts
+    for step in range(3):
+        g.apply(
+            ev.TrainStepDone(component=ACTOR, step=step, num_steps=4, num_samples=8, duration_s=1.0)
+        )
+    policy = BottleneckPolicy(SchedulerConfig(), predictor_for(g))
+    assert policy.donatable(g, ACTOR, demands(g)[ACTOR], 1.0) == 0
 
 
 def test_a_plan_the_predictor_scores_worse_is_never_committed() -> None:

@@ -9,6 +9,11 @@
   :mod:`~dynarl.control.policies.donors`);
 * any component with no work left in this iteration (all its instances);
 * a component that is idle, waiting for its inputs (all but its minimum);
+* a trainer whose only step left is the last minibatch of whole groups formed in
+  completion order, running no step while work is still upstream (all but its
+  minimum): that minibatch holds the iteration's last groups, so it cannot start
+  before they are done, and its devices idle until then (on simulated math 7B, 32
+  devices for 37 s);
 * the free pool.
 
 *Receivers* are the components with work left, the predicted slowest first. For each
@@ -25,7 +30,7 @@ from collections.abc import Iterator
 
 from dynarl.control.config import SchedulerConfig
 from dynarl.control.demand import Demand, Rates
-from dynarl.control.elements import Node
+from dynarl.control.elements import HyperNode, Node
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
@@ -68,7 +73,7 @@ class BottleneckPolicy:
         if node.spec.kind == "rollout":
             low = underused_engines(graph, cid, self.cfg, now_s)
             return max(0, min(max(low, spare_engines(graph, cid)), node.num_active - keep))
-        if graph.pending(cid) == 0:
+        if graph.pending(cid) == 0 or _waits_for_last_groups(node, demand):
             return max(0, node.num_active - keep)  # idle, waiting for its inputs
         return 0
 
@@ -249,6 +254,20 @@ def _round_robin(
     """Items of ``lists`` interleaved: the first of each, then the second of each..."""
     for row in itertools.zip_longest(*lists):
         yield from (x for x in row if x is not None)
+
+
+def _waits_for_last_groups(node: HyperNode, demand: Demand) -> bool:
+    """Whether ``node`` is a trainer idle before its last step, which trains the
+    iteration's last groups in completion order and so waits for the work still
+    upstream (samples already here cannot start it)."""
+    num_steps = node.num_steps or node.spec.steps_per_iteration
+    return (
+        node.spec.kind == "actor"
+        and node.spec.steps_in_arrival_order
+        and node.steps_done == num_steps - 1
+        and not node.num_in_flight()
+        and demand.upstream > 0
+    )
 
 
 def _amounts(give: int) -> list[int]:
