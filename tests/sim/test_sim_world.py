@@ -161,8 +161,7 @@ def test_no_mode_beats_the_work_conserving_bound() -> None:
         # Where the time above the bound went: every cause accounted, none below zero
         # by more than the bound's approximation (it prices each sample's attention
         # alone, an inference replica per batch: -0.02% of an iteration on the
-        # reference rows), and the colocated
-        # rollout's thin-batch tail the largest.
+        # reference rows), and the colocated rollout's thin-batch tail the largest.
         gap = result.gap_s
         assert set(gap) == {"rollout", "inference", "actor", "moving", "idle"}
         assert sum(gap.values()) == pytest.approx(result.mean_iteration_s - result.bound_s)

@@ -268,6 +268,12 @@ class HyperNode:
         """Items held by this component's active instances."""
         return sum(len(n.items) for n in self.active_instances())
 
+    @property
+    def steps_left(self) -> int:
+        """A trainer's optimizer steps not yet done this iteration (its steps as its
+        workers last reported them, else its spec's)."""
+        return (self.num_steps or self.spec.steps_per_iteration) - self.steps_done
+
 
 class HyperEdge:
     """One dataflow: its items, its queue (insertion-ordered) and progress counters."""

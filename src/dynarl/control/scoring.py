@@ -115,8 +115,7 @@ def _demands(graph: Hypergraph, est: Estimates) -> dict[ComponentId, Demand]:
         work = graph.work_pending(cid) + upstream_work
         flow[cid] = work
         if kind == "actor":
-            num_steps = node.num_steps or node.spec.steps_per_iteration
-            steps_left = max(num_steps - node.steps_done, 1)
+            steps_left = max(node.steps_left, 1)
             steps: tuple[float, ...] = ()
             ready: tuple[float, ...] = ()
             if node.spec.steps_in_arrival_order and graph.sized and steps_left > 1:

@@ -260,11 +260,10 @@ def _waits_for_last_groups(node: HyperNode, demand: Demand) -> bool:
     """Whether ``node`` is a trainer idle before its last step, which trains the
     iteration's last groups in completion order and so waits for the work still
     upstream (samples already here cannot start it)."""
-    num_steps = node.num_steps or node.spec.steps_per_iteration
     return (
         node.spec.kind == "actor"
         and node.spec.steps_in_arrival_order
-        and node.steps_done == num_steps - 1
+        and node.steps_left == 1
         and not node.num_in_flight()
         and demand.upstream > 0
     )
