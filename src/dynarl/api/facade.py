@@ -40,10 +40,11 @@ from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import dump_config
 from dynarl.api.host import RunFailedError, RunHost
 from dynarl.api.run_dir import RunDirectory
+from dynarl.api.run_errors import IterationInterruptedError, TrainerRankLostError
+from dynarl.api.run_timeline import RunTimeline
 from dynarl.api.stall import StallWatch
 from dynarl.core.errors import ConfigError, DynaRLError
 from dynarl.obs.metrics import DeviceMeter, FlatValue, IterationStats, MetricsWriter, flat_record
-from dynarl.obs.timeline import TimelineLine, TimelineRecorder
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -56,21 +57,6 @@ if TYPE_CHECKING:
 from dynarl.rl.progress import Progress
 
 logger = logging.getLogger(__name__)
-
-
-class IterationInterruptedError(DynaRLError):
-    """The running iteration was stopped by :meth:`DynaRL.request_stop` before it
-    finished; it is not in the history and a resumed run runs it again."""
-
-
-class TrainerRankLostError(DynaRLError):
-    """A trainer worker died (or stopped answering) during an iteration and the trainer
-    could not rebuild itself from the survivors: no rank survived with the state, a
-    worker stopped answering (a hung collective, ended by its timeout), or the backend
-    cannot (Megatron with one replica of tp or pp > 1, whose shards die with any of its
-    workers; with the distributed optimizer, a rank dead with its buddy, or any member
-    without ``actor.megatron.buddy_copies``: the message says which). The run stops; it
-    resumes from its last checkpoint."""
 
 
 class DynaRL:
@@ -119,9 +105,7 @@ class DynaRL:
         self.resume_from = None if resume_from is None else Path(resume_from)
         self.resume_at = resume_at
         self._files = RunDirectory(self.run_dir)
-        self._recorder: TimelineRecorder | None = None
-        self._timeline_before: list[TimelineLine] = []  # a resumed run's predecessors'
-        self._closed_s: float | None = None
+        self._timeline = RunTimeline()
         self._saved_at: int | None = None
         self.history: list[IterationStats] = []
         """Stats of every finished iteration, in order."""
@@ -210,7 +194,7 @@ class DynaRL:
         files = self._files
         if resumed is not None:
             self.history = list(resumed.history)
-            self._timeline_before = resumed.timeline
+            self._timeline.before = resumed.timeline
         self.run_dir.mkdir(parents=True, exist_ok=True)
         dump_config(cfg, files.config_path)
         self._metrics = stack.enter_context(
@@ -229,8 +213,8 @@ class DynaRL:
         if self._stall is not None:
             self.controller.listeners.append(self._stall.on_event)
         run.world.on_failure = self._world_failed
-        self._meter, self._recorder, self._sampler = run.meter, run.recorder, run.sampler
-        self._closed_s = None
+        self._meter, self._sampler = run.meter, run.sampler
+        self._timeline.open(run.recorder, run.controller.clock)
         logger.info(
             "run %s: %s, run directory %s",
             "open" if resumed is None else f"resumed after iteration {len(self.history) - 1}",
@@ -419,7 +403,7 @@ class DynaRL:
             or self._world is None
             or self._world.trainer is None
             or self._sampler is None
-            or self._recorder is None
+            or self._timeline.recorder is None
         ):
             raise DynaRLError("the run is not open; use `async with DynaRL(cfg) as rl:`")
         if not self._consistent:
@@ -443,7 +427,7 @@ class DynaRL:
         with self._host.call():
             async with trainer.between_steps():
                 await trainer.save_checkpoint(str(path))
-        lines = self._timeline_lines()
+        lines = self._timeline.lines()
         size, sha256 = await anyio.to_thread.run_sync(fingerprint, path)
         write_state(
             self.run_dir,
@@ -454,7 +438,7 @@ class DynaRL:
                 weight_version=self.history[-1].weight_version if self.history else 0,
                 seed=self.cfg.run.seed,
                 sampler=self._sampler.state_dict(),
-                timeline_s=self._timeline_s(),
+                timeline_s=self._timeline.elapsed_s(),
             ),
         )
         self._saved_at = done
@@ -491,32 +475,9 @@ class DynaRL:
         matplotlib, in the ``cli`` extra); ``display(fig)`` shows it in a notebook."""
         from dynarl.obs.plot import timeline_figure
 
-        return timeline_figure(self._timeline_lines(), title=self._title())
+        return timeline_figure(self._timeline.lines(), title=self._title())
 
     # ------------------------------------------------------------------ timeline
-
-    def _timeline_s(self) -> float:
-        """Seconds since the run first started (across resumes), now."""
-        if self._recorder is None or self.controller is None:
-            return 0.0
-        return self._now_s() - self._recorder.origin_s
-
-    def _now_s(self) -> float:
-        assert self.controller is not None
-        if self._closed_s is not None:
-            return self._closed_s
-        try:
-            return self.controller.clock.now()
-        except RuntimeError:  # called off the loop (a thread): the last event's time
-            assert self._recorder is not None
-            return self._recorder.graph.now_s
-
-    def _timeline_lines(self) -> list[TimelineLine]:
-        """The run's timeline so far, predecessors' included (the open intervals end
-        now)."""
-        if self._recorder is None:
-            return list(self._timeline_before)
-        return [*self._timeline_before, *self._recorder.lines(now_s=self._now_s())]
 
     def _title(self) -> str:
         cfg = self.cfg
@@ -525,10 +486,10 @@ class DynaRL:
     def _write_timeline_at_exit(self) -> None:
         """The timeline as the run ends; a failure to write it does not hide the run's
         own outcome."""
-        if self.controller is None or self._recorder is None:
+        if self._timeline.recorder is None:
             return
-        self._closed_s = self._now_s()
+        self._timeline.close()
         try:
-            self._files.write_timeline(self._timeline_lines(), title=self._title())
+            self._files.write_timeline(self._timeline.lines(), title=self._title())
         except Exception:
             logger.exception("could not write the timeline to %s", self.run_dir)
