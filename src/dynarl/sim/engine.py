@@ -5,16 +5,11 @@ submitted, queue, are admitted while the KV cache and ``max_running_requests`` a
 prefill (compute-bound; running requests stall meanwhile; the prefill samples each
 one's first token), then decode one token per step together. A decode step costs
 ``overhead + (weight bytes / tp + KV bytes read) / HBM bandwidth``; KV read grows by
-one token per running request per step. As in SGLang, admission reserves KV for a
-share (the "new token ratio") of each running job's future tokens, and when the cache
-is full anyway the youngest running requests are retracted until the rest have
-headroom for many steps (``retract_headroom_steps``): their KV is freed, they go to
-the front of the queue and re-prefill their whole context later. A retraction raises
-the ratio to 1, so admission is conservative right after it; the ratio then decays
-step by step back to its floor. Retractions are therefore rare events, not one per
-step. A job that ends in a tool call leaves its KV in a prefix cache (LRU, evicted by
-tokens from the least recent entry's tail), so its next turn re-prefills only what was
-evicted and the tool's output.
+one token per running request per step. Admission and retraction follow SGLang
+(:mod:`~dynarl.sim.admission`); a retracted request's KV is freed, it goes to the front
+of the queue and re-prefills its whole context later. A job that ends in a tool call
+leaves its KV in a prefix cache (LRU, evicted by tokens from the least recent entry's
+tail), so its next turn re-prefills only what was evicted and the tool's output.
 
 Time moves analytically. Between events every running request advances the same
 number of steps, and step ``k`` from now costs ``a + c * B + b * (A + k * B)`` (``B``
@@ -37,12 +32,12 @@ from collections.abc import Iterable
 
 from dynarl.control.events import EngineStats
 from dynarl.core.ids import InstanceId, ItemId
+from dynarl.sim.admission import Admission
 from dynarl.sim.engine_config import EngineConfig
 from dynarl.sim.engine_queue import EngineQueue
 from dynarl.sim.errors import SimError
 from dynarl.sim.jobs import EngineEntry, EngineTotals, Job, JobDone, JobProgress
 from dynarl.sim.prefix_cache import PrefixCache
-from dynarl.sim.reserve import Reservations
 
 # events this close after the target time are due (as the world's own tolerance): a
 # clock that lands one ulp short of an event must not leave it pending forever
@@ -68,14 +63,7 @@ class SimEngine:
         self._a, self._b = config.step_coefficients()
         self._c = config.step_per_request_s
         self._capacity = config.kv_tokens_capacity
-        self._admit_limit = config.admit_fraction * self._capacity
-        self._headroom_steps = max(1, config.retract_headroom_steps)
-        self._min_ratio = config.min_new_token_ratio
-        self._ratio_decay = (config.init_new_token_ratio - config.min_new_token_ratio) / max(
-            1, config.new_token_ratio_decay_steps
-        )
-        # the new token ratio is _ratio_base at step _ratio_step, decaying since
-        self._ratio_base, self._ratio_step = config.init_new_token_ratio, 0
+        self._admission = Admission(config)
         # prefill of n new tokens after h cached ones: n * (fixed + per_context * (h + n/2))
         # FLOPs at _flops_rate FLOP/s (as EngineConfig.prefill_s)
         self._flops_fixed = config.model.forward_flops_per_token(0.0)
@@ -88,7 +76,6 @@ class SimEngine:
         self._step_s = [0.0, 0.0]  # seconds of prefill and of decode steps, in all
         self._running: dict[ItemId, EngineEntry] = {}  # in admission order: last is youngest
         self._finish_heap: list[tuple[int, int, ItemId]] = []  # (finish step, seq, id)
-        self._reserved = Reservations(config.new_token_clip)  # the running jobs' future
         self._held = 0  # context tokens of the running jobs
         self._padded = config.padded_kv
         self._longest_base = 0  # longest running context = this + _step_count (padded_kv)
@@ -382,7 +369,7 @@ class SimEngine:
     def _remove(self, item: ItemId) -> EngineEntry:
         """Take ``item`` out of the running set, folding its progress into ``done``."""
         entry = self._running.pop(item)
-        self._reserved.remove(item, finish_step=entry.finish_step)
+        self._admission.stop(entry)  # before its progress moves its finish step
         entry.done += self._step_count - entry.start_step
         self._held -= entry.queued_context
         self._rows_changed()
@@ -414,64 +401,21 @@ class SimEngine:
             self._t += self.config.leave_per_held_token_s * self._read_tokens() * self._slowdown
         return out
 
-    def _ratio(self) -> float:
-        """The new token ratio now (SGLang's): decays linearly to its floor."""
-        decayed = self._ratio_base - self._ratio_decay * (self._step_count - self._ratio_step)
-        return max(self._min_ratio, decayed)
-
-    def _set_ratio(self, ratio: float) -> None:
-        self._ratio_base, self._ratio_step = ratio, self._step_count
-
-    def _reserve(self, remaining: int) -> int:
-        """Future tokens admission counts for a job with ``remaining`` to generate."""
-        return min(remaining, self.config.new_token_clip)
-
     def _schedule(self) -> None:
-        """At a step boundary: retract if the next step does not fit, then admit."""
+        """At a step boundary: if the next step does not fit, retract the youngest
+        running jobs (to the front of the queue) while the policy asks; then admit."""
         self._admit_pending = False
-        if self._running and self._held + len(self._running) > self._capacity:
-            self._retract()
+        if self._admission.must_retract(held=self._held, batch=len(self._running)):
+            while self._admission.keeps_retracting(held=self._held, batch=len(self._running)):
+                youngest = next(reversed(self._running))
+                self._queue.push_front(self._remove(youngest))
+                self._preemptions += 1
+            self._retractions += 1
+            self._admission.retracted(step=self._step_count)
         self._cache.shrink_to(self._capacity - self._held)
-        if self._queue and len(self._running) < self.config.max_running_requests:
-            self._admit()
-
-    def _retract(self) -> None:
-        """SGLang's retract decode: retract the youngest running jobs until the rest
-        can decode ``retract_headroom_steps`` steps (a lone job always stays), then make
-        admission conservative."""
-        while len(self._running) > 1 and (
-            self._held + len(self._running) * self._headroom_steps > self._capacity
-        ):
-            youngest = next(reversed(self._running))
-            self._queue.push_front(self._remove(youngest))
-            self._preemptions += 1
-        self._retractions += 1
-        self._set_ratio(max(1.0, self._ratio()))
-
-    def _admit(self) -> None:
-        """Admit queued jobs in order while their context plus the reserved share of
-        every job's future tokens fits (a lone job is always admitted)."""
-        ratio = self._ratio()
-        future = self._reserved.total(self._step_count)  # _reserve of each running job
-        admitted: list[EngineEntry] = []
-        held = self._held
-        batch = len(self._running)
-        limit = self.config.max_running_requests - batch
-        while self._queue and len(admitted) < limit:
-            entry = self._queue.peek()
-            context = entry.queued_context
-            need = self._reserve(entry.job.output_tokens - entry.done)
-            if (batch or admitted) and (
-                held + context > self._admit_limit
-                or held + context + ratio * (future + need) > self._capacity
-                # room for the next step too, or a job retracted here would come straight
-                # back and be retracted again
-                or held + context + batch + len(admitted) + 1 > self._capacity
-            ):
-                break
-            admitted.append(self._queue.pop())
-            held += context
-            future += need
+        admitted = self._admission.admit(
+            self._queue, held=self._held, batch=len(self._running), step=self._step_count
+        )
         if admitted:
             self._prefill(admitted)
 
@@ -494,9 +438,7 @@ class SimEngine:
             entry.seq, entry.start_step = self._seq, self._step_count - 1
             self._running[entry.job.id] = entry
             heapq.heappush(self._finish_heap, (entry.finish_step, entry.seq, entry.job.id))
-            self._reserved.add(
-                entry.job.id, entry.seq, finish_step=entry.finish_step, step=self._step_count
-            )
+            self._admission.start(entry, step=self._step_count)
             self._held += context + 1
             self._generated += 1
         self._rows_changed()
