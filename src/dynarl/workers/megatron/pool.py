@@ -68,7 +68,7 @@ class MegatronPool(TrainerPool):
         layout = self.layout() if self._members else None
         # Only the dead still in the world count: one already left behind (a spare that
         # died before a recovery, not admitted again) is not lost now.
-        lost = [w for w in self.dead if w in self._world]
+        lost = [w for w in self.dead if w in self._world.indices]
         return recovery.unrecoverable(self._model_factory, layout, lost)
 
     def recovery_plan(self) -> PlanRanks | None:
@@ -102,10 +102,8 @@ class MegatronPool(TrainerPool):
         if len(shards) != len(leaders):
             raise TrainerError(f"{len(shards)} shards for {len(leaders)} data-parallel ranks")
         items = {leader: tuple(shard) for leader, shard in zip(leaders, shards, strict=True)}
-        replies = self._check(
-            await self._call_each(
-                self._members, lambda w: TrainOnItems(item_ids=items.get(w, ()), apply=apply)
-            )
+        replies = await self._world.call_each_checked(
+            self._members, lambda w: TrainOnItems(item_ids=items.get(w, ()), apply=apply)
         )
         return self._stepped(replies) if apply else None
 
@@ -179,7 +177,7 @@ class MegatronPool(TrainerPool):
         """Replica 0 gathers its shards to its leader, which writes ``path`` (every
         member takes part: with the distributed optimizer each holds a slice of the
         moments)."""
-        self._check(await self._call(self._members, SaveCheckpoint(path=str(path))))
+        await self._world.call_checked(self._members, SaveCheckpoint(path=str(path)))
 
     async def sync_weights(self, version: int) -> int:
         """Replica 0 gathers the weights in the HF layout to its leader, which

@@ -19,7 +19,7 @@ What differs is what a layout of replicas needs:
 - *a resize with Megatron's distributed optimizer* (its AdamW state is sliced over
   the data-parallel group) makes each shard's moments whole first, moves whole shards
   as the plan says, and every member of the new layout builds a new rank that keeps
-  its own slices;
+  its own slices (the three: :mod:`~dynarl.workers.megatron.resize`);
 - *checkpoints and weight sync* gather replica 0's shards to its leader in the HF
   layout (:mod:`~dynarl.workers.megatron.state`);
 - *a lost peer* (torch's AdamW, a copy of every shard surviving): the rank outlives
@@ -33,21 +33,20 @@ Layouts are built on world ranks, which are the pool indices only until a peer d
 """
 
 import dataclasses
-import datetime
 import functools
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from dynarl.workers.errors import ReshardError, TrainerError, WeightSyncError
-from dynarl.workers.megatron import recovery, state
+from dynarl.workers.megatron import recovery, resize, state
 from dynarl.workers.megatron.layout import Layout, RankGroups, build_groups
 from dynarl.workers.megatron.model import preload
 from dynarl.workers.megatron.rank import MegatronRank
+from dynarl.workers.megatron.resize import PreparedResize
 from dynarl.workers.megatron.spec import ModelSpec
 from dynarl.workers.torch import reshard
 from dynarl.workers.torch.rendezvous import TCPStore
@@ -89,19 +88,6 @@ def join(command: Join, store: TCPStore | None) -> "MegatronWorker":
     )
 
 
-@dataclass
-class _Pending:
-    """What a worker prepared for one resize."""
-
-    epoch: int
-    layout: Layout
-    groups: RankGroups | None
-    transfers: list[dist.ProcessGroup] = field(default_factory=list)
-    received: MegatronRank | None = None
-    spec: ModelSpec | None = None
-    """The spec after a change of tp or pp (``None``: unchanged)."""
-
-
 class MegatronWorker(TrainerWorker):
     """A worker's state between commands: its rank (while a member), a prepared
     resize, its weight-sync group."""
@@ -120,7 +106,7 @@ class MegatronWorker(TrainerWorker):
         )
         self.spec = spec
         self.rank: MegatronRank | None = None
-        self.resizing: _Pending | None = None
+        self.resizing: PreparedResize | None = None
         self._hf: torch.nn.Module | None = None  # the weight-sync sender's HF layout
         self._handlers[PrepareReshard] = self._prepare_reshard
 
@@ -135,7 +121,7 @@ class MegatronWorker(TrainerWorker):
     def close(self) -> None:
         """Drop a prepared resize, the rank and its groups."""
         if self.resizing is not None:
-            self._drop(self.resizing)
+            self.resizing.release()
         self.resizing = None
         self.rank = None
         super().close()
@@ -228,7 +214,7 @@ class MegatronWorker(TrainerWorker):
 
     def _begin_transfer(
         self, command: PrepareResize, old: Layout, new: Layout
-    ) -> tuple[_Pending, RankGroups | None, list[tuple[state.Move, dist.ProcessGroup]]]:
+    ) -> tuple[PreparedResize, RankGroups | None, list[tuple[state.Move, dist.ProcessGroup]]]:
         """The start of a data-parallel resize ``old -> new`` (layouts of world ranks):
         the new layout's groups (``None`` where this worker is not a member), the
         pending resize, and the transfer group of each move of the plan this worker
@@ -242,43 +228,26 @@ class MegatronWorker(TrainerWorker):
         return pending, pending.groups, transfer_groups
 
     def _prepare_sliced(self, command: PrepareResize, old: Layout, new: Layout) -> int:
-        """A data-parallel resize with the distributed optimizer, whose slices depend on
-        the data-parallel size: every old member makes its shard's moments whole (one
-        sum over the old data-parallel group), the plan's moves send each shard whole
-        from the source replica to the workers of the new layout that lack it, and
-        every new member builds a new rank that keeps its slices of its shard (received,
-        or its own when it keeps its position). Returns the bytes this worker sent."""
-        pending, groups, transfer_groups = self._begin_transfer(command, old, new)
-        mine = state.local_cut(self.rank) if self.rank is not None else None
-        before, after = old.position(self.me), new.position(self.me)
-        kept = before is not None and after is not None and before.model_rank == after.model_rank
-        own = mine if kept else None
-        moved = 0
-        for move, group in transfer_groups:
-            if self.me == move.source:
-                assert mine is not None
-                state.share_batch(mine, group=group, src=move.source, device=self.device)
-                moved += state.nbytes(mine)
-            else:
-                own = state.share_batch(None, group=group, src=move.source, device=self.device)
-        if groups is not None:
-            if own is None:
-                raise ReshardError(f"worker {self.worker} got no state in the resize")
-            receiver = MegatronRank.empty(
-                self.spec,
-                loss_fn=self.loss_fn,
-                config=self.config,
-                groups=groups,
-                device=self.device,
-            )
-            state.load_cut(receiver, own, source="the resize's source replica")
-            pending.received = receiver
-        return moved
+        """A data-parallel resize with the distributed optimizer (see
+        :func:`~dynarl.workers.megatron.resize.move_sliced`). Returns the bytes this
+        worker sent."""
+        pending, _, transfer_groups = self._begin_transfer(command, old, new)
+        return resize.move_sliced(
+            pending,
+            transfer_groups,
+            me=self.me,
+            worker=self.worker,
+            rank=self.rank,
+            old=old,
+            make_rank=self._empty,
+            device=self.device,
+        )
 
     def _prepare_reshard(self, command: PrepareReshard) -> Reply:
         """A change of tp or pp: the source replica gathers its state in the HF layout
         to its leader, which cuts each new member's shard (weights, moments, step) and
-        sends it that shard alone."""
+        sends it that shard alone (see
+        :func:`~dynarl.workers.megatron.resize.move_through_leader`)."""
         started = time.perf_counter()
         if self.resizing is not None:
             raise TrainerError(f"resize {self.resizing.epoch} is still pending; abort it first")
@@ -287,84 +256,23 @@ class MegatronWorker(TrainerWorker):
         old = self.layout(command.old_members, self.spec)
         new = self.layout(command.new_members, spec)
         source = self.ranks([command.source])[0]
-        moved = self._through_leader(command.epoch, old, new, source, spec)
+        pending = self._pend(command.epoch, new, spec=None if spec == self.spec else spec)
+        moved = resize.move_through_leader(
+            pending,
+            me=self.me,
+            rank=self.rank,
+            old=old,
+            source=source,
+            make_rank=functools.partial(self._empty, spec=spec),
+            device=self.device,
+            timeout_s=self.config.reshard_timeout_s,
+        )
         return self._done(started, bytes_moved=moved)
-
-    def _through_leader(
-        self, epoch: int, old: Layout, new: Layout, source_worker: int, spec: ModelSpec
-    ) -> int:
-        """Prepare ``old -> new`` (layouts of world ranks): the replica of
-        ``source_worker`` (a world rank) gathers the full state in the HF layout to its
-        leader, which cuts every new member's shard and sends it that alone; each new
-        member builds a new rank of ``spec`` holding it. Returns the bytes this worker
-        sent."""
-        timeout_s = self.config.reshard_timeout_s
-        pending = self._pend(epoch, new, spec=None if spec == self.spec else spec)
-        groups = pending.groups
-        where = old.position(source_worker)
-        if where is None:
-            raise ReshardError(f"source worker {source_worker} is not a member")
-        source = old.replicas()[where.dp_rank]
-        leader = source[0]
-        # One pair group per new member: the leader cuts each member's shard out of
-        # the gathered state and sends it that shard only.
-        pairs: dict[int, dist.ProcessGroup] = {}
-        timeout = datetime.timedelta(seconds=timeout_s)
-        for member in new.members:
-            if member != leader:
-                group = dist.new_group(sorted([leader, member]), timeout=timeout)
-                if self.me in (leader, member):
-                    pairs[member] = group
-        pending.transfers.extend(pairs.values())
-        full = None
-        if self.rank is not None:  # every old member (the distributed optimizer's slices)
-            full = state.gather_full_state(self.rank, dp_rank=where.dp_rank)
-        moved = 0
-        own: dict[str, torch.Tensor] | None = None
-        if full is not None:  # the leader
-            arch = self._rank().arch
-            for member in new.members:
-                p = new.position(member)
-                assert p is not None
-                cut = state.cut_state(
-                    full, arch, tp_rank=p.tp_rank, tp=new.tp, pp_rank=p.pp_rank, pp=new.pp
-                )
-                if member == leader:
-                    own = cut
-                    continue
-                state.share_batch(cut, group=pairs[member], src=leader, device=self.device)
-                moved += state.nbytes(cut)
-        elif groups is not None:
-            own = state.share_batch(None, group=pairs[self.me], src=leader, device=self.device)
-        if groups is not None:
-            assert own is not None
-            receiver = MegatronRank.empty(
-                spec, loss_fn=self.loss_fn, config=self.config, groups=groups, device=self.device
-            )
-            state.load_cut(receiver, own, source=f"worker {leader}")
-            pending.received = receiver
-        return moved
 
     def _commit(self, command: CommitResize) -> Reply:
         started = time.perf_counter()
-        pending = self._resize(command.epoch)
-        for group in pending.transfers:
-            dist.destroy_process_group(group)
-        old = self.rank
-        old_groups = old.groups if old is not None else None
-        kept: MegatronRank | None = None
-        if pending.groups is not None:
-            kept = pending.received if pending.received is not None else old
-            if kept is None:
-                raise ReshardError(f"worker {self.worker} has no state after the resize")
-            if kept is old:
-                kept = state.regrouped(old, pending.groups, lambda: self._empty(pending.groups))
-        if old_groups is not None:
-            old_groups.destroy()
-        if old is not None and kept is not old:
-            old.release()
-            reshard.release_memory(old)
-        self.rank = kept
+        pending = self._prepared(command.epoch)
+        self.rank = resize.commit(pending, self.rank, worker=self.worker, make_rank=self._empty)
         self.resizing = None
         if pending.spec is not None:
             self.spec = pending.spec
@@ -374,7 +282,7 @@ class MegatronWorker(TrainerWorker):
     def _abort(self, command: AbortResize) -> Reply:
         started = time.perf_counter()
         if self.resizing is not None:
-            self._drop(self._resize(command.epoch))
+            self._prepared(command.epoch).release()
             self.resizing = None
         return self._done(started)
 
@@ -427,7 +335,7 @@ class MegatronWorker(TrainerWorker):
         """Drop a prepared resize and keep the rank (its groups go with the world);
         returns its optimizer steps (``-1``: no rank)."""
         if self.resizing is not None:
-            self._drop(self.resizing, destroy=False)
+            self.resizing.release(destroy=False)
             self.resizing = None
         return -1 if self.rank is None else self.rank.num_steps
 
@@ -477,22 +385,27 @@ class MegatronWorker(TrainerWorker):
         indices."""
         return Layout(tuple(self.ranks(members)), spec.tp, spec.pp)
 
-    def _pend(self, epoch: int, new: Layout, *, spec: ModelSpec | None) -> _Pending:
+    def _pend(self, epoch: int, new: Layout, *, spec: ModelSpec | None) -> PreparedResize:
         """Build ``new``'s groups and make them the pending resize ``epoch``, unless
         this worker left the world meanwhile (an interrupted prepare: what it built
         belongs to the world it began in)."""
         generation = self.world.generation
         groups = build_groups(new, worker=self.me, timeout_s=self.config.reshard_timeout_s)
         with self.in_world(generation):
-            self.resizing = _Pending(epoch=epoch, layout=new, groups=groups, spec=spec)
+            self.resizing = PreparedResize(epoch=epoch, layout=new, groups=groups, spec=spec)
         return self.resizing
 
-    def _empty(self, groups: RankGroups | None) -> MegatronRank:
-        """A fresh rank of this worker's spec on ``groups`` (it receives a state)."""
+    def _empty(self, groups: RankGroups | None, spec: ModelSpec | None = None) -> MegatronRank:
+        """A fresh rank of ``spec`` (default: this worker's) on ``groups`` (it receives a
+        state)."""
         if groups is None:
             raise TrainerError(f"worker {self.worker} receives a shard but is not a member")
         return MegatronRank.empty(
-            self.spec, loss_fn=self.loss_fn, config=self.config, groups=groups, device=self.device
+            self.spec if spec is None else spec,
+            loss_fn=self.loss_fn,
+            config=self.config,
+            groups=groups,
+            device=self.device,
         )
 
     def _rank(self) -> MegatronRank:
@@ -500,21 +413,8 @@ class MegatronWorker(TrainerWorker):
             raise TrainerError(f"worker {self.worker} is not a trainer rank now")
         return self.rank
 
-    def _resize(self, epoch: int) -> _Pending:
+    def _prepared(self, epoch: int) -> PreparedResize:
         if self.resizing is None or self.resizing.epoch != epoch:
             have = None if self.resizing is None else self.resizing.epoch
             raise TrainerError(f"no prepared resize {epoch} on worker {self.worker} (have {have})")
         return self.resizing
-
-    def _drop(self, pending: _Pending, *, destroy: bool = True) -> None:
-        """Release what ``pending`` prepared (its groups too, unless they went with the
-        world: ``destroy`` false)."""
-        for group in pending.transfers if destroy else ():
-            dist.destroy_process_group(group)
-        pending.transfers.clear()
-        if pending.groups is not None and destroy:
-            pending.groups.destroy()
-        if pending.received is not None:
-            pending.received.release()
-            reshard.release_memory(pending.received)
-            pending.received = None

@@ -4,7 +4,8 @@ some of which are the trainer's data-parallel ranks at any moment.
 The workers are started by a launcher and are peers of the controller's data router,
 as device slots are; the pool reaches each through a :class:`WorkerChannel` (a typed
 call over the data plane) and never touches a process. It joins them to one world
-process group (a TCP rendezvous, so they may be anywhere), then only sends commands:
+process group (a TCP rendezvous, so they may be anywhere: a
+:class:`~dynarl.workers.torch.pool_world.PoolWorld`), then only sends commands:
 train steps to the members, resizes to everyone. A resize prepares the new group and
 the joiners' state while the old group stays intact, and switches only when every
 worker reported ready; otherwise it aborts and raises
@@ -26,39 +27,33 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import anyio
-
 from dynarl.workers.errors import ReshardError, TrainerError, WeightSyncError
 from dynarl.workers.torch import trainer_recovery
-from dynarl.workers.torch.trainer_calls import WorkerCalls, WorkerChannel, check, describe
+from dynarl.workers.torch.pool_world import PoolWorld
+from dynarl.workers.torch.trainer_calls import WorkerChannel, describe
 from dynarl.workers.torch.trainer_commands import (
     AbortResize,
-    Command,
     CommitResize,
     Done,
     Failed,
-    Join,
     LoadCheckpoint,
     PrepareReshard,
     PrepareResize,
     Reply,
     ReshardFault,
     SaveCheckpoint,
-    Shutdown,
     StartTraining,
     StepDone,
     TrainOnItems,
     TrainStep,
 )
 from dynarl.workers.torch.trainer_config import TrainerConfig
-from dynarl.workers.torch.weight_sender import WeightSender, open_store
+from dynarl.workers.torch.weight_sender import WeightSender
 from dynarl.workers.trainer import Minibatch, Recovery, ResizeResult, StepMetrics
 from dynarl.workers.trainer_items import to_array
 from dynarl.workers.weights import WeightManifest
 
 logger = logging.getLogger(__name__)
-
-_SHUTDOWN_GRACE_S = 10.0
 
 
 class TrainerPool:
@@ -98,9 +93,8 @@ class TrainerPool:
         self._parked = False
         self._epoch = 0
         self._started = False
-        self._world: tuple[int, ...] = tuple(range(len(self.workers)))
-        self._calls = WorkerCalls(self.workers, timeout_s=config.timeout_s)
-        self.sender = WeightSender(self._calls)
+        self._world = PoolWorld(self.workers, config=config, host=host)
+        self.sender = WeightSender(self._world.calls)
         """The weight-sync group's sending worker."""
         self._resizing_to: tuple[int, ...] | None = None  # the members a resize prepares
         self.resize_listeners: list[Callable[[PrepareResize | PrepareReshard], None]] = []
@@ -132,7 +126,7 @@ class TrainerPool:
     @property
     def dead(self) -> frozenset[int]:
         """Workers that died (until :meth:`admit` takes their restarted processes)."""
-        return frozenset(self._calls.casualties.dead)
+        return frozenset(self._world.calls.casualties.dead)
 
     @property
     def can_recover(self) -> bool:
@@ -156,30 +150,16 @@ class TrainerPool:
         """Join every worker to the world group (worker 0 hosts it at ``host``)."""
         if self._started:
             raise TrainerError("the pool is already started")
-        code = pickle.dumps((self._model_factory, self._loss_fn))
+        code = self._code()
         self._started = True
-        port = await open_store(
-            self._calls, 0, "world", self.host, self.num_workers, self.config.timeout_s
-        )
-        replies = await self._call_each(
-            range(self.num_workers),
-            lambda w: Join(
-                worker=w,
-                num_workers=self.num_workers,
-                host=self.host,
-                port=port,
-                config=self.config,
-                code=code,
-            ),
-        )
-        self._check(replies)
+        await self._world.join(code)
         logger.info("joined %d trainer workers", self.num_workers)
 
     async def start_training(self, members: Sequence[int]) -> None:
         """Make ``members`` the trainer's ranks, with fresh weights from the seed (a
         trainer already running is dropped: this is also a restart)."""
         members = self._valid_members(members)
-        self._check(await self._call(self._world, StartTraining(members=members)))
+        await self._world.call_checked(self._world.indices, StartTraining(members=members))
         self._members = members
         self._parked = False
         self._num_steps = 0
@@ -189,7 +169,7 @@ class TrainerPool:
         if self._parked:
             raise TrainerError("the trainer is parked (it holds no devices); resize it first")
         arrays = {name: to_array(a) for name, a in minibatch.items()}
-        replies = self._check(await self._call(self._members, TrainStep(minibatch=arrays)))
+        replies = await self._world.call_checked(self._members, TrainStep(minibatch=arrays))
         assert isinstance(replies[0], StepDone)
         self._num_steps = replies[0].metrics.num_steps
         return replies[0].metrics
@@ -212,10 +192,8 @@ class TrainerPool:
         if len(shards) != len(members):
             raise TrainerError(f"{len(shards)} shards for {len(members)} ranks")
         rank = {m: r for r, m in enumerate(members)}
-        replies = self._check(
-            await self._call_each(
-                members, lambda w: TrainOnItems(item_ids=tuple(shards[rank[w]]), apply=apply)
-            )
+        replies = await self._world.call_each_checked(
+            members, lambda w: TrainOnItems(item_ids=tuple(shards[rank[w]]), apply=apply)
         )
         return self._stepped(replies) if apply else None
 
@@ -285,13 +263,13 @@ class TrainerPool:
         self._resizing_to = prepare.new_members
         for listener in self.resize_listeners:
             listener(prepare)
-        replies = await self._call(self._world, prepare)
+        replies = await self._world.calls.call(self._world.indices, prepare)
         failures = [r for r in replies if isinstance(r, Failed)]
         if failures:
-            self._check(await self._call(self._world, AbortResize(epoch=self._epoch)))
+            await self._world.call_checked(self._world.indices, AbortResize(epoch=self._epoch))
             self._resizing_to = None
             raise ReshardError(f"{failed}. {describe(failures)}", worker=failures[0].worker)
-        self._check(await self._call(self._world, CommitResize(epoch=self._epoch)))
+        await self._world.call_checked(self._world.indices, CommitResize(epoch=self._epoch))
         self._resizing_to = None
         return replies
 
@@ -307,24 +285,14 @@ class TrainerPool:
         """
         why = self.cannot_recover
         if why is not None:
-            self._calls.broken = True
+            self._world.calls.broken = True
             raise TrainerError(why)
-        try:
-            rebuilt = await trainer_recovery.rebuild(
-                self,
-                self._calls.casualties,
-                world=self._world,
-                members=self._members,
-                resizing_to=self._resizing_to,
-                known_steps=self._num_steps,
-                host=self.host,
-                plan=self.recovery_plan(),
-            )
-        except TrainerError:
-            self._calls.broken = True
-            raise
-        recovery = rebuilt.recovery
-        self._world = rebuilt.world
+        recovery = await self._world.rebuild(
+            members=self._members,
+            resizing_to=self._resizing_to,
+            known_steps=self._num_steps,
+            plan=self.recovery_plan(),
+        )
         self._members = recovery.members
         self._resizing_to = None
         self._epoch += 1
@@ -356,50 +324,19 @@ class TrainerPool:
         (:meth:`recover`)."""
         if not self._members:
             raise TrainerError("the trainer has no members yet; call start_training first")
-        unknown = set(workers) - self._calls.casualties.dead
+        casualties = self._world.calls.casualties
+        unknown = set(workers) - casualties.dead
         if unknown:
-            self._calls.casualties.record(unknown)
+            casualties.record(unknown)
             await self.recover()
         started = time.perf_counter()
-        joining = trainer_recovery.Joining(
-            num_workers=self.num_workers,
-            config=self.config,
-            code=pickle.dumps((self._model_factory, self._loss_fn)),
-        )
-        self._world = await trainer_recovery.readmit(
-            self,
-            self._calls.casualties,
-            workers,
-            world=self._world,
-            members=self._members,
-            joining=joining,
-            host=self.host,
-        )
+        await self._world.readmit(workers, members=self._members, code=self._code())
         self._epoch += 1
         logger.info(
             "trainer workers %s rejoined the world %s in %.2f s",
             list(workers),
-            self._world,
+            self._world.indices,
             time.perf_counter() - started,
-        )
-
-    async def call_each_checked(
-        self, workers: Sequence[int], command: Callable[[int], Command]
-    ) -> list[Reply]:
-        """Send ``command(w)`` to each worker ``w`` at once; their replies, or
-        :class:`TrainerError` if one failed (for :mod:`trainer_recovery`)."""
-        return self._check(await self._call_each(workers, command))
-
-    async def call_checked(self, workers: Sequence[int], command: Command) -> list[Reply]:
-        """Send ``command`` to ``workers`` at once; their replies, or
-        :class:`TrainerError` if one failed (for :mod:`trainer_recovery`)."""
-        return self._check(await self._call(workers, command))
-
-    async def open_world_store(self, worker: int, world_size: int) -> int:
-        """Make ``worker`` open the store of a world of ``world_size`` at :attr:`host`;
-        returns its port."""
-        return await open_store(
-            self._calls, worker, "world", self.host, world_size, self.config.timeout_s
         )
 
     async def park(self) -> ResizeResult:
@@ -427,14 +364,14 @@ class TrainerPool:
 
     async def save_checkpoint(self, path: str | Path) -> None:
         """Write rank 0's model and optimizer state to ``path`` (``torch.save``)."""
-        self._check(await self._call(self._members[:1], SaveCheckpoint(path=str(path))))
+        await self._world.call_checked(self._members[:1], SaveCheckpoint(path=str(path)))
 
     async def load_checkpoint(self, path: str | Path) -> None:
         """Make every member continue from the state :meth:`save_checkpoint` wrote to
         ``path`` (after :meth:`start_training`)."""
         if not self._members:
             raise TrainerError("the trainer has no members yet; call start_training first")
-        self._check(await self._call(self._members, LoadCheckpoint(path=str(path))))
+        await self._world.call_checked(self._members, LoadCheckpoint(path=str(path)))
         self._num_steps = None
 
     async def open_weight_sync(
@@ -485,27 +422,12 @@ class TrainerPool:
         if not self._started:
             return
         self._started = False
-        if not self._calls.broken:
-            with anyio.move_on_after(_SHUTDOWN_GRACE_S):
-                try:
-                    await self._call(self._world, Shutdown())
-                except TrainerError as error:
-                    logger.warning("trainer workers did not shut down cleanly: %s", error)
+        await self._world.shutdown()
         self._members = ()
 
-    async def _call(self, workers: Sequence[int] | range, command: Command) -> list[Reply]:
-        """Send ``command`` to ``workers`` at once and gather one reply from each."""
-        return await self._calls.call(workers, command)
-
-    async def _call_each(
-        self, workers: Sequence[int] | range, command: Callable[[int], Command]
-    ) -> list[Reply]:
-        """Send ``command(w)`` to each worker ``w`` at once and gather the replies (see
-        :meth:`WorkerCalls.call_each`)."""
-        return await self._calls.call_each(workers, command)
-
-    def _check(self, replies: list[Reply]) -> list[Reply]:
-        return check(replies)
+    def _code(self) -> bytes:
+        """The model factory and loss, pickled for the workers (at start and admit)."""
+        return pickle.dumps((self._model_factory, self._loss_fn))
 
     def _valid_members(self, members: Sequence[int]) -> tuple[int, ...]:
         chosen = tuple(int(m) for m in members)
@@ -513,7 +435,7 @@ class TrainerPool:
             raise TrainerError(f"members {chosen} must be a non-empty list of distinct workers")
         if any(not 0 <= m < self.num_workers for m in chosen):
             raise TrainerError(f"members {chosen} must be workers 0..{self.num_workers - 1}")
-        dead = sorted(self._calls.casualties.dead.intersection(chosen))
+        dead = sorted(self._world.calls.casualties.dead.intersection(chosen))
         if dead:
             raise TrainerError(f"members {chosen}: trainer workers {dead} died")
         return chosen
