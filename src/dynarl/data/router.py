@@ -4,7 +4,8 @@ It accepts workers (hello, version check), watches their liveness (pings; silenc
 vanished peer makes a ``WorkerFailed`` event), routes every item to an instance by its
 affinity and load (:mod:`dynarl.data.routing`) into that instance's request queue
 (:mod:`dynarl.data.request_queue`), feeds each worker from its queue within the
-worker's capacity (batching items into one frame), and hands results to the caller.
+worker's capacity (batching items into one frame), and hands results to the caller
+(:mod:`dynarl.data.delivery`).
 
 Every routing decision is reported as a control-plane event, in an order the
 hypergraph accepts: ``ItemsEnqueued`` (submitted), ``ItemRouted`` (put in an
@@ -36,6 +37,7 @@ from dynarl.data import wire
 from dynarl.data._tasks import task_group
 from dynarl.data.calls import Call
 from dynarl.data.codec import Rejections, controller_codec
+from dynarl.data.delivery import ResultDelivery
 from dynarl.data.endpoint import worker_endpoint
 from dynarl.data.errors import RoutingError
 from dynarl.data.peers import RouterConfig, RouterStatistics, WorkerState
@@ -95,6 +97,9 @@ class Router:
         )
         self.rejections = Rejections("router")
         self._codec = controller_codec(self.rejections, max_frame_bytes=self.config.max_frame_bytes)
+        self._delivery = ResultDelivery(
+            transport, self._placement, self.rejections, clock=self._clock, config=self.config
+        )
         self._sessions = Sessions(
             transport,
             self._codec,
@@ -103,14 +108,11 @@ class Router:
             clock=self._clock,
             placement=self._placement,
             on_join=self._on_join,
-            on_results=self._on_results,
+            on_results=self._delivery.on_results,
             token=token,
         )
         self._backlog_space = anyio.Event()
-        self._outbox: list[RoutedResult] = []
-        send, receive = anyio.create_memory_object_stream[RoutedResult](self.config.results_buffer)
-        self._results_send = send
-        self.results = receive
+        self.results = self._delivery.stream
         """Completions in arrival order (a memory object stream); see also
         :meth:`receive_batch`."""
         self._tg: anyio.abc.TaskGroup | None = None
@@ -122,7 +124,7 @@ class Router:
         self._stack = contextlib.AsyncExitStack()
         async with contextlib.AsyncExitStack() as stack:
             self._tg = await stack.enter_async_context(task_group())
-            self._tg.start_soon(self._receive_loop)
+            self._tg.start_soon(self._delivery.receive_loop, self._sessions)
             self._tg.start_soon(self._sessions.heartbeat_loop)
             self._stack = stack.pop_all()
         return self
@@ -133,8 +135,7 @@ class Router:
         try:
             return await self._stack.__aexit__(*exc_info)
         finally:
-            self._results_send.close()
-            self.results.close()
+            self._delivery.close()
 
     # ------------------------------------------------------------------ items
 
@@ -195,13 +196,7 @@ class Router:
     async def receive_batch(self, max_items: int = 1024) -> list[RoutedResult]:
         """Wait for at least one completion; return up to ``max_items`` of those
         already waiting (one await for many results)."""
-        out = [await self.results.receive()]
-        try:
-            while len(out) < max_items:
-                out.append(self.results.receive_nowait())
-        except anyio.WouldBlock:
-            pass
-        return out
+        return await self._delivery.receive_batch(max_items)
 
     # ------------------------------------------------------------------ instances
 
@@ -422,42 +417,3 @@ class Router:
     def _on_join(self, w: WorkerState) -> None:
         assert self._tg is not None
         self._tg.start_soon(self._run_pump, w)
-
-    async def _receive_loop(self) -> None:
-        max_frames = self.config.receive_batch_frames
-        while True:
-            frames = await self._transport.receive_batch(max_frames)
-            self._sessions.dispatch(frames, self._clock.now())
-            if self._outbox:
-                await self._deliver()
-
-    async def _deliver(self) -> None:
-        outbox, self._outbox = self._outbox, []
-        send = self._results_send
-        for i, completion in enumerate(outbox):
-            try:
-                send.send_nowait(completion)
-            except anyio.WouldBlock:
-                # The consumer is slow: stop reading frames (so workers slow down) and
-                # do not count the silence this causes against anyone's liveness.
-                self._sessions.stalled = True
-                try:
-                    for c in outbox[i:]:
-                        await send.send(c)
-                finally:
-                    self._sessions.stalled = False
-                    self._sessions.resumed_s = self._clock.now()
-                return
-
-    def _on_results(self, w: WorkerState, results: Sequence[wire.ItemResult], now: float) -> None:
-        on_result, outbox = self._placement.on_result, self._outbox
-        for r in results:
-            try:
-                completion = on_result(w, r, now)
-            except RoutingError as e:
-                self.rejections.add("stale", str(e))
-                continue
-            if completion is not None:
-                outbox.append(completion)
-        self._placement.after_results(w, now)
-        w.after_results()
