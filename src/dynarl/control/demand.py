@@ -11,7 +11,8 @@ trainer's step model (:mod:`dynarl.control.trainer_steps`) build on them.
 """
 
 from dynarl.control.hypergraph import Hypergraph
-from dynarl.control.predictor import Predictor, busy_devices
+from dynarl.control.predictor import Predictor
+from dynarl.control.throughput_fit import busy_devices
 from dynarl.core.ids import ComponentId
 
 
@@ -98,7 +99,7 @@ def rate(
     * context + p`` (its request, the KV of its context -- ``d.context`` -- and its
     share of the engines' prefills, ``StepCosts.prefill``) is shared by
     the devices (those its requests can keep busy, one engine each at least:
-    :func:`~dynarl.control.predictor.busy_devices`). So the tail cannot be bought down
+    :func:`~dynarl.control.throughput_fit.busy_devices`). So the tail cannot be bought down
     with devices, and devices given to a rollout at its tail are wasted.
     With more requests than its engines run at once, rollout works in waves at full
     batch, ``work * (a + b' * cap) / (instances * cap)``, and the longest response may

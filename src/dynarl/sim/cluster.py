@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from dynarl.control.predictor import busy_devices
 from dynarl.control.predictor_profile import PrefillCost, Profile, ProfileRow
+from dynarl.control.throughput_fit import busy_devices
 from dynarl.control.topology import ACTOR, INFERENCE, ROLLOUT
 from dynarl.obs.trace_records import Request
 from dynarl.sim.config import SimulatedRun
