@@ -4,9 +4,10 @@ A *hypernode* per component holds its static spec and dynamic facts (instances,
 devices, utilisation, queue depth, throughput); a *node* per worker instance holds its
 devices and load; a *hyperedge* per dataflow holds its items, each owned by exactly one
 consumer instance, the tool stage, or the edge's queue. Device placement says which
-instance (or migration, or the free pool) holds every device; the hypergraph keeps that
-state, and :mod:`dynarl.control.device_placement` holds the code that changes it
-(instance creation and removal, migrations, worker failures).
+instance (or migration, or the free pool) holds every device. The hypergraph keeps that
+state; :mod:`dynarl.control.item_flow` holds the code that moves items (enqueue, route,
+requeue, tool calls, completion) and :mod:`dynarl.control.device_placement` the code
+that changes the placement (instance creation and removal, migrations, worker failures).
 
 :meth:`Hypergraph.apply` updates it from one event in O(1) or O(items affected); it
 validates before it mutates, so a rejected event (:class:`EventError`) changes nothing.
@@ -18,23 +19,25 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any
 
-from dynarl.control import device_placement
+from dynarl.control import device_placement, item_flow
 from dynarl.control import events as ev
-from dynarl.control.elements import TOOL, HyperEdge, HyperNode, ItemState, Node
+from dynarl.control.elements import HyperEdge, HyperNode, ItemState, Node
 from dynarl.control.invariants import check_invariants
 from dynarl.control.plan import InstanceSpec, Migration
 from dynarl.control.topology import PipelineSpec
 from dynarl.core.errors import EventError
-from dynarl.core.ids import ComponentId, DeviceId, EdgeId, InstanceId, ItemId, MigrationId
+from dynarl.core.ids import ComponentId, DeviceId, EdgeId, InstanceId, MigrationId
 
 
 class Hypergraph:
     """Live model of the pipeline, updated event by event.
 
-    Items, engine stats and iterations are handled here; the placement events
-    (``MigrationStarted``, ``MigrationDone``, ``MigrationFailed``, ``WorkerFailed``)
-    by the functions of :mod:`dynarl.control.device_placement`, registered in the same
-    handler table.
+    Iterations, engine stats and trainer steps are handled here; the item events
+    (``ItemsEnqueued``, ``ItemRouted``, ``ItemsRequeued``, ``ItemCompleted``,
+    ``ToolCallStarted``, ``ToolCallFinished``) by the functions of
+    :mod:`dynarl.control.item_flow`, and the placement events (``MigrationStarted``,
+    ``MigrationDone``, ``MigrationFailed``, ``WorkerFailed``) by those of
+    :mod:`dynarl.control.device_placement`, all registered in the same handler table.
 
     Args:
         spec: components and dataflows.
@@ -110,12 +113,13 @@ class Hypergraph:
         self._handlers: dict[type[ev.Event], Callable[[Any], None]] = {
             ev.IterationStarted: self._on_iteration_started,
             ev.IterationDone: self._on_iteration_done,
-            ev.ItemsEnqueued: self._on_items_enqueued,
-            ev.ItemRouted: self._on_item_routed,
-            ev.ItemsRequeued: self._on_items_requeued,
-            ev.ItemCompleted: self._on_item_completed,
-            ev.ToolCallStarted: self._on_tool_call_started,
-            ev.ToolCallFinished: self._on_tool_call_finished,
+            # Items: see dynarl.control.item_flow.
+            ev.ItemsEnqueued: partial(item_flow.on_items_enqueued, self),
+            ev.ItemRouted: partial(item_flow.on_item_routed, self),
+            ev.ItemsRequeued: partial(item_flow.on_items_requeued, self),
+            ev.ItemCompleted: partial(item_flow.on_item_completed, self),
+            ev.ToolCallStarted: partial(item_flow.on_tool_call_started, self),
+            ev.ToolCallFinished: partial(item_flow.on_tool_call_finished, self),
             ev.EngineStats: self._on_engine_stats,
             ev.WorkerIdle: self._on_worker_idle,
             ev.TrainStepDone: self._on_train_step_done,
@@ -237,164 +241,16 @@ class Hypergraph:
         if e.iteration != self.iteration:
             raise EventError(f"IterationDone({e.iteration}) but iteration {self.iteration} runs")
 
-    def _edge(self, edge: EdgeId) -> HyperEdge:
-        try:
-            return self.edges[edge]
-        except KeyError:
-            raise EventError(f"unknown edge {edge!r}") from None
-
-    def _item(self, edge: HyperEdge, item: ItemId) -> ItemState:
-        try:
-            return edge.items[item]
-        except KeyError:
-            raise EventError(f"item {item!r} is not pending on edge {edge.id!r}") from None
-
     def _instance(self, instance: InstanceId) -> Node:
         try:
             return self.instances[instance]
         except KeyError:
             raise EventError(f"unknown instance {instance!r}") from None
 
-    def _on_items_enqueued(self, e: ev.ItemsEnqueued) -> None:
-        edge = self._edge(e.edge)
-        ids = [ref.id for ref in e.items]
-        dup = next((i for i in ids if i in edge.items), None)
-        if dup is not None or len(set(ids)) != len(ids):
-            raise EventError(f"item {dup!r} enqueued twice on edge {edge.id!r}")
-        for ref in e.items:
-            if ref.tokens < 0:
-                raise EventError(f"item {ref.id!r} has a negative size ({ref.tokens} tokens)")
-        for ref in e.items:
-            edge.items[ref.id] = ItemState(ref.id, ref.group, e.time_s, ref.tokens)
-            edge.queue[ref.id] = None
-            edge.tokens_pending += max(ref.tokens, 1)
-            group = edge.groups.setdefault(ref.group, [0, 0])
-            group[0] += 1
-            group[1] += max(ref.tokens, 1)
-            self.sized = self.sized or ref.tokens > 0
-        edge.num_enqueued += len(e.items)
-        edge.enqueued_this_iteration += len(e.items)
-
-    def _on_item_routed(self, e: ev.ItemRouted) -> None:
-        edge = self._edge(e.edge)
-        item = self._item(edge, e.item)
-        node = self._instance(e.instance)
-        if item.owner is not None:
-            raise EventError(f"{e.item!r} routed to {e.instance!r} but {item.owner!r} holds it")
-        if node.component not in edge.spec.consumers:
-            raise EventError(f"{e.instance!r} does not consume edge {edge.id!r}")
-        # A draining instance may still be routed to: the data plane hears of a drain
-        # after the controller commits it (the executor carries it out), and an item it
-        # routes meanwhile is on that instance until the drain hands it back
-        # (``ItemsRequeued``) or the migration ends (then it is requeued here).
-        del edge.queue[e.item]
-        item.owner = item.last_instance = e.instance
-        if not node.items:
-            node.held_since_s = e.time_s
-        node.items[e.item] = edge.id
-        edge.progress_parked -= item.generated
-        node.attach(item)
-        node.busy = True
-        edge.num_routed += 1
-
-    def _on_items_requeued(self, e: ev.ItemsRequeued) -> None:
-        edge = self._edge(e.edge)
-        states = [self._item(edge, i) for i in e.items]
-        for st in states:
-            if st.owner is None or st.owner == TOOL:
-                raise EventError(f"item {st.id!r} requeued but no instance holds it")
-        if e.generated and (len(e.generated) != len(states) or min(e.generated) < 0):
-            raise EventError(
-                f"requeue of {len(states)} items reports {len(e.generated)} progress counts "
-                "(give one non-negative count per item, or none)"
-            )
-        for st in states:
-            self._release(edge, st, e.time_s)
-        for st, generated in zip(states, e.generated, strict=False):
-            edge.progress_parked += generated - st.generated
-            st.generated = float(generated)
-
     def _release(self, edge: HyperEdge, st: ItemState, time_s: float) -> None:
-        """Move an item from its instance back to the edge's queue."""
-        assert st.owner is not None and st.owner != TOOL
-        self._take(self.instances[st.owner], st, time_s)
-        st.owner = None
-        edge.queue[st.id] = None
-        edge.progress_parked += st.generated
-        edge.num_requeued += 1
-
-    def _on_item_completed(self, e: ev.ItemCompleted) -> None:
-        edge = self._edge(e.edge)
-        st = self._item(edge, e.item)
-        if st.owner == TOOL and st.last_instance == e.instance:
-            # A multi-turn session its environment ended while it was out of its
-            # engine: it completes where it last ran.
-            edge.num_in_tool -= 1
-            edge.progress_parked -= st.generated
-            component = edge.spec.consumers[0]  # its engine may have left meanwhile
-            _count(self.components[component].tool_ends, _leave_tool(edge, st))
-        elif st.owner != e.instance:
-            raise EventError(f"{e.instance!r} completed {e.item!r} but {st.owner!r} holds it")
-        else:
-            node = self.instances[e.instance]
-            component = node.component
-            if self.components[component].spec.kind == "rollout":
-                node.settle(st, e.num_tokens)
-            self._take(node, st, e.time_s)
-        del edge.items[e.item]
-        group = edge.groups[st.group]
-        if group[0] == 1:
-            del edge.groups[st.group]
-        else:
-            group[0] -= 1
-            group[1] -= max(st.tokens, 1)
-        edge.num_completed += 1
-        edge.tokens_completed += e.num_tokens
-        edge.tokens_pending -= max(st.tokens, 1)
-        hn = self.components[component]
-        hn.work_completed += e.num_tokens if hn.spec.kind == "rollout" else self.item_work(st)
-        hn.items_completed += 1
-        hn.tokens_completed += e.num_tokens
-        hn.tokens_completed_iter += e.num_tokens
-        hn.items_completed_iter += 1
-        hn.max_tokens_iter = max(hn.max_tokens_iter, e.num_tokens)
-        if hn.spec.kind == "rollout":
-            hn.lengths_iter.append(e.num_tokens)
-        if hn.spec.kind != "rollout":  # rollout's rate comes from engine stats
-            hn.work_rate.add(e.time_s, 1.0)
-
-    def _on_tool_call_started(self, e: ev.ToolCallStarted) -> None:
-        edge = self._edge(e.edge)
-        st = self._item(edge, e.item)
-        if st.owner != e.instance:
-            raise EventError(f"{e.instance!r} started a tool for {e.item!r} held by {st.owner!r}")
-        self._take(self.instances[e.instance], st, e.time_s)
-        st.owner = TOOL
-        edge.progress_parked += st.generated
-        st.prefix_tokens = e.prefix_tokens
-        edge.num_in_tool += 1
-        turns = st.tool_calls + 1
-        edge.in_tool_turns[turns] = edge.in_tool_turns.get(turns, 0) + 1
-
-    def _take(self, node: Node, st: ItemState, time_s: float) -> None:
-        """Remove ``st`` from ``node``; close its occupied span if it holds no more."""
-        node.detach(st)
-        del node.items[st.id]
-        if not node.items and node.held_since_s is not None:
-            hn = self.components[node.component]
-            hn.occupied_s += max(0.0, time_s - node.held_since_s)
-            node.held_since_s = None
-
-    def _on_tool_call_finished(self, e: ev.ToolCallFinished) -> None:
-        edge = self._edge(e.edge)
-        st = self._item(edge, e.item)
-        if st.owner != TOOL:
-            raise EventError(f"tool call finished for {e.item!r}, which is not in a tool")
-        st.owner = None
-        _count(self.components[edge.spec.consumers[0]].tool_returns, _leave_tool(edge, st))
-        st.tool_calls += 1
-        edge.queue[e.item] = None
-        edge.num_in_tool -= 1
+        """Move an item from its instance back to the edge's queue (for removing an
+        instance: see :func:`dynarl.control.item_flow.release`)."""
+        item_flow.release(self, edge, st, time_s)
 
     def _on_engine_stats(self, e: ev.EngineStats) -> None:
         node = self._instance(e.instance)
@@ -459,21 +315,3 @@ class Hypergraph:
         See :func:`dynarl.control.invariants.check_invariants`.
         """
         check_invariants(self)
-
-
-def _leave_tool(edge: HyperEdge, st: ItemState) -> int:
-    """Take ``st`` off ``edge``'s sessions in a tool; the turns it had done."""
-    turns = st.tool_calls + 1
-    left = edge.in_tool_turns[turns] - 1
-    if left:
-        edge.in_tool_turns[turns] = left
-    else:
-        del edge.in_tool_turns[turns]
-    return turns
-
-
-def _count(counts: list[int], k: int) -> None:
-    """Add one at index ``k`` of ``counts``, growing it as needed."""
-    if len(counts) <= k:
-        counts.extend([0] * (k + 1 - len(counts)))
-    counts[k] += 1
