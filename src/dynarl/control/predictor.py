@@ -43,7 +43,6 @@ costs a rollout engine (:class:`PrefillCost`) comes from the profile alone.
 """
 
 import collections
-import functools
 import json
 import math
 import os
@@ -185,9 +184,8 @@ class Predictor:
         check_host_slowdown(host_slowdown)
         self.host_slowdown = tuple(host_slowdown)
         units = devices_per_instance or {}
-        slowdown = functools.partial(host_factor, self.host_slowdown)
         self._fits = {
-            c: ThroughputFit(s, forget, units.get(c, 1), slowdown=slowdown)
+            c: ThroughputFit(s, forget, units.get(c, 1), slowdown=self.slowdown)
             for c, s in scalings.items()
         }
         self._prior = dict(prior_per_device or {})
