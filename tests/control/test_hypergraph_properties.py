@@ -27,6 +27,7 @@ class HypergraphMachine(RuleBasedStateMachine):
         self.serial = 0
         self.now = 0.0
         self.completed: set[ItemId] = set()
+        self.withdrawn: dict[ItemId, int] = {}
 
     @initialize(
         rollout=st.integers(0, 6),
@@ -71,6 +72,33 @@ class HypergraphMachine(RuleBasedStateMachine):
             self.serial += 1
             items.append(ev.ItemRef(ItemId(f"x{self.serial}"), GroupId(f"g{self.serial // 3}")))
         self.g.apply(ev.ItemsEnqueued(edge=edge, items=tuple(items), time_s=self.tick()))
+
+    @precondition(lambda self: bool(self.withdrawn))
+    @rule(data=st.data())
+    def carry_over(self, data: st.DataObject) -> None:
+        """Withdrawn items come back (the next iteration), with their progress."""
+        items = data.draw(
+            st.lists(st.sampled_from(sorted(self.withdrawn)), unique=True, min_size=1)
+        )
+        generated = tuple(self.withdrawn.pop(i) for i in items)
+        refs = tuple(ev.ItemRef(i, GroupId("carried")) for i in items)
+        self.g.apply(
+            ev.ItemsEnqueued(edge=PROMPTS, items=refs, generated=generated, time_s=self.tick())
+        )
+
+    @rule(data=st.data(), generated=st.integers(0, 5000))
+    def withdraw(self, data: st.DataObject, generated: int) -> None:
+        """A partial rollout's end takes pending requests out, wherever they are."""
+        pending = sorted(self.g.edges[PROMPTS].items)
+        if pending:
+            items = data.draw(st.lists(st.sampled_from(pending), unique=True, min_size=1))
+            counts = tuple(generated + k for k in range(len(items)))
+            self.g.apply(
+                ev.ItemsWithdrawn(
+                    edge=PROMPTS, items=tuple(items), generated=counts, time_s=self.tick()
+                )
+            )
+            self.withdrawn.update(zip(items, counts, strict=True))
 
     @rule(data=st.data())
     def route(self, data: st.DataObject) -> None:

@@ -96,6 +96,13 @@ def check_backends(cfg: DynaRLConfig) -> None:
     backends.check("inference", cfg.inference)
     backends.check("actor", cfg.actor)
     launchers.check(cfg.cluster)
+    if cfg.algorithm.partial_rollouts:
+        raise ConfigError(
+            "algorithm.over_sample_prompts (partial rollouts) runs in the simulator "
+            "(`dynarl sim`); a real run does not carry requests over yet: set "
+            "algorithm.over_sample_prompts=0",
+            field="algorithm.over_sample_prompts",
+        )
 
 
 _DEMOS_PER_STEP = 16

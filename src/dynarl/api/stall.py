@@ -28,6 +28,7 @@ PROGRESS = (
     ev.ItemsEnqueued,
     ev.ItemRouted,
     ev.ItemsRequeued,
+    ev.ItemsWithdrawn,
     ev.ItemCompleted,
     ev.ToolCallStarted,
     ev.ToolCallFinished,

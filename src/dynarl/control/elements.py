@@ -291,6 +291,7 @@ class HyperEdge:
         self.enqueued_this_iteration = 0
         self.num_routed = 0
         self.num_requeued = 0
+        self.num_withdrawn = 0
         self.num_completed = 0
         self.tokens_completed = 0
         self.tokens_pending = 0  # sizes (ItemRef.tokens, 1 at least) of its pending items

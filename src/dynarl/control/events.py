@@ -42,10 +42,14 @@ class IterationDone(Event, frozen=True, kw_only=True):
 
 
 class ItemsEnqueued(Event, frozen=True, kw_only=True):
-    """A producer put a batch of new items on ``edge``; they wait in its queue."""
+    """A producer put a batch of new items on ``edge``; they wait in its queue.
+    ``generated``, if given (one count per item, in order), is the tokens each already
+    carries: a partial rollout's request carried over from the last iteration resumes
+    from its partial output (see :class:`ItemsWithdrawn`)."""
 
     edge: EdgeId
     items: tuple[ItemRef, ...]
+    generated: tuple[int, ...] = ()
 
 
 class ItemRouted(Event, frozen=True, kw_only=True):
@@ -61,6 +65,18 @@ class ItemsRequeued(Event, frozen=True, kw_only=True):
     and put back in the queue; they keep their partial output. ``generated``, if the
     producer knows it, is the tokens each has generated so far (one per item, in
     order); without it the model keeps its estimate from the engines' reports."""
+
+    edge: EdgeId
+    items: tuple[ItemId, ...]
+    generated: tuple[int, ...] = ()
+
+
+class ItemsWithdrawn(Event, frozen=True, kw_only=True):
+    """Unfinished items left ``edge`` without completing: a partial rollout's iteration
+    ended once it had the groups it trains, and these (queued, or aborted on the
+    instance that held them, keeping their partial output) carry over to the next
+    iteration, where they are enqueued again. ``generated`` as in
+    :class:`ItemsRequeued`."""
 
     edge: EdgeId
     items: tuple[ItemId, ...]
@@ -187,6 +203,7 @@ AnyEvent = (
     | ItemsEnqueued
     | ItemRouted
     | ItemsRequeued
+    | ItemsWithdrawn
     | ItemCompleted
     | ToolCallStarted
     | ToolCallFinished

@@ -33,7 +33,7 @@ class Hypergraph:
     """Live model of the pipeline, updated event by event.
 
     Iterations, engine stats and trainer steps are handled here; the item events
-    (``ItemsEnqueued``, ``ItemRouted``, ``ItemsRequeued``, ``ItemCompleted``,
+    (``ItemsEnqueued``, ``ItemRouted``, ``ItemsRequeued``, ``ItemsWithdrawn``, ``ItemCompleted``,
     ``ToolCallStarted``, ``ToolCallFinished``) by the functions of
     :mod:`dynarl.control.item_flow`, and the placement events (``MigrationStarted``,
     ``MigrationDone``, ``MigrationFailed``, ``WorkerFailed``) by those of
@@ -117,6 +117,7 @@ class Hypergraph:
             ev.ItemsEnqueued: partial(item_flow.on_items_enqueued, self),
             ev.ItemRouted: partial(item_flow.on_item_routed, self),
             ev.ItemsRequeued: partial(item_flow.on_items_requeued, self),
+            ev.ItemsWithdrawn: partial(item_flow.on_items_withdrawn, self),
             ev.ItemCompleted: partial(item_flow.on_item_completed, self),
             ev.ToolCallStarted: partial(item_flow.on_tool_call_started, self),
             ev.ToolCallFinished: partial(item_flow.on_tool_call_finished, self),

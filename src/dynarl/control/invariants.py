@@ -84,8 +84,8 @@ def check_invariants(graph: GraphState) -> None:
             raise InvariantError(f"{edge.id}: num_in_tool {edge.num_in_tool} != {in_tool}")
         if turns != edge.in_tool_turns:
             raise InvariantError(f"{edge.id}: in_tool_turns {edge.in_tool_turns} != {turns}")
-        if edge.num_enqueued != edge.num_completed + len(edge.items):
-            raise InvariantError(f"{edge.id}: enqueued != completed + pending")
+        if edge.num_enqueued != edge.num_completed + edge.num_withdrawn + len(edge.items):
+            raise InvariantError(f"{edge.id}: enqueued != completed + withdrawn + pending")
         groups: dict[object, list[int]] = {}
         for st in edge.items.values():
             g = groups.setdefault(st.group, [0, 0])

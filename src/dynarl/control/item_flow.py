@@ -6,6 +6,7 @@ consumer instance, or the tool stage (a multi-turn session out of its engine whi
 environment runs). This module holds the handlers that move items between them --
 :class:`~dynarl.control.events.ItemsEnqueued`, :class:`~dynarl.control.events.ItemRouted`,
 :class:`~dynarl.control.events.ItemsRequeued`,
+:class:`~dynarl.control.events.ItemsWithdrawn`,
 :class:`~dynarl.control.events.ToolCallStarted`,
 :class:`~dynarl.control.events.ToolCallFinished` and
 :class:`~dynarl.control.events.ItemCompleted`, which :class:`Hypergraph` registers in its
@@ -48,6 +49,7 @@ def on_items_enqueued(graph: ItemGraph, e: ev.ItemsEnqueued) -> None:
     for ref in e.items:
         if ref.tokens < 0:
             raise EventError(f"item {ref.id!r} has a negative size ({ref.tokens} tokens)")
+    _check_generated(e.generated, len(ids), "enqueue")
     for ref in e.items:
         edge.items[ref.id] = ItemState(ref.id, ref.group, e.time_s, ref.tokens)
         edge.queue[ref.id] = None
@@ -56,6 +58,9 @@ def on_items_enqueued(graph: ItemGraph, e: ev.ItemsEnqueued) -> None:
         group[0] += 1
         group[1] += max(ref.tokens, 1)
         graph.sized = graph.sized or ref.tokens > 0
+    for ref, generated in zip(e.items, e.generated, strict=False):
+        edge.items[ref.id].generated = float(generated)
+        edge.progress_parked += generated
     edge.num_enqueued += len(e.items)
     edge.enqueued_this_iteration += len(e.items)
 
@@ -92,16 +97,35 @@ def on_items_requeued(graph: ItemGraph, e: ev.ItemsRequeued) -> None:
     for st in states:
         if st.owner is None or st.owner == TOOL:
             raise EventError(f"item {st.id!r} requeued but no instance holds it")
-    if e.generated and (len(e.generated) != len(states) or min(e.generated) < 0):
-        raise EventError(
-            f"requeue of {len(states)} items reports {len(e.generated)} progress counts "
-            "(give one non-negative count per item, or none)"
-        )
+    _check_generated(e.generated, len(states), "requeue")
     for st in states:
         release(graph, edge, st, e.time_s)
     for st, generated in zip(states, e.generated, strict=False):
         edge.progress_parked += generated - st.generated
         st.generated = float(generated)
+
+
+def on_items_withdrawn(graph: ItemGraph, e: ev.ItemsWithdrawn) -> None:
+    """Take unfinished items off their edge without completing them (a partial
+    rollout's iteration ended; they carry over): from the queue, the instance holding
+    them or the tool stage. Nothing is counted as completed."""
+    edge = _edge(graph, e.edge)
+    states = [_item(edge, i) for i in e.items]
+    if len({st.id for st in states}) != len(states):
+        raise EventError(f"an item is withdrawn twice from edge {edge.id!r}")
+    _check_generated(e.generated, len(states), "withdrawal")
+    for st in states:
+        if st.owner is None:
+            del edge.queue[st.id]
+            edge.progress_parked -= st.generated
+        elif st.owner == TOOL:
+            edge.num_in_tool -= 1
+            edge.progress_parked -= st.generated
+            _leave_tool(edge, st)
+        else:
+            _take(graph, graph.instances[st.owner], st, e.time_s)
+        _forget(edge, st)
+    edge.num_withdrawn += len(states)
 
 
 def release(graph: ItemGraph, edge: HyperEdge, st: ItemState, time_s: float) -> None:
@@ -133,16 +157,9 @@ def on_item_completed(graph: ItemGraph, e: ev.ItemCompleted) -> None:
         if graph.components[component].spec.kind == "rollout":
             node.settle(st, e.num_tokens)
         _take(graph, node, st, e.time_s)
-    del edge.items[e.item]
-    group = edge.groups[st.group]
-    if group[0] == 1:
-        del edge.groups[st.group]
-    else:
-        group[0] -= 1
-        group[1] -= max(st.tokens, 1)
+    _forget(edge, st)
     edge.num_completed += 1
     edge.tokens_completed += e.num_tokens
-    edge.tokens_pending -= max(st.tokens, 1)
     hn = graph.components[component]
     hn.work_completed += e.num_tokens if hn.spec.kind == "rollout" else graph.item_work(st)
     hn.items_completed += 1
@@ -192,6 +209,27 @@ def _take(graph: ItemGraph, node: Node, st: ItemState, time_s: float) -> None:
         hn = graph.components[node.component]
         hn.occupied_s += max(0.0, time_s - node.held_since_s)
         node.held_since_s = None
+
+
+def _forget(edge: HyperEdge, st: ItemState) -> None:
+    """Take ``st`` off ``edge``'s items, its group and its pending tokens."""
+    del edge.items[st.id]
+    group = edge.groups[st.group]
+    if group[0] == 1:
+        del edge.groups[st.group]
+    else:
+        group[0] -= 1
+        group[1] -= max(st.tokens, 1)
+    edge.tokens_pending -= max(st.tokens, 1)
+
+
+def _check_generated(generated: tuple[int, ...], num_items: int, what: str) -> None:
+    """Raise unless ``generated`` is empty or one non-negative count per item."""
+    if generated and (len(generated) != num_items or min(generated) < 0):
+        raise EventError(
+            f"{what} of {num_items} items reports {len(generated)} progress counts "
+            "(give one non-negative count per item, or none)"
+        )
 
 
 def _edge(graph: ItemGraph, edge: EdgeId) -> HyperEdge:

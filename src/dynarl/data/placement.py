@@ -36,8 +36,9 @@ _MAX_REFILL_MISSES = 4
 class RoutedResult(msgspec.Struct, frozen=True, kw_only=True):
     """A result handed to the caller: ``item`` as it was routed, what ``instance``
     returned for it. ``result.status`` is ``"done"``, ``"tool_call"`` (then resume
-    the session with the tool's output for its next turn) or ``"refused"`` (the worker
-    could not serve it; the item is finished, see :attr:`refusal`)."""
+    the session with the tool's output for its next turn), ``"refused"`` (the worker
+    could not serve it; the item is finished, see :attr:`refusal`) or ``"aborted"``
+    (an item :meth:`Placement.withdraw` recalled: its partial output, to carry over)."""
 
     item: wire.Item
     result: wire.ItemResult
@@ -95,6 +96,13 @@ class Placement:
         self.generated_tokens: dict[ItemId, int] = {}
         """Tokens each pending item's aborted and tool-call results reported: the
         length of the partial output it carries (absent: none)."""
+        self.withdrawing: set[ItemId] = set()
+        """Items :meth:`withdraw` recalled from the instances running them: their
+        aborted results take them out of the run instead of routing them again."""
+        self.carried_tokens: dict[ItemId, int] = {}
+        """The partial output's length of each withdrawn item, until it is admitted
+        again (see :meth:`withdraw`)."""
+        self.num_withdrawn = 0
         self.held: set[InstanceId] = set()
         """Instances that start drained when they join (see ``Router.hold``)."""
         self.num_routed = 0
@@ -170,8 +178,12 @@ class Placement:
         )
         # The hypergraph puts the items a failed instance held back in their queues.
         self.emit(ev.WorkerFailed(time_s=now, instance=w.instance, reason=reason))
+        leaving = {item.id for item in items if item.id in self.withdrawing}
+        if leaving:  # recalled to leave the run: they leave from the queue instead
+            self._withdrawn([item for item in items if item.id in leaving], now)
         for item in items:
-            self._place(item, now)
+            if item.id not in leaving:
+                self._place(item, now)
 
     def plan(self, targets: Iterable[tuple[ItemId, InstanceId]]) -> None:
         """A migration's instance-level decision (``Migration.reassign``): each item,
@@ -207,15 +219,82 @@ class Placement:
             ids.add(item.id)
 
     def admit(self, items: Sequence[wire.Item], now: float) -> None:
-        """Enqueue checked new items and route them."""
+        """Enqueue checked new items and route them. An item withdrawn before (a
+        partial rollout's carried request, its payload the partial output) keeps
+        counting the tokens it had generated."""
         by_edge: dict[EdgeId, list[ev.ItemRef]] = {}
         for item in items:
             by_edge.setdefault(item.edge, []).append(ev.ItemRef(item.id, item.group, item.tokens))
         for edge, refs in by_edge.items():
-            self.emit(ev.ItemsEnqueued(time_s=now, edge=edge, items=tuple(refs)))
+            generated: tuple[int, ...] = ()
+            if self.carried_tokens:
+                carried = [self.carried_tokens.pop(ref.id, 0) for ref in refs]
+                for ref, n in zip(refs, carried, strict=True):
+                    if n:
+                        self.generated_tokens[ref.id] = n
+                generated = tuple(carried) if any(carried) else ()
+            self.emit(
+                ev.ItemsEnqueued(time_s=now, edge=edge, items=tuple(refs), generated=generated)
+            )
         self.pending.update(item.id for item in items)
         for item in items:
             self._place(item, now)
+
+    def withdraw(self, item_ids: Iterable[ItemId], now: float) -> list[wire.Item]:
+        """Take pending items out of the run without completing them (a partial
+        rollout's iteration has the groups it trains; these carry over). Those waiting
+        (in the backlog, an instance's queue, or out on a tool call) leave at once and
+        are returned, with the partial output they carry as their payload; those in
+        flight are recalled (the router sends ``Abort``) and leave when their aborted
+        result returns, handed to the caller as a :class:`RoutedResult` with status
+        ``aborted`` (or ``tool_call``, a session whose turn ended first: its tool's
+        result belongs to the next iteration; one that finishes first completes as
+        usual). Each leaving item is
+        reported (``ItemsWithdrawn``, with the tokens it generated), and its count is
+        kept until :meth:`admit` takes it again. Raises :class:`RoutingError` for an
+        item that is not pending, or whose in-flight instance cannot be asked."""
+        wanted = set(item_ids)
+        unknown = wanted - self.pending
+        if unknown:
+            raise RoutingError(f"cannot withdraw {sorted(unknown)[:3]}: not pending")
+        taken = [item for item in self.backlog if item.id in wanted]
+        if taken:
+            self.backlog = deque(item for item in self.backlog if item.id not in wanted)
+        for item_id in wanted & self.in_tool.keys():
+            taken.append(self.in_tool.pop(item_id))
+        recalls: list[tuple[WorkerState, tuple[ItemId, ...]]] = []
+        for w in self.workers.values():
+            if len(w.queue):
+                taken.extend(w.queue.take_matching(lambda item: item.id in wanted))
+            running = tuple(i for i in w.in_flight if i in wanted)
+            if running:
+                recalls.append((w, running))
+        if recalls and self.balancer.recall is None:
+            raise RoutingError("cannot withdraw items in flight: this placement cannot recall")
+        self._withdrawn(taken, now)
+        for w, running in recalls:
+            self.withdrawing.update(running)
+            assert self.balancer.recall is not None
+            self.balancer.recall(w, running, now)
+        return taken
+
+    def _withdrawn(self, items: Sequence[wire.Item], now: float) -> None:
+        """Items that no instance holds leave the run (see :meth:`withdraw`)."""
+        by_edge: dict[EdgeId, list[ItemId]] = {}
+        for item in items:
+            by_edge.setdefault(item.edge, []).append(item.id)
+        for edge, ids in by_edge.items():
+            generated = tuple(self.generated_tokens.pop(i, 0) for i in ids)
+            self.emit(
+                ev.ItemsWithdrawn(time_s=now, edge=edge, items=tuple(ids), generated=generated)
+            )
+            self.carried_tokens.update(zip(ids, generated, strict=True))
+        for item in items:
+            self.pending.discard(item.id)
+            self.withdrawing.discard(item.id)
+            self.balancer.on_completed(item.id)
+            self.planned.pop(item.id, None)
+        self.num_withdrawn += len(items)
 
     def resume(
         self, item_id: ItemId, payload: bytes, now: float, *, latency_s: float, ok: bool
@@ -263,6 +342,12 @@ class Placement:
             raise RoutingError(f"{w.instance!r} returned {r.item!r}, which it does not hold")
         generated = self.generated_tokens.pop(item.id, 0) + r.num_tokens
         self.balancer.on_result(item.id, r.status)
+        if item.id in self.withdrawing and r.status in ("aborted", "tool_call"):
+            if generated:
+                self.generated_tokens[item.id] = generated
+            self._withdrawn([item], now)
+            return RoutedResult(item=item, result=r, instance=w.instance)
+        self.withdrawing.discard(item.id)
         if r.status in ("done", "refused"):
             self.pending.discard(item.id)
             self.balancer.on_completed(item.id)

@@ -283,6 +283,23 @@ class RequestQueue(Generic[T]):
                 return entry.item
         return None
 
+    def take_matching(self, chosen: Callable[[T], bool]) -> list[T]:
+        """Remove and return every queued request ``chosen`` accepts, oldest first (to
+        take them out of the run, such as a partial rollout's unfinished requests).
+        Not counted as served; the others keep their place and their wait."""
+        taken = []
+        for entry in self._arrivals:
+            if not entry.taken and chosen(entry.item):
+                entry.taken = True
+                taken.append(entry.item)
+        self._depth -= len(taken)
+        self._tally.count -= len(taken)
+        for _ in range(min(len(taken), len(self._putters))):
+            self._putters.popleft().set()
+        if taken:
+            self._compact()
+        return taken
+
     def take_all(self) -> list[T]:
         """Remove and return every queued request, oldest first (to route them
         elsewhere). Not counted as served."""

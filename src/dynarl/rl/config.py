@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from dynarl.core.config import PositiveFloat, PositiveInt, Section
+from dynarl.core.config import NonNegativeInt, PositiveFloat, PositiveInt, Section
 from dynarl.core.errors import ConfigError
 
 
@@ -31,6 +31,19 @@ class AlgorithmConfig(Section, frozen=True, kw_only=True):
             with the trainer's numerics (needed when the engines' differ, as SGLang's
             do from Megatron's); ``rollout``: the engines' own, as they sampled (no
             inference stage: less work, as slime's and verl's rollout log-probs).
+        over_sample_prompts: partial rollouts (APRIL; slime's ``--partial-rollout``
+            with over-sampling; Kimi k1.5's): each iteration's rollout runs this many
+            groups beyond ``num_prompts`` and ends as soon as ``num_prompts`` groups are
+            whole; the unfinished ones are aborted, keep every token generated, and
+            carry into the next iteration, where they resume first (re-prefilled,
+            decoded on by the new policy). It cuts the rollout's thin tail (the longest
+            responses decode alongside the next batch) at the price of training some
+            samples whose early tokens an older policy generated (``max_staleness``
+            bounds it; each iteration reports it). 0 (the default): every iteration
+            generates and trains its own ``num_prompts`` groups, fully on-policy.
+        max_staleness: with ``over_sample_prompts``, the most policy versions a
+            trained sample's oldest token may lag: a group carried this many times
+            must finish in its iteration (the rollout waits for it). Default 1.
     """
 
     num_prompts: PositiveInt = 16
@@ -41,8 +54,17 @@ class AlgorithmConfig(Section, frozen=True, kw_only=True):
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
     minibatch_order: Literal["seeded", "completion"] = "seeded"
     old_logprobs: Literal["inference", "rollout"] = "inference"
+    over_sample_prompts: NonNegativeInt = 0
+    max_staleness: PositiveInt | None = None
 
     def __post_init__(self) -> None:
+        if self.max_staleness is not None and not self.over_sample_prompts:
+            raise ConfigError(
+                "algorithm.max_staleness bounds partial rollouts, which are off "
+                "(algorithm.over_sample_prompts=0); set over_sample_prompts to the groups "
+                "to run beyond num_prompts, or drop max_staleness",
+                field="algorithm.max_staleness",
+            )
         if self.minibatch_order == "completion" and self.num_prompts % self.n_minibatches:
             raise ConfigError(
                 f"algorithm.minibatch_order=completion forms minibatches of whole groups, "
@@ -55,6 +77,18 @@ class AlgorithmConfig(Section, frozen=True, kw_only=True):
     def samples_per_iteration(self) -> int:
         """Sequences generated per iteration."""
         return self.num_prompts * self.group_size
+
+    @property
+    def partial_rollouts(self) -> bool:
+        """Whether rollouts over-sample and carry unfinished groups over."""
+        return self.over_sample_prompts > 0
+
+    @property
+    def staleness_bound(self) -> int:
+        """How many times a group may be carried over (0 without partial rollouts)."""
+        if not self.over_sample_prompts:
+            return 0
+        return 1 if self.max_staleness is None else self.max_staleness
 
     @property
     def samples_per_minibatch(self) -> int:
