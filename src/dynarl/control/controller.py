@@ -195,6 +195,11 @@ class Controller:
             component = self.graph.instances[event.instance].component
             if self.graph.pending(component) == 0:
                 kind = "stage_drained"
+        elif isinstance(event, ev.ItemsWithdrawn):
+            # A partial rollout's end drains the stage as its last completion would.
+            for c in self.graph.edges[event.edge].spec.consumers:
+                if self.graph.pending(c) == 0:
+                    kind, component = "stage_drained", c
         elif isinstance(event, ev.TrainStepDone):
             component = event.component
             self._observe_step(event)

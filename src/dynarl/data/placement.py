@@ -272,8 +272,9 @@ class Placement:
         if recalls and self.balancer.recall is None:
             raise RoutingError("cannot withdraw items in flight: this placement cannot recall")
         self._withdrawn(taken, now)
+        # All are marked before any is recalled: a recall's results may move others.
+        self.withdrawing.update(i for _, running in recalls for i in running)
         for w, running in recalls:
-            self.withdrawing.update(running)
             assert self.balancer.recall is not None
             self.balancer.recall(w, running, now)
         return taken

@@ -58,6 +58,13 @@ class AlgorithmConfig(Section, frozen=True, kw_only=True):
     max_staleness: PositiveInt | None = None
 
     def __post_init__(self) -> None:
+        if self.over_sample_prompts > self.num_prompts:
+            raise ConfigError(
+                f"algorithm.over_sample_prompts ({self.over_sample_prompts}) may not exceed "
+                f"num_prompts ({self.num_prompts}): more groups carried over than an "
+                "iteration trains could hold more due groups than it can train; lower it",
+                field="algorithm.over_sample_prompts",
+            )
         if self.max_staleness is not None and not self.over_sample_prompts:
             raise ConfigError(
                 "algorithm.max_staleness bounds partial rollouts, which are off "

@@ -63,20 +63,25 @@ class SimActor:
         self._step_ended = anyio.Event()
         self.steps_done = 0
         self._split: list[list[ItemId]] = []  # the seeded order's minibatches, in turn
+        self._split_seed = [0, 0]
         self.slowdown = 1.0  # the host's: a step takes this many times its alone time
 
-    def begin_iteration(self, iteration: int, items: Sequence[ItemId], seed: int) -> None:
-        """A new iteration of ``items`` (in prompt order). Training after rollout, its
-        minibatches are the real loop's seeded split (``minibatch_order=seeded``:
-        :func:`~dynarl.rl.batch.minibatch_indices` seeded by the run's seed and the
-        iteration), so each step pads and pays for the samples a real step would."""
+    def begin_iteration(self, iteration: int, items: Sequence[ItemId] | None, seed: int) -> None:
+        """A new iteration of ``items`` (in prompt order; ``None``: not known yet, a
+        partial rollout's, split in arrival order once all are in). Training after
+        rollout, its minibatches are the real loop's seeded split
+        (``minibatch_order=seeded``: :func:`~dynarl.rl.batch.minibatch_indices` seeded by
+        the run's seed and the iteration), so each step pads and pays for the samples a
+        real step would."""
         self.steps_done = 0
         self._split = []
-        if self.cluster.train_after_rollout:
-            parts = minibatch_indices(
-                len(items), self.algorithm.n_minibatches, seed=[seed, iteration]
-            )
-            self._split = [[items[int(i)] for i in part] for part in parts]
+        self._split_seed = [seed, iteration]
+        if self.cluster.train_after_rollout and items is not None:
+            self._split = self._seeded_split(items)
+
+    def _seeded_split(self, items: Sequence[ItemId]) -> list[list[ItemId]]:
+        parts = minibatch_indices(len(items), self.algorithm.n_minibatches, seed=self._split_seed)
+        return [[items[int(i)] for i in part] for part in parts]
 
     def arrived(self, item: ItemId, group: GroupId) -> None:
         """``item`` is ready to train; its group joins the minibatch queue once whole."""
@@ -114,6 +119,8 @@ class SimActor:
             and len(self._ready) < algo.samples_per_iteration
         ):
             return
+        if self.cluster.train_after_rollout and self.steps_done == 0 and not self._split:
+            self._split = self._seeded_split(self._ready)
         if self._split:
             batch = self._split.pop(0)
             taken = set(batch)

@@ -74,7 +74,7 @@ class ClusterModel(msgspec.Struct, frozen=True, kw_only=True):
             workload = replay
         elif sim.workload == "math":
             workload = MathWorkload(
-                num_prompts=algo.num_prompts,
+                num_prompts=algo.num_prompts + algo.over_sample_prompts,
                 group_size=algo.group_size,
                 median_output_tokens=sim.median_output_tokens,
                 max_output_tokens=cfg.rollout.max_new_tokens,
@@ -82,7 +82,7 @@ class ClusterModel(msgspec.Struct, frozen=True, kw_only=True):
             )
         else:
             workload = AgenticWorkload(
-                num_prompts=algo.num_prompts,
+                num_prompts=algo.num_prompts + algo.over_sample_prompts,
                 group_size=algo.group_size,
                 mean_tool_calls=sim.mean_tool_calls,
                 max_tool_calls=sim.max_tool_calls,
@@ -269,7 +269,16 @@ def trace_workload(run: SimulatedRun) -> ReplayWorkload:
     assert sim.trace is not None, "only a run with a trace replays one"
     replay = ReplayWorkload.of_requests(read_trace(sim.trace).requests, source=sim.trace)
     shape = (replay.num_prompts, replay.group_size)
-    if shape != (algo.num_prompts, algo.group_size):
+    if algo.partial_rollouts and shape[1] == algo.group_size:
+        if shape[0] < algo.num_prompts + algo.over_sample_prompts:
+            raise SimError(
+                f"sim.trace={sim.trace} holds {shape[0]} prompts per iteration and a "
+                f"partial rollout of {algo.num_prompts} + {algo.over_sample_prompts} "
+                "over-sampled groups needs as many fresh ones at its first iteration: "
+                f"lower algorithm.over_sample_prompts to {max(0, shape[0] - algo.num_prompts)} "
+                "or replay a trace with more prompts per iteration"
+            )
+    elif shape != (algo.num_prompts, algo.group_size):
         raise SimError(
             f"sim.trace={sim.trace} holds {shape[0]} prompts x {shape[1]} samples per "
             f"iteration and the job {algo.num_prompts} x {algo.group_size}: set "

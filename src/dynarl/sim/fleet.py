@@ -115,6 +115,8 @@ class EngineFleet:
         self.engines: dict[InstanceId, EngineSlot] = {}
         self._eheap: list[tuple[float, InstanceId]] = []
         self._tools: list[tuple[float, int, ItemId]] = []
+        self._tool_call: dict[ItemId, int] = {}  # each session's call out: its number
+        self._tools_dropped: set[int] = set()  # calls of withdrawn sessions, still out
         self._tool_seq = 0
         self._touched: dict[InstanceId, None] = {}
         # Engines that may have room and queued requests (see route), by their order,
@@ -208,7 +210,11 @@ class EngineFleet:
     def advance(self, now: float, due_s: float) -> None:
         """Handle the tool returns and engine events due by ``due_s``."""
         while self._tools and self._tools[0][0] <= due_s:
-            _, _, item = heapq.heappop(self._tools)
+            _, call, item = heapq.heappop(self._tools)
+            if call in self._tools_dropped:
+                self._tools_dropped.discard(call)
+                continue
+            del self._tool_call[item]
             self._tool_returned(item, now)
         while self._eheap and self._eheap[0][0] <= due_s:
             t, iid = heapq.heappop(self._eheap)
@@ -271,9 +277,15 @@ class EngineFleet:
                     prefix_tokens=d.context_tokens,
                 )
                 on_result(w, result, now)
+                if d.id not in self.placement.in_tool:
+                    # Withdrawn as its turn ended (a partial rollout's end, see
+                    # withdraw_pending): it takes the tool's result with it.
+                    self._next_turn(seq)
+                    continue
                 self._tool_seq += 1
                 latency = seq.request.tool_latency_s[seq.turn]
                 heapq.heappush(self._tools, (d.time_s + latency, self._tool_seq, d.id))
+                self._tool_call[d.id] = self._tool_seq
             else:
                 finals.append(d)
         if finals:
@@ -286,11 +298,26 @@ class EngineFleet:
         seq = self.seqs[item]
         r = seq.request
         ok, latency = r.tool_ok[seq.turn], r.tool_latency_s[seq.turn]
+        self._next_turn(seq)
+        self.placement.resume(item, b"", now, latency_s=latency, ok=ok)
+
+    def _next_turn(self, seq: SeqProgress) -> None:
         seq.turn += 1
         seq.done = 0
         seq.tool_calls += 1
         self.totals.tool_calls += 1
-        self.placement.resume(item, b"", now, latency_s=latency, ok=ok)
+
+    def withdraw_pending(self, now: float) -> None:
+        """A partial rollout's end (:mod:`dynarl.sim.partial`): every pending request
+        leaves the rollout, keeping every token it generated (running ones are aborted,
+        as a worker does on ``Abort``). A session out on a tool call takes the tool's
+        result with it: its next turn is where it resumes (the call's remaining latency,
+        at most the tool timeout, overlaps the iteration's scoring and training)."""
+        p = self.placement
+        for item in p.in_tool:
+            self._tools_dropped.add(self._tool_call.pop(item))
+            self._next_turn(self.seqs[item])
+        p.withdraw(list(p.pending), now)
 
     def route(self, now: float) -> None:
         """Feed each engine from its queue up to its capacity (a worker link's pump),

@@ -41,6 +41,11 @@ class IterationRecord(msgspec.Struct, frozen=True, kw_only=True):
 
     ``busy_device_s`` is per component the device-seconds its workers did work (a
     rollout engine with any request running counts as busy, however small its batch).
+    With partial rollouts (``algorithm.over_sample_prompts``), ``num_sequences`` is
+    the samples it trained, ``carried_groups`` the groups it carried over to the next
+    iteration, ``older_tokens`` the tokens of its trained responses that earlier
+    iterations generated (older weights) out of ``trained_tokens``, and
+    ``max_times_carried`` the most times one of its trained groups was carried.
     """
 
     iteration: int
@@ -51,11 +56,20 @@ class IterationRecord(msgspec.Struct, frozen=True, kw_only=True):
     num_sequences: int
     tool_calls: int
     busy_device_s: dict[str, float]
+    carried_groups: int = 0
+    older_tokens: int = 0
+    trained_tokens: int = 0
+    max_times_carried: int = 0
 
     @property
     def duration_s(self) -> float:
         """Iteration time."""
         return self.end_s - self.start_s
+
+    @property
+    def older_token_fraction(self) -> float:
+        """The share of its trained response tokens that older weights generated."""
+        return self.older_tokens / self.trained_tokens if self.trained_tokens else 0.0
 
     @classmethod
     def between(

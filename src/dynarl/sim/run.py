@@ -280,7 +280,10 @@ def _summarise(
     gap["idle"] = idle / per_iteration - sum(b.serial_s for b in bounds) / len(bounds)
     stats = controller.statistics()
     decisions = sorted(stats.decision_s) or [0.0]
+    # Every trained request's tokens, and those of the requests still carried over
+    # (partial rollouts) as far as they got.
     requested = sum(r.total_output_tokens for w in world.workloads for r in w)
+    requested += sum(seq.generated() for seq in world.seqs.values())
     return ModeResult(
         mode=cfg.scheduler.mode,
         unit="requests/s" if agentic else "tokens/s",

@@ -34,9 +34,10 @@ controller's migrations.
 Producers report the downstream ``ItemsEnqueued`` before the upstream ``ItemCompleted``.
 """
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import anyio
+import msgspec
 import numpy as np
 
 from dynarl.control import events as ev
@@ -44,7 +45,7 @@ from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import MigrationKind
 from dynarl.control.topology import INFERENCE, TO_ACTOR, TO_INFERENCE
 from dynarl.core.clock import Clock
-from dynarl.core.ids import ComponentKind, InstanceId, ItemId
+from dynarl.core.ids import ComponentKind, GroupId, InstanceId, ItemId
 from dynarl.data.peers import RouterConfig, with_balance
 from dynarl.obs.trace_records import Request
 from dynarl.sim.actor import SimActor
@@ -57,6 +58,7 @@ from dynarl.sim.executor import SimExecutor
 from dynarl.sim.fleet import EngineFleet
 from dynarl.sim.inference import InferenceFleet
 from dynarl.sim.metrics import IterationRecord, WorldTotals
+from dynarl.sim.partial import PartialRollouts
 from dynarl.sim.progress import SeqProgress
 from dynarl.sim.stages import InferenceStage
 
@@ -136,6 +138,10 @@ class SimWorld:
         )
         self.iterations: list[IterationRecord] = []
         self.workloads: list[tuple[Request, ...]] = []
+        """Each iteration's trained requests (with partial rollouts, those of the
+        groups it admitted, some begun in earlier iterations)."""
+        self.partial = PartialRollouts(cfg.algorithm) if cfg.algorithm.partial_rollouts else None
+        self._rollout_over = False
         self.executor = SimExecutor(self)
         self.slowdown = 1.0  # the host's, shared by every worker (see share_host)
 
@@ -151,13 +157,22 @@ class SimWorld:
         before = self._snapshot()
         self.emit(ev.IterationStarted(iteration=iteration))
         requests = self.cluster.workload.generate(self.rng, iteration=iteration)
-        self.actor.begin_iteration(iteration, [r.id for r in requests], self.cfg.run.seed)
-        self.workloads.append(requests)
-        for r in requests:
-            self.seqs[r.id] = SeqProgress(r)
+        ready: list[SeqProgress] = []
+        if self.partial is None:
+            seqs = [SeqProgress(r) for r in requests]
+            self.actor.begin_iteration(iteration, [r.id for r in requests], self.cfg.run.seed)
+        else:
+            fresh = _first_groups(requests, self.partial.fresh_groups_needed())
+            seqs, ready = self.partial.begin(fresh)
+            self.actor.begin_iteration(iteration, None, self.cfg.run.seed)
+            self._rollout_over = False
+        for seq in seqs:
+            self.seqs[seq.request.id] = seq
         if self._dirty:  # the engines join before the batch arrives, as real workers do
             self._sync_instances(start)
-        self.fleet.admit(requests, start)
+        self.fleet.admit([seq.request for seq in seqs], start)
+        if ready:
+            self._downstream(ready)
         n_steps = self.cfg.algorithm.n_minibatches
         while self.actor.steps_done < n_steps:
             self._advance()
@@ -180,16 +195,28 @@ class SimWorld:
         end = self._now()
         self.emit(ev.IterationDone(iteration=iteration))
         after = self._snapshot()
-        self.iterations.append(
-            IterationRecord.between(
-                iteration=iteration,
-                start_s=start,
-                end_s=end,
-                before=before,
-                after=after,
-                requests=requests,
-            )
+        record = IterationRecord.between(
+            iteration=iteration,
+            start_s=start,
+            end_s=end,
+            before=before,
+            after=after,
+            requests=requests,
         )
+        if self.partial is not None:
+            carried = self.partial.num_carried_groups
+            trained, older_tokens, most_carried = self.partial.end()
+            requests = tuple(trained)
+            record = msgspec.structs.replace(
+                record,
+                num_sequences=len(requests),
+                carried_groups=carried,
+                older_tokens=older_tokens,
+                trained_tokens=sum(r.total_output_tokens for r in requests),
+                max_times_carried=most_carried,
+            )
+        self.workloads.append(requests)
+        self.iterations.append(record)
         for r in requests:
             del self.seqs[r.id]
 
@@ -219,6 +246,9 @@ class SimWorld:
         if self._dirty:
             self._sync_instances(now)
         self.fleet.advance(now, now + _EPS)
+        if self.partial is not None and not self._rollout_over and self.partial.rollout_over:
+            self._rollout_over = True  # the groups it trains are whole: the rest carry over
+            self.fleet.withdraw_pending(now)
         for iid, items in self.inference.stage.finish(now + _EPS):
             self._inference_done(iid, items, now)
         self.actor.finish(now + _EPS)
@@ -273,12 +303,20 @@ class SimWorld:
     # ------------------------------------------------------------------ downstream
 
     def _rollout_done(self, iid: InstanceId, finals: list[SeqProgress]) -> None:
-        """Engine ``iid`` finished ``finals``: hand them to inference (or the actor);
-        the placement then reports them completed."""
+        """Engine ``iid`` finished ``finals``: hand them to inference (or the actor),
+        with partial rollouts once their group is admitted; the placement then reports
+        them completed."""
+        self.totals.requests_done += len(finals)
+        if self.partial is not None:
+            finals = self.partial.finished(finals)
+        if finals:
+            self._downstream(finals)
+
+    def _downstream(self, finals: list[SeqProgress]) -> None:
+        """Finished samples to inference (or the actor)."""
         refs = tuple(
             ev.ItemRef(s.request.id, s.request.group, s.request.total_tokens) for s in finals
         )
-        self.totals.requests_done += len(finals)
         if self._after_rollout == TO_INFERENCE:
             self.inference.admit(refs, self._now())
             return
@@ -375,3 +413,16 @@ class SimWorld:
     def rollout_busy_device_s(self) -> float:
         """Device-seconds rollout engines have spent with requests running so far."""
         return self.fleet.busy_device_s(self._now())
+
+
+def _first_groups(requests: Sequence[Request], num_groups: int) -> list[Request]:
+    """The requests of the first ``num_groups`` groups (a group's samples are adjacent)."""
+    seen: set[GroupId] = set()
+    out = []
+    for r in requests:
+        if r.group not in seen:
+            if len(seen) == num_groups:
+                break
+            seen.add(r.group)
+        out.append(r)
+    return out
