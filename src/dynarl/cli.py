@@ -151,6 +151,8 @@ def _sim(args: argparse.Namespace) -> int:
                     f"{'':<22} its {acc.plans} scored plans predicted the iteration's end "
                     f"{acc.median:+.0%} (median; 90% within {acc.p90_abs:.0%})"
                 )
+            if algo.partial_rollouts:
+                print(f"{'':<22} {_staleness(result, sim.warmup_iterations)}")
     _print_bound(results)
     write_timeline(run_dir / "timeline.jsonl", recorders)
     title = f"{sim.workload} {model} on {cfg.cluster.num_devices} x {device}"
@@ -165,6 +167,19 @@ def _sim(args: argparse.Namespace) -> int:
             pictures.append(name)
     print(f"wrote {run_dir}/: config.yaml, metrics.jsonl, timeline.jsonl, {', '.join(pictures)}")
     return 0
+
+
+def _staleness(result: Any, warmup: int) -> str:
+    """What a simulated run's partial rollouts carried over, on its measured iterations."""
+    measured = result.iterations[min(warmup, len(result.iterations) - 1) :]
+    trained = sum(r.trained_tokens for r in measured)
+    older = sum(r.older_tokens for r in measured) / trained if trained else 0.0
+    carried = sum(r.carried_groups for r in measured) / len(measured)
+    most = max(r.max_times_carried for r in measured)
+    return (
+        f"partial rollouts: {carried:.0f} groups carried on per iteration, {older:.0%} of "
+        f"the trained response tokens from older weights, a group carried at most {most}x"
+    )
 
 
 def _print_bound(results: Sequence[Any]) -> None:

@@ -2,15 +2,17 @@
 groups, the unfinished ones carry over with every token they generated, and no group
 is carried more often than ``algorithm.max_staleness`` allows."""
 
-import pytest
+from pathlib import Path
 
+import pytest
+from test_sim_world import MODES, run, small
+
+from dynarl.cli import main
 from dynarl.core.ids import GroupId, ItemId
 from dynarl.obs.trace_records import Request
 from dynarl.rl.config import AlgorithmConfig
 from dynarl.sim.partial import PartialRollouts
 from dynarl.sim.progress import SeqProgress
-
-from test_sim_world import MODES, run, small
 
 
 def _group(name: str, size: int = 2, tokens: int = 100) -> list[Request]:
@@ -58,7 +60,7 @@ def test_a_group_carried_to_the_bound_is_trained_first_and_holds_the_rollout() -
     _finish(book, seqs, "b")
     _finish(book, seqs, "c")
     book.end()  # "a" carried once: due next time (max_staleness 1)
-    seqs, ready = book.begin(_group("d"))
+    seqs, _ = book.begin(_group("d"))
     assert [s.request.group for s in seqs] == ["a", "a", "d", "d"]  # carried first
     assert _finish(book, seqs, "d") == ["d-s0", "d-s1"]
     assert not book.rollout_over  # "a" is due: the rollout waits for it
@@ -143,3 +145,25 @@ def test_partial_rollouts_shorten_the_iteration_of_a_long_tailed_batch() -> None
         )
     )
     assert partial.mean_iteration_s < on_policy.mean_iteration_s
+
+
+def test_dynarl_sim_reports_what_partial_rollouts_carried(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "sim",
+            "--out",
+            str(tmp_path),
+            "--set",
+            "rollout.max_new_tokens=2048",
+            "--set",
+            "run.num_iterations=3",
+            "--set",
+            "algorithm.over_sample_prompts=4",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "partial rollouts: 4 groups carried on per iteration" in out
+    assert "of the trained response tokens from older weights" in out
