@@ -221,6 +221,11 @@ class HyperNode:
         self.lengths_prev: list[int] = []
         self.lengths_prev_suffix: list[float] = []
         self.lengths_prev_suffix_sq: list[float] = []  # suffix sums of squares
+        # Rollout: each group's longest response this iteration, and the last finished
+        # iteration's group maxima (sorted, with suffix sums): when a group completes.
+        self.group_max_iter: dict[GroupId, int] = {}
+        self.group_lengths_prev: list[int] = []
+        self.group_lengths_prev_suffix: list[float] = []
         # This iteration only: tokens and requests completed.
         self.tokens_completed_iter = 0
         self.items_completed_iter = 0
@@ -289,6 +294,7 @@ class HyperEdge:
         self.groups: dict[GroupId, list[int]] = {}
         self.num_enqueued = 0
         self.enqueued_this_iteration = 0
+        self.groups_done_this_iteration = 0  # groups (not due ones) now complete
         self.num_routed = 0
         self.num_requeued = 0
         self.num_withdrawn = 0

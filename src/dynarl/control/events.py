@@ -30,9 +30,15 @@ class ItemRef(msgspec.Struct, frozen=True, array_like=True):
 
 
 class IterationStarted(Event, frozen=True, kw_only=True):
-    """A new RL iteration begins (rollout of a fresh batch of prompts)."""
+    """A new RL iteration begins (rollout of a fresh batch of prompts).
+    ``groups_to_complete``: with partial rollouts, the rollout ends once every group in
+    ``groups_due`` and this many of the others are whole (every request of each
+    completed), and its other requests are withdrawn (:class:`ItemsWithdrawn`);
+    ``None``: once every request has completed."""
 
     iteration: int
+    groups_to_complete: int | None = None
+    groups_due: tuple[GroupId, ...] = ()
 
 
 class IterationDone(Event, frozen=True, kw_only=True):

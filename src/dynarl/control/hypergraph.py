@@ -26,7 +26,7 @@ from dynarl.control.invariants import check_invariants
 from dynarl.control.plan import InstanceSpec, Migration
 from dynarl.control.topology import PipelineSpec
 from dynarl.core.errors import EventError
-from dynarl.core.ids import ComponentId, DeviceId, EdgeId, InstanceId, MigrationId
+from dynarl.core.ids import ComponentId, DeviceId, EdgeId, GroupId, InstanceId, MigrationId
 
 
 class Hypergraph:
@@ -74,6 +74,8 @@ class Hypergraph:
         self.now_s = now_s
         self.iteration = -1
         self.iteration_started_s = now_s
+        self.groups_to_complete: int | None = None  # partial rollouts: groups_needed
+        self.groups_due: frozenset[GroupId] = frozenset()
         self.components: dict[ComponentId, HyperNode] = {
             c.id: HyperNode(c, rate_tau_s=rate_tau_s) for c in spec.components
         }
@@ -169,6 +171,17 @@ class Hypergraph:
         """Items ``component`` has not yet completed: queued, in flight, in tools."""
         return sum(e.num_pending for e in self.edges_into(component))
 
+    def groups_needed(self, component: ComponentId) -> int | None:
+        """With partial rollouts (``IterationStarted.groups_to_complete``), how many
+        more groups besides the due ones (:attr:`groups_due`, which it completes
+        whatever else does) a rollout component must complete before its iteration's
+        rollout ends (its other requests are then withdrawn); ``None``: it ends once
+        every pending request has completed."""
+        if self.groups_to_complete is None:
+            return None
+        done = sum(e.groups_done_this_iteration for e in self.edges_into(component))
+        return max(self.groups_to_complete - done, 0)
+
     def utilisation(self, component: ComponentId) -> float:
         """Mean KV usage of a rollout component's engines; for others the busy
         fraction of its instances."""
@@ -215,8 +228,12 @@ class Hypergraph:
         self.events_applied += 1
 
     def _on_iteration_started(self, e: ev.IterationStarted) -> None:
+        if e.groups_to_complete is not None and e.groups_to_complete < 0:
+            raise EventError(f"IterationStarted with {e.groups_to_complete} groups to complete")
         self.iteration = e.iteration
         self.iteration_started_s = e.time_s
+        self.groups_to_complete = e.groups_to_complete
+        self.groups_due = frozenset(e.groups_due)
         for node in self.components.values():
             node.steps_done = 0
             node.num_steps = 0
@@ -233,8 +250,15 @@ class Hypergraph:
                     itertools.accumulate((n * n for n in reversed(node.lengths_prev)), initial=0.0)
                 )[::-1]
                 node.lengths_iter = []
+            if node.group_max_iter:
+                node.group_lengths_prev = sorted(node.group_max_iter.values())
+                node.group_lengths_prev_suffix = list(
+                    itertools.accumulate(reversed(node.group_lengths_prev), initial=0.0)
+                )[::-1]
+                node.group_max_iter = {}
         for edge in self.edges.values():
             edge.enqueued_this_iteration = 0
+            edge.groups_done_this_iteration = 0
         for inst in self.instances.values():
             inst.unreported = 0.0  # the last iteration's requests are gone
 

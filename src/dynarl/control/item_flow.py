@@ -25,15 +25,18 @@ from dynarl.control import events as ev
 from dynarl.control.elements import TOOL, HyperEdge, ItemState, Node
 from dynarl.control.graph_state import GraphState
 from dynarl.core.errors import EventError
-from dynarl.core.ids import EdgeId, ItemId
+from dynarl.core.ids import EdgeId, GroupId, ItemId
 
 
 class ItemGraph(GraphState, Protocol):
-    """The hypergraph as the item handlers see it: its state, and whether items carry
-    sizes."""
+    """The hypergraph as the item handlers see it: its state, whether items carry
+    sizes, and a partial rollout's due groups."""
 
     sized: bool
     """Whether items carry sizes: set by the first sized item enqueued."""
+
+    groups_due: frozenset[GroupId]
+    """The groups a partial rollout completes whatever else does (not counted done)."""
 
     def item_work(self, item: ItemState) -> float:
         """Work ``item`` is to a stage after rollout."""
@@ -158,6 +161,8 @@ def on_item_completed(graph: ItemGraph, e: ev.ItemCompleted) -> None:
             node.settle(st, e.num_tokens)
         _take(graph, node, st, e.time_s)
     _forget(edge, st)
+    if st.group not in edge.groups and st.group not in graph.groups_due:
+        edge.groups_done_this_iteration += 1
     edge.num_completed += 1
     edge.tokens_completed += e.num_tokens
     hn = graph.components[component]
@@ -169,6 +174,8 @@ def on_item_completed(graph: ItemGraph, e: ev.ItemCompleted) -> None:
     hn.max_tokens_iter = max(hn.max_tokens_iter, e.num_tokens)
     if hn.spec.kind == "rollout":
         hn.lengths_iter.append(e.num_tokens)
+        if hn.group_max_iter.get(st.group, -1) < e.num_tokens:
+            hn.group_max_iter[st.group] = e.num_tokens
     if hn.spec.kind != "rollout":  # rollout's rate comes from engine stats
         hn.work_rate.add(e.time_s, 1.0)
 

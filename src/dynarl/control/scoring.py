@@ -33,7 +33,7 @@ import heapq
 import math
 from collections.abc import Iterable, Mapping
 
-from dynarl.control import rollout_lengths
+from dynarl.control import partial_cut, rollout_lengths
 from dynarl.control.demand import Demand, Rates
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
@@ -101,7 +101,18 @@ def _demands(graph: Hypergraph, est: Estimates) -> dict[ComponentId, Demand]:
             # sessions out on a tool call expected back for another turn.
             in_tool = sum(e.num_in_tool for e in graph.edges_into(cid))
             load = max(own - in_tool, 0.0) + rollout_lengths.returning_sessions(graph, cid)
-            longest = rollout_lengths.expected_longest_remaining(graph, cid, est) if own else 0.0
+            cut = partial_cut.rollout_cut(graph, cid, est) if own else None
+            if cut is not None:
+                # A partial rollout ends with the last group it needs: every request
+                # decodes until then, and only the needed groups' samples flow on.
+                flow[cid] = (flow[cid] - upstream_work) * cut.share + upstream_work
+                items[cid] = own * cut.share + upstream
+                per_item = cut.work / own
+                longest = cut.tokens
+            else:
+                longest = (
+                    rollout_lengths.expected_longest_remaining(graph, cid, est) if own else 0.0
+                )
             out[cid] = Demand(
                 work=(load + upstream) * per_item,
                 load=load,
@@ -155,10 +166,11 @@ def _arriving(
     :func:`~dynarl.control.rollout_lengths.completion_order`, each bucket's work its
     share of ``upstream_work`` by its samples' length (prompt and response), arriving
     at the bucket's share of the rollout's remaining time. Empty when ``cid`` is not
-    fed by exactly one rollout or no iteration has finished yet."""
+    fed by exactly one rollout, no iteration has finished yet, or the rollout is a
+    partial one that will end early (:mod:`~dynarl.control.partial_cut`)."""
     rollouts = [p for p in graph.predecessors[cid] if graph.components[p].spec.kind == "rollout"]
-    if len(rollouts) != 1:
-        return ()
+    if len(rollouts) != 1 or partial_cut.rollout_cut(graph, rollouts[0], est) is not None:
+        return ()  # (a partial rollout's samples arrive as its groups complete)
     order = rollout_lengths.completion_order(graph, rollouts[0], est)
     if order is None:
         return ()

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from itertools import accumulate
 from operator import itemgetter
 
-from dynarl.control import rollout_lengths
+from dynarl.control import partial_cut, rollout_lengths
 from dynarl.control.demand import Demand, Rates
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
@@ -148,6 +148,15 @@ def _rollout_groups(
 ) -> None:
     """Fill in, for the groups with requests in ``rollout``, when their last request
     completes (share of the rollout's remaining time) and their requests' work."""
+    cut = partial_cut.rollout_cut(graph, rollout, est)
+    if cut is not None:
+        # A partial rollout: only the groups expected to complete before it ends are
+        # trained this iteration, each when its longest remaining response ends.
+        for group in [gid for gid, g in groups.items() if g[3] and gid not in cut.groups]:
+            del groups[group]
+        scale = 1.0 / cut.tokens if cut.tokens > 0 else 0.0
+        for gid, left in cut.groups.items():
+            groups[gid][2] = max(groups[gid][2], min(1.0, left * scale))
     order = rollout_lengths.completion_order(graph, rollout, est)
     if order is None:  # no lengths yet: completions uniform in time, each of the mean
         length = rollout_lengths.mean_progress(graph, rollout)
@@ -166,7 +175,8 @@ def _rollout_groups(
         if b < 0:
             q = 0.5 ** (1.0 / m)  # median of the maximum of m uniform quantiles
             b = buckets[m] = min(k - 1, int(q * k))
-        g[2] = max(g[2], times[b])
+        if cut is None:
+            g[2] = max(g[2], times[b])
         g[1] += g[4] + m * lengths[b]
 
 

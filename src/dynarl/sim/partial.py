@@ -95,6 +95,17 @@ class PartialRollouts:
         return out
 
     @property
+    def groups_to_complete(self) -> int:
+        """Groups not due the rollout must still complete before it is over."""
+        return max(self._quota - self._others_admitted, 0)
+
+    @property
+    def groups_due(self) -> tuple[GroupId, ...]:
+        """The due groups not yet admitted: the rollout completes each of them."""
+        admitted = set(self._admitted)
+        return tuple(sorted(g for g in self._due if g not in admitted))
+
+    @property
     def rollout_over(self) -> bool:
         """Whether the iteration has admitted every group it trains."""
         return len(self._admitted) >= self.num_prompts

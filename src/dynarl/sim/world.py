@@ -155,15 +155,22 @@ class SimWorld:
     async def _iteration(self, iteration: int) -> None:
         start = self._now()
         before = self._snapshot()
-        self.emit(ev.IterationStarted(iteration=iteration))
         requests = self.cluster.workload.generate(self.rng, iteration=iteration)
         ready: list[SeqProgress] = []
         if self.partial is None:
+            self.emit(ev.IterationStarted(iteration=iteration))
             seqs = [SeqProgress(r) for r in requests]
             self.actor.begin_iteration(iteration, [r.id for r in requests], self.cfg.run.seed)
         else:
             fresh = _first_groups(requests, self.partial.fresh_groups_needed())
             seqs, ready = self.partial.begin(fresh)
+            self.emit(
+                ev.IterationStarted(
+                    iteration=iteration,
+                    groups_to_complete=self.partial.groups_to_complete,
+                    groups_due=self.partial.groups_due,
+                )
+            )
             self.actor.begin_iteration(iteration, None, self.cfg.run.seed)
             self._rollout_over = False
         for seq in seqs:

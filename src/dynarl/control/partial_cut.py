@@ -1,0 +1,112 @@
+"""Where a partial rollout's rollout ends: when the last group it still needs completes.
+
+With partial rollouts (``IterationStarted.groups_to_complete``) a rollout component's
+iteration ends once :meth:`~dynarl.control.hypergraph.Hypergraph.groups_needed` more
+groups are whole; its other requests are then withdrawn, however far they got. So
+the rollout does not run until its longest request ends but until the last of the
+groups it needs completes -- every due group (``IterationStarted.groups_due``: carried
+as often as the staleness bound allows) and the needed number of the others -- and
+until then every pending request decodes. A group
+completes with its longest response: its remaining time is the last finished
+iteration's *group* maxima (each group's longest response) past the furthest its
+pending requests have got, ``E[H | H > p_max] - p_min`` -- the group's longest is at
+least as long as its most advanced request, and its least advanced request has the
+most left of it. Of the groups not due, those expected soonest are the needed ones.
+"""
+
+import bisect
+
+from dynarl.control.elements import TOOL
+from dynarl.control.estimates import Estimates, or_fresh
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.core.ids import ComponentId, GroupId
+
+
+class Cut:
+    """A partial rollout's expected end.
+
+    Attributes:
+        tokens: tokens the slowest needed group still generates: how long the rollout
+            runs, in tokens of one request.
+        work: tokens every pending request generates until then (its expected
+            remainder, at most ``tokens``).
+        share: the share of the pending requests that belong to the needed groups
+            (the samples that flow downstream).
+        groups: the groups expected to complete in time, each with the tokens it
+            still generates (when it completes, in tokens of one request).
+    """
+
+    __slots__ = ("groups", "share", "tokens", "work")
+
+    def __init__(
+        self, tokens: float, work: float, share: float, groups: dict[GroupId, float]
+    ) -> None:
+        self.tokens = tokens
+        self.work = work
+        self.share = share
+        self.groups = groups
+
+
+def rollout_cut(
+    graph: Hypergraph, component: ComponentId, estimates: Estimates | None = None
+) -> Cut | None:
+    """The expected end of a partial rollout (:class:`Cut`); ``None`` when the rollout
+    runs until every pending request completes (no partial rollouts, every pending
+    group needed, or no finished iteration to read group lengths from). It reads every
+    pending request: with ``estimates``, once per state of the hypergraph."""
+    needed = graph.groups_needed(component)
+    node = graph.components[component]
+    if needed is None or not node.group_lengths_prev or not node.lengths_prev:
+        return None
+    if not graph.pending(component):
+        return None
+    return or_fresh(estimates).get(
+        graph, ("cut", component), lambda: _cut(graph, component, needed)
+    )
+
+
+def _cut(graph: Hypergraph, component: ComponentId, needed: int) -> Cut | None:
+    node = graph.components[component]
+    heights, suffix = node.group_lengths_prev, node.group_lengths_prev_suffix
+    # Per pending group: [most progress, least progress, pending requests].
+    groups: dict[GroupId, list[float]] = {}
+    progress: list[float] = []
+    for edge in graph.edges_into(component):
+        for st in edge.items.values():
+            owner = st.owner
+            if owner is None or owner == TOOL:
+                p = st.generated
+            else:
+                p = graph.instances[owner].progress_of(st)
+            progress.append(p)
+            g = groups.get(st.group)
+            if g is None:
+                groups[st.group] = [p, p, 1.0]
+            else:
+                g[0], g[1], g[2] = max(g[0], p), min(g[1], p), g[2] + 1.0
+    due = graph.groups_due
+    if needed >= sum(1 for gid in groups if gid not in due):
+        return None  # every pending group is needed: the usual model
+    n = len(heights)
+    chosen: list[tuple[float, GroupId, float]] = []
+    others: list[tuple[float, GroupId, float]] = []
+    for gid, (most, least, count) in groups.items():
+        k = bisect.bisect_right(heights, most)
+        longest = suffix[k] / (n - k) if k < n else most + 1.0
+        (chosen if gid in due else others).append((longest - least, gid, count))
+    others.sort(key=lambda r: r[0])
+    chosen += others[:needed]
+    if not chosen:  # over: its requests are about to be withdrawn
+        return Cut(0.0, 0.0, 0.0, {})
+    tokens = max(r for r, _, _ in chosen)
+    # Every pending request decodes until then, each at most its own expected
+    # remainder (the last finished iteration's response lengths past its progress).
+    lengths, tail = node.lengths_prev, node.lengths_prev_suffix
+    m = len(lengths)
+    work = 0.0
+    for p in progress:
+        k = bisect.bisect_right(lengths, p)
+        own = tail[k] / (m - k) - p if k < m else 1.0
+        work += min(own, tokens)
+    share = sum(c for _, _, c in chosen) / len(progress)
+    return Cut(tokens, work, share, {gid: r for r, gid, _ in chosen})
