@@ -9,7 +9,8 @@ from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.partial_cut import rollout_cut
 from dynarl.control.rollout_lengths import expected_longest_remaining
 from dynarl.control.scoring import demands
-from dynarl.control.topology import INFERENCE, PROMPTS, ROLLOUT
+from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT, TO_INFERENCE
+from dynarl.control.trainer_steps import steps_in_arrival_order
 from dynarl.core.ids import GroupId, InstanceId, ItemId
 
 from .test_item_sizes import sized_graph
@@ -101,3 +102,24 @@ def test_without_partial_rollouts_or_when_every_group_is_needed_the_usual_model_
     g, _ = _graph(partial=True)
     g.apply(ev.IterationStarted(iteration=2, time_s=20.0, groups_to_complete=5))
     assert rollout_cut(g, ROLLOUT) is None  # five pending, five needed
+
+
+def test_the_trainers_plan_keeps_a_group_handed_on_while_its_last_sample_is_reported() -> None:
+    """A producer reports a finished sample on the next edge before it completes on
+    rollout: for that moment its group is in both. It is whole (admitted), so the
+    trainer's plan keeps it even where the cut would not choose it."""
+    g = sized_graph(actor_steps=2, arrival_order=True)
+    for name, lengths in (("w", (50, 100)), ("x", (500, 1000)), ("y", (3000, 2000))):
+        _complete(g, _group(g, name), lengths)
+    _complete(g, _group(g, "z"), (8000, 4000))
+    g.apply(ev.IterationStarted(iteration=1, time_s=10.0, groups_to_complete=1))
+    _group(g, "a", (2900, 2900))  # 5,500 - 2,900 left: sooner than s
+    slow = _group(g, "s", (0, 0))
+    g.apply(ev.ItemRouted(edge=PROMPTS, item=slow[0], instance=E0))
+    g.apply(ev.ItemCompleted(edge=PROMPTS, item=slow[0], instance=E0, num_tokens=10))
+    refs = tuple(ev.ItemRef(i, GroupId("s"), 20) for i in slow)
+    g.apply(ev.ItemsEnqueued(edge=TO_INFERENCE, items=refs))  # s1 still in rollout
+    cut = rollout_cut(g, ROLLOUT)
+    assert cut is not None and set(cut.groups) == {GroupId("a")}
+    steps, ready = steps_in_arrival_order(g, ACTOR, 2)
+    assert len(steps) == 2 and all(0.0 <= r <= 1.0 for r in ready)

@@ -151,12 +151,16 @@ def _rollout_groups(
     cut = partial_cut.rollout_cut(graph, rollout, est)
     if cut is not None:
         # A partial rollout: only the groups expected to complete before it ends are
-        # trained this iteration, each when its longest remaining response ends.
-        for group in [gid for gid, g in groups.items() if g[3] and gid not in cut.groups]:
+        # trained this iteration, each when its longest remaining response ends. (A
+        # group with samples past rollout is admitted already: its last one may still
+        # be reported in rollout, for the moment it is handed on.)
+        aside = [gid for gid, g in groups.items() if g[0] == g[3] and gid not in cut.groups]
+        for group in aside:
             del groups[group]
         scale = 1.0 / cut.tokens if cut.tokens > 0 else 0.0
         for gid, left in cut.groups.items():
-            groups[gid][2] = max(groups[gid][2], min(1.0, left * scale))
+            if gid in groups:
+                groups[gid][2] = max(groups[gid][2], min(1.0, left * scale))
     order = rollout_lengths.completion_order(graph, rollout, est)
     if order is None:  # no lengths yet: completions uniform in time, each of the mean
         length = rollout_lengths.mean_progress(graph, rollout)
