@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from dynarl.cli_display import RunDisplay
-from dynarl.obs.metrics import IterationStats
+from dynarl.obs.metrics import IterationStats, PartialRolloutStats
 from dynarl.rl.progress import Progress
 
 rich_console = pytest.importorskip("rich.console")
@@ -60,3 +60,30 @@ def test_the_live_panel_shows_progress_reward_and_devices() -> None:
     assert "2/4" in panel and "12/32 responses" in panel
     assert "0.375" in panel and "321" in panel
     assert "rollout 1  inference 0  actor 1" in panel
+
+
+def test_partial_rollouts_show_what_was_carried_and_how_stale_training_was(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    partial = msgspec.structs.replace(
+        stats(1),
+        partial_rollout=PartialRolloutStats(
+            num_carried_in=8,
+            num_resumed=3,
+            num_carried_out=8,
+            max_times_carried=1,
+            max_weight_lag=1,
+            stale_token_fraction=0.25,
+        ),
+    )
+    with RunDisplay(live=False, num_iterations=4) as display:
+        display.iteration(stats(0))
+        display.iteration(partial)
+    on_policy, carried = capsys.readouterr().out.splitlines()
+    assert "carried" not in on_policy and "stale" not in on_policy
+    assert "carried in 8 (resumed 3) out 8  lag 1  stale 25%" in carried
+    out = io.StringIO()
+    console = rich_console.Console(file=out, force_terminal=True, width=120)
+    with RunDisplay(live=True, num_iterations=4, console=console) as display:
+        display.iteration(partial)
+    assert "partial" in out.getvalue() and "lag 1" in out.getvalue()

@@ -1,7 +1,8 @@
 """The progress display of ``dynarl run`` (part of the CLI: it prints).
 
 On a terminal it is a live rich panel: the iteration, the running stage's progress
-(rollout responses done/total, optimizer steps), the latest reward and tokens/s, and
+(rollout responses done/total, optimizer steps), the latest reward and tokens/s, with
+partial rollouts what the last iteration carried and how stale its training was, and
 the devices each component holds now; every finished iteration also leaves a log line
 above it. Otherwise (``--quiet``, or stdout not a terminal) it prints only the log
 lines, one per iteration. rich is imported only for the live panel.
@@ -19,12 +20,27 @@ _UNITS = {"rollout": "responses", "train": "optimizer steps", "sync": "weight sy
 
 
 def iteration_line(s: "IterationStats") -> str:
-    """One iteration's log line."""
+    """One iteration's log line (with partial rollouts, what it carried and how stale
+    its training was: see :func:`staleness`)."""
     devices = " ".join(f"{c}={n}" for c, n in s.allocation.items())
+    carried = "" if s.partial_rollout is None else f"  {staleness(s)}"
     return (
         f"iter {s.iteration:3d}  reward {s.mean_reward:.3f}  solved {s.solved_fraction:.2f}  "
         f"loss {s.loss:+.4f}  {s.tokens_per_s:7.0f} tok/s  {s.elapsed_s:5.1f} s  "
-        f"migrations {len(s.migrations)}  [{devices}]"
+        f"migrations {len(s.migrations)}{carried}  [{devices}]"
+    )
+
+
+def staleness(s: "IterationStats") -> str:
+    """A partial rollout's iteration in words: samples carried in (of which requests
+    resumed) and out, the most weight versions a trained sample lags, and the share
+    of trained tokens older weights generated; empty without partial rollouts."""
+    p = s.partial_rollout
+    if p is None:
+        return ""
+    return (
+        f"carried in {p.num_carried_in} (resumed {p.num_resumed}) out {p.num_carried_out}  "
+        f"lag {p.max_weight_lag}  stale {p.stale_token_fraction:.0%}"
     )
 
 
@@ -128,6 +144,8 @@ class RunDisplay:
                 f"iteration {last.iteration + 1})",
             )
             grid.add_row("tokens/s", f"{last.tokens_per_s:.0f}  ({last.elapsed_s:.1f} s/iter)")
+            if last.partial_rollout is not None:
+                grid.add_row("partial", staleness(last))
         devices = self.allocation()
         if devices:
             grid.add_row("devices", "  ".join(f"{c} {n}" for c, n in devices.items()))

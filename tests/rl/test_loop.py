@@ -3,6 +3,7 @@ log-probs are the old policy's, and every loss option runs end to end."""
 
 from collections.abc import Iterator
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -15,6 +16,7 @@ from dynarl.api.config import (
     RolloutConfig,
     RunConfig,
 )
+from dynarl.core.errors import ConfigError
 from dynarl.envs.prompts import Prompt, PromptSampler
 from dynarl.workers.rollout import GenerateRequest, SamplingParams
 from dynarl.workers.torch.logprobs import sequence_logprobs
@@ -94,3 +96,11 @@ def test_runs_are_reproducible() -> None:
     first = [m.mean_reward for m in run_inprocess(SMALL, num_iterations=2)]
     again = [m.mean_reward for m in run_inprocess(SMALL, num_iterations=2)]
     assert first == again
+
+
+def test_the_on_policy_reference_loop_refuses_partial_rollouts() -> None:
+    cfg = msgspec.structs.replace(
+        SMALL, algorithm=AlgorithmConfig(num_prompts=4, group_size=4, over_sample_prompts=2)
+    )
+    with pytest.raises(ConfigError, match="over_sample_prompts=0"):
+        InprocessLoop(cfg)

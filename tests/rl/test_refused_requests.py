@@ -28,19 +28,17 @@ def _request(*, multi_turn: bool) -> bytes:
 
 
 def test_a_refused_request_is_an_aborted_sample_with_its_prompt() -> None:
-    responses, turns, scored, trained = split_results(
-        [_refused(PROMPTS, _request(multi_turn=False))]
-    )
-    [episode] = responses
+    split = split_results([_refused(PROMPTS, _request(multi_turn=False))])
+    [episode] = split.responses
     assert (episode.request_id, episode.prompt_ids, episode.output_ids) == ("r0", (3, 4, 5), ())
     assert (episode.end, episode.num_turns) == ("aborted", 0)
-    assert (turns, scored, trained) == ([], [], [])
+    assert (split.turns, split.scored, split.trained, split.withdrawn) == ([], [], [], [])
 
 
 def test_a_refused_turn_goes_to_the_episode_runner() -> None:
     refused = _refused(PROMPTS, _request(multi_turn=True))
-    responses, turns, _, _ = split_results([refused])
-    assert responses == [] and turns == [refused]
+    split = split_results([refused])
+    assert split.responses == [] and split.turns == [refused]
 
 
 def test_a_refused_logprob_sample_stops_the_run_with_the_reason() -> None:

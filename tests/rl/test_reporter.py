@@ -48,6 +48,23 @@ def test_the_routers_own_enqueue_of_an_announced_item_is_not_reported_twice() ->
     assert seen[-2] == ev.ItemsEnqueued(edge=TO_ACTOR, items=(ev.ItemRef(ITEM, GROUP, 12),))
 
 
+def test_a_sample_set_aside_leaves_the_next_edge_and_counts_afresh_when_it_comes_back() -> None:
+    """A partial rollout's finished sample of a group the iteration does not train is
+    announced on the inference edge, but does not go there in this iteration: it
+    leaves it, and the next iteration's submission enqueues it again."""
+    r, seen = reporter()
+    r(ev.ItemsEnqueued(edge=PROMPTS, items=(ev.ItemRef(ITEM, GROUP, 7),)))
+    r(ev.ItemCompleted(edge=PROMPTS, item=ITEM, instance=ENGINE, num_tokens=5))
+    before = len(seen)
+    r.set_aside(PROMPTS, [ITEM, ItemId("0-0-1")])  # the other was never announced
+    assert seen[before:] == [ev.ItemsWithdrawn(edge=TO_INFERENCE, items=(ITEM,))]
+    r.set_aside(PROMPTS, [ITEM])  # once
+    r.forget()  # the next iteration
+    r(ev.ItemsEnqueued(edge=TO_INFERENCE, items=(ev.ItemRef(ITEM, GROUP, 12),)))
+    assert seen[-1] == ev.ItemsEnqueued(edge=TO_INFERENCE, items=(ev.ItemRef(ITEM, GROUP, 12),))
+    assert len(seen) == before + 2
+
+
 def test_an_item_leaving_the_pipeline_announces_nothing() -> None:
     r, seen = reporter()
     r(ev.ItemsEnqueued(edge=TO_ACTOR, items=(ev.ItemRef(ITEM, GROUP, 12),)))

@@ -4,7 +4,8 @@ A checkpoint after ``n`` finished iterations is two files in ``RUN_DIR/checkpoin
 
 - ``iter_NNNN.pt``: the actor's model and AdamW state (written by trainer rank 0);
 - ``iter_NNNN.json``: the driver's :class:`RunState` (iterations done, weight version,
-  the prompt sampler's position, the timeline's clock).
+  the prompt sampler's position, the timeline's clock, and, with partial rollouts, the
+  requests carried over to the next iteration with their partial output).
 
 Each is written to a temporary file and renamed into place, the state last, so a
 checkpoint counts only once both are whole: a run killed mid-write resumes from the
@@ -22,6 +23,8 @@ from pathlib import Path
 import msgspec
 
 from dynarl.core.errors import DynaRLError
+from dynarl.rl.carry import CarryState
+from dynarl.rl.config import AlgorithmConfig
 
 CHECKPOINTS = "checkpoints"
 """The checkpoints' folder in a run directory."""
@@ -44,6 +47,9 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
             resumed run's timeline continues where this one stopped.
         trainer_bytes: the size of the trainer's file (``None``: not recorded).
         trainer_sha256: its SHA-256, hex (``None``: not recorded).
+        carried: what the last iteration carried over to the next (partial rollouts:
+            the groups it did not train, their unfinished requests with every token
+            generated so far), which the resumed run rolls out first.
     """
 
     num_iterations: int
@@ -53,6 +59,7 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     timeline_s: float = 0.0
     trainer_bytes: int | None = None
     trainer_sha256: str | None = None
+    carried: CarryState = msgspec.field(default_factory=CarryState)
 
 
 class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
@@ -147,6 +154,29 @@ def latest_checkpoint(run_dir: str | Path) -> Checkpoint:
             "(run.checkpoint_every, or the end of a run), or start a new run"
         )
     return found[-1]
+
+
+def check_carried(checkpoint: Checkpoint, algorithm: AlgorithmConfig) -> None:
+    """Raise :class:`ResumeError` unless a run with ``algorithm`` can take over the
+    groups ``checkpoint`` carries (partial rollouts): groups of ``group_size`` samples,
+    at most ``num_prompts`` of them (an iteration may have to train them all)."""
+    groups = checkpoint.state.carried.groups
+    if not groups:
+        return
+    after = f"the checkpoint after {checkpoint.state.num_iterations} iterations"
+    sizes = sorted({len(g.samples) for g in groups})
+    if sizes != [algorithm.group_size]:
+        raise ResumeError(
+            f"{after} carries groups of {sizes[0]} samples over to the next iteration "
+            f"(partial rollouts), but algorithm.group_size is {algorithm.group_size}; "
+            f"resume with algorithm.group_size={sizes[0]}"
+        )
+    if len(groups) > algorithm.num_prompts:
+        raise ResumeError(
+            f"{after} carries {len(groups)} groups over to the next iteration (partial "
+            f"rollouts), more than algorithm.num_prompts={algorithm.num_prompts} can "
+            f"train; resume with algorithm.num_prompts={len(groups)} or more"
+        )
 
 
 def checkpoint_to_resume(run_dir: str | Path, at: int | None = None) -> Checkpoint:

@@ -31,6 +31,7 @@ import msgspec
 from dynarl.api.checkpoint import (
     Checkpoint,
     RunState,
+    check_carried,
     checkpoints,
     fingerprint,
     trainer_path,
@@ -182,7 +183,7 @@ class DynaRL:
         check_predictor_profile(self.cfg)
         environment = environment_of(self.cfg, self.environment)
         if self.resume_from is not None:  # before the directory is locked or written
-            self._files.checkpoint(self.resume_at)
+            check_carried(self._files.checkpoint(self.resume_at), self.cfg.algorithm)
         # Held until the run closes: a second run cannot write into this directory.
         stack.enter_context(self._files.lock())
         resumed = (
@@ -394,15 +395,16 @@ class DynaRL:
     async def save_checkpoint(self) -> Path:
         """Write a checkpoint of the run so far: the actor's model and optimizer state
         in ``checkpoints/iter_NNNN.pt``, what the driver needs to resume beside it
-        (``iter_NNNN.json``), the timeline so far (``timeline.jsonl``,
-        ``timeline.png``) and what the scheduler's predictor learnt (``predictor.json``,
-        which a resumed or later run starts from: ``scheduler.predictor_profile``).
-        Returns the trainer state's path."""
+        (``iter_NNNN.json``, with the requests partial rollouts carry over), the
+        timeline so far (``timeline.jsonl``, ``timeline.png``) and what the scheduler's
+        predictor learnt (``predictor.json``, which a resumed or later run starts from:
+        ``scheduler.predictor_profile``). Returns the trainer state's path."""
         if (
             self._host is None
             or self._world is None
             or self._world.trainer is None
             or self._sampler is None
+            or self._pipeline is None
             or self._timeline.recorder is None
         ):
             raise DynaRLError("the run is not open; use `async with DynaRL(cfg) as rl:`")
@@ -439,6 +441,7 @@ class DynaRL:
                 seed=self.cfg.run.seed,
                 sampler=self._sampler.state_dict(),
                 timeline_s=self._timeline.elapsed_s(),
+                carried=self._pipeline.carried,
             ),
         )
         self._saved_at = done

@@ -100,6 +100,16 @@ class ResultDelivery:
                     sessions.resumed_s = self._clock.now()
                 return
 
+    def hand_back(self, result: RoutedResult) -> None:
+        """Deliver ``result``, which no worker will send (a withdrawn item whose worker
+        failed): now if the consumer's stream has room, else with the next batch."""
+        try:
+            self._send.send_nowait(result)
+        except anyio.WouldBlock:
+            self._outbox.append(result)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass  # the router is closing: nobody reads results any more
+
     async def receive_batch(self, max_items: int) -> list[RoutedResult]:
         """Wait for at least one completion; return up to ``max_items`` of those
         already waiting."""

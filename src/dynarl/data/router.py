@@ -11,9 +11,10 @@ Every routing decision is reported as a control-plane event, in an order the
 hypergraph accepts: ``ItemsEnqueued`` (submitted), ``ItemRouted`` (put in an
 instance's queue), ``ToolCallStarted`` / ``ToolCallFinished`` (a session leaves for a
 tool and comes back), ``ItemsRequeued`` (taken back from a draining instance),
-``ItemCompleted``, ``WorkerIdle`` (an instance left with nothing it could take) and
-``WorkerFailed`` (whose items the hypergraph puts back in the queue; the router then
-routes them again). No item is lost or delivered twice: a
+``ItemsWithdrawn`` (taken out of the run unfinished: a partial rollout's end, see
+:meth:`Router.withdraw`), ``ItemCompleted``, ``WorkerIdle`` (an instance left with
+nothing it could take) and ``WorkerFailed`` (whose items the hypergraph puts back in
+the queue; the router then routes them again). No item is lost or delivered twice: a
 result counts only from the instance that holds the item.
 
 Memory is bounded: instance queues and the backlog (items no instance can take now)
@@ -46,6 +47,7 @@ from dynarl.data.request_order import FifoOrder, RequestOrder
 from dynarl.data.routing import AffinityRouting, RoutingPolicy
 from dynarl.data.sessions import Sessions
 from dynarl.data.transport import Transport
+from dynarl.data.withdrawals import Withdrawals
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +89,11 @@ class Router:
         self._transport = transport
         self._order = order or FifoOrder()
         self._clock = clock or LoopClock()
+        self._on_event = on_event or (lambda e: None)
         self._placement = Placement(
             consumers,
             policy=policy or AffinityRouting(),
-            emit=on_event or (lambda e: None),
+            emit=self._emit,
             balance_on_join=self.config.balance_on_join,
             balance_below_share=self.config.balance_below_share,
             recall=self._recall,
@@ -100,6 +103,7 @@ class Router:
         self._delivery = ResultDelivery(
             transport, self._placement, self.rejections, clock=self._clock, config=self.config
         )
+        self._withdrawals = Withdrawals(self._placement, self._delivery.hand_back)
         self._sessions = Sessions(
             transport,
             self._codec,
@@ -188,6 +192,28 @@ class Router:
         w = self._placement.workers.get(instance)
         if w is not None:
             self._sessions.send_nowait(w.peer, wire.EndSessions((item_id,)))
+
+    def withdraw(self, item_ids: Iterable[ItemId]) -> list[wire.Item]:
+        """Take pending items out of the run without completing them (a partial
+        rollout's iteration has the groups it trains; these carry over to the next,
+        where :meth:`submit` takes them again, with the same ids).
+
+        Those waiting (in the backlog, an instance's queue, out on a tool call) leave
+        now and are returned, each with its payload as it stands (the partial output
+        of an item aborted before). Those in flight are asked back (``Abort``) and
+        arrive later through :meth:`receive_batch` with status ``aborted``, their
+        partial output as their payload; one that finishes first arrives as usual (a
+        session whose turn ended arrives ``tool_call``, out of the run all the same),
+        and one whose worker fails meanwhile arrives ``aborted`` with the payload it
+        was sent with (what it generated there is lost with the worker). An item that is
+        no longer pending is left alone: its result was delivered, or is on its way.
+        Each leaving item is reported (``ItemsWithdrawn``)."""
+        p = self._placement
+        taken = p.withdraw(p.pending.intersection(item_ids), self._clock.now())
+        self._withdrawals.note()
+        if len(p.backlog) < self.config.max_backlog_items:
+            self._backlog_space.set()
+        return taken
 
     async def _wait_backlog_space(self) -> None:
         self._backlog_space = anyio.Event()
@@ -410,9 +436,18 @@ class Router:
     # ------------------------------------------------------------------ frames in
 
     def _recall(self, w: WorkerState, items: tuple[ItemId, ...], now: float) -> None:
-        """Ask ``w`` for ``items`` back (``Placement.balance_for`` moves them to a
-        joining instance); a frame that cannot go now leaves them where they are."""
-        self._sessions.send_nowait(w.peer, wire.Abort(items))
+        """Ask ``w`` for ``items`` back. For a balance (``Placement.balance_for`` moves
+        them to a joining instance) a frame that cannot go now leaves them where they
+        are; withdrawn items must come back, so their frame waits for room."""
+        if items[0] in self._placement.withdrawing:
+            assert self._tg is not None, "enter the router first"
+            self._tg.start_soon(self._sessions.send, w, wire.Abort(items))
+        else:
+            self._sessions.send_nowait(w.peer, wire.Abort(items))
+
+    def _emit(self, event: ev.Event) -> None:
+        self._on_event(event)
+        self._withdrawals.on_event(event)  # a withdrawn item's failed worker: handed back
 
     def _on_join(self, w: WorkerState) -> None:
         assert self._tg is not None

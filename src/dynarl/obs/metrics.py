@@ -36,16 +36,44 @@ class MigrationRecord(msgspec.Struct, frozen=True, kw_only=True):
     ok: bool
 
 
+class PartialRolloutStats(msgspec.Struct, frozen=True, kw_only=True):
+    """What an iteration's partial rollout (``algorithm.over_sample_prompts``) carried,
+    and how stale what it trained was.
+
+    Attributes:
+        num_carried_in: samples it took over from the previous iteration (every sample
+            of the groups carried over: unfinished ones it resumed, finished ones that
+            waited for the rest of their group).
+        num_resumed: of those, the unfinished requests it resumed from their partial
+            output.
+        num_carried_out: samples it carried over to the next iteration.
+        max_times_carried: the most times one of the groups it trained had been
+            carried over (at most ``algorithm.max_staleness``).
+        max_weight_lag: the most weight versions by which the oldest token of a sample
+            it trained lags the weights its engines held (0: it trained only tokens its
+            own policy generated).
+        stale_token_fraction: the share of its trained samples' response tokens that
+            older weights generated, in earlier iterations.
+    """
+
+    num_carried_in: int
+    num_resumed: int
+    num_carried_out: int
+    max_times_carried: int
+    max_weight_lag: int
+    stale_token_fraction: float
+
+
 class IterationStats(msgspec.Struct, frozen=True, kw_only=True):
     """What one RL iteration of a real run measured (a line of ``metrics.jsonl``).
 
     Attributes:
         iteration: 0-based index.
-        mean_reward: mean verifier reward over the iteration's responses.
-        solved_fraction: responses with reward 1.
-        num_samples: responses generated.
-        gen_tokens: tokens generated.
-        mean_response_tokens: mean response length in tokens.
+        mean_reward: mean verifier reward over the iteration's trained responses.
+        solved_fraction: trained responses with reward 1.
+        num_samples: responses trained (without partial rollouts, every one generated).
+        gen_tokens: tokens the rollout engines generated during the iteration.
+        mean_response_tokens: mean length in tokens of the trained responses.
         tokens_per_s: generated tokens per second of the iteration's wall time.
         loss, grad_norm: means over the iteration's optimizer steps.
         weight_version: the weight version the engines hold after the iteration.
@@ -73,6 +101,9 @@ class IterationStats(msgspec.Struct, frozen=True, kw_only=True):
             host's cores beside the slots (``dynarl profile --from-run`` fits it per
             response and per generated token); ``None``: not recorded (a run by an
             older dynarl).
+        partial_rollout: what the iteration carried over and how stale its trained
+            samples were (:class:`PartialRolloutStats`); ``None`` without partial
+            rollouts.
     """
 
     iteration: int
@@ -94,6 +125,7 @@ class IterationStats(msgspec.Struct, frozen=True, kw_only=True):
     episodes: dict[str, float] = msgspec.field(default_factory=dict)
     engine_steps: dict[str, float] = msgspec.field(default_factory=dict)
     controller_cpu_s: float | None = None
+    partial_rollout: PartialRolloutStats | None = None
 
 
 _STEP_FIELDS = ("prefill_steps", "decode_steps", "prefill_s", "decode_s")
@@ -273,14 +305,19 @@ FlatValue = float | int | str | bool | None
 
 
 def flat_record(stats: IterationStats) -> dict[str, FlatValue]:
-    """``stats`` as one flat dict a ``pandas.DataFrame`` row can take: nested dicts
-    become dotted keys (``stage_s.rollout``, ``device_s.actor``, ``allocation.rollout``),
-    and the migrations their count (``num_migrations``) and total ``migration_s``."""
+    """``stats`` as one flat dict a ``pandas.DataFrame`` row can take: nested dicts and
+    records become dotted keys (``stage_s.rollout``, ``device_s.actor``,
+    ``partial_rollout.max_weight_lag``; none of a record that is absent), and the
+    migrations their count (``num_migrations``) and total ``migration_s``."""
     out: dict[str, FlatValue] = {}
     for name in stats.__struct_fields__:
         value = getattr(stats, name)
         if isinstance(value, dict):
             out.update((f"{name}.{key}", v) for key, v in value.items())
+        elif isinstance(value, PartialRolloutStats):
+            out.update((f"{name}.{key}", getattr(value, key)) for key in value.__struct_fields__)
+        elif value is None and name == "partial_rollout":
+            continue
         elif name == "migrations":
             out["num_migrations"] = len(value)
             out["migration_s"] = sum(m.duration_s for m in value)

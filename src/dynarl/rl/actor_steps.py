@@ -91,7 +91,8 @@ class ActorSteps:
             self._trained.set()
 
     async def run(self, ready: ObjectReceiveStream[int], samples: Samples) -> None:
-        """Take the iteration's steps as ``ready`` hands out finished groups."""
+        """Take the iteration's steps as ``ready`` hands out the groups it trains
+        (``num_prompts`` of them), each once complete."""
         algo = self.algorithm
         finished: list[int] = []
         per_step = algo.num_prompts // algo.n_minibatches
@@ -104,7 +105,7 @@ class ActorSteps:
                     )
         if algo.minibatch_order == "completion":
             return
-        trajectories, ids = samples.trajectories(range(algo.num_prompts))
+        trajectories, ids = samples.trajectories(finished)
         seed = [self.seed, self.iteration]
         for step, part in enumerate(
             minibatch_indices(len(trajectories), algo.n_minibatches, seed=seed)

@@ -9,10 +9,12 @@ when an item completes on an edge whose consumer feeds another stage, its
 ``ItemsEnqueued`` on that next edge is reported *before* its ``ItemCompleted``, so
 between two events the pipeline's work never seems to vanish (the hypergraph's
 scheduler would see an idle stage). When the driver later submits the item on the
-next edge, the router's own ``ItemsEnqueued`` for it is not reported again.
+next edge, the router's own ``ItemsEnqueued`` for it is not reported again; an item
+announced there that does not go on in this iteration (a partial rollout's sample of a
+group it does not train) leaves it (:meth:`EventReporter.set_aside`).
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import msgspec
 
@@ -84,17 +86,23 @@ class EventReporter:
                     break
         if isinstance(event, ev.ItemsEnqueued):
             fresh = []
-            for ref in event.items:
+            for k, ref in enumerate(event.items):
                 key = (event.edge, ref.id)
                 self._refs[key] = ref
                 if key in self._announced:
                     self._announced.discard(key)
                 else:
-                    fresh.append(ref)
+                    fresh.append(k)
             if not fresh:
                 return
             if len(fresh) != len(event.items):
-                event = ev.ItemsEnqueued(edge=event.edge, items=tuple(fresh), time_s=event.time_s)
+                generated = event.generated
+                event = ev.ItemsEnqueued(
+                    edge=event.edge,
+                    items=tuple(event.items[k] for k in fresh),
+                    generated=tuple(generated[k] for k in fresh) if generated else (),
+                    time_s=event.time_s,
+                )
         elif isinstance(event, ev.ItemRouted) and event.edge in self._replicas:
             replica = self._replicas[event.edge](event.instance)
             if replica is None:
@@ -117,6 +125,23 @@ class EventReporter:
                 self._announced.add((after, done.id))
                 emit(ev.ItemsEnqueued(edge=after, items=(sample,), time_s=event.time_s))
         emit(event)
+
+    def set_aside(self, edge: EdgeId, ids: Iterable[ItemId]) -> None:
+        """Items completed on ``edge`` do not go on to the next edge in this iteration
+        (a partial rollout carries them over): those announced there leave it
+        (``ItemsWithdrawn``), so the model does not wait for work that will not come."""
+        after = self._successors.get(edge)
+        if after is None:
+            return
+        leaving = []
+        for item in ids:
+            key = (after, item)
+            if key in self._announced:
+                self._announced.discard(key)
+                self._refs.pop(key, None)
+                leaving.append(item)
+        if leaving and self._emit is not None:
+            self._emit(ev.ItemsWithdrawn(edge=after, items=tuple(leaving)))
 
     def forget(self) -> None:
         """Drop what is known of items (a new iteration starts: none is in flight)."""

@@ -1,9 +1,11 @@
 """The data router's results as the pipeline reads them: decoded by edge into
-responses, multi-turn turns, log-probs and trained samples; a request a rollout engine
-refused becomes an aborted sample that keeps its row."""
+responses, multi-turn turns, log-probs, trained samples and withdrawn requests (a
+partial rollout's, with their partial output); a request a rollout engine refused
+becomes an aborted sample that keeps its row."""
 
 import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import msgspec
 
@@ -23,21 +25,36 @@ _LOGPROBS = msgspec.msgpack.Decoder(LogprobResult)
 _REQUEST = msgspec.msgpack.Decoder(GenerateRequest)
 
 
-def split_results(
-    done: Sequence[RoutedResult],
-) -> tuple[list[Episode], list[RoutedResult], list[LogprobResult], list[ItemId]]:
-    """The router's results by edge, decoded: responses, multi-turn sessions whose turn
-    ended, log-probs, trained samples."""
-    responses, turns, scored, trained = [], [], [], []
+class SplitResults(NamedTuple):
+    """A batch of the router's results, by what they are."""
+
+    responses: list[Episode]
+    """Finished single-turn responses (a refused request as an aborted sample)."""
+    turns: list[RoutedResult]
+    """Multi-turn sessions whose turn ended (or was refused): for the episode runner."""
+    scored: list[LogprobResult]
+    """Log-probs from the inference stage."""
+    trained: list[ItemId]
+    """Samples back from the trainer's ranks."""
+    withdrawn: list[GenerateRequest]
+    """Requests a partial rollout withdrew while they ran, each holding the tokens it
+    generated (see :meth:`~dynarl.data.router.Router.withdraw`)."""
+
+
+def split_results(done: Sequence[RoutedResult]) -> SplitResults:
+    """The router's results by edge and status, decoded."""
+    out = SplitResults([], [], [], [], [])
     for d in done:
         if d.item.edge == PROMPTS:
             refused = d.refusal is not None
             if d.result.status == "tool_call" or (refused and _is_turn(d.item)):
-                turns.append(d)  # the episode runner ends a refused turn's episode
+                out.turns.append(d)  # the episode runner ends a refused turn's episode
             elif refused:
-                responses.append(_refused_response(d))
+                out.responses.append(_refused_response(d))
+            elif d.result.status == "aborted":
+                out.withdrawn.append(_REQUEST.decode(d.result.payload))
             else:
-                responses.append(Episode.of_completion(_COMPLETION.decode(d.result.payload)))
+                out.responses.append(Episode.of_completion(_COMPLETION.decode(d.result.payload)))
         elif d.item.edge == TO_INFERENCE:
             if d.refusal is not None:
                 raise BadRequestError(
@@ -45,12 +62,12 @@ def split_results(
                     "from a response the rollout engine accepted, so this is a bug: please "
                     "report it with the run's log"
                 )
-            scored.append(_LOGPROBS.decode(d.result.payload))
+            out.scored.append(_LOGPROBS.decode(d.result.payload))
         elif d.item.edge == TO_ACTOR:
-            trained.append(d.item.id)
+            out.trained.append(d.item.id)
         else:
             logger.error("result of item %s on unexpected edge %s", d.item.id, d.item.edge)
-    return responses, turns, scored, trained
+    return out
 
 
 def _refused_response(d: RoutedResult) -> Episode:

@@ -8,6 +8,10 @@ log-probs are the behaviour policy's).
 An episode whose environment's infrastructure failed (``end == "aborted"``) is not
 scored: it keeps its row in the minibatch (so minibatches keep their shape) with no
 token in the loss, and its group's advantages are computed without it.
+
+With partial rollouts (:mod:`dynarl.rl.carry`) the groups an iteration does not train
+are set aside once its rollout is over: their samples are rewarded (the reward carries
+over with them) but no longer waited for.
 """
 
 import time
@@ -50,22 +54,44 @@ class Samples:
         self.logprobs: dict[str, tuple[float, ...]] = {}
         self.ref_logprobs: dict[str, tuple[float, ...] | None] = {}
         self._needs_scores = needs_scores
+        self._group_size = group_size
         self._missing = dict.fromkeys(range(len(self.ids) // group_size), group_size)
         self._ready: set[str] = set()
-        self.in_flight = 0  # samples between their response and their readiness
+        self._waiting: set[str] = set()  # samples between their response and readiness
+        self._aside: set[int] = set()  # groups carried over: their samples not waited for
         self.busy_s = 0.0  # wall time with some sample in flight
         self._since = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        """Samples between their response and their readiness."""
+        return len(self._waiting)
 
     def completed(self, completion: Episode) -> None:
         """A response (or episode) arrived from rollout; an aborted episode is ready
         at once (nothing to score)."""
-        self.completions[completion.request_id] = completion
+        rid = completion.request_id
+        self.completions[rid] = completion
         if not self._needs_scores or completion.end == "aborted":
-            self.logprobs[completion.request_id] = completion.output_logprobs
-            self.ref_logprobs[completion.request_id] = None
-        if not self.in_flight:
-            self._since = time.perf_counter()
-        self.in_flight += 1
+            self.logprobs[rid] = completion.output_logprobs
+            self.ref_logprobs[rid] = None
+        if self.group_of[rid] not in self._aside:
+            if not self._waiting:
+                self._since = time.perf_counter()
+            self._waiting.add(rid)
+
+    def set_aside(self, groups: Sequence[int]) -> None:
+        """These groups are not trained in this iteration (they carry over): their
+        samples are no longer waited for."""
+        self._aside.update(groups)
+        for group in groups:
+            for rid in self.ids_of(group):
+                self._stop_waiting(rid)
+
+    def ids_of(self, group: int) -> list[str]:
+        """The samples of ``group``, in request order."""
+        size = self._group_size
+        return self.ids[group * size : (group + 1) * size]
 
     def add(self, fact: Rewarded | Scored) -> list[int]:
         """Record ``fact``; returns the groups it completed."""
@@ -84,14 +110,18 @@ class Samples:
             if rid in self._ready or rid not in self.rewards or rid not in self.logprobs:
                 continue
             self._ready.add(rid)
-            self.in_flight -= 1
-            if not self.in_flight:
-                self.busy_s += time.perf_counter() - self._since
+            self._stop_waiting(rid)
             group = self.group_of[rid]
             self._missing[group] -= 1
             if not self._missing[group]:
                 out.append(group)
         return out
+
+    def _stop_waiting(self, rid: str) -> None:
+        if rid in self._waiting:
+            self._waiting.discard(rid)
+            if not self._waiting:
+                self.busy_s += time.perf_counter() - self._since
 
     def trajectories(self, groups: Sequence[int]) -> tuple[list[Trajectory], list[ItemId]]:
         """The trajectories of ``groups`` (in request order), with advantages."""

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from dynarl.core.errors import ConfigError
 from dynarl.envs.config import DataConfig
 from dynarl.envs.prompts import Prompt, PromptSampler, prompt_sampler
 from dynarl.envs.synthetic import SyntheticTask
@@ -123,6 +124,13 @@ class InprocessLoop:
         sampler: PromptSampler | None = None,
         verifier: Verifier | None = None,
     ) -> None:
+        if config.algorithm.partial_rollouts:
+            raise ConfigError(
+                "the reference loop is the plain on-policy loop: it does not carry requests "
+                "over (partial rollouts run in `dynarl run` and the simulator); set "
+                "algorithm.over_sample_prompts=0",
+                field="algorithm.over_sample_prompts",
+            )
         self.config = config
         seed = config.run.seed
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(config.model)
