@@ -11,8 +11,9 @@ iterations to reach its steady state), the speedup over the same mode on-policy 
 over the better of the row's on-policy static modes, the share of trained response
 tokens that older weights generated (the staleness price: those tokens are up to
 ``max_staleness`` versions behind the weights that train on them) and the most times a
-trained group was carried. Last, one JSON line: ``{"bench": "partial_rollouts",
-"rows": [...]}``.
+trained group was carried, then the scheduler's decision time (p99, ms) and online
+overhead (decision wall-clock over simulated time). Last, one JSON line:
+``{"bench": "partial_rollouts", "rows": [...]}``.
 
 ``--rows math-1.5b-64,agentic-7b-64`` picks rows, ``--over 128,512`` the
 over-sampled groups (of the rows' 512 prompts), ``--staleness 1,4`` the bounds,
@@ -90,7 +91,8 @@ def main() -> None:
         futures = {job: pool.submit(_job, job) for job in jobs}
         print(
             f"{'setting':<16} {'mode':<18} {'rollouts':<18} {'iter s':>8} {'vs on-policy':>13} "
-            f"{'vs best static':>15} {'older tokens':>13} {'carried':>8}",
+            f"{'vs best static':>15} {'older tokens':>13} {'carried':>8} {'p99 ms':>7} "
+            f"{'overhead':>9}",
             flush=True,
         )
         out_rows = []
@@ -115,11 +117,14 @@ def main() -> None:
                     (x.max_times_carried for r in rs for x in r.iterations[args.warmup :]),
                     default=0,
                 )
+                p99 = max(r.decision_p99_ms for r in rs)
+                overhead = statistics.fmean(r.overhead for r in rs)
                 vs_self = mean_s[(m, 0, 0)] / mean_s[(m, o, s)]
                 vs_static = best_static / mean_s[(m, o, s)]
                 print(
                     f"{row:<16} {m:<18} {label:<18} {mean_s[(m, o, s)]:>8.1f} "
-                    f"{vs_self:>12.2f}x {vs_static:>14.2f}x {older:>13.0%} {carried:>8}",
+                    f"{vs_self:>12.2f}x {vs_static:>14.2f}x {older:>13.0%} {carried:>8} "
+                    f"{p99:>7.1f} {overhead:>9.2%}",
                     flush=True,
                 )
                 cells.append(
@@ -132,6 +137,8 @@ def main() -> None:
                         "speedup_vs_best_static_on_policy": round(vs_static, 3),
                         "older_token_share": round(older, 3),
                         "max_times_carried": carried,
+                        "decision_p99_ms": round(p99, 2),
+                        "overhead": round(overhead, 5),
                     }
                 )
             out_rows.append({"setting": row, "seeds": len(seeds), "runs": cells})

@@ -71,19 +71,17 @@ def _cut(graph: Hypergraph, component: ComponentId, needed: int) -> Cut | None:
     # Per pending group: [most progress, least progress, pending requests].
     groups: dict[GroupId, list[float]] = {}
     progress: list[float] = []
-    for edge in graph.edges_into(component):
-        for st in edge.items.values():
-            owner = st.owner
-            if owner is None or owner == TOOL:
-                p = st.generated
-            else:
-                p = graph.instances[owner].progress_of(st)
-            progress.append(p)
-            g = groups.get(st.group)
-            if g is None:
-                groups[st.group] = [p, p, 1.0]
-            else:
-                g[0], g[1], g[2] = max(g[0], p), min(g[1], p), g[2] + 1.0
+    for group, p in _progress_by_group(graph, component):
+        progress.append(p)
+        g = groups.get(group)
+        if g is None:
+            groups[group] = [p, p, 1.0]
+        else:
+            if p > g[0]:
+                g[0] = p
+            elif p < g[1]:
+                g[1] = p
+            g[2] += 1.0
     due = graph.groups_due
     if needed >= sum(1 for gid in groups if gid not in due):
         return None  # every pending group is needed: the usual model
@@ -103,10 +101,39 @@ def _cut(graph: Hypergraph, component: ComponentId, needed: int) -> Cut | None:
     # remainder (the last finished iteration's response lengths past its progress).
     lengths, tail = node.lengths_prev, node.lengths_prev_suffix
     m = len(lengths)
+    cut = bisect.bisect_right
     work = 0.0
     for p in progress:
-        k = bisect.bisect_right(lengths, p)
+        k = cut(lengths, p)
         own = tail[k] / (m - k) - p if k < m else 1.0
-        work += min(own, tokens)
+        work += own if own < tokens else tokens
     share = sum(c for _, _, c in chosen) / len(progress)
     return Cut(tokens, work, share, {gid: r for r, gid, _ in chosen})
+
+
+def _progress_by_group(graph: Hypergraph, component: ComponentId) -> list[tuple[GroupId, float]]:
+    """(group, tokens generated) of every pending request of a rollout component: those
+    its instances hold read together per instance (its share of the tokens looked up
+    once), those queued or out on a tool call from the edges."""
+    edges = graph.edges_into(component)
+    out: list[tuple[GroupId, float]] = []
+    if any(e.spec.consumers != (component,) for e in edges):  # shared edges: each item
+        for edge in edges:
+            for st in edge.items.values():
+                owner = st.owner
+                p = (
+                    st.generated
+                    if owner is None or owner == TOOL
+                    else graph.instances[owner].progress_of(st)
+                )
+                out.append((st.group, p))
+        return out
+    for edge in edges:
+        out.extend(
+            [(st.group, st.generated) for st in edge.items.values() if st.owner in (None, TOOL)]
+        )
+    for inst in graph.components[component].instances.values():
+        tpr = inst.tokens_per_request
+        out.extend([(st.group, st.generated + tpr - st.mark) for st in inst.started.values()])
+        out.extend([(st.group, st.generated) for st in inst.waiting.values()])
+    return out
