@@ -13,6 +13,7 @@ from dynarl.control import events as ev
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import InstanceSpec
 from dynarl.control.topology import ComponentSpec, EdgeSpec, PipelineSpec
+from dynarl.core.clock import ManualClock
 from dynarl.core.ids import ComponentId, DeviceId, EdgeId, GroupId, InstanceId, ItemId
 from dynarl.data import (
     InProcNetwork,
@@ -26,6 +27,10 @@ from dynarl.data import (
     open_worker_link,
 )
 from dynarl.data._tasks import task_group
+from dynarl.data.peers import WorkerState
+from dynarl.data.request_order import FifoOrder
+from dynarl.data.request_queue import RequestQueue
+from dynarl.data.transport import PeerId
 from dynarl.data.zmq_transport import ZmqTransport
 
 ROLLOUT = ComponentId("rollout")
@@ -38,6 +43,27 @@ def item(i: int | str, **kw: object) -> Item:
     return Item(
         id=ItemId(f"i{i}"), group=GroupId(f"g{i}"), edge=PROMPTS, payload=f"p{i}".encode(), **kw
     )
+
+
+def worker(name: str, capacity: int, slots: int = 0) -> WorkerState:
+    """A rollout worker as the placement sees it, with a FIFO queue of its own."""
+    return WorkerState(
+        PeerId(name.encode()),
+        instance=InstanceId(name),
+        component=ROLLOUT,
+        capacity=capacity,
+        queue=RequestQueue[Item](FifoOrder(), max_size=100, clock=ManualClock()),
+        now_s=0.0,
+        sticky_max_queued=64,
+        kv_full=0.95,
+        slots=slots,
+    )
+
+
+def start(w: WorkerState) -> None:
+    """What the router's pump does: move queued items in flight, up to capacity."""
+    for it in w.queue.get_batch_nowait(w.capacity - len(w.in_flight)):
+        w.in_flight.add(it)
 
 
 class CheckedGraph:

@@ -8,7 +8,6 @@ import pytest
 
 from dynarl.control import events as ev
 from dynarl.control.topology import PROMPTS, ROLLOUT
-from dynarl.core.clock import ManualClock
 from dynarl.core.ids import InstanceId, ItemId
 from dynarl.data import wire
 from dynarl.data.balance import Balancer
@@ -16,32 +15,9 @@ from dynarl.data.component_peers import ComponentPeers
 from dynarl.data.in_flight import InFlight
 from dynarl.data.peers import RouterConfig, WorkerState, with_balance
 from dynarl.data.placement import Placement
-from dynarl.data.request_order import FifoOrder
-from dynarl.data.request_queue import RequestQueue
 from dynarl.data.routing import AffinityRouting
-from dynarl.data.transport import PeerId
 
-from .helpers import item
-
-
-def _worker(name: str, capacity: int, slots: int = 0) -> WorkerState:
-    return WorkerState(
-        PeerId(name.encode()),
-        instance=InstanceId(name),
-        component=ROLLOUT,
-        capacity=capacity,
-        queue=RequestQueue[wire.Item](FifoOrder(), max_size=100, clock=ManualClock()),
-        now_s=0.0,
-        sticky_max_queued=64,
-        kv_full=0.95,
-        slots=slots,
-    )
-
-
-def _start(w: WorkerState) -> None:
-    """What the router's pump does: move queued items in flight, up to capacity."""
-    for it in w.queue.get_batch_nowait(w.capacity - len(w.in_flight)):
-        w.in_flight.add(it)
+from .helpers import item, start, worker
 
 
 def _placement(events: list[ev.Event]) -> Placement:
@@ -60,11 +36,11 @@ def _moves(events: list[ev.Event]) -> list[tuple[ItemId, InstanceId]]:
 async def test_a_joining_instance_takes_the_oldest_items_waiting_elsewhere() -> None:
     events: list[ev.Event] = []
     p = _placement(events)
-    a = _worker("a", capacity=2)
+    a = worker("a", capacity=2)
     p.add_worker(a, 0.0)
     p.admit([item(k) for k in range(6)], 0.0)
-    _start(a)  # i0, i1 run; i2..i5 wait
-    b = _worker("b", capacity=3)
+    start(a)  # i0, i1 run; i2..i5 wait
+    b = worker("b", capacity=3)
     p.add_worker(b, 1.0)
     assert _moves(events) == [(ItemId(f"i{k}"), InstanceId("b")) for k in (2, 3, 4)]
     assert p.num_stolen == 3 and a.num_waiting == 1 and not b.can_start_now
@@ -79,20 +55,20 @@ async def test_an_engine_taking_more_than_it_runs_has_room_only_for_its_slots() 
     simulated math 1.5B on 64 devices, colocated, 188.9 -> 215.9 s an iteration.)"""
     events: list[ev.Event] = []
     p = _placement(events)
-    a = _worker("a", capacity=8, slots=2)
+    a = worker("a", capacity=8, slots=2)
     p.add_worker(a, 0.0)
     p.admit([item(k) for k in range(6)], 0.0)
-    _start(a)  # the pump fills its capacity: all six go to a; two run, four wait there
+    start(a)  # the pump fills its capacity: all six go to a; two run, four wait there
     assert len(a.in_flight) == 6 and a.num_waiting == 4 and not a.can_start_now
     assert a.load == 3.0  # per slot
-    b = _worker("b", capacity=8, slots=2)
+    b = worker("b", capacity=8, slots=2)
     p.add_worker(b, 1.0)
     p.admit([item(k) for k in range(6, 8)], 1.0)
     # New work goes to the engine with free slots, though a has room in its capacity.
     assert [e.instance for e in events if isinstance(e, ev.ItemRouted)][-2:] == ["b", "b"]
     assert not b.can_start_now and b.num_waiting == 0
-    assert _worker("c", capacity=4, slots=9).slots == 4  # never more than it takes
-    assert _worker("d", capacity=4).slots == 4  # 0: it runs all it takes
+    assert worker("c", capacity=4, slots=9).slots == 4  # never more than it takes
+    assert worker("d", capacity=4).slots == 4  # 0: it runs all it takes
 
 
 async def test_a_busy_instance_takes_only_items_whose_prefix_the_other_does_not_hold() -> None:
@@ -100,13 +76,13 @@ async def test_a_busy_instance_takes_only_items_whose_prefix_the_other_does_not_
     rather than stall ``b``'s batch with a re-prefill; a fresh request moves."""
     events: list[ev.Event] = []
     p = _placement(events)
-    a, b = _worker("a", capacity=1), _worker("b", capacity=2)
+    a, b = worker("a", capacity=1), worker("b", capacity=2)
     p.add_worker(a, 0.0)
     p.admit([item(0)], 0.0)
-    _start(a)
+    start(a)
     p.add_worker(b, 0.0)
     p.admit([item(1, affinity="prefer", instance=InstanceId("b"))], 0.0)
-    _start(b)  # b is busy with i1, one slot free
+    start(b)  # b is busy with i1, one slot free
     session = item(2, affinity="prefer", instance=InstanceId("a"), prefix_tokens=500)
     a.queue.put_nowait(session, now_s=1.0)  # as if it came back from its tool to a
     a.queue.put_nowait(item(3), now_s=2.0)
@@ -122,7 +98,7 @@ async def test_a_busy_instance_takes_only_items_whose_prefix_the_other_does_not_
 async def test_a_drained_instances_items_go_where_the_plan_says() -> None:
     events: list[ev.Event] = []
     p = _placement(events)
-    a, b, c = _worker("a", 10), _worker("b", 10), _worker("c", 10)
+    a, b, c = worker("a", 10), worker("b", 10), worker("c", 10)
     for w in (a, b, c):
         p.add_worker(w, 0.0)
     p.admit([item(k) for k in range(30)], 0.0)
@@ -175,14 +151,14 @@ async def test_instances_joining_one_after_another_share_the_backlog_by_capacity
     events: list[ev.Event] = []
     p, recalls = _balancing(events)
     p.admit([item(k) for k in range(12)], 0.0)
-    a, b, c = _worker("a", 8), _worker("b", 8), _worker("c", 16)
+    a, b, c = worker("a", 8), worker("b", 8), worker("c", 16)
     p.add_worker(a, 1.0)
-    _start(a)  # i0..i7 run at a, i8..i11 wait there
+    start(a)  # i0..i7 run at a, i8..i11 wait there
     assert len(a.in_flight) == 8 and len(a.queue) == 4
     p.add_worker(b, 2.0)  # share 12 * 8/16 = 6: the 4 waiting are stolen, 2 recalled
     assert recalls.asked == [(InstanceId("a"), (ItemId("i7"), ItemId("i6")))]
     assert [it.id for it in b.queue.queued()] == [ItemId(f"i{k}") for k in (8, 9, 10, 11, 7, 6)]
-    _start(b)
+    start(b)
     p.add_worker(c, 3.0)  # share 12 * 16/32 = 6, three from each
     assert recalls.asked[1:] == [
         (InstanceId("a"), (ItemId("i5"), ItemId("i3"), ItemId("i1"))),
@@ -212,10 +188,10 @@ async def test_a_recalled_item_counts_where_it_is_going_until_it_comes_back() ->
         recall=lambda w, items, now: asked.append((w.instance, items)),
     )
     asked: list[tuple[InstanceId, tuple[ItemId, ...]]] = []
-    a, b, c = _worker("a", 9), _worker("b", 9), _worker("c", 9)
+    a, b, c = worker("a", 9), worker("b", 9), worker("c", 9)
     p.add_worker(a, 0.0)
     p.admit([item(k) for k in range(9)], 0.0)
-    _start(a)
+    start(a)
     p.add_worker(b, 1.0)
     p.add_worker(c, 1.0)  # nothing came back yet
     # 9 * 1/2 = 4 for b; then 3 each: c gets two more from a and one of b's four.
@@ -233,10 +209,10 @@ async def test_a_recalled_item_counts_where_it_is_going_until_it_comes_back() ->
 async def test_without_balancing_a_joiner_takes_only_what_waits_beyond_capacity() -> None:
     events: list[ev.Event] = []
     p, recalls = _balancing(events, on=False)
-    a, b = _worker("a", 8), _worker("b", 8)
+    a, b = worker("a", 8), worker("b", 8)
     p.add_worker(a, 0.0)
     p.admit([item(k) for k in range(8)], 0.0)
-    _start(a)
+    start(a)
     p.add_worker(b, 1.0)
     assert b.is_idle and not recalls.asked and p.balancer.num_balanced == 0
 
@@ -244,11 +220,11 @@ async def test_without_balancing_a_joiner_takes_only_what_waits_beyond_capacity(
 async def test_balancing_never_moves_an_item_that_must_return_to_its_instance() -> None:
     events: list[ev.Event] = []
     p, recalls = _balancing(events)
-    a, b = _worker("a", 8), _worker("b", 8)
+    a, b = worker("a", 8), worker("b", 8)
     p.add_worker(a, 0.0)
     p.admit([item(k, affinity="must", instance=InstanceId("a")) for k in range(6)], 0.0)
     p.admit([item(k) for k in range(6, 8)], 0.0)
-    _start(a)
+    start(a)
     p.add_worker(b, 1.0)  # share 4, but only the two free items may move
     assert recalls.asked == [(InstanceId("a"), (ItemId("i7"), ItemId("i6")))]
     assert sorted(it.id for it in b.queue.queued()) == [ItemId("i6"), ItemId("i7")]
@@ -265,18 +241,18 @@ async def test_an_engine_below_its_share_takes_its_share_of_the_tail_each_reques
     takes none back (each request is re-prefilled for balance at most once)."""
     events: list[ev.Event] = []
     p, recalls = _balancing(events, join=False)
-    a, b = _worker("a", 8), _worker("b", 8)
+    a, b = worker("a", 8), worker("b", 8)
     p.add_worker(a, 0.0)
     p.admit([item(k) for k in range(6)], 0.0)
-    _start(a)
+    start(a)
     p.add_worker(b, 1.0)  # no balance on joining here
     p.admit([item(6), item(7)], 1.0)  # both to b, the less loaded
-    _start(b)
+    start(b)
     assert recalls.asked == [] and len(b.in_flight) == 2
     p.on_result(b, wire.ItemResult(item=ItemId("i6"), num_tokens=5), 2.0)
     p.after_results(b, 2.0)  # holds 1 of 7: its share is 7 * 8/16 = 3, 2 short
     assert recalls.asked == [(InstanceId("a"), (ItemId("i5"), ItemId("i4")))]
-    _start(b)
+    start(b)
     for t, k in ((3.0, 7), (3.5, 5)):
         p.on_result(b, wire.ItemResult(item=ItemId(f"i{k}"), num_tokens=5), t)
         p.after_results(b, t)  # holds 2 of 6 (share 3), then 1 of 5 (share 2): 1 short
@@ -284,7 +260,7 @@ async def test_an_engine_below_its_share_takes_its_share_of_the_tail_each_reques
     p.on_result(b, wire.ItemResult(item=ItemId("i4"), num_tokens=5), 4.0)
     p.after_results(b, 4.0)  # holds none of 4: 2 short of its share of 2
     assert recalls.asked[1:] == [(InstanceId("a"), (ItemId("i3"), ItemId("i2")))]
-    _start(b)
+    start(b)
     for k in (0, 1):
         p.on_result(a, wire.ItemResult(item=ItemId(f"i{k}"), num_tokens=5), 5.0)
     p.after_results(a, 5.0)  # below its share, but b's two were moved once already
@@ -304,18 +280,18 @@ async def test_near_its_share_an_engine_takes_only_what_waits_beyond_a_donors_sl
     iteration 2.4% slower). Left with nothing, it takes running ones too."""
     events: list[ev.Event] = []
     p, recalls = _balancing(events, join=False)
-    a, b = _worker("a", 8, slots=4), _worker("b", 8, slots=4)
+    a, b = worker("a", 8, slots=4), worker("b", 8, slots=4)
     p.add_worker(a, 0.0)
     p.admit([item(k) for k in range(8)], 0.0)
-    _start(a)  # i0..i3 run at a, i4..i7 wait in its engine's queue
+    start(a)  # i0..i3 run at a, i4..i7 wait in its engine's queue
     p.add_worker(b, 1.0)
     p.admit([item(k) for k in range(8, 12)], 1.0)  # all to b, the less loaded per slot
-    _start(b)
+    start(b)
     assert (a.num_waiting, len(b.in_flight)) == (4, 4)
     p.on_result(b, wire.ItemResult(item=ItemId("i8"), num_tokens=5), 2.0)
     p.after_results(b, 2.0)  # holds 3 of 11, share 5: 2 short, two of a's waiting four
     assert recalls.asked == [(InstanceId("a"), (ItemId("i7"), ItemId("i6")))]
-    _start(b)
+    start(b)
     for k in (0, 1):  # a now runs i2..i5: none waits
         p.on_result(a, wire.ItemResult(item=ItemId(f"i{k}"), num_tokens=5), 3.0)
     for k in (9, 10, 11):
@@ -351,7 +327,7 @@ async def test_a_tail_shortfall_beyond_chance_moves_running_requests() -> None:
     by random finishing order), however much it still holds: with a share of 16,
     holding 10 it takes 6; holding 13, none."""
     for held_b, taken in ((10, 6), (13, 0)):
-        a, b = _worker("a", 64), _worker("b", 64)
+        a, b = worker("a", 64), worker("b", 64)
         balancer, asked = _bare_balancer(a, b)
         for k in range(32 - held_b):
             a.in_flight.add(item(k))
@@ -365,11 +341,11 @@ async def test_a_tail_shortfall_beyond_chance_moves_running_requests() -> None:
 async def test_an_idle_engine_leaves_a_session_with_the_engine_holding_its_prefix() -> None:
     events: list[ev.Event] = []
     p, recalls = _balancing(events)
-    a, b = _worker("a", 8), _worker("b", 8)
+    a, b = worker("a", 8), worker("b", 8)
     p.add_worker(a, 0.0)
     p.add_worker(b, 0.0)
     p.admit([item(k, affinity="prefer", instance=InstanceId("a")) for k in range(4)], 0.0)
-    _start(a)
+    start(a)
     p.after_results(b, 1.0)
     assert b.is_idle and not recalls.asked and len(a.in_flight) == 4
 
@@ -380,13 +356,13 @@ async def test_each_donor_keeps_the_sessions_whose_prefix_it_holds() -> None:
     let every session but that donor's move)."""
     events: list[ev.Event] = []
     p, recalls = _balancing(events)
-    a, b, c = _worker("a", 8), _worker("b", 8), _worker("c", 8)
+    a, b, c = worker("a", 8), worker("b", 8), worker("c", 8)
     p.add_worker(a, 0.0)
     p.add_worker(b, 0.0)
     p.admit([item(k, affinity="prefer", instance=InstanceId("a")) for k in range(4)], 0.0)
     p.admit([item(k, affinity="prefer", instance=InstanceId("b")) for k in range(4, 8)], 0.0)
-    _start(a)
-    _start(b)
+    start(a)
+    start(b)
     assert (len(a.in_flight), len(b.in_flight)) == (4, 4)
     p.add_worker(c, 1.0)  # its share: 8 * 8/24 = 2, but every session stays put
     assert not recalls.asked and c.is_idle
@@ -397,7 +373,7 @@ async def test_a_donor_found_with_nothing_to_give_is_asked_again_once_it_holds_m
     in-flight items again only once one is added there: ``a`` holds only requests
     moved for balance before (the tail takes none of them again), then a fresh one,
     which ``b``, below its share, then takes."""
-    a, b = _worker("a", 8), _worker("b", 8)
+    a, b = worker("a", 8), worker("b", 8)
     balancer, asked = _bare_balancer(a, b)
     for k in range(4):
         a.in_flight.add(item(k))
@@ -430,7 +406,7 @@ def test_in_flight_counts_the_items_its_worker_does_not_pin() -> None:
 async def test_a_component_tally_counts_what_its_workers_queue_and_hold_until_they_leave() -> None:
     """The placement's per-component tallies follow every way an item enters or leaves
     a queue or an in-flight map, and a worker that leaves stops counting."""
-    a, b = _worker("a", 2), _worker("b", 2)
+    a, b = worker("a", 2), worker("b", 2)
     a.queue.put_nowait(item(0))
     peers = ComponentPeers.of([a, b])
     assert (peers.queued.count, peers.in_flight.count, peers.slots) == (1, 0, 4)
@@ -457,13 +433,13 @@ async def test_without_tail_balancing_the_tail_stays_where_it_runs() -> None:
     from ``a``'s three (with tail balancing it would take one)."""
     events: list[ev.Event] = []
     p, recalls = _balancing(events, idle=False)
-    a, b = _worker("a", 8), _worker("b", 8)
+    a, b = worker("a", 8), worker("b", 8)
     p.add_worker(a, 0.0)
     p.admit([item(k) for k in range(6)], 0.0)
-    _start(a)
+    start(a)
     p.add_worker(b, 1.0)
     assert len(recalls.asked) == 1 and len(b.queue) == 3
-    _start(b)
+    start(b)
     for it in list(b.in_flight):
         p.on_result(b, wire.ItemResult(item=it, num_tokens=5), 2.0)
     p.after_results(b, 2.0)
@@ -476,12 +452,12 @@ async def test_an_instance_left_with_nothing_is_reported_idle_once_per_idle_spel
     one that took waiting work is not."""
     events: list[ev.Event] = []
     p = _placement(events)
-    a, b = _worker("a", capacity=1), _worker("b", capacity=1)
+    a, b = worker("a", capacity=1), worker("b", capacity=1)
     p.add_worker(a, 0.0)
     p.add_worker(b, 0.0)
     p.admit([item(0), item(1), item(2)], 0.0)
-    _start(a)
-    _start(b)
+    start(a)
+    start(b)
 
     def idle() -> list[InstanceId]:
         return [e.instance for e in events if isinstance(e, ev.WorkerIdle)]
@@ -493,7 +469,7 @@ async def test_an_instance_left_with_nothing_is_reported_idle_once_per_idle_spel
 
     finish(a, 1.0)  # a takes i2, waiting at b (its queue or b's)
     assert idle() == []
-    _start(a)
+    start(a)
     finish(b, 2.0)
     p.after_results(b, 2.5)  # (a stale result) still idle: no second report
     assert idle() == [InstanceId("b")]
@@ -502,7 +478,7 @@ async def test_an_instance_left_with_nothing_is_reported_idle_once_per_idle_spel
     p.admit([item(3)], 4.0)  # routed to one of them: that one's spell is over
     [routed] = [e.instance for e in events if isinstance(e, ev.ItemRouted) and e.item == "i3"]
     w = a if routed == "a" else b
-    _start(w)
+    start(w)
     finish(w, 5.0)
     assert idle() == [InstanceId("b"), InstanceId("a"), routed]
 

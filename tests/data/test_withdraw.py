@@ -4,36 +4,14 @@ they are, keep the tokens they generated, and count them again when they come ba
 import pytest
 
 from dynarl.control import events as ev
-from dynarl.core.clock import ManualClock
 from dynarl.core.ids import InstanceId, ItemId
 from dynarl.data import wire
 from dynarl.data.errors import RoutingError
 from dynarl.data.peers import WorkerState
 from dynarl.data.placement import Placement, RoutedResult
-from dynarl.data.request_order import FifoOrder
-from dynarl.data.request_queue import RequestQueue
 from dynarl.data.routing import AffinityRouting
-from dynarl.data.transport import PeerId
 
-from .helpers import PROMPTS, ROLLOUT, CheckedGraph, item
-
-
-def _worker(name: str, capacity: int) -> WorkerState:
-    return WorkerState(
-        PeerId(name.encode()),
-        instance=InstanceId(name),
-        component=ROLLOUT,
-        capacity=capacity,
-        queue=RequestQueue[wire.Item](FifoOrder(), max_size=100, clock=ManualClock()),
-        now_s=0.0,
-        sticky_max_queued=64,
-        kv_full=0.95,
-    )
-
-
-def _start(w: WorkerState) -> None:
-    for it in w.queue.get_batch_nowait(w.capacity - len(w.in_flight)):
-        w.in_flight.add(it)
+from .helpers import PROMPTS, ROLLOUT, CheckedGraph, item, start, worker
 
 
 class _Worker:
@@ -58,7 +36,7 @@ def _setup() -> tuple[Placement, CheckedGraph, _Worker, WorkerState, WorkerState
         balance_below_share=False,
         recall=recalls,
     )
-    a, b = _worker("a", 2), _worker("b", 2)
+    a, b = worker("a", 2), worker("b", 2)
     p.add_worker(a, 0.0)
     p.add_worker(b, 0.0)
     return p, graph, recalls, a, b
@@ -67,14 +45,14 @@ def _setup() -> tuple[Placement, CheckedGraph, _Worker, WorkerState, WorkerState
 async def test_queued_items_leave_at_once_and_running_ones_when_their_abort_returns() -> None:
     p, graph, recalls, a, b = _setup()
     p.admit([item(k) for k in range(8)], 0.0)
-    _start(a)
-    _start(b)
+    start(a)
+    start(b)
     running = {*a.in_flight, *b.in_flight}
     assert len(running) == 4
     # One running item reports partial progress on its way (an earlier abort).
     first = next(iter(a.in_flight))
     p.on_result(a, wire.ItemResult(item=first, status="aborted", num_tokens=5), 0.5)
-    _start(a)
+    start(a)
     queued = {it.id for w in (a, b) for it in w.queue.queued()}
     leaving = sorted(p.pending - {next(iter(b.in_flight))})  # keep one running item
     taken = p.withdraw(leaving, 1.0)
@@ -103,7 +81,7 @@ async def test_queued_items_leave_at_once_and_running_ones_when_their_abort_retu
     assert isinstance(enq[0], ev.ItemsEnqueued) and enq[0].generated == (carried,)
     assert first not in p.carried_tokens
     holder = next(w for w in (a, b) if any(it.id == first for it in w.queue.queued()))
-    _start(holder)
+    start(holder)
     p.on_result(holder, wire.ItemResult(item=first, num_tokens=4), 4.0)
     done = [e for e in graph.of(ev.ItemCompleted) if isinstance(e, ev.ItemCompleted)]
     assert done[-1].item == first and done[-1].num_tokens == carried + 4
@@ -113,8 +91,8 @@ async def test_queued_items_leave_at_once_and_running_ones_when_their_abort_retu
 async def test_an_item_that_finishes_before_its_abort_lands_completes() -> None:
     p, graph, recalls, a, b = _setup()
     p.admit([item(0)], 0.0)
-    _start(a)
-    _start(b)
+    start(a)
+    start(b)
     holder = a if a.in_flight else b
     assert p.withdraw([ItemId("i0")], 1.0) == []
     assert recalls.asked == [(holder.instance, (ItemId("i0"),))]
@@ -129,9 +107,9 @@ async def test_sessions_out_on_a_tool_and_backlogged_items_leave_at_once() -> No
     graph = CheckedGraph(["a"])
     p = Placement({PROMPTS: (ROLLOUT,)}, policy=AffinityRouting(seed=0), emit=graph)
     p.admit([item(k, affinity="prefer") for k in range(3)], 0.0)  # no worker: backlog
-    a = _worker("a", 1)
+    a = worker("a", 1)
     p.add_worker(a, 0.0)
-    _start(a)
+    start(a)
     p.on_result(a, wire.ItemResult(item=ItemId("i0"), status="tool_call", num_tokens=6), 1.0)
     assert ItemId("i0") in p.in_tool
     taken = p.withdraw([ItemId("i0"), ItemId("i1"), ItemId("i2")], 2.0)
@@ -146,10 +124,10 @@ async def test_sessions_out_on_a_tool_and_backlogged_items_leave_at_once() -> No
 async def test_withdrawing_what_is_not_pending_or_cannot_be_recalled_is_refused() -> None:
     graph = CheckedGraph(["a"])
     p = Placement({PROMPTS: (ROLLOUT,)}, policy=AffinityRouting(seed=0), emit=graph)
-    a = _worker("a", 1)
+    a = worker("a", 1)
     p.add_worker(a, 0.0)
     p.admit([item(0)], 0.0)
-    _start(a)
+    start(a)
     with pytest.raises(RoutingError, match="not pending"):
         p.withdraw([ItemId("nope")], 1.0)
     with pytest.raises(RoutingError, match="cannot recall"):
@@ -161,8 +139,8 @@ async def test_withdrawing_what_is_not_pending_or_cannot_be_recalled_is_refused(
 async def test_a_failed_workers_recalled_items_leave_instead_of_running_elsewhere() -> None:
     p, graph, _, a, b = _setup()
     p.admit([item(k) for k in range(4)], 0.0)
-    _start(a)
-    _start(b)
+    start(a)
+    start(b)
     on_a = list(a.in_flight)
     p.withdraw(on_a, 1.0)
     since = len(graph.events)

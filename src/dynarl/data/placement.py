@@ -281,10 +281,7 @@ class Placement:
 
     def _withdrawn(self, items: Sequence[wire.Item], now: float) -> None:
         """Items that no instance holds leave the run (see :meth:`withdraw`)."""
-        by_edge: dict[EdgeId, list[ItemId]] = {}
-        for item in items:
-            by_edge.setdefault(item.edge, []).append(item.id)
-        for edge, ids in by_edge.items():
+        for edge, ids in _by_edge(items).items():
             generated = tuple(self.generated_tokens.pop(i, 0) for i in ids)
             self.emit(
                 ev.ItemsWithdrawn(time_s=now, edge=edge, items=tuple(ids), generated=generated)
@@ -492,10 +489,7 @@ class Placement:
     def _requeue(self, items: list[wire.Item], now: float) -> None:
         """Report items taken back from an instance, each with the tokens of the
         partial output it keeps, and route them again."""
-        by_edge: dict[EdgeId, list[ItemId]] = {}
-        for item in items:
-            by_edge.setdefault(item.edge, []).append(item.id)
-        for edge, ids in by_edge.items():
+        for edge, ids in _by_edge(items).items():
             generated = tuple(self.generated_tokens.get(i, 0) for i in ids)
             self.emit(
                 ev.ItemsRequeued(time_s=now, edge=edge, items=tuple(ids), generated=generated)
@@ -503,3 +497,11 @@ class Placement:
         self.num_requeued += len(items)
         for item in items:
             self._place(item, now)
+
+
+def _by_edge(items: Iterable[wire.Item]) -> dict[EdgeId, list[ItemId]]:
+    """The ids of ``items`` by edge, in order (one event per edge)."""
+    by_edge: dict[EdgeId, list[ItemId]] = {}
+    for item in items:
+        by_edge.setdefault(item.edge, []).append(item.id)
+    return by_edge
