@@ -45,6 +45,7 @@ def _graph(*, partial: bool) -> tuple[Hypergraph, dict[str, list[ItemId]]]:
             time_s=10.0,
             groups_to_complete=2 if partial else None,
             groups_due=(GroupId("d"),) if partial else (),
+            group_size=2 if partial else 0,
         )
     )
     items = {
@@ -123,3 +124,19 @@ def test_the_trainers_plan_keeps_a_group_handed_on_while_its_last_sample_is_repo
     assert cut is not None and set(cut.groups) == {GroupId("a")}
     steps, ready = steps_in_arrival_order(g, ACTOR, 2)
     assert len(steps) == 2 and all(0.0 <= r <= 1.0 for r in ready)
+
+
+def test_the_finished_samples_a_needed_group_holds_back_flow_on_with_it() -> None:
+    """A sample of a group not yet admitted waits outside the pipeline (it is neither
+    pending on rollout nor queued for scoring): the group's size says it is there, and
+    it reaches scoring with its group."""
+    g, items = _graph(partial=True)
+    _complete(g, items["b"][:1], (3000,))  # b0 done, held until b1 is
+    cut = rollout_cut(g, ROLLOUT)
+    assert cut is not None and GroupId("b") in cut.groups
+    assert cut.held == {GroupId("b"): 1.0}
+    assert cut.sample_work == pytest.approx(10 + 3000)  # a prompt, a response so far
+    # Scoring's upstream work counts b0 (without the group size it went missing).
+    with_held = demands(g)[INFERENCE].upstream
+    g.group_size = 0
+    assert with_held - demands(g)[INFERENCE].upstream == pytest.approx(3010)

@@ -34,11 +34,15 @@ class IterationStarted(Event, frozen=True, kw_only=True):
     ``groups_to_complete``: with partial rollouts, the rollout ends once every group in
     ``groups_due`` and this many of the others are whole (every request of each
     completed), and its other requests are withdrawn (:class:`ItemsWithdrawn`);
-    ``None``: once every request has completed."""
+    ``None``: once every request has completed. ``group_size``: samples per group (0:
+    not said); with partial rollouts a group's finished samples wait, outside the
+    pipeline, until the group is admitted, and this tells the model how many there are.
+    """
 
     iteration: int
     groups_to_complete: int | None = None
     groups_due: tuple[GroupId, ...] = ()
+    group_size: int = 0
 
 
 class IterationDone(Event, frozen=True, kw_only=True):

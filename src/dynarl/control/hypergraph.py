@@ -76,6 +76,7 @@ class Hypergraph:
         self.iteration_started_s = now_s
         self.groups_to_complete: int | None = None  # partial rollouts: groups_needed
         self.groups_due: frozenset[GroupId] = frozenset()
+        self.group_size = 0  # samples per group, if the iteration said
         self.components: dict[ComponentId, HyperNode] = {
             c.id: HyperNode(c, rate_tau_s=rate_tau_s) for c in spec.components
         }
@@ -234,6 +235,7 @@ class Hypergraph:
         self.iteration_started_s = e.time_s
         self.groups_to_complete = e.groups_to_complete
         self.groups_due = frozenset(e.groups_due)
+        self.group_size = e.group_size
         for node in self.components.values():
             node.steps_done = 0
             node.num_steps = 0

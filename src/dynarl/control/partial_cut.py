@@ -34,17 +34,36 @@ class Cut:
             (the samples that flow downstream).
         groups: the groups expected to complete in time, each with the tokens it
             still generates (when it completes, in tokens of one request).
+        held: per needed group, its samples that finished and wait, outside the
+            pipeline, for the group to be admitted (``IterationStarted.group_size``
+            less those pending on rollout or past it); they flow on with the group.
+        sample_work: the work one of those samples is to the stages after rollout
+            (:meth:`~dynarl.control.hypergraph.Hypergraph.item_work` units).
     """
 
-    __slots__ = ("groups", "share", "tokens", "work")
+    __slots__ = ("groups", "held", "sample_work", "share", "tokens", "work")
 
     def __init__(
-        self, tokens: float, work: float, share: float, groups: dict[GroupId, float]
+        self,
+        tokens: float,
+        work: float,
+        share: float,
+        groups: dict[GroupId, float],
+        *,
+        held: dict[GroupId, float] | None = None,
+        sample_work: float = 0.0,
     ) -> None:
         self.tokens = tokens
         self.work = work
         self.share = share
         self.groups = groups
+        self.held = held or {}
+        self.sample_work = sample_work
+
+    @property
+    def held_samples(self) -> float:
+        """Finished samples of the needed groups waiting outside the pipeline."""
+        return sum(self.held.values())
 
 
 def rollout_cut(
@@ -108,7 +127,37 @@ def _cut(graph: Hypergraph, component: ComponentId, needed: int) -> Cut | None:
         own = tail[k] / (m - k) - p if k < m else 1.0
         work += own if own < tokens else tokens
     share = sum(c for _, _, c in chosen) / len(progress)
-    return Cut(tokens, work, share, {gid: r for r, gid, _ in chosen})
+    held, sample_work = _held(graph, component, chosen)
+    chosen_left = {gid: r for r, gid, _ in chosen}
+    return Cut(tokens, work, share, chosen_left, held=held, sample_work=sample_work)
+
+
+def _held(
+    graph: Hypergraph, component: ComponentId, chosen: list[tuple[float, GroupId, float]]
+) -> tuple[dict[GroupId, float], float]:
+    """Per needed group, its finished samples waiting outside the pipeline, and the
+    work of one (its prompt and a response as long as this iteration's so far)."""
+    size = graph.group_size
+    if not size:
+        return {}, 0.0
+    rollout = graph.edges_into(component)
+    later = [e for e in graph.edges.values() if e not in rollout and e.groups]
+    held: dict[GroupId, float] = {}
+    for _, gid, pending in chosen:
+        past = sum(e.groups[gid][0] for e in later if gid in e.groups)
+        if size - pending - past > 0:
+            held[gid] = float(size - pending - past)
+    if not graph.sized:
+        return held, 1.0
+    node = graph.components[component]
+    if node.items_completed_iter:
+        response = node.tokens_completed_iter / node.items_completed_iter
+    else:
+        lengths = node.lengths_prev
+        response = sum(lengths) / len(lengths) if lengths else 0.0
+    num = sum(e.num_pending for e in rollout)
+    prompt = sum(e.tokens_pending for e in rollout) / num if num else 0.0
+    return held, prompt + response
 
 
 def _progress_by_group(graph: Hypergraph, component: ComponentId) -> list[tuple[GroupId, float]]:

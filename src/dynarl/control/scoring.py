@@ -106,7 +106,8 @@ def _demands(graph: Hypergraph, est: Estimates) -> dict[ComponentId, Demand]:
                 # A partial rollout ends with the last group it needs: every request
                 # decodes until then, and only the needed groups' samples flow on.
                 flow[cid] = (flow[cid] - upstream_work) * cut.share + upstream_work
-                items[cid] = own * cut.share + upstream
+                flow[cid] += cut.held_samples * cut.sample_work
+                items[cid] = own * cut.share + cut.held_samples + upstream
                 per_item = cut.work / own
                 longest = cut.tokens
             else:

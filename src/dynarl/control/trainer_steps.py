@@ -161,6 +161,10 @@ def _rollout_groups(
         for gid, left in cut.groups.items():
             if gid in groups:
                 groups[gid][2] = max(groups[gid][2], min(1.0, left * scale))
+        for gid, num in cut.held.items():  # finished, waiting outside the pipeline
+            if gid in groups:
+                groups[gid][0] += num
+                groups[gid][1] += num * cut.sample_work
     order = rollout_lengths.completion_order(graph, rollout, est)
     if order is None:  # no lengths yet: completions uniform in time, each of the mean
         length = rollout_lengths.mean_progress(graph, rollout)

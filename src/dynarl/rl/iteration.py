@@ -189,6 +189,7 @@ class Iteration:
             iteration=self.iteration,
             groups_to_complete=admission.quota_left,
             groups_due=tuple(ids[k] for k in sorted(admission.due)),
+            group_size=self.p.algorithm.group_size,
         )
 
     async def _start_episodes(self, runner: EpisodeRunner) -> list[Item]:

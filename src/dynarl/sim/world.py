@@ -169,6 +169,7 @@ class SimWorld:
                     iteration=iteration,
                     groups_to_complete=self.partial.groups_to_complete,
                     groups_due=self.partial.groups_due,
+                    group_size=self.cfg.algorithm.group_size,
                 )
             )
             self.actor.begin_iteration(iteration, None, self.cfg.run.seed)
