@@ -14,7 +14,8 @@ trains, where its rollout requests are, and what it carries over (partial rollou
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import anyio
 import msgspec
@@ -25,23 +26,30 @@ from dynarl.control import events as ev
 from dynarl.control.topology import PROMPTS, TO_INFERENCE
 from dynarl.core.ids import GroupId, ItemId
 from dynarl.data.placement import RoutedResult
+from dynarl.data.router import Router
 from dynarl.data.wire import Item
+from dynarl.envs.config import EnvConfig
+from dynarl.envs.environment import EnvironmentSpec
+from dynarl.envs.prompts import PromptSampler
+from dynarl.envs.verifier import AsyncVerifier
 from dynarl.obs.metrics import IterationStats
 from dynarl.obs.trace_records import Request
 from dynarl.rl.actor_steps import ActorSteps
 from dynarl.rl.carry import CarryState, IterationGroups, fresh_groups
+from dynarl.rl.config import AlgorithmConfig
 from dynarl.rl.episode import Episode, episode_stats
 from dynarl.rl.episode_runner import EpisodeRunner
-from dynarl.rl.progress import Progress
+from dynarl.rl.gate import StepGate
+from dynarl.rl.progress import Progress, Weights
+from dynarl.rl.reporter import EventReporter
 from dynarl.rl.requests import group_requests, prompt_ids, response_text
 from dynarl.rl.routed_results import SplitResults, split_results
 from dynarl.rl.samples import Rewarded, Samples, Scored
-from dynarl.rl.trace import episode_request
+from dynarl.rl.trace import RunTrace, episode_request
+from dynarl.workers.config import RolloutConfig
 from dynarl.workers.inference import LogprobRequest
 from dynarl.workers.rollout import GenerateRequest
-
-if TYPE_CHECKING:
-    from dynarl.rl.pipeline import Pipeline
+from dynarl.workers.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +61,31 @@ _Inbound = list[RoutedResult] | Episode
 runner finished (an empty batch: look again, e.g. whether to end the rollout)."""
 
 
+class Driver(Protocol):
+    """What an iteration uses of the driver that runs it
+    (:class:`~dynarl.rl.pipeline.Pipeline`, whose arguments these are)."""
+
+    algorithm: AlgorithmConfig
+    rollout: RolloutConfig
+    seed: int
+    router: Router
+    trainer: Trainer
+    weights: Weights
+    gate: StepGate
+    reporter: EventReporter
+    sampler: PromptSampler
+    verifier: AsyncVerifier
+    tokenizer: Any
+    uses_inference: bool
+    on_progress: Callable[[Progress], None]
+    environment: EnvironmentSpec | None
+    env: EnvConfig
+    max_seq_len: int
+    trace: RunTrace | None
+    carried: CarryState
+    """What the last iteration carried over (partial rollouts)."""
+
+
 class Iteration:
     """One iteration's state and its stage tasks.
 
@@ -61,7 +94,7 @@ class Iteration:
         iteration: the iteration's 0-based index.
     """
 
-    def __init__(self, pipeline: "Pipeline", iteration: int) -> None:
+    def __init__(self, pipeline: Driver, iteration: int) -> None:
         self.p = pipeline
         self.iteration = iteration
         self.started = time.perf_counter()
@@ -107,13 +140,17 @@ class Iteration:
             pad_token_id=getattr(pipeline.tokenizer, "pad_token_id", None) or 0,
             on_progress=pipeline.on_progress,
         )
+        self.carried_out = CarryState()
+        """What it carries over to the next iteration (once run)."""
+        self.trained: list[Episode] = []
+        """The samples it trained, in request order (once run)."""
         self.runner: EpisodeRunner | None = None
         self.pump = anyio.CancelScope()  # the router's results into the result stage
         self.tg: TaskGroup | None = None
 
     async def run(self) -> IterationStats:
-        """Run the iteration; what it carries over and the samples it trained go to
-        the driver, and what it measured is returned."""
+        """Run the iteration and return what it measured; what it carries over
+        (:attr:`carried_out`) and the samples it trained (:attr:`trained`) are kept."""
         p, n = self.p, len(self.samples.ids)
         p.reporter.forget()
         responses_send, responses = anyio.create_memory_object_stream[list[Episode]](n)
@@ -175,8 +212,8 @@ class Iteration:
         if p.trace is not None:
             p.trace.record(self.iteration, self._trace_requests())
         stats = self._stats(time.perf_counter() - self.started, carried)
-        p.carried = carried
-        p.trained = [self.samples.completions[rid] for rid in self.groups.trained()]
+        self.carried_out = carried
+        self.trained = [self.samples.completions[rid] for rid in self.groups.trained()]
         return stats
 
     def _started(self) -> ev.IterationStarted:

@@ -128,4 +128,7 @@ class Pipeline:
 
     async def run(self, iteration: int) -> IterationStats:
         """Run iteration ``iteration`` and return what it measured."""
-        return await Iteration(self, iteration).run()
+        run = Iteration(self, iteration)
+        stats = await run.run()
+        self.carried, self.trained = run.carried_out, run.trained
+        return stats
