@@ -68,6 +68,9 @@ class Placement:
         recall: asks a worker to hand these in-flight items back now (status
             ``aborted``, with their partial output; the router sends ``Abort``), for
             :meth:`balance_for` to move them; ``None``: only queued items move.
+        lost: receives, as the result no worker will send, an item :meth:`withdraw`
+            recalled whose worker failed first (status ``aborted``, with the payload
+            it was sent with); ``None``: it leaves unannounced.
 
     The balancing, and its books (what was recalled, what was moved, how many), is
     :attr:`balancer`'s (a :class:`~dynarl.data.balance.Balancer`).
@@ -82,8 +85,10 @@ class Placement:
         balance_on_join: bool = True,
         balance_below_share: bool = True,
         recall: Callable[[WorkerState, tuple[ItemId, ...], float], object] | None = None,
+        lost: Callable[[RoutedResult], object] | None = None,
     ) -> None:
         self.consumers = {e: frozenset(cs) for e, cs in consumers.items()}
+        self.lost = lost
         self.policy = policy
         self.emit = emit
         self.workers: dict[InstanceId, WorkerState] = {}
@@ -178,11 +183,16 @@ class Placement:
         )
         # The hypergraph puts the items a failed instance held back in their queues.
         self.emit(ev.WorkerFailed(time_s=now, instance=w.instance, reason=reason))
-        leaving = {item.id for item in items if item.id in self.withdrawing}
+        leaving = [item for item in items if item.id in self.withdrawing]
         if leaving:  # recalled to leave the run: they leave from the queue instead
-            self._withdrawn([item for item in items if item.id in leaving], now)
+            self._withdrawn(leaving, now)
+            if self.lost is not None:
+                for item in leaving:
+                    result = wire.ItemResult(item=item.id, status="aborted", payload=item.payload)
+                    self.lost(RoutedResult(item=item, result=result, instance=w.instance))
+        left = {item.id for item in leaving}
         for item in items:
-            if item.id not in leaving:
+            if item.id not in left:
                 self._place(item, now)
 
     def plan(self, targets: Iterable[tuple[ItemId, InstanceId]]) -> None:

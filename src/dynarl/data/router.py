@@ -47,7 +47,6 @@ from dynarl.data.request_order import FifoOrder, RequestOrder
 from dynarl.data.routing import AffinityRouting, RoutingPolicy
 from dynarl.data.sessions import Sessions
 from dynarl.data.transport import Transport
-from dynarl.data.withdrawals import Withdrawals
 
 logger = logging.getLogger(__name__)
 
@@ -89,21 +88,20 @@ class Router:
         self._transport = transport
         self._order = order or FifoOrder()
         self._clock = clock or LoopClock()
-        self._on_event = on_event or (lambda e: None)
         self._placement = Placement(
             consumers,
             policy=policy or AffinityRouting(),
-            emit=self._emit,
+            emit=on_event or (lambda e: None),
             balance_on_join=self.config.balance_on_join,
             balance_below_share=self.config.balance_below_share,
             recall=self._recall,
+            lost=self._hand_back,
         )
         self.rejections = Rejections("router")
         self._codec = controller_codec(self.rejections, max_frame_bytes=self.config.max_frame_bytes)
         self._delivery = ResultDelivery(
             transport, self._placement, self.rejections, clock=self._clock, config=self.config
         )
-        self._withdrawals = Withdrawals(self._placement, self._delivery.hand_back)
         self._sessions = Sessions(
             transport,
             self._codec,
@@ -210,7 +208,6 @@ class Router:
         Each leaving item is reported (``ItemsWithdrawn``)."""
         p = self._placement
         taken = p.withdraw(p.pending.intersection(item_ids), self._clock.now())
-        self._withdrawals.note()
         if len(p.backlog) < self.config.max_backlog_items:
             self._backlog_space.set()
         return taken
@@ -445,9 +442,9 @@ class Router:
         else:
             self._sessions.send_nowait(w.peer, wire.Abort(items))
 
-    def _emit(self, event: ev.Event) -> None:
-        self._on_event(event)
-        self._withdrawals.on_event(event)  # a withdrawn item's failed worker: handed back
+    def _hand_back(self, result: RoutedResult) -> None:
+        """A withdrawn item whose worker failed before handing it back: its result."""
+        self._delivery.hand_back(result)
 
     def _on_join(self, w: WorkerState) -> None:
         assert self._tg is not None
