@@ -4,22 +4,23 @@ carry over to the next one.
 With ``algorithm.over_sample_prompts`` (``O``) an iteration's rollout runs
 ``num_prompts`` (``K``) + ``O`` groups: the groups carried over from the last iteration
 (their unfinished requests resume with every token they generated, their finished
-samples wait) and fresh ones. A group whose every sample has finished is **admitted**
-to training: always if it was carried ``max_staleness`` times (it is *due*), otherwise
-while fewer than ``K`` minus the due groups are admitted; a group whole beyond that
-quota waits, whole, for the next iteration. Admission is final, so a trainer that
-takes minibatches of whole groups as they complete never trains a group the
-iteration does not keep. The rollout is over once ``K`` groups are admitted; the world
-then withdraws every request still pending, and the groups not admitted carry over
-(one more time carried each). A finished sample goes downstream (to inference, or the
-trainer) only once its group is admitted, so no sample is scored by weights that will
-not train it.
+samples wait) and fresh ones. Which of them it trains is the real pipeline's rule,
+:class:`~dynarl.rl.admission.Admission`: a group carried ``max_staleness`` times is
+*due* (trained whatever else finishes), the others are admitted as they become whole
+while fewer than ``K`` minus the due groups are; a group whole beyond that quota waits,
+whole, for the next iteration. The rollout is over once the ``K`` groups it trains are
+whole; the world then withdraws every request still pending, and the groups not
+admitted carry over (one more time carried each). A finished sample goes downstream
+(to inference, or the trainer) once its group is whole and admitted, so no sample is
+scored by weights that will not train it (the real pipeline scores a due group's
+samples as they finish; here they wait for the group, as every other group's do).
 """
 
 from collections.abc import Iterable, Sequence
 
 from dynarl.core.ids import GroupId
 from dynarl.obs.trace_records import Request
+from dynarl.rl.admission import Admission
 from dynarl.rl.config import AlgorithmConfig
 from dynarl.sim.progress import SeqProgress
 
@@ -35,7 +36,8 @@ class _Group:
 
 
 class PartialRollouts:
-    """The groups in flight across iterations, and the admission rule above.
+    """The groups in flight across iterations; which of them an iteration trains is
+    its :class:`~dynarl.rl.admission.Admission`'s to say (the real pipeline's rule).
 
     Args:
         algorithm: the batch shape, ``over_sample_prompts`` and ``max_staleness``.
@@ -47,10 +49,10 @@ class PartialRollouts:
         self.in_flight_groups = algorithm.num_prompts + algorithm.over_sample_prompts
         self.staleness_bound = algorithm.staleness_bound
         self._groups: dict[GroupId, _Group] = {}
-        self._admitted: list[GroupId] = []
-        self._quota = 0
-        self._others_admitted = 0
-        self._due: set[GroupId] = set()
+        self._ids: list[GroupId] = []  # this iteration's groups, by admission index
+        self._index: dict[GroupId, int] = {}
+        self._admission = Admission(num_groups=0, group_size=1, num_trained=0, due=())
+        self._whole: list[GroupId] = []  # admitted groups, in the order they became whole
 
     def fresh_groups_needed(self) -> int:
         """How many fresh groups the next iteration starts."""
@@ -61,23 +63,29 @@ class PartialRollouts:
         groups, :meth:`fresh_groups_needed` of them). Returns the requests to roll out
         (the carried ones first, each with its progress) and the samples to send
         downstream at once (those of carried groups that are whole and admitted now)."""
-        self._admitted = []
-        self._others_admitted = 0
         carried = list(self._groups.values())
         for seqs in _by_group(fresh):
             self._groups[seqs[0].request.group] = _Group(seqs)
+        self._ids = list(self._groups)
+        self._index = {gid: k for k, gid in enumerate(self._ids)}
         for g in self._groups.values():
             g.tokens_before = sum(s.generated() for s in g.members)
-        self._due = {
-            gid for gid, g in self._groups.items() if g.times_carried >= self.staleness_bound > 0
-        }
-        self._quota = self.num_prompts - len(self._due)
-        assert self._quota >= 0, "over_sample_prompts <= num_prompts bounds the due groups"
+        bound = self.staleness_bound
+        self._admission = Admission(
+            num_groups=len(self._ids),
+            group_size=self.group_size,
+            num_trained=self.num_prompts,
+            due=[k for k, g in enumerate(self._groups.values()) if g.times_carried >= bound],
+        )
+        self._whole = []
         ready: list[SeqProgress] = []
-        # Whole groups carried over are admitted first, the oldest first.
+        # The samples carried over finished count first, the oldest groups' first: a
+        # whole carried group is admitted before any other.
         for g in sorted(carried, key=lambda g: -g.times_carried):
-            if len(g.finished) == self.group_size:
-                ready.extend(self._admit(g))
+            k = self._index[g.members[0].request.group]
+            for _ in g.finished:
+                self._admission.finished(k)
+            ready.extend(self._if_whole(g))
         finished = {id(s) for g in carried for s in g.finished}
         rollout = [s for g in carried for s in g.members if id(s) not in finished]
         rollout += [s for g in self._groups.values() if g.times_carried == 0 for s in g.members]
@@ -90,55 +98,54 @@ class PartialRollouts:
         for s in seqs:
             g = self._groups[s.request.group]
             g.finished.append(s)
-            if len(g.finished) == self.group_size:
-                out.extend(self._admit(g))
+            self._admission.finished(self._index[s.request.group])
+            out.extend(self._if_whole(g))
         return out
 
     @property
     def groups_to_complete(self) -> int:
         """Groups not due the rollout must still complete before it is over."""
-        return max(self._quota - self._others_admitted, 0)
+        return self._admission.quota_left
 
     @property
     def groups_due(self) -> tuple[GroupId, ...]:
-        """The due groups not yet admitted: the rollout completes each of them."""
-        admitted = set(self._admitted)
-        return tuple(sorted(g for g in self._due if g not in admitted))
+        """The due groups not yet whole: the rollout completes each of them."""
+        due = (self._ids[k] for k in self._admission.due)
+        return tuple(sorted(g for g in due if len(self._groups[g].finished) < self.group_size))
 
     @property
     def rollout_over(self) -> bool:
-        """Whether the iteration has admitted every group it trains."""
-        return len(self._admitted) >= self.num_prompts
+        """Whether every group the iteration trains is admitted and whole."""
+        return self._admission.over
 
     def end(self) -> tuple[list[Request], int, int]:
         """End the iteration: forget the groups it trained, carry the others over.
-        Returns the trained requests (in admission order), the tokens of their
-        responses generated in earlier iterations, and the most times one of their
-        groups was carried."""
+        Returns the trained requests (in the order their groups became whole), the
+        tokens of their responses generated in earlier iterations, and the most times
+        one of their groups was carried."""
         trained: list[Request] = []
         older_tokens = most_carried = 0
-        for gid in self._admitted:
+        for gid in self._whole:
             g = self._groups.pop(gid)
             trained.extend(s.request for s in g.members)
             older_tokens += g.tokens_before
             most_carried = max(most_carried, g.times_carried)
         for g in self._groups.values():
             g.times_carried += 1
-        self._admitted = []
+        self._whole = []
         return trained, older_tokens, most_carried
 
     @property
     def num_carried_groups(self) -> int:
         """Groups in flight that the current iteration has not admitted."""
-        return len(self._groups) - len(self._admitted)
+        return len(self._groups) - len(self._whole)
 
-    def _admit(self, g: _Group) -> list[SeqProgress]:
+    def _if_whole(self, g: _Group) -> list[SeqProgress]:
+        """``g``'s samples, if it is whole now and the iteration trains it."""
         gid = g.members[0].request.group
-        if gid not in self._due:
-            if self._others_admitted >= self._quota:
-                return []  # whole beyond the quota: trained next iteration
-            self._others_admitted += 1
-        self._admitted.append(gid)
+        if len(g.finished) < self.group_size or not self._admission.is_admitted(self._index[gid]):
+            return []  # not whole, or whole beyond the quota: trained next iteration
+        self._whole.append(gid)
         return sorted(g.finished, key=lambda s: s.request.id)
 
 
