@@ -16,7 +16,7 @@ most left of it. Of the groups not due, those expected soonest are the needed on
 
 import bisect
 
-from dynarl.control.elements import TOOL
+from dynarl.control import rollout_lengths
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.core.ids import ComponentId, GroupId
@@ -90,7 +90,7 @@ def _cut(graph: Hypergraph, component: ComponentId, needed: int) -> Cut | None:
     # Per pending group: [most progress, least progress, pending requests].
     groups: dict[GroupId, list[float]] = {}
     progress: list[float] = []
-    for group, p in _progress_by_group(graph, component):
+    for group, p in rollout_lengths.pending_progress_by_group(graph, component):
         progress.append(p)
         g = groups.get(group)
         if g is None:
@@ -158,31 +158,3 @@ def _held(
     num = sum(e.num_pending for e in rollout)
     prompt = sum(e.tokens_pending for e in rollout) / num if num else 0.0
     return held, prompt + response
-
-
-def _progress_by_group(graph: Hypergraph, component: ComponentId) -> list[tuple[GroupId, float]]:
-    """(group, tokens generated) of every pending request of a rollout component: those
-    its instances hold read together per instance (its share of the tokens looked up
-    once), those queued or out on a tool call from the edges."""
-    edges = graph.edges_into(component)
-    out: list[tuple[GroupId, float]] = []
-    if any(e.spec.consumers != (component,) for e in edges):  # shared edges: each item
-        for edge in edges:
-            for st in edge.items.values():
-                owner = st.owner
-                p = (
-                    st.generated
-                    if owner is None or owner == TOOL
-                    else graph.instances[owner].progress_of(st)
-                )
-                out.append((st.group, p))
-        return out
-    for edge in edges:
-        out.extend(
-            [(st.group, st.generated) for st in edge.items.values() if st.owner in (None, TOOL)]
-        )
-    for inst in graph.components[component].instances.values():
-        tpr = inst.tokens_per_request
-        out.extend([(st.group, st.generated + tpr - st.mark) for st in inst.started.values()])
-        out.extend([(st.group, st.generated) for st in inst.waiting.values()])
-    return out

@@ -18,7 +18,7 @@ import math
 from dynarl.control.elements import TOOL, HyperEdge
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
-from dynarl.core.ids import ComponentId
+from dynarl.core.ids import ComponentId, GroupId
 
 _BUCKETS = 32  # progress quantiles the longest-remaining estimate works on
 _ORDER_BUCKETS = 16  # equal-count buckets of :func:`completion_order`
@@ -128,6 +128,37 @@ def _progress_by_holder(
         out.extend([st.generated + tpr - st.mark for st in node.started.values()])
         out.extend([st.generated for st in node.waiting.values()])
     out.sort()
+    return out
+
+
+def pending_progress_by_group(
+    graph: Hypergraph, component: ComponentId
+) -> list[tuple[GroupId, float]]:
+    """(group, tokens generated) of every pending request of a rollout component, in no
+    particular order: :func:`pending_progress` with each request's group (read the same
+    way, per holder), for the models that need a group's requests together
+    (:mod:`~dynarl.control.partial_cut`)."""
+    edges = graph.edges_into(component)
+    out: list[tuple[GroupId, float]] = []
+    if any(e.spec.consumers != (component,) for e in edges):  # shared edges: each item
+        for edge in edges:
+            for st in edge.items.values():
+                owner = st.owner
+                p = (
+                    st.generated
+                    if owner is None or owner == TOOL
+                    else graph.instances[owner].progress_of(st)
+                )
+                out.append((st.group, p))
+        return out
+    for edge in edges:
+        out.extend(
+            [(st.group, st.generated) for st in edge.items.values() if st.owner in (None, TOOL)]
+        )
+    for inst in graph.components[component].instances.values():
+        tpr = inst.tokens_per_request
+        out.extend([(st.group, st.generated + tpr - st.mark) for st in inst.started.values()])
+        out.extend([(st.group, st.generated) for st in inst.waiting.values()])
     return out
 
 
