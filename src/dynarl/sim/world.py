@@ -141,7 +141,6 @@ class SimWorld:
         """Each iteration's trained requests (with partial rollouts, those of the
         groups it admitted, some begun in earlier iterations)."""
         self.partial = PartialRollouts(cfg.algorithm) if cfg.algorithm.partial_rollouts else None
-        self._rollout_over = False
         self.executor = SimExecutor(self)
         self.slowdown = 1.0  # the host's, shared by every worker (see share_host)
 
@@ -173,7 +172,6 @@ class SimWorld:
                 )
             )
             self.actor.begin_iteration(iteration, None, self.cfg.run.seed)
-            self._rollout_over = False
         for seq in seqs:
             self.seqs[seq.request.id] = seq
         if self._dirty:  # the engines join before the batch arrives, as real workers do
@@ -254,9 +252,8 @@ class SimWorld:
         if self._dirty:
             self._sync_instances(now)
         self.fleet.advance(now, now + _EPS)
-        if self.partial is not None and not self._rollout_over and self.partial.rollout_over:
-            self._rollout_over = True  # the groups it trains are whole: the rest carry over
-            self.fleet.withdraw_pending(now)
+        if self.partial is not None and self.partial.rollout_over and self.fleet.placement.pending:
+            self.fleet.withdraw_pending(now)  # the groups it trains are whole: the rest carry over
         for iid, items in self.inference.stage.finish(now + _EPS):
             self._inference_done(iid, items, now)
         self.actor.finish(now + _EPS)
