@@ -149,3 +149,17 @@ async def test_a_failed_workers_recalled_items_leave_instead_of_running_elsewher
     assert not any(isinstance(e, ev.ItemRouted) for e in graph.events[since:])
     assert p.pending == set(b.in_flight)
     graph.check()
+
+
+async def test_a_refused_withdrawal_leaves_queued_items_where_they_were() -> None:
+    graph = CheckedGraph(["a"])
+    p = Placement({PROMPTS: (ROLLOUT,)}, policy=AffinityRouting(seed=0), emit=graph)
+    a = worker("a", 1)
+    p.add_worker(a, 0.0)
+    p.admit([item(0), item(1)], 0.0)
+    start(a)  # i0 runs, i1 waits in a's queue
+    with pytest.raises(RoutingError, match="cannot recall"):
+        p.withdraw([ItemId("i0"), ItemId("i1")], 1.0)
+    assert [it.id for it in a.queue.queued()] == [ItemId("i1")]
+    assert p.pending == {ItemId("i0"), ItemId("i1")} and not graph.of(ev.ItemsWithdrawn)
+    graph.check()

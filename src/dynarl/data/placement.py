@@ -259,28 +259,29 @@ class Placement:
         result returns, handed to the caller as a :class:`RoutedResult` with status
         ``aborted`` (or ``tool_call``, a session whose turn ended first: its tool's
         result belongs to the next iteration; one that finishes first completes as
-        usual). Each leaving item is
-        reported (``ItemsWithdrawn``, with the tokens it generated), and its count is
-        kept until :meth:`admit` takes it again. Raises :class:`RoutingError` for an
-        item that is not pending, or whose in-flight instance cannot be asked."""
+        usual). Each leaving item is reported (``ItemsWithdrawn``, with the tokens it
+        generated), and its count is kept until :meth:`admit` takes it again. Raises
+        :class:`RoutingError`, changing nothing, for an item that is not pending, or
+        whose in-flight instance cannot be asked."""
         wanted = set(item_ids)
         unknown = wanted - self.pending
         if unknown:
             raise RoutingError(f"cannot withdraw {sorted(unknown)[:3]}: not pending")
+        recalls = [
+            (w, running)
+            for w in self.workers.values()
+            if (running := tuple(i for i in w.in_flight if i in wanted))
+        ]
+        if recalls and self.balancer.recall is None:
+            raise RoutingError("cannot withdraw items in flight: this placement cannot recall")
         taken = [item for item in self.backlog if item.id in wanted]
         if taken:
             self.backlog = deque(item for item in self.backlog if item.id not in wanted)
         for item_id in wanted & self.in_tool.keys():
             taken.append(self.in_tool.pop(item_id))
-        recalls: list[tuple[WorkerState, tuple[ItemId, ...]]] = []
         for w in self.workers.values():
             if len(w.queue):
                 taken.extend(w.queue.take_matching(lambda item: item.id in wanted))
-            running = tuple(i for i in w.in_flight if i in wanted)
-            if running:
-                recalls.append((w, running))
-        if recalls and self.balancer.recall is None:
-            raise RoutingError("cannot withdraw items in flight: this placement cannot recall")
         self._withdrawn(taken, now)
         # All are marked before any is recalled: a recall's results may move others.
         self.withdrawing.update(i for _, running in recalls for i in running)
