@@ -78,3 +78,14 @@ def test_the_chat_tokenizer_has_one_id_per_chat_token_and_a_template(tmp_path: o
     loaded = load_tokenizer(ModelConfig(path=str(tmp_path)))
     assert loaded.chat_template == tokenizer.chat_template
     assert loaded.eos_token_id == tokenizer.eos_token_id
+
+
+def test_a_random_init_model_has_the_vocabulary_of_the_tokenizer_its_config_names() -> None:
+    """Every worker builds the model from the config alone (the trainer without a
+    tokenizer at hand): with ``model.tokenizer=chat`` its embedding has the chat
+    tokenizer's rows, as the engines' (built with the tokenizer) do."""
+    config = ModelConfig(tokenizer="chat", num_layers=1, hidden_size=32)
+    rows = build_model(config, seed=0).get_input_embeddings().weight.shape[0]
+    assert rows == len(build_tokenizer(chat=True)) > len(build_tokenizer())
+    with_tokenizer = build_model(config, seed=0, tokenizer=load_tokenizer(config))
+    assert with_tokenizer.get_input_embeddings().weight.shape[0] == rows

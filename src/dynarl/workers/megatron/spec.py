@@ -53,7 +53,7 @@ class ModelSpec:
 
     def architecture(self) -> Architecture:
         """The shape of the model (from the HF config, without building weights)."""
-        from dynarl.workers.tokenizer import build_tokenizer
+        from dynarl.workers.tokenizer import load_tokenizer
         from dynarl.workers.torch.model import model_config
 
         if self.model.path is not None:
@@ -62,7 +62,7 @@ class ModelSpec:
             config = AutoConfig.from_pretrained(self.model.path)
         else:
             # build_model's default vocabulary (the torch trainer's)
-            config = model_config(self.model, build_tokenizer())
+            config = model_config(self.model, load_tokenizer(self.model))
         arch = Architecture.from_hf_config(config)
         arch.check_parallel(self.tp, self.pp)
         return arch

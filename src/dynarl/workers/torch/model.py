@@ -30,7 +30,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from dynarl.workers.config import ModelConfig
-from dynarl.workers.tokenizer import build_tokenizer
+from dynarl.workers.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,8 @@ def build_model(
     (``seed`` is unused); under ``torch.device("meta")``, only its architecture is
     built (a skeleton whose tensors its caller fills). Otherwise its weights are
     initialised from ``seed`` alone (the global torch RNG is left as it was), with the
-    vocabulary of ``tokenizer`` (default: :func:`build_tokenizer`).
+    vocabulary of ``tokenizer`` (default: the one ``config`` names,
+    :func:`~dynarl.workers.tokenizer.load_tokenizer`).
     """
     dtype = _DTYPES[config.dtype]
     model: PreTrainedModel
@@ -86,7 +87,7 @@ def build_model(
             model = AutoModelForCausalLM.from_pretrained(config.path, dtype=dtype)
         logger.info("loaded %s from %s", type(model).__name__, config.path)
     else:
-        hf_config = model_config(config, tokenizer or build_tokenizer())
+        hf_config = model_config(config, tokenizer or load_tokenizer(config))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]

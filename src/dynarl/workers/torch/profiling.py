@@ -37,7 +37,6 @@ from dynarl.rl.grpo import GrpoLoss
 from dynarl.workers.backend_protocols import MachineMeasurement, ProfiledJob
 from dynarl.workers.inference import LogprobRequest
 from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams
-from dynarl.workers.tokenizer import build_tokenizer
 from dynarl.workers.torch.batch_cache import BatchCache
 from dynarl.workers.torch.engine import RolloutEngine
 from dynarl.workers.torch.inference import InferenceWorker
@@ -279,7 +278,7 @@ def train(cfg: ProfiledJob) -> dict[str, float]:
         micro_batch_size=cfg.actor.micro_batch_size, seed=0, num_threads=torch.get_num_threads()
     )
     trainer = ElasticTrainer.build(
-        lambda: build_model(cfg.model, seed=0, tokenizer=build_tokenizer()),
+        lambda: build_model(cfg.model, seed=0),
         loss_fn=GrpoLoss.from_config(cfg.algorithm),
         config=tc,
         device=torch.device("cpu"),
