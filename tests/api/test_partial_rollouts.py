@@ -2,22 +2,26 @@
 trains exactly ``num_prompts`` groups, the requests it cut resume in the next one with
 every token they had (the old weights' tokens, then the new weights'), nothing trained
 is staler than ``max_staleness``, the iteration's stats say so, and a checkpoint keeps
-what is carried, so a resumed run resumes it. Multi-turn environments are refused."""
+what is carried, so a resumed run resumes it. A multi-turn episode carries over
+mid-session, its environment alive, and resumes where it stopped; a resumed run
+restarts it."""
 
+import logging
 from pathlib import Path
+from typing import Any, ClassVar
 
+import anyio
 import msgspec
 import pytest
 
-from dynarl.api.assembly import environment_of
 from dynarl.api.checkpoint import RunState, checkpoints, write_state
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
-from dynarl.core.errors import ConfigError
 from dynarl.core.ids import GroupId
+from dynarl.envs.environment import ChatMessage, EnvironmentSpec, StepResult, Turn
 from dynarl.envs.prompts import Prompt
 from dynarl.obs.metrics import IterationStats, PartialRolloutStats, flat_record
-from dynarl.rl.carry import CarriedGroup, CarryState, FinishedSample, PartialSample
+from dynarl.rl.carry import CarriedGroup, CarryState, FinishedSample, OpenEpisode, PartialSample
 from dynarl.rl.episode import Episode
 from dynarl.workers.rollout import GenerateRequest
 
@@ -37,21 +41,6 @@ PARTIAL = [
     "rollout.max_running_requests=8",
     "run.checkpoint_every=1",
 ]
-
-
-@pytest.mark.parametrize("where", ["config", "code"])
-def test_a_multi_turn_environment_is_refused_naming_the_field_and_the_fix(where: str) -> None:
-    from dynarl.envs.builtin import builtin_environment
-
-    named = ["env.name=lookup"] if where == "config" else []
-    cfg = apply_overrides(
-        DynaRLConfig(), ["algorithm.over_sample_prompts=2", "model.tokenizer=chat", *named]
-    )
-    given = None if where == "config" else builtin_environment("lookup", seed=0)
-    with pytest.raises(ConfigError, match=r"set algorithm\.over_sample_prompts=0") as error:
-        environment_of(cfg, given)
-    assert error.value.field == "algorithm.over_sample_prompts"
-    assert "multi-turn" in str(error.value)
 
 
 def test_a_checkpoint_keeps_the_carried_requests_with_their_tokens(tmp_path: Path) -> None:
@@ -253,3 +242,117 @@ async def test_cut_requests_resume_with_their_tokens_and_training_stays_within_s
     assert stats.iteration == 3 and stats.partial_rollout is not None
     assert stats.partial_rollout.num_carried_in == carried.num_samples
     assert resumed_with_tokens > 0  # some requests really were cut mid-response
+
+
+class Relay:
+    """A multi-turn environment whatever the policy says: each turn gets an
+    observation back after a short tool latency; task ``i`` ends after ``1 + i % 6``
+    turns, so groups take different times and the longest carry over mid-session. The
+    reward is the share of turns that stopped on their own. It counts the environments
+    made and closed."""
+
+    made: ClassVar[int] = 0
+    closed: ClassVar[int] = 0
+
+    def __init__(self) -> None:
+        Relay.made += 1
+        self.stopped: list[float] = []
+        self.turns = 0
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        return []
+
+    async def reset(self, task: Prompt) -> list[ChatMessage]:
+        self.turns = 1 + int(task.prompt_id[1:]) % 6
+        return [{"role": "user", "content": task.text}]
+
+    async def step(self, turn: Turn) -> StepResult:
+        await anyio.sleep(0.05)
+        self.stopped.append(float(turn.finish_reason == "stop"))
+        return StepResult(
+            observation=({"role": "user", "content": "go on"},),
+            reward=sum(self.stopped) / self.turns,
+            done=len(self.stopped) == self.turns,
+        )
+
+    async def close(self) -> None:
+        Relay.closed += 1
+
+
+RELAY = EnvironmentSpec(make=Relay, task=lambda i: Prompt(prompt_id=f"r{i}", text=f"task {i}"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_episodes_carry_over_mid_session_and_resume_where_they_stopped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("torch")
+    from dynarl.api.facade import DynaRL
+
+    run_dir = tmp_path / "run"
+    cfg = apply_overrides(
+        DynaRLConfig(),
+        [
+            *PARTIAL,
+            "rollout.max_new_tokens=16",
+            "model.tokenizer=chat",
+            "env.max_turns=8",
+            "run.num_iterations=3",
+            f"run.run_dir={run_dir}",
+        ],
+    )
+    Relay.made = Relay.closed = 0
+    carried = CarryState()
+    resumed_mid_session = 0
+    async with DynaRL(cfg, environment=RELAY) as rl:
+        async for stats in rl.iterations():
+            pipeline = rl._pipeline
+            assert pipeline is not None
+            by_id = {e.request_id: e for e in pipeline.trained}
+            for group in carried.groups:  # due at max_staleness=1: trained now
+                for sample in group.samples:
+                    final = by_id[sample.request_id]
+                    if isinstance(sample, OpenEpisode):
+                        assert final.num_sampled >= sample.num_tokens
+                        if sample.num_tokens:
+                            resumed_mid_session += 1
+                            assert final.weight_version == stats.iteration - 1
+                    elif isinstance(sample, FinishedSample):
+                        assert final == sample.response
+            assert len(pipeline.trained) == NUM_PROMPTS * GROUP == stats.num_samples
+            assert all(e.end != "aborted" and 1 <= e.num_turns <= 6 for e in pipeline.trained)
+            carried = pipeline.carried
+            assert len(carried.groups) == OVER
+            assert stats.partial_rollout is not None
+            assert stats.partial_rollout.max_weight_lag <= 1
+            assert stats.episodes["aborted"] == 0
+        assert rl.controller is not None
+        assert rl.controller.statistics().events_rejected == {}
+        rl.controller.graph.check()
+        playing = pipeline.runner.num_playing if pipeline.runner is not None else -1
+    assert resumed_mid_session > 0  # some episodes really were cut mid-session
+    # The longest tasks' groups carry over at the end too, mid-session, still playing.
+    open_left = [s for g in carried.groups for s in g.samples if isinstance(s, OpenEpisode)]
+    assert open_left and playing == len(open_left)
+    assert Relay.closed == Relay.made  # every environment closed once, parked ones too
+    assert checkpoints(run_dir)[-1].state.carried == carried
+
+    # Resumed from its checkpoint, the run restarts the episodes that were mid-session
+    # (their environments are gone) from their first turn, and trains them whole.
+    caplog.set_level(logging.WARNING, logger="dynarl.rl.iteration")
+    async with DynaRL.resume(run_dir, ["run.num_iterations=4"], environment=RELAY) as rl:
+        [stats] = [s async for s in rl.iterations()]
+        assert rl._pipeline is not None
+        by_id = {e.request_id: e for e in rl._pipeline.trained}
+    assert f"{len(open_left)} episodes carried over mid-session restart" in caplog.text
+    for group in carried.groups:
+        turns = 1 + int(group.prompt.prompt_id[1:]) % 6
+        for sample in group.samples:
+            final = by_id[sample.request_id]
+            if isinstance(sample, OpenEpisode):
+                assert final.num_turns == turns and final.weight_version == 3
+    assert stats.num_samples == NUM_PROMPTS * GROUP
+    assert stats.partial_rollout is not None and stats.partial_rollout.num_resumed == 0
+    assert Relay.closed == Relay.made

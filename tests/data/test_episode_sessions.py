@@ -25,7 +25,7 @@ from dynarl.envs.environment import (
     StepResult,
     Turn,
 )
-from dynarl.envs.lookup import LookupTask, lookup_spec
+from dynarl.envs.lookup import LookupEnvironment, LookupTask, lookup_spec
 from dynarl.envs.prompts import Prompt
 from dynarl.rl.episode import Episode, episode_stats
 from dynarl.rl.episode_runner import EpisodeRunner
@@ -158,7 +158,7 @@ class Rig:
                     with anyio.move_on_after(0.05):
                         for d in await self.router.receive_batch():
                             assert d.result.status in ("tool_call", "refused")
-                            tg.start_soon(self.runner.turn_ended, d)
+                            self.runner.turn_ended(d, tg)
         return [done[f"e{i}"] for i in range(len(spec_tasks))]
 
 
@@ -358,3 +358,217 @@ async def test_a_turn_its_engine_refuses_aborts_the_episode_unscored(tmp_path: P
         stats = r.router.statistics()
     assert [(e.end, e.num_turns) for e in episodes] == [("aborted", 1), ("aborted", 1)]
     assert stats.num_refused == 2 and stats.num_pending == 0
+
+
+# ---------------------------------------------------------------- partial rollouts
+
+
+def holding_engine(
+    policy: Policy, hold: Callable[[str], bool], version: list[int], held_ids: list[ItemId]
+) -> Callable[[WorkerLink], Any]:
+    """A rollout worker as :func:`engine`, that holds the turns ``hold`` picks (their
+    ids in ``held_ids``) until the router asks for them back, then hands them back
+    aborted with the first half of the policy's tokens, as an engine aborts a request
+    keeping its partial output; a resumed turn decodes on from its output. Every token
+    records ``version[0]``."""
+
+    async def serve(link: WorkerLink) -> None:
+        held: list[tuple[Any, GenerateRequest, list[int]]] = []
+        try:
+            while True:
+                for item in link.receive_nowait():
+                    request = msgspec.msgpack.decode(item.payload, type=GenerateRequest)
+                    context = TOKENIZER.decode(list(request.prompt_ids))
+                    ids = [*TOKENIZER.encode(policy(context), add_special_tokens=False), EOT]
+                    assert tuple(ids[: len(request.output_ids)]) == request.output_ids
+                    if hold(context):
+                        held.append((item, request, ids))
+                        held_ids.append(item.id)
+                        continue
+                    completion = Completion(
+                        request_id=item.id,
+                        prompt_ids=request.prompt_ids,
+                        output_ids=tuple(ids),
+                        output_logprobs=(*request.output_logprobs,)
+                        + (LOGPROB,) * (len(ids) - len(request.output_ids)),
+                        finish_reason="stop",
+                        weight_version=min(request.weight_version or version[0], version[0]),
+                    )
+                    ItemSink(link, item, 0, multi_turn=request.multi_turn).done(completion)
+                for entry in [h for h in held if link.abort_requested(h[0].id)]:
+                    held.remove(entry)
+                    item, request, ids = entry
+                    cut = len(ids) // 2
+                    partial = msgspec.structs.replace(
+                        request,
+                        output_ids=tuple(ids[:cut]),
+                        output_logprobs=(LOGPROB,) * cut,
+                        weight_version=version[0],
+                    )
+                    ItemSink(link, item, 0, multi_turn=True).aborted(partial)
+                await anyio.sleep(0.005)
+        except PeerLostError:
+            pass
+
+    return serve
+
+
+class GatedLookup(LookupEnvironment):
+    """The lookup environment whose first step, for the task ``gated`` names, waits
+    for ``gate``; its step after that can end the episode (``done_after_gate``)."""
+
+    gate: ClassVar[anyio.Event]
+    gated: ClassVar[str]
+    done_after_gate: ClassVar[bool] = False
+
+    async def step(self, turn: Turn) -> StepResult:
+        if self.task.prompt_id == self.gated and turn.index == 0:
+            await self.gate.wait()
+            if self.done_after_gate:
+                return StepResult(observation=(), reward=0.5, done=True)
+        return await super().step(turn)
+
+
+def second_turn_of(task: Prompt) -> Callable[[str], bool]:
+    """Whether a context is ``task``'s after its tool call (the box's code is in it)."""
+    return lambda context: task.text in context and str(task.answer) in context
+
+
+async def test_episodes_withdrawn_mid_session_park_and_resume_token_for_token(
+    tmp_path: Path,
+) -> None:
+    """Three episodes at the rollout's end: one out on a tool call (its step still
+    running), one whose second turn an engine is decoding, one waiting for an engine.
+    Withdrawn, each parks with its next turn; resumed in the next iteration, each ends
+    exactly as it would have uninterrupted (every token, mask and log-prob), its
+    oldest token's weight version kept."""
+    tasks = [LookupTask(seed=5).prompt(i) for i in range(3)]
+    while len({t.text for t in tasks}) < 3 or any(
+        a.text in b.text for a in tasks for b in tasks if a is not b
+    ):
+        tasks = [*tasks[1:], LookupTask(seed=5).prompt(len(tasks) + 7)]
+    async with rig(tmp_path, lookup_spec(5)) as r:
+        expected = await r.play(tasks)
+    assert all(e.end == "done" and e.reward == 1.0 for e in expected)
+
+    GatedLookup.gate, GatedLookup.gated = anyio.Event(), tasks[0].prompt_id
+    version = [3]
+    holding = [True]
+    held: list[ItemId] = []
+    in_flight = second_turn_of(tasks[1])
+    net = Net("inproc", tmp_path / "carry")
+    async with cluster(net, [], all_instances=["rollout-0"]) as c:
+        c.add_worker(
+            "rollout-0",
+            capacity=1,  # one turn at a time: the third episode's next turn waits
+            serve=holding_engine(
+                lookup_policy, lambda ctx: holding[0] and in_flight(ctx), version, held
+            ),
+        )
+        await c.router.wait_for_instances(1)
+        send, finished = anyio.create_memory_object_stream[Episode](10)
+        runner = EpisodeRunner(
+            spec=EnvironmentSpec(make=GatedLookup),
+            limits=EnvConfig(),
+            max_seq_len=256,
+            tokenizer=TOKENIZER,
+            router=c.router,
+        )
+        runner.attach(send)
+        ids = [f"e{i}" for i in range(3)]
+        items = []
+        for i, task in enumerate(tasks):
+            request = GenerateRequest(
+                request_id=ids[i], prompt_ids=(), sampling=SamplingParams(max_new_tokens=64)
+            )
+            item = await runner.start(request, task, GroupId("g"))
+            assert item is not None
+            items.append(item)
+        settled: set[str] = set()
+        async with anyio.create_task_group() as tg:
+            await c.router.submit(items)
+
+            def state() -> tuple[int, int, int]:
+                s = c.router.statistics()
+                return s.num_in_tool, s.num_in_flight, s.num_queued
+
+            async def feed() -> None:
+                while True:
+                    for d in await c.router.receive_batch():
+                        rid = str(d.item.id)
+                        if d.result.status == "aborted":
+                            runner.recalled(
+                                msgspec.msgpack.decode(d.result.payload, type=GenerateRequest)
+                            )
+                            settled.add(rid)
+                            continue
+                        if runner.is_withdrawn(rid):
+                            settled.add(rid)
+                        runner.turn_ended(d, tg)
+
+            feeder = anyio.CancelScope()
+
+            async def run_feed() -> None:
+                with feeder:
+                    await feed()
+
+            tg.start_soon(run_feed)
+            await wait_until(lambda: held == ["e1"] and state() == (1, 1, 1))
+            settled.update(runner.withdraw(ids))
+            assert settled == {"e0", "e2"}  # stepping, and waiting for an engine
+            await wait_until(lambda: "e1" in settled)  # aborted with its tokens
+            GatedLookup.gate.set()  # the step ends after the rollout did
+            await wait_until(lambda: runner.holds("e0"))
+            assert all(runner.holds(rid) for rid in ids)
+            assert c.router.statistics().num_pending == 0
+            partial = runner.sampled_tokens("e1")
+            # The next iteration: new weights, every episode resumed where it stopped.
+            version[0], holding[0] = 4, False
+            await c.router.submit([runner.resume(rid) for rid in ids])
+            got = [await finished.receive() for _ in ids]
+            feeder.cancel()
+        await runner.aclose()
+        finished.close()
+        withdrawn = [i for e in c.graph.of(ev.ItemsWithdrawn) for i in e.items]
+        c.graph.check()
+    await net.aclose()
+    assert sorted(withdrawn) == ids
+    by_id = {e.request_id: e for e in got}
+    for rid, want in zip(ids, expected, strict=True):
+        e = by_id[rid]
+        assert (e.end, e.reward, e.num_turns) == ("done", 1.0, 2)
+        assert e.output_ids == want.output_ids and e.output_mask == want.output_mask
+        assert e.output_logprobs == want.output_logprobs
+    # Their first turns (and half of e1's second) came from the old weights.
+    assert [by_id[rid].weight_version for rid in ids] == [3, 3, 3]
+    assert partial == by_id["e1"].turn_tokens[0] + by_id["e1"].turn_tokens[1] // 2
+
+
+async def test_an_episode_its_running_step_ends_after_the_withdrawal_is_kept_aside(
+    tmp_path: Path,
+) -> None:
+    """An episode out on a tool call when the rollout ends, whose step then ends it:
+    it does not reach the iteration's stream of finished episodes (its group carries
+    over) but is kept aside, and its session is not completed twice."""
+    task = TASKS[0]
+    GatedLookup.gate, GatedLookup.gated = anyio.Event(), task.prompt_id
+    GatedLookup.done_after_gate = True
+    try:
+        async with rig(tmp_path, EnvironmentSpec(make=GatedLookup)) as r:
+            request = GenerateRequest(request_id="e0", prompt_ids=())
+            item = await r.runner.start(request, task, GroupId("g"))
+            assert item is not None
+            await r.router.submit([item])
+            async with anyio.create_task_group() as tg:
+                [turn] = await r.router.receive_batch()
+                r.runner.turn_ended(turn, tg)
+                assert r.runner.withdraw(["e0"]) == ["e0"]
+                GatedLookup.gate.set()
+            ended = r.runner.take_ended()
+            assert r.runner.num_playing == 0
+            with pytest.raises(anyio.WouldBlock):
+                r.finished.receive_nowait()
+            assert r.router.statistics().num_pending == 0
+    finally:
+        GatedLookup.done_after_gate = False
+    assert ended["e0"].end == "done" and ended["e0"].reward == 0.5

@@ -16,6 +16,7 @@ from dynarl.rl.carry import (
     CarryState,
     FinishedSample,
     IterationGroups,
+    OpenEpisode,
     PartialSample,
     fresh_groups,
 )
@@ -288,3 +289,37 @@ def test_over_many_iterations_every_sample_is_trained_once_whole_and_never_too_s
         assert all(g.times_carried <= algorithm.staleness_bound for g in carried.groups)
         still = {s.request_id for g in carried.groups for s in g.samples}
         assert trained | still == drawn and not trained & still  # none lost
+
+
+def test_an_open_episode_carries_over_and_restarts_only_where_no_runner_plays_it() -> None:
+    """A multi-turn episode withdrawn mid-session carries over as an open episode
+    with the tokens its policy sampled; the next iteration resumes it where the runner
+    still plays it (its tokens older), and restarts it from its first turn where none
+    does (a resumed run: its tokens not counted as carried)."""
+    groups = IterationGroups(algorithm=algo(1, 1), carried=CarryState(), fresh=fresh(0, 2))
+    assert groups.finished(["0-1-0", "0-1-1"]) == ["0-1-0", "0-1-1"]
+    assert groups.finished(["0-0-0"]) == []
+    assert groups.to_withdraw() == ["0-0-1"]
+    groups.came_back_open("0-0-1")
+    assert groups.rollout_over
+    done = ["0-1-0", "0-1-1", "0-0-0"]
+    completions = {rid: response(rid, 4) for rid in done}
+    carried = groups.carry_out(completions, dict.fromkeys(done, 1.0), {"0-0-1": 9})
+    episode = OpenEpisode(request=groups.rollout[1], num_tokens=9)
+    assert carried.groups[0].samples == (
+        FinishedSample(response=completions["0-0-0"], reward=1.0),
+        episode,
+    )
+    assert groups.generated_tokens(completions, {"0-0-1": 9}) == 3 * 4 + 9
+    assert msgspec.json.decode(msgspec.json.encode(carried), type=CarryState) == carried
+
+    played = IterationGroups(
+        algorithm=algo(1, 1), carried=carried, fresh=fresh(1, 1), playing={"0-0-1"}
+    )
+    restarted = IterationGroups(algorithm=algo(1, 1), carried=carried, fresh=fresh(1, 1))
+    for g in (played, restarted):
+        assert g.rollout[0] == episode.request  # rolled out first
+        assert g.admission.admitted == [0]  # carried once: due
+    assert (played.tokens_before["0-0-1"], played.num_resumed, played.restarted) == (9, 1, [])
+    assert restarted.tokens_before["0-0-1"] == 0
+    assert (restarted.num_resumed, restarted.restarted) == (0, ["0-0-1"])

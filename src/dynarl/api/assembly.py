@@ -106,22 +106,12 @@ def environment_of(
     cfg: DynaRLConfig, environment: EnvironmentSpec | None
 ) -> EnvironmentSpec | None:
     """The multi-turn environment a run plays: the one given in code, or the built-in
-    one ``env.name`` names (refused if both are given, and with partial rollouts), or
-    none."""
+    one ``env.name`` names (refused if both are given), or none."""
     if environment is not None and cfg.env.name is not None:
         raise ConfigError(
             f"the run is given an environment in code and env.name={cfg.env.name!r}; "
             "drop one of them",
             field="env.name",
-        )
-    if cfg.algorithm.partial_rollouts and (environment is not None or cfg.env.name is not None):
-        what = f"env.name={cfg.env.name!r}" if cfg.env.name is not None else "an environment"
-        raise ConfigError(
-            f"algorithm.over_sample_prompts={cfg.algorithm.over_sample_prompts} (partial "
-            f"rollouts) with {what}: carrying a multi-turn episode over to the next "
-            "iteration mid-session is not supported yet; set "
-            "algorithm.over_sample_prompts=0 for a multi-turn run",
-            field="algorithm.over_sample_prompts",
         )
     if environment is not None:
         return environment
@@ -370,6 +360,7 @@ async def assemble(
         trace=None if run_dir is None else _trace(cfg, run_dir, resumed, stack),
         carried=None if resumed is None else resumed.state.carried,
     )
+    stack.push_async_callback(pipeline.aclose)
     return Run(controller, world, pipeline, meter, recorder, sampler)
 
 

@@ -131,15 +131,24 @@ class DynaRL:
         *,
         on_progress: "Callable[[Progress], None] | None" = None,
         checkpoint: int | None = None,
+        environment: "EnvironmentSpec | None" = None,
     ) -> "DynaRL":
         """A run that continues ``run_dir`` from its last checkpoint (or the one after
         ``checkpoint`` iterations), with the config saved there plus ``overrides``
         (e.g. ``["run.num_iterations=40"]``): the same prompts, trainer state and
         weight version, so it ends as an uninterrupted run would; ``metrics.jsonl`` and
         ``timeline.jsonl`` go on where they stopped. The checkpoint is checked whole
-        when the run opens, before anything starts or is written."""
+        when the run opens, before anything starts or is written. ``environment``: the
+        run's multi-turn environment, when it was given in code (a config names only
+        the built-in ones)."""
         cfg = RunDirectory(run_dir).load_config(overrides)
-        return cls(cfg, on_progress=on_progress, resume_from=run_dir, resume_at=checkpoint)
+        return cls(
+            cfg,
+            on_progress=on_progress,
+            resume_from=run_dir,
+            resume_at=checkpoint,
+            environment=environment,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 

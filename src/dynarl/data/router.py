@@ -212,6 +212,11 @@ class Router:
             self._backlog_space.set()
         return taken
 
+    def out_on_tool_call(self, item_ids: Iterable[ItemId]) -> set[ItemId]:
+        """The sessions among ``item_ids`` out on a tool call now: their turn's result
+        was handed over, or is on its way through :meth:`receive_batch`."""
+        return self._placement.in_tool.keys() & set(item_ids)
+
     async def _wait_backlog_space(self) -> None:
         self._backlog_space = anyio.Event()
         await self._backlog_space.wait()

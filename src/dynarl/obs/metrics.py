@@ -45,7 +45,7 @@ class PartialRolloutStats(msgspec.Struct, frozen=True, kw_only=True):
             of the groups carried over: unfinished ones it resumed, finished ones that
             waited for the rest of their group).
         num_resumed: of those, the unfinished requests it resumed from their partial
-            output.
+            output (and the multi-turn episodes it resumed mid-session).
         num_carried_out: samples it carried over to the next iteration.
         max_times_carried: the most times one of the groups it trained had been
             carried over (at most ``algorithm.max_staleness``).

@@ -11,7 +11,11 @@ carried groups first, the most often carried first), ``N`` in all. Once those ar
 whole the requests still out are withdrawn, keeping their tokens, and the groups not
 admitted carry over, one more time carried each: a finished sample as its response and
 its reward (which does not depend on the policy), an unfinished one as its request
-holding every token it generated. A sample is scored (its old log-probs, by the
+holding every token it generated, an unfinished multi-turn episode as an
+:class:`OpenEpisode`: the episode runner keeps playing it (its environment alive, its
+transcript kept) in the next iteration, and a resumed run, whose runner never played
+it, restarts it from its first turn (a live environment cannot be saved in a
+checkpoint). A sample is scored (its old log-probs, by the
 inference stage) only once its group is admitted, so every score comes from the
 weights of the iteration that trains it.
 
@@ -19,7 +23,7 @@ Without partial rollouts the same rules hold trivially: nothing is carried, ever
 is due (``staleness_bound`` is 0) and the rollout ends when all are whole.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 
 import msgspec
 
@@ -67,7 +71,26 @@ class FinishedSample(msgspec.Struct, frozen=True, kw_only=True, tag="finished"):
         return self.response.num_sampled
 
 
-CarriedSample = PartialSample | FinishedSample
+class OpenEpisode(msgspec.Struct, frozen=True, kw_only=True, tag="open"):
+    """A carried multi-turn episode still playing: the episode runner holds it (its
+    environment, its transcript, the request of its next turn).
+
+    Attributes:
+        request: the episode's request as it started (its id, seed and sampling): a
+            resumed run restarts the episode from it.
+        num_tokens: tokens its policy sampled so far.
+    """
+
+    request: GenerateRequest
+    num_tokens: int
+
+    @property
+    def request_id(self) -> str:
+        """The sample's id."""
+        return self.request.request_id
+
+
+CarriedSample = PartialSample | FinishedSample | OpenEpisode
 """One sample of a carried group."""
 
 
@@ -115,6 +138,8 @@ class IterationGroups:
         carried: what the last iteration carried over.
         fresh: the fresh groups (:func:`fresh_groups` of them): each one's router group
             id, prompt and ``group_size`` requests.
+        playing: the carried open episodes the episode runner still plays (the others,
+            a resumed run's, restart from their first turn).
     """
 
     def __init__(
@@ -123,6 +148,7 @@ class IterationGroups:
         algorithm: AlgorithmConfig,
         carried: CarryState,
         fresh: Sequence[tuple[GroupId, Prompt, Sequence[GenerateRequest]]],
+        playing: Container[str] = frozenset(),
     ) -> None:
         size = self.group_size = algorithm.group_size
         self.group_ids: list[GroupId] = [g.group for g in carried.groups]
@@ -134,21 +160,26 @@ class IterationGroups:
         """Every sample's id, ``group_size`` per group in group order."""
         self.rollout: list[GenerateRequest] = []
         """The requests to roll out: the carried unfinished ones (resuming from their
-        partial output) first, then the fresh ones."""
+        partial output; an open episode's as it started) first, then the fresh ones."""
         self.waiting: list[tuple[Episode, float]] = []
         """The carried finished samples with their rewards."""
         self.tokens_before: dict[str, int] = {}
         """Tokens each carried sample had when the iteration began: older weights
         generated them."""
+        self.restarted: list[str] = []
+        """The carried open episodes that restart from their first turn."""
         for g in carried.groups:
             for s in g.samples:
                 self.request_ids.append(s.request_id)
                 self.tokens_before[s.request_id] = s.num_tokens
-                if isinstance(s, PartialSample):
-                    self.rollout.append(s.request)
-                else:
+                if isinstance(s, FinishedSample):
                     self.waiting.append((s.response, s.reward))
-        self.num_resumed = len(self.rollout)
+                    continue
+                self.rollout.append(s.request)
+                if isinstance(s, OpenEpisode) and s.request_id not in playing:
+                    self.restarted.append(s.request_id)
+                    self.tokens_before[s.request_id] = 0
+        self.num_resumed = len(self.rollout) - len(self.restarted)
         for group, prompt, requests in fresh:
             assert len(requests) == size, "a fresh group has group_size requests"
             self.group_ids.append(group)
@@ -162,6 +193,9 @@ class IterationGroups:
         """Rollout requests that have not come back."""
         self.unfinished: dict[str, GenerateRequest] = {}
         """Requests that came back unfinished (withdrawn), holding their output."""
+        self.open: set[str] = set()
+        """Episodes withdrawn unfinished, which the episode runner keeps playing."""
+        self._started = {r.request_id: r for r in self.rollout}
         self.withdrawn = False
         bound = algorithm.staleness_bound
         self.admission = Admission(
@@ -200,6 +234,11 @@ class IterationGroups:
         self.outstanding.discard(request.request_id)
         self.unfinished[request.request_id] = request
 
+    def came_back_open(self, request_id: str) -> None:
+        """A withdrawn episode is settled with the episode runner, which keeps it."""
+        self.outstanding.discard(request_id)
+        self.open.add(request_id)
+
     def to_withdraw(self) -> list[str] | None:
         """The requests still out, to withdraw, the first time it is asked once every
         group the iteration trains is whole (the groups not trained are set aside
@@ -223,11 +262,15 @@ class IterationGroups:
         return [k for k in range(len(self.group_ids)) if not self.admission.is_admitted(k)]
 
     def carry_out(
-        self, completions: Mapping[str, Episode], rewards: Mapping[str, float]
+        self,
+        completions: Mapping[str, Episode],
+        rewards: Mapping[str, float],
+        open_tokens: Mapping[str, int] | None = None,
     ) -> CarryState:
         """What carries over once the iteration is over: every group it did not train,
         once more carried, each sample finished (its response and reward) or not (its
-        request as it came back, with its partial output)."""
+        request as it came back, with its partial output; an open episode with the
+        tokens ``open_tokens`` says it sampled)."""
         assert not self.outstanding, "every rollout request came back"
         size = self.group_size
         groups = []
@@ -236,6 +279,11 @@ class IterationGroups:
             for rid in self.request_ids[k * size : (k + 1) * size]:
                 if rid in completions:
                     samples.append(FinishedSample(response=completions[rid], reward=rewards[rid]))
+                elif rid in self.open:
+                    assert open_tokens is not None, "an open episode's tokens are known"
+                    samples.append(
+                        OpenEpisode(request=self._started[rid], num_tokens=open_tokens[rid])
+                    )
                 else:
                     samples.append(PartialSample(request=self.unfinished[rid]))
             groups.append(
@@ -248,13 +296,18 @@ class IterationGroups:
             )
         return CarryState(groups=tuple(groups))
 
-    def generated_tokens(self, completions: Mapping[str, Episode]) -> int:
+    def generated_tokens(
+        self, completions: Mapping[str, Episode], open_tokens: Mapping[str, int] | None = None
+    ) -> int:
         """Tokens the iteration's engines generated: those of its finished and its
-        unfinished samples, less those they had when it began."""
+        unfinished samples (open episodes: ``open_tokens``), less those they had when
+        it began."""
         before = self.tokens_before
         done = sum(c.num_sampled - before.get(rid, 0) for rid, c in completions.items())
         out = self.unfinished.items()
-        return done + sum(len(r.output_ids) - before.get(rid, 0) for rid, r in out)
+        done += sum(len(r.output_ids) - before.get(rid, 0) for rid, r in out)
+        opened = (open_tokens or {}).items()
+        return done + sum(n - before.get(rid, 0) for rid, n in opened)
 
     def stats(
         self, completions: Mapping[str, Episode], carried_out: CarryState, *, weight_version: int

@@ -39,10 +39,11 @@ class AlgorithmConfig(Section, frozen=True, kw_only=True):
             decoded on by the new policy). It cuts the rollout's thin tail (the longest
             responses decode alongside the next batch) at the price of training some
             samples whose early tokens an older policy generated (``max_staleness``
-            bounds it; each iteration reports it). At most ``num_prompts``. A real run
-            refuses it with a multi-turn environment (it does not carry an episode over
-            mid-session yet). 0 (the default): every iteration generates and trains its
-            own ``num_prompts`` groups, fully on-policy.
+            bounds it; each iteration reports it). At most ``num_prompts``. With a
+            multi-turn environment an unfinished episode carries over mid-session: its
+            environment stays alive and its next turn resumes in the next iteration. 0
+            (the default): every iteration generates and trains its own
+            ``num_prompts`` groups, fully on-policy.
         max_staleness: with ``over_sample_prompts``, the most policy versions a
             trained sample's oldest token may lag: a group carried this many times
             must finish in its iteration (the rollout waits for it). Default 1.

@@ -15,18 +15,31 @@ budget is what is left of it) and ``env.max_wall_s`` (checked at every turn's en
 bounding every environment step). The environment is closed exactly once, however the
 episode ends: done, truncated, aborted (:class:`~dynarl.envs.environment.EnvironmentFailure`
 or a bug in the environment) or cancelled.
+
+With partial rollouts an episode can outlive its iteration: when the rollout ends, the
+runner **withdraws** the sessions still playing from the router
+(:meth:`EpisodeRunner.withdraw`) and **parks** each with the request of its next turn:
+the turn it was waiting for, the turn an engine was aborted from with the tokens it
+had sampled, or, for an episode whose environment was stepping, the turn after the
+step (the step finishes while the iteration scores and trains; an episode the step
+ends is kept aside for the iteration's carry-over). Its environment stays alive, its
+transcript kept, and the next iteration resumes it (:meth:`EpisodeRunner.resume`); its
+wall-time limit does not run while it is parked. The runner lives as long as the
+pipeline driver, which closes it.
 """
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import anyio
 import msgspec
+from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
 
 from dynarl.control.topology import PROMPTS
 from dynarl.core.ids import GroupId, ItemId
+from dynarl.data.errors import RoutingError
 from dynarl.data.placement import RoutedResult
 from dynarl.data.router import Router
 from dynarl.data.wire import Item
@@ -48,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 _ENCODER = msgspec.msgpack.Encoder()
 _COMPLETION = msgspec.msgpack.Decoder(Completion)
+_REQUEST = msgspec.msgpack.Decoder(GenerateRequest)
 _CLOSE_TIMEOUT_S = 10.0
 
 
@@ -72,10 +86,21 @@ class _Play:
         self.step_latency_s: list[float] = []  # the steps that produced them
         self.context_tokens = 0  # every turn's context, as sent to its engine
         self.cached_tokens = 0  # of those, the engines found in their prefix caches
+        self.turn_out = False  # its turn is with the router (else its environment steps)
+        self.withdrawn = False  # taken out of the router: it parks instead of resuming
+        self.parked: GenerateRequest | None = None  # its next turn, for the next iteration
+        self.parked_s = 0.0  # when it parked (its wall time stops meanwhile)
+
+    @property
+    def sampled_tokens(self) -> int:
+        """Tokens the policy sampled for it so far, a parked turn's partial output
+        included."""
+        parked = 0 if self.parked is None else len(self.parked.output_ids)
+        return sum(self.transcript.mask) + parked
 
 
 class EpisodeRunner:
-    """Plays an iteration's episodes of one environment.
+    """Plays the episodes of one environment, iteration after iteration.
 
     Args:
         spec: the environment.
@@ -83,7 +108,8 @@ class EpisodeRunner:
         max_seq_len: the model's longest context.
         tokenizer: the policy's tokenizer (with a chat template).
         router: the data router (sessions go back and forth through it).
-        finished: where finished episodes go.
+        finished: where finished episodes go (else set each iteration by
+            :meth:`attach`).
         now_s: the clock episode wall times are measured on.
     """
 
@@ -95,7 +121,7 @@ class EpisodeRunner:
         max_seq_len: int,
         tokenizer: object,
         router: Router,
-        finished: MemoryObjectSendStream[Episode],
+        finished: MemoryObjectSendStream[Episode] | None = None,
         now_s: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.spec = spec
@@ -107,6 +133,17 @@ class EpisodeRunner:
         self.now_s = now_s
         self.steps = anyio.CapacityLimiter(limits.max_concurrent_steps)
         self._plays: dict[str, _Play] = {}
+        self._ended_aside: dict[str, Episode] = {}
+
+    def attach(self, finished: MemoryObjectSendStream[Episode]) -> None:
+        """An iteration begins: its finished episodes go to ``finished``."""
+        self.finished = finished
+
+    def detach(self) -> None:
+        """The iteration is over: close its stream of finished episodes."""
+        if self.finished is not None:
+            self.finished.close()
+            self.finished = None
 
     # ------------------------------------------------------------------ episodes
 
@@ -130,11 +167,16 @@ class EpisodeRunner:
             logger.error("episode %s: its first prompt fills the context; ends truncated", rid)
             await self._end(rid, "truncated")
             return None
+        play.turn_out = True
         return self._item(rid, play)
 
-    async def turn_ended(self, routed: RoutedResult) -> None:
-        """A turn came back from its engine: step the environment, then resume the
-        session for its next turn or finish it."""
+    def turn_ended(self, routed: RoutedResult, tasks: TaskGroup) -> None:
+        """A turn came back from its engine: in ``tasks``, step the environment, then
+        resume the session for its next turn, finish it, or (withdrawn) park it."""
+        self._plays[str(routed.item.id)].turn_out = False
+        tasks.start_soon(self._turn_ended, routed)
+
+    async def _turn_ended(self, routed: RoutedResult) -> None:
         rid = str(routed.item.id)
         play = self._plays[rid]
         if routed.refusal is not None:  # the router has finished its session
@@ -167,21 +209,18 @@ class EpisodeRunner:
         except Exception as e:
             play.env_s += self.now_s() - t0
             self._log_abort(rid, f"turn {turn.index}", e)
-            self.router.finish(routed.item.id)
-            await self._end(rid, "aborted")
+            await self._finish(play, "aborted")
             return
         latency_s = self.now_s() - t0
         play.env_s += latency_s
         if result is None:  # the step ran past the episode's wall time
-            self.router.finish(routed.item.id)
-            await self._end(rid, "truncated")
+            await self._finish(play, "truncated")
             return
         play.rewards.append(result.reward)
         play.metrics.append(result.metrics)
         play.tool_calls += int(result.metrics.get("tool_calls", 0))
         if result.done:
-            self.router.finish(routed.item.id)
-            await self._end(rid, "done")
+            await self._finish(play, "done")
             return
         observation = play.renderer.observation_ids(result.observation, turn_ended=ended)
         if (
@@ -189,21 +228,122 @@ class EpisodeRunner:
             or transcript.num_tokens + len(observation) >= self.max_tokens
             or self._wall_left(play) <= 0
         ):
-            self.router.finish(routed.item.id)
-            await self._end(rid, "truncated")
+            await self._finish(play, "truncated")
             return
         transcript.add_observation(observation)
         play.observation_tokens.append(len(observation))
         play.step_latency_s.append(latency_s)
-        await self.router.resume(
-            routed.item.id, _ENCODER.encode(self._request(play)), latency_s=latency_s
+        request = self._request(play)
+        if not play.withdrawn:
+            try:
+                await self.router.resume(
+                    routed.item.id, _ENCODER.encode(request), latency_s=latency_s
+                )
+            except RoutingError:
+                if not play.withdrawn:
+                    raise
+                # Withdrawn while it waited for room in the router's backlog.
+            else:
+                play.turn_out = True
+                return
+        self._park(play, request)
+
+    # ------------------------------------------------------------------ partial rollouts
+
+    def withdraw(self, request_ids: Sequence[str]) -> list[str]:
+        """The iteration's rollout is over and these episodes carry over: take them out
+        of the router (:meth:`~dynarl.data.router.Router.withdraw`). Returns those
+        settled now: parked with the turn they waited an engine for, or out on a tool
+        call whose result the runner has (it parks once its environment's step is
+        over). For each of the others a result is still to come through the router --
+        its running turn, aborted with its partial output (:meth:`recalled`) or ended
+        first, or a turn that was on its way here -- and it settles then. An episode
+        that already ended is left alone (its episode is on its way to the iteration).
+        """
+        ids = [ItemId(rid) for rid in request_ids]
+        in_tool = self.router.out_on_tool_call(ids)
+        taken = {item.id: item for item in self.router.withdraw(ids)}
+        settled, stepping, running = [], 0, 0
+        for item_id in ids:
+            play = self._plays.get(str(item_id))
+            if play is None:
+                continue
+            play.withdrawn = True
+            if not play.turn_out:  # its environment steps
+                settled.append(str(item_id))
+                stepping += 1
+            elif item_id in taken and item_id not in in_tool:  # it waited for an engine
+                self._park(play, _REQUEST.decode(taken[item_id].payload))
+                settled.append(str(item_id))
+            else:
+                running += 1
+        logger.info(
+            "carrying %d episodes over mid-session: %d waiting for an engine, %d in a "
+            "tool call, %d whose turn is running or on its way back",
+            len(settled) + running,
+            len(settled) - stepping,
+            stepping,
+            running,
+        )
+        return settled
+
+    def recalled(self, request: GenerateRequest) -> None:
+        """A withdrawn episode's running turn came back aborted, holding the tokens it
+        sampled: it parks with it (the next iteration's engine decodes on)."""
+        self._park(self._plays[request.request_id], request)
+
+    def is_withdrawn(self, request_id: str) -> bool:
+        """Whether ``request_id`` is an episode withdrawn this iteration, still playing."""
+        play = self._plays.get(request_id)
+        return play is not None and play.withdrawn
+
+    def holds(self, request_id: str) -> bool:
+        """Whether ``request_id`` is an episode parked for the next iteration."""
+        play = self._plays.get(request_id)
+        return play is not None and play.parked is not None
+
+    def sampled_tokens(self, request_id: str) -> int:
+        """Tokens the policy sampled so far for the parked episode ``request_id``."""
+        return self._plays[request_id].sampled_tokens
+
+    def resume(self, request_id: str) -> Item:
+        """Resume the parked episode ``request_id`` in a new iteration: the item of its
+        next turn, for the router."""
+        play = self._plays[request_id]
+        request = play.parked
+        assert request is not None, f"episode {request_id} is parked"
+        play.started_s += self.now_s() - play.parked_s  # parked time is not its own
+        play.parked, play.withdrawn, play.turn_out = None, False, True
+        return Item(
+            id=ItemId(request_id),
+            group=play.group,
+            edge=PROMPTS,
+            payload=_ENCODER.encode(request),
+            affinity="prefer",
+            tokens=len(request.prompt_ids),
+            tool_calls=play.tool_calls,
         )
 
+    def take_ended(self) -> dict[str, Episode]:
+        """The withdrawn episodes that ended after their rollout did (their last step
+        said done, or a limit or a failure ended them), by request id; forgotten here."""
+        ended, self._ended_aside = self._ended_aside, {}
+        return ended
+
+    @property
+    def num_playing(self) -> int:
+        """Episodes started and not ended (parked ones included)."""
+        return len(self._plays)
+
+    def _park(self, play: _Play, request: GenerateRequest) -> None:
+        play.parked, play.parked_s, play.turn_out = request, self.now_s(), False
+
     async def aclose(self) -> None:
-        """Close the environments of episodes still playing (the iteration stops)."""
+        """Close the environments of episodes still playing, parked ones included (the
+        run stops), and the stream of finished episodes."""
         for rid in list(self._plays):
             await self._close(self._plays.pop(rid))
-        self.finished.close()
+        self.detach()
 
     # ------------------------------------------------------------------ helpers
 
@@ -239,6 +379,14 @@ class EpisodeRunner:
         assert isinstance(text, str)
         return text
 
+    async def _finish(self, play: _Play, end: EpisodeEnd) -> None:
+        """The episode's environment or a limit ended it after a step: its session
+        completes in the router (unless withdrawn: it left the router then)."""
+        rid = play.request.request_id
+        if not play.withdrawn:
+            self.router.finish(ItemId(rid))
+        await self._end(rid, end)
+
     async def _end(self, rid: str, end: EpisodeEnd) -> None:
         play = self._plays.pop(rid)
         await self._close(play)
@@ -265,6 +413,10 @@ class EpisodeRunner:
             observation_tokens=tuple(play.observation_tokens),
             step_latency_s=tuple(play.step_latency_s),
         )
+        if play.withdrawn:
+            self._ended_aside[rid] = episode  # its group carries over
+            return
+        assert self.finished is not None, "an iteration is attached"
         await self.finished.send(episode)
 
     async def _close(self, play: _Play) -> None:

@@ -84,6 +84,8 @@ class Driver(Protocol):
     trace: RunTrace | None
     carried: CarryState
     """What the last iteration carried over (partial rollouts)."""
+    runner: EpisodeRunner | None
+    """Plays the episodes (with ``environment``), across iterations."""
 
 
 class Iteration:
@@ -108,6 +110,7 @@ class Iteration:
             algo, pipeline.rollout, ids, seed=pipeline.seed, iteration=iteration
         )
         size = algo.group_size
+        runner = pipeline.runner
         self.groups = IterationGroups(
             algorithm=algo,
             carried=pipeline.carried,
@@ -115,7 +118,23 @@ class Iteration:
                 (GroupId(f"{iteration}/{k}"), prompt, requests[k * size : (k + 1) * size])
                 for k, prompt in enumerate(prompts)
             ],
+            playing=frozenset()
+            if runner is None
+            else {
+                s.request_id
+                for g in pipeline.carried.groups
+                for s in g.samples
+                if runner.holds(s.request_id)
+            },
         )
+        if self.groups.restarted:
+            logger.warning(
+                "iteration %d: %d episodes carried over mid-session restart from their "
+                "first turn (a checkpoint cannot hold a live environment; their groups' "
+                "finished samples are kept)",
+                iteration,
+                len(self.groups.restarted),
+            )
         self.prompts = self.groups.prompts
         self.requests = self.groups.rollout
         self.samples = Samples(self.groups.request_ids, size, needs_scores=pipeline.uses_inference)
@@ -161,18 +180,11 @@ class Iteration:
         if not p.uses_inference:
             to_score_send.close()
             to_score.close()
-        runner = None
-        if p.environment is not None:
+        runner = p.runner
+        if runner is not None:
             responses_send.close()  # the environment rewards its episodes itself
             responses.close()
-            runner = EpisodeRunner(
-                spec=p.environment,
-                limits=p.env,
-                max_seq_len=p.max_seq_len,
-                tokenizer=p.tokenizer,
-                router=p.router,
-                finished=inbox_send.clone(),
-            )
+            runner.attach(inbox_send.clone())
         try:
             # Episodes start (their environments reset) before the iteration does, so
             # the controller sees all of rollout's work at once, as for single turns.
@@ -199,10 +211,19 @@ class Iteration:
                     await wake.send([])
         finally:
             if runner is not None:
-                await runner.aclose()
+                runner.detach()
         self.stage_s["score"] = self.samples.busy_s
         self.stage_s["train"] = self.actor.busy_s
-        carried = self.groups.carry_out(self.samples.completions, self.samples.rewards)
+        completions, rewards = self.samples.completions, self.samples.rewards
+        open_tokens: dict[str, int] = {}
+        if runner is not None:  # episodes the rollout's end withdrew
+            ended = runner.take_ended()  # by the step that was running then
+            completions = {**completions, **ended}
+            rewards = {**rewards, **{rid: e.reward or 0.0 for rid, e in ended.items()}}
+            open_tokens = {
+                rid: runner.sampled_tokens(rid) for rid in self.groups.open if rid not in ended
+            }
+        carried = self.groups.carry_out(completions, rewards, open_tokens)
 
         t0 = time.perf_counter()
         p.on_progress(Progress(iteration=self.iteration, stage="sync", done=0, total=1))
@@ -211,7 +232,7 @@ class Iteration:
         p.reporter(ev.IterationDone(iteration=self.iteration))
         if p.trace is not None:
             p.trace.record(self.iteration, self._trace_requests())
-        stats = self._stats(time.perf_counter() - self.started, carried)
+        stats = self._stats(time.perf_counter() - self.started, carried, completions, open_tokens)
         self.carried_out = carried
         self.trained = [self.samples.completions[rid] for rid in self.groups.trained()]
         return stats
@@ -230,12 +251,17 @@ class Iteration:
         )
 
     async def _start_episodes(self, runner: EpisodeRunner) -> list[Item]:
-        """Reset every episode's environment, all at once; their first turns' items."""
+        """Reset every new episode's environment, all at once; their first turns' items,
+        and the next turns' of the episodes carried over, which the runner kept."""
         first: list[Item | None] = [None] * len(self.requests)
 
         async def start(i: int, request: GenerateRequest) -> None:
-            prompt = self.prompts[self.samples.group_of[request.request_id]]
-            first[i] = await runner.start(request, prompt, self.group_of[request.request_id])
+            rid = request.request_id
+            if runner.holds(rid):
+                first[i] = runner.resume(rid)
+                return
+            prompt = self.prompts[self.samples.group_of[rid]]
+            first[i] = await runner.start(request, prompt, self.group_of[rid])
 
         async with anyio.create_task_group() as tg:
             for i, request in enumerate(self.requests):
@@ -265,13 +291,22 @@ class Iteration:
             for r in self.requests
         ]
 
-    def _stats(self, elapsed: float, carried: CarryState) -> IterationStats:
+    def _stats(
+        self,
+        elapsed: float,
+        carried: CarryState,
+        finished: dict[str, Episode],
+        open_tokens: dict[str, int],
+    ) -> IterationStats:
+        """What the iteration measured; ``finished``: every sample that finished in it
+        (those carried over included), ``open_tokens``: the tokens of the episodes it
+        carries over still playing."""
         samples, trained = self.samples, self.groups.trained()
         kept = set(trained)
         completions = [c for rid, c in samples.completions.items() if rid in kept]
         scored = [rid for rid in trained if samples.completions[rid].end != "aborted"] or trained
         rewards = np.array([samples.rewards[rid] for rid in scored])
-        gen_tokens = self.groups.generated_tokens(samples.completions)
+        gen_tokens = self.groups.generated_tokens(finished, open_tokens)
         partial = self.p.algorithm.partial_rollouts
         return IterationStats(
             iteration=self.iteration,
@@ -339,9 +374,15 @@ class Iteration:
                 for turn in split.turns:
                     assert runner is not None, "only episodes' turns go to environments"
                     assert self.tg is not None
-                    self.tg.start_soon(runner.turn_ended, turn)
+                    if runner.is_withdrawn(str(turn.item.id)):  # it ended as it was recalled
+                        self.groups.came_back_open(str(turn.item.id))
+                    runner.turn_ended(turn, self.tg)
                 for request in split.withdrawn:
-                    self.groups.came_back(request)
+                    if runner is None:
+                        self.groups.came_back(request)
+                    else:
+                        runner.recalled(request)
+                        self.groups.came_back_open(request.request_id)
                 self.num_scored += len(split.scored)
                 self.num_trained += len(split.trained)
                 self.actor.delivered(split.trained)
@@ -383,9 +424,15 @@ class Iteration:
         self.p.reporter.set_aside(
             PROMPTS, [rid for rid in finished if rid in self.samples.completions]
         )
-        if rest:
-            for item in self.p.router.withdraw([ItemId(rid) for rid in rest]):
-                self.groups.came_back(_REQUEST.decode(item.payload))
+        if not rest:
+            return
+        runner = self.p.runner
+        if runner is not None:  # episodes park with the runner (EpisodeRunner.withdraw)
+            for rid in runner.withdraw(rest):
+                self.groups.came_back_open(rid)
+            return
+        for item in self.p.router.withdraw([ItemId(rid) for rid in rest]):
+            self.groups.came_back(_REQUEST.decode(item.payload))
 
     async def _responded(
         self,

@@ -19,7 +19,9 @@ new weights.
 With an environment (a multi-turn task), each sample is an episode played by the
 :class:`~dynarl.rl.episode_runner.EpisodeRunner`: its turns go back and forth between
 the engines and the environment (the run's tool component) as router sessions, and
-its reward is the environment's; the rest of the pipeline is the same.
+its reward is the environment's; the rest of the pipeline is the same. The runner
+outlives an iteration (with partial rollouts an episode can too: it is carried over
+mid-session, its environment alive), so the driver closes it: :meth:`Pipeline.aclose`.
 
 With partial rollouts (``algorithm.over_sample_prompts``) an iteration rolls out more
 groups than it trains, the groups carried over from the last iteration first; once the
@@ -44,6 +46,7 @@ from dynarl.obs.metrics import IterationStats
 from dynarl.rl.carry import CarryState
 from dynarl.rl.config import AlgorithmConfig
 from dynarl.rl.episode import Episode
+from dynarl.rl.episode_runner import EpisodeRunner
 from dynarl.rl.gate import StepGate
 from dynarl.rl.iteration import Iteration
 from dynarl.rl.progress import Progress, Weights
@@ -125,6 +128,18 @@ class Pipeline:
         a checkpoint saves it)."""
         self.trained: list[Episode] = []
         """The samples the last finished iteration trained, in request order."""
+        self.runner = (
+            None
+            if environment is None
+            else EpisodeRunner(
+                spec=environment,
+                limits=self.env,
+                max_seq_len=max_seq_len,
+                tokenizer=tokenizer,
+                router=router,
+            )
+        )
+        """Plays the episodes (with ``environment``)."""
 
     async def run(self, iteration: int) -> IterationStats:
         """Run iteration ``iteration`` and return what it measured."""
@@ -132,3 +147,9 @@ class Pipeline:
         stats = await run.run()
         self.carried, self.trained = run.carried_out, run.trained
         return stats
+
+    async def aclose(self) -> None:
+        """Close the environments of episodes still playing (those carried over to an
+        iteration that will not run)."""
+        if self.runner is not None:
+            await self.runner.aclose()
