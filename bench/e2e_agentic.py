@@ -13,11 +13,17 @@ Every variant takes its old log-probs from the same place (``--old-logprobs``: t
 engines' own, or recomputed on the inference stage), so every variant does the same
 work.
 
-Per mode: generated tokens/s, episodes/s, mean iteration time, stage times, migrations,
-and the reward and tool-call-rate curves. Ends with a table and one JSON line::
+``--variants ... dynamic+partial static-colocated+partial`` adds partial rollouts
+(``algorithm.over_sample_prompts``, ``--over-sample`` of them, staleness 1): episodes
+still playing when the rollout ends carry over mid-session; the JSON line then gives
+each against its on-policy variant (``partial_vs_on_policy``, trained episodes/s).
+
+Per mode: generated tokens/s, episodes/s (trained), mean iteration time, stage times,
+migrations, and the reward and tool-call-rate curves. Ends with a table and one JSON
+line::
 
     python bench/e2e_agentic.py [--iterations 5] [--old-logprobs rollout|inference]
-        [--set key=value ...]
+        [--variants ...] [--over-sample 8] [--set key=value ...]
 """
 
 import argparse
@@ -43,7 +49,15 @@ VARIANTS: dict[str, list[str]] = {
     "dynamic+priority": ["scheduler.mode=dynamic", "rollout.request_order=priority"],
     "static-colocated": ["scheduler.mode=static-colocated", "rollout.request_order=fifo"],
     "static-disaggregated": ["scheduler.mode=static-disaggregated", "rollout.request_order=fifo"],
+    # Partial rollouts (``--over-sample`` groups beyond num_prompts, staleness 1):
+    # episodes still playing at the rollout's end carry over mid-session.
+    "dynamic+partial": ["scheduler.mode=dynamic", "rollout.request_order=fifo"],
+    "static-colocated+partial": [
+        "scheduler.mode=static-colocated",
+        "rollout.request_order=fifo",
+    ],
 }
+DEFAULT_VARIANTS = [v for v in VARIANTS if not v.endswith("+partial")]
 
 OLD_LOGPROBS: dict[str, list[str]] = {
     # The engines' own log-probs: no inference stage in any mode (the recipe's four
@@ -80,6 +94,8 @@ def variant_config(name: str, args: argparse.Namespace, out: Path, warm: Path) -
         *VARIANTS[name],
         *OLD_LOGPROBS[args.old_logprobs],
     ]
+    if name.endswith("+partial"):
+        sets += [f"algorithm.over_sample_prompts={args.over_sample}", "algorithm.max_staleness=1"]
     return apply_overrides(agentic_tiny(), [*sets, *args.set])
 
 
@@ -110,7 +126,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1, help="iterations left out of means")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
+    parser.add_argument(
+        "--over-sample",
+        type=int,
+        default=8,
+        help="algorithm.over_sample_prompts of the +partial variants (of 16 prompts)",
+    )
     parser.add_argument("--out", default="runs/e2e_agentic", help="parent of the run directories")
     parser.add_argument("--iteration-limit-s", type=float, default=600.0)
     parser.add_argument(
@@ -162,9 +184,15 @@ def main() -> None:
         "mean_iteration_s": {m: round(s["mean_iteration_s"], 3) for m, s in ok.items()},
         "speedup_vs_best_static": {
             m: round(ok[m]["episodes_per_s"] / best, 3)
-            for m in ("dynamic", "dynamic+priority")
+            for m in ("dynamic", "dynamic+priority", "dynamic+partial")
             if m in ok and best
         },
+        "partial_vs_on_policy": {
+            m: round(ok[m]["episodes_per_s"] / ok[base]["episodes_per_s"], 3)
+            for m in ok
+            if m.endswith("+partial") and (base := m.removesuffix("+partial")) in ok
+        },
+        "over_sample_prompts": args.over_sample,
         "migrations_per_iteration": {m: s["migrations_per_iteration"] for m, s in ok.items()},
         "reward_curves": {m: s["reward_curve"] for m, s in ok.items()},
         "tool_call_rate_curves": {m: s["tool_call_rate_curve"] for m, s in ok.items()},
