@@ -2,8 +2,11 @@
 hypernodes and dataflow hyperedges. :mod:`dynarl.control.hypergraph` keeps them
 current; the scheduler reads them."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
 
 from dynarl.control.meter import RateMeter
 from dynarl.control.plan import InstanceSpec
@@ -12,6 +15,17 @@ from dynarl.core.ids import ComponentId, EdgeId, GroupId, InstanceId, ItemId
 
 TOOL = InstanceId("<tool>")
 """Owner of an item while it is out of its engine running a tool call."""
+
+FloatArray = npt.NDArray[np.float64]
+_NO_LENGTHS: tuple[FloatArray, FloatArray] = (np.empty(0), np.zeros(1))
+
+
+def sorted_arrays(
+    lengths: Sequence[float], suffix: Sequence[float]
+) -> tuple[FloatArray, FloatArray]:
+    """Sorted lengths and their suffix sums (one more, the last 0) as float arrays."""
+    return np.asarray(lengths, dtype=np.float64), np.asarray(suffix, dtype=np.float64)
+
 
 InstanceState = Literal["active", "draining"]
 
@@ -226,6 +240,10 @@ class HyperNode:
         self.group_max_iter: dict[GroupId, int] = {}
         self.group_lengths_prev: list[int] = []
         self.group_lengths_prev_suffix: list[float] = []
+        # The same two sorted lengths with their suffix sums, as arrays (for the models
+        # that read every pending request at once: dynarl.control.partial_cut).
+        self.lengths_prev_arrays: tuple[FloatArray, FloatArray] = _NO_LENGTHS
+        self.group_lengths_prev_arrays: tuple[FloatArray, FloatArray] = _NO_LENGTHS
         # This iteration only: tokens and requests completed.
         self.tokens_completed_iter = 0
         self.items_completed_iter = 0

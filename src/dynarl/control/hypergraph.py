@@ -21,7 +21,7 @@ from typing import Any
 
 from dynarl.control import device_placement, item_flow
 from dynarl.control import events as ev
-from dynarl.control.elements import HyperEdge, HyperNode, ItemState, Node
+from dynarl.control.elements import HyperEdge, HyperNode, ItemState, Node, sorted_arrays
 from dynarl.control.invariants import check_invariants
 from dynarl.control.plan import InstanceSpec, Migration
 from dynarl.control.topology import PipelineSpec
@@ -251,12 +251,18 @@ class Hypergraph:
                 node.lengths_prev_suffix_sq = list(
                     itertools.accumulate((n * n for n in reversed(node.lengths_prev)), initial=0.0)
                 )[::-1]
+                node.lengths_prev_arrays = sorted_arrays(
+                    node.lengths_prev, node.lengths_prev_suffix
+                )
                 node.lengths_iter = []
             if node.group_max_iter:
                 node.group_lengths_prev = sorted(node.group_max_iter.values())
                 node.group_lengths_prev_suffix = list(
                     itertools.accumulate(reversed(node.group_lengths_prev), initial=0.0)
                 )[::-1]
+                node.group_lengths_prev_arrays = sorted_arrays(
+                    node.group_lengths_prev, node.group_lengths_prev_suffix
+                )
                 node.group_max_iter = {}
         for edge in self.edges.values():
             edge.enqueued_this_iteration = 0

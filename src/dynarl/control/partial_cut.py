@@ -14,7 +14,7 @@ least as long as its most advanced request, and its least advanced request has t
 most left of it. Of the groups not due, those expected soonest are the needed ones.
 """
 
-import bisect
+import numpy as np
 
 from dynarl.control import rollout_lengths
 from dynarl.control.estimates import Estimates, or_fresh
@@ -86,46 +86,51 @@ def rollout_cut(
 
 def _cut(graph: Hypergraph, component: ComponentId, needed: int) -> Cut | None:
     node = graph.components[component]
-    heights, suffix = node.group_lengths_prev, node.group_lengths_prev_suffix
-    # Per pending group: [most progress, least progress, pending requests].
-    groups: dict[GroupId, list[float]] = {}
-    progress: list[float] = []
-    for group, p in rollout_lengths.pending_progress_by_group(graph, component):
-        progress.append(p)
-        g = groups.get(group)
-        if g is None:
-            groups[group] = [p, p, 1.0]
-        else:
-            if p > g[0]:
-                g[0] = p
-            elif p < g[1]:
-                g[1] = p
-            g[2] += 1.0
+    # Per pending group (in the order of its first request): its most and least
+    # progress and its pending requests -- array operations over the requests.
+    group_of, progress = rollout_lengths.pending_progress_by_group(graph, component)
+    index: dict[GroupId, int] = dict.fromkeys(group_of, 0)
+    ids = list(index)
+    index.update(zip(ids, range(len(ids)), strict=True))
+    codes = np.fromiter(map(index.__getitem__, group_of), dtype=np.intp, count=len(group_of))
+    done = np.asarray(progress, dtype=np.float64)
+    most = np.full(len(ids), -np.inf)
+    np.maximum.at(most, codes, done)
+    least = np.full(len(ids), np.inf)
+    np.minimum.at(least, codes, done)
+    counts = np.bincount(codes, minlength=len(ids))
     due = graph.groups_due
-    if needed >= sum(1 for gid in groups if gid not in due):
+    if needed >= sum(1 for gid in ids if gid not in due):
         return None  # every pending group is needed: the usual model
+    # Each group's longest response: the last iteration's group maxima past its most
+    # advanced request (one token more past all of them); what is left of it for its
+    # least advanced request.
+    heights, suffix = node.group_lengths_prev_arrays
     n = len(heights)
+    k = np.searchsorted(heights, most, side="right")
+    past = k < n
+    longest = most + 1.0
+    longest[past] = suffix[k[past]] / (n - k[past])
+    left = (longest - least).tolist()
     chosen: list[tuple[float, GroupId, float]] = []
     others: list[tuple[float, GroupId, float]] = []
-    for gid, (most, least, count) in groups.items():
-        k = bisect.bisect_right(heights, most)
-        longest = suffix[k] / (n - k) if k < n else most + 1.0
-        (chosen if gid in due else others).append((longest - least, gid, count))
+    for gid, r, c in zip(ids, left, counts.tolist(), strict=True):
+        (chosen if gid in due else others).append((r, gid, float(c)))
     others.sort(key=lambda r: r[0])
     chosen += others[:needed]
     if not chosen:  # over: its requests are about to be withdrawn
         return Cut(0.0, 0.0, 0.0, {})
     tokens = max(r for r, _, _ in chosen)
     # Every pending request decodes until then, each at most its own expected
-    # remainder (the last finished iteration's response lengths past its progress).
-    lengths, tail = node.lengths_prev, node.lengths_prev_suffix
+    # remainder (the last finished iteration's response lengths past its progress),
+    # summed in request order.
+    lengths, tail = node.lengths_prev_arrays
     m = len(lengths)
-    cut = bisect.bisect_right
-    work = 0.0
-    for p in progress:
-        k = cut(lengths, p)
-        own = tail[k] / (m - k) - p if k < m else 1.0
-        work += own if own < tokens else tokens
+    k = np.searchsorted(lengths, done, side="right")
+    past = k < m
+    own = np.ones_like(done)
+    own[past] = tail[k[past]] / (m - k[past]) - done[past]
+    work = float(np.cumsum(np.minimum(own, tokens))[-1])
     share = sum(c for _, _, c in chosen) / len(progress)
     held, sample_work = _held(graph, component, chosen)
     chosen_left = {gid: r for r, gid, _ in chosen}

@@ -133,33 +133,38 @@ def _progress_by_holder(
 
 def pending_progress_by_group(
     graph: Hypergraph, component: ComponentId
-) -> list[tuple[GroupId, float]]:
-    """(group, tokens generated) of every pending request of a rollout component, in no
-    particular order: :func:`pending_progress` with each request's group (read the same
-    way, per holder), for the models that need a group's requests together
-    (:mod:`~dynarl.control.partial_cut`)."""
+) -> tuple[list[GroupId], list[float]]:
+    """The group and the tokens generated of every pending request of a rollout
+    component, as two lists in the same (no particular) order: :func:`pending_progress`
+    with each request's group (read the same way, per holder), for the models that need
+    a group's requests together (:mod:`~dynarl.control.partial_cut`)."""
     edges = graph.edges_into(component)
-    out: list[tuple[GroupId, float]] = []
+    groups: list[GroupId] = []
+    progress: list[float] = []
     if any(e.spec.consumers != (component,) for e in edges):  # shared edges: each item
         for edge in edges:
             for st in edge.items.values():
                 owner = st.owner
-                p = (
+                groups.append(st.group)
+                progress.append(
                     st.generated
                     if owner is None or owner == TOOL
                     else graph.instances[owner].progress_of(st)
                 )
-                out.append((st.group, p))
-        return out
+        return groups, progress
     for edge in edges:
-        out.extend(
-            [(st.group, st.generated) for st in edge.items.values() if st.owner in (None, TOOL)]
-        )
+        parked = [st for st in edge.items.values() if st.owner in (None, TOOL)]
+        groups.extend([st.group for st in parked])
+        progress.extend([st.generated for st in parked])
     for inst in graph.components[component].instances.values():
         tpr = inst.tokens_per_request
-        out.extend([(st.group, st.generated + tpr - st.mark) for st in inst.started.values()])
-        out.extend([(st.group, st.generated) for st in inst.waiting.values()])
-    return out
+        started = inst.started.values()
+        groups.extend([st.group for st in started])
+        progress.extend([st.generated + tpr - st.mark for st in started])
+        waiting = inst.waiting.values()
+        groups.extend([st.group for st in waiting])
+        progress.extend([st.generated for st in waiting])
+    return groups, progress
 
 
 def expected_remaining_tokens(graph: Hypergraph, component: ComponentId) -> float:
