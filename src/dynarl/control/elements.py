@@ -305,8 +305,8 @@ class HyperEdge:
         self.spec = spec
         self.items: dict[ItemId, ItemState] = {}
         self.queue: dict[ItemId, None] = {}
-        self.num_in_tool = 0
-        # Sessions out on a tool call by the turns they have done (>= 1).
+        # Sessions out on a tool call, and their counts by the turns they have done (>= 1).
+        self.in_tool: dict[ItemId, ItemState] = {}
         self.in_tool_turns: dict[int, int] = {}
         # Pending items per group: [count, sizes (ItemRef.tokens, 1 at least)].
         self.groups: dict[GroupId, list[int]] = {}
@@ -326,6 +326,11 @@ class HyperEdge:
     def id(self) -> EdgeId:
         """The edge's id."""
         return self.spec.id
+
+    @property
+    def num_in_tool(self) -> int:
+        """Sessions out on a tool call."""
+        return len(self.in_tool)
 
     @property
     def num_pending(self) -> int:

@@ -69,6 +69,8 @@ def check_invariants(graph: GraphState) -> None:
                     raise InvariantError(f"{st.id!r} on {edge.id} is owned by nobody")
             elif st.owner == TOOL:
                 in_tool += 1
+                if edge.in_tool.get(st.id) is not st:
+                    raise InvariantError(f"{st.id!r} is in a tool, not in {edge.id}'s sessions")
                 turns[st.tool_calls + 1] = turns.get(st.tool_calls + 1, 0) + 1
             else:
                 holder = graph.instances.get(st.owner)

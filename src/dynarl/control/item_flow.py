@@ -122,7 +122,6 @@ def on_items_withdrawn(graph: ItemGraph, e: ev.ItemsWithdrawn) -> None:
             del edge.queue[st.id]
             edge.progress_parked -= st.generated
         elif st.owner == TOOL:
-            edge.num_in_tool -= 1
             edge.progress_parked -= st.generated
             _leave_tool(edge, st)
         else:
@@ -148,7 +147,6 @@ def on_item_completed(graph: ItemGraph, e: ev.ItemCompleted) -> None:
     if st.owner == TOOL and st.last_instance == e.instance:
         # A multi-turn session its environment ended while it was out of its
         # engine: it completes where it last ran.
-        edge.num_in_tool -= 1
         edge.progress_parked -= st.generated
         component = edge.spec.consumers[0]  # its engine may have left meanwhile
         _count(graph.components[component].tool_ends, _leave_tool(edge, st))
@@ -190,7 +188,7 @@ def on_tool_call_started(graph: ItemGraph, e: ev.ToolCallStarted) -> None:
     st.owner = TOOL
     edge.progress_parked += st.generated
     st.prefix_tokens = e.prefix_tokens
-    edge.num_in_tool += 1
+    edge.in_tool[st.id] = st
     turns = st.tool_calls + 1
     edge.in_tool_turns[turns] = edge.in_tool_turns.get(turns, 0) + 1
 
@@ -205,7 +203,6 @@ def on_tool_call_finished(graph: ItemGraph, e: ev.ToolCallFinished) -> None:
     _count(graph.components[edge.spec.consumers[0]].tool_returns, _leave_tool(edge, st))
     st.tool_calls += 1
     edge.queue[e.item] = None
-    edge.num_in_tool -= 1
 
 
 def _take(graph: ItemGraph, node: Node, st: ItemState, time_s: float) -> None:
@@ -255,6 +252,7 @@ def _item(edge: HyperEdge, item: ItemId) -> ItemState:
 
 def _leave_tool(edge: HyperEdge, st: ItemState) -> int:
     """Take ``st`` off ``edge``'s sessions in a tool; the turns it had done."""
+    del edge.in_tool[st.id]
     turns = st.tool_calls + 1
     left = edge.in_tool_turns[turns] - 1
     if left:

@@ -117,12 +117,10 @@ def _progress_by_holder(
     once per request) and the queued ones from the edges' queues (the sorted values
     are the same)."""
     out: list[float] = []
-    for edge in edges:
+    for edge in edges:  # the parked requests: queued, or out on a tool call
         items = edge.items
-        if edge.num_in_tool:
-            out.extend(st.generated for st in items.values() if st.owner in (None, TOOL))
-        else:  # nothing in a tool: the parked requests are the queued ones
-            out.extend([items[i].generated for i in edge.queue])
+        out.extend([items[i].generated for i in edge.queue])
+        out.extend([st.generated for st in edge.in_tool.values()])
     for node in graph.components[component].instances.values():
         tpr = node.tokens_per_request
         out.extend([st.generated + tpr - st.mark for st in node.started.values()])
