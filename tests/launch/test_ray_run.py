@@ -1,7 +1,7 @@
 """A real run on the Ray launcher (the simulated two-node cluster): the default job
-learns exactly what it learns with local worker processes, its workers spread over
-both nodes and dial the controller over TCP with the run's token, and their output
-reaches the run directory."""
+learns what it learns with local worker processes (its first iteration exactly), its
+workers spread over both nodes and dial the controller over TCP with the run's token,
+and their output reaches the run directory."""
 
 from pathlib import Path
 from typing import Any
@@ -42,10 +42,14 @@ async def test_the_default_job_learns_the_same_on_ray_as_on_local_processes(
     local = await run(config(tmp_path / "local"))
     on_ray = await run(config(tmp_path / "ray", "cluster.launcher=ray"))
 
-    # The same tokens sampled, so the same rewards; the loss up to float summation
-    # order (the trainer ranks' threads).
-    assert on_ray[0] == local[0], (local[0], on_ray[0])
-    assert on_ray[1] == pytest.approx(local[1], rel=1e-6), (local[1], on_ray[1])
+    # The first iteration samples the same tokens from the same weights: the same
+    # rewards, the loss up to float summation order (the trainer ranks' threads). After
+    # it the dynamic scheduler's decisions depend on timing (how many ranks train a
+    # step, which engine batches which request), which can flip a sampled token (seen:
+    # iteration 1's reward 0.13727 one run, 0.13633 another, on either launcher): close.
+    assert on_ray[0][0] == local[0][0], (local[0], on_ray[0])
+    assert on_ray[1][0] == pytest.approx(local[1][0], rel=1e-6), (local[1], on_ray[1])
+    assert on_ray[0][1] == pytest.approx(local[0][1], abs=0.02), (local[0], on_ray[0])
     names = {f"{role}-{i}" for role in ("slot", "trainer") for i in range(4)}
     assert list(local[2]) == ["127.0.0.1"] and set(local[2]["127.0.0.1"]) == names
     assert set(on_ray[2]) == {node_address()}  # both simulated nodes are this machine
