@@ -521,7 +521,8 @@ async def test_episodes_withdrawn_mid_session_park_and_resume_token_for_token(
             await wait_until(lambda: runner.holds("e0"))
             assert all(runner.holds(rid) for rid in ids)
             assert c.router.statistics().num_pending == 0
-            partial = runner.sampled_tokens("e1")
+            _, sampled = runner.carried_over(["e1"])
+            partial = sampled["e1"]
             # The next iteration: new weights, every episode resumed where it stopped.
             version[0], holding[0] = 4, False
             await c.router.submit([runner.resume(rid) for rid in ids])
@@ -564,7 +565,7 @@ async def test_an_episode_its_running_step_ends_after_the_withdrawal_is_kept_asi
                 r.runner.turn_ended(turn, tg)
                 assert r.runner.withdraw(["e0"]) == ["e0"]
                 GatedLookup.gate.set()
-            ended = r.runner.take_ended()
+            ended, _ = r.runner.carried_over(["e0"])
             assert r.runner.num_playing == 0
             with pytest.raises(anyio.WouldBlock):
                 r.finished.receive_nowait()

@@ -30,7 +30,7 @@ pipeline driver, which closes it.
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import anyio
 import msgspec
@@ -168,7 +168,7 @@ class EpisodeRunner:
             await self._end(rid, "truncated")
             return None
         play.turn_out = True
-        return self._item(rid, play)
+        return self._item(play, self._request(play))
 
     def turn_ended(self, routed: RoutedResult, tasks: TaskGroup) -> None:
         """A turn came back from its engine: in ``tasks``, step the environment, then
@@ -302,9 +302,10 @@ class EpisodeRunner:
         play = self._plays.get(request_id)
         return play is not None and play.parked is not None
 
-    def sampled_tokens(self, request_id: str) -> int:
-        """Tokens the policy sampled so far for the parked episode ``request_id``."""
-        return self._plays[request_id].sampled_tokens
+    @property
+    def parked(self) -> frozenset[str]:
+        """The episodes parked for the next iteration."""
+        return frozenset(rid for rid, play in self._plays.items() if play.parked is not None)
 
     def resume(self, request_id: str) -> Item:
         """Resume the parked episode ``request_id`` in a new iteration: the item of its
@@ -314,21 +315,16 @@ class EpisodeRunner:
         assert request is not None, f"episode {request_id} is parked"
         play.started_s += self.now_s() - play.parked_s  # parked time is not its own
         play.parked, play.withdrawn, play.turn_out = None, False, True
-        return Item(
-            id=ItemId(request_id),
-            group=play.group,
-            edge=PROMPTS,
-            payload=_ENCODER.encode(request),
-            affinity="prefer",
-            tokens=len(request.prompt_ids),
-            tool_calls=play.tool_calls,
-        )
+        return self._item(play, request)
 
-    def take_ended(self) -> dict[str, Episode]:
-        """The withdrawn episodes that ended after their rollout did (their last step
-        said done, or a limit or a failure ended them), by request id; forgotten here."""
+    def carried_over(self, withdrawn: Iterable[str]) -> tuple[dict[str, Episode], dict[str, int]]:
+        """Once the iteration's steps are over, what became of the ``withdrawn``
+        episodes: those that ended after their rollout did (their last step said done,
+        or a limit or a failure ended them; forgotten here), and the tokens each of the
+        others, parked, has sampled so far."""
         ended, self._ended_aside = self._ended_aside, {}
-        return ended
+        playing = {rid: self._plays[rid].sampled_tokens for rid in withdrawn if rid not in ended}
+        return ended, playing
 
     @property
     def num_playing(self) -> int:
@@ -361,14 +357,17 @@ class EpisodeRunner:
             multi_turn=True,
         )
 
-    def _item(self, rid: str, play: _Play) -> Item:
+    @staticmethod
+    def _item(play: _Play, request: GenerateRequest) -> Item:
+        """The router item of ``play``'s turn ``request`` (its context its size)."""
         return Item(
-            id=ItemId(rid),
+            id=ItemId(play.request.request_id),
             group=play.group,
             edge=PROMPTS,
-            payload=_ENCODER.encode(self._request(play)),
+            payload=_ENCODER.encode(request),
             affinity="prefer",
-            tokens=play.transcript.num_tokens,
+            tokens=len(request.prompt_ids),
+            tool_calls=play.tool_calls,
         )
 
     def _wall_left(self, play: _Play) -> float:

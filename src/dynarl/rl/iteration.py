@@ -118,14 +118,7 @@ class Iteration:
                 (GroupId(f"{iteration}/{k}"), prompt, requests[k * size : (k + 1) * size])
                 for k, prompt in enumerate(prompts)
             ],
-            playing=frozenset()
-            if runner is None
-            else {
-                s.request_id
-                for g in pipeline.carried.groups
-                for s in g.samples
-                if runner.holds(s.request_id)
-            },
+            playing=frozenset() if runner is None else runner.parked,
         )
         if self.groups.restarted:
             logger.warning(
@@ -217,12 +210,9 @@ class Iteration:
         completions, rewards = self.samples.completions, self.samples.rewards
         open_tokens: dict[str, int] = {}
         if runner is not None:  # episodes the rollout's end withdrew
-            ended = runner.take_ended()  # by the step that was running then
+            ended, open_tokens = runner.carried_over(self.groups.open)
             completions = {**completions, **ended}
             rewards = {**rewards, **{rid: e.reward or 0.0 for rid, e in ended.items()}}
-            open_tokens = {
-                rid: runner.sampled_tokens(rid) for rid in self.groups.open if rid not in ended
-            }
         carried = self.groups.carry_out(completions, rewards, open_tokens)
 
         t0 = time.perf_counter()
