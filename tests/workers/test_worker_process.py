@@ -27,7 +27,7 @@ from dynarl.data.zmq_transport import ZmqTransport  # noqa: E402
 from dynarl.launch.local import LaunchConfig, LocalLauncher  # noqa: E402
 from dynarl.workers import sync_group  # noqa: E402
 from dynarl.workers.config import SLOT_CAPACITY  # noqa: E402
-from dynarl.workers.errors import WorkerCallError  # noqa: E402
+from dynarl.workers.errors import WeightManifestError, WorkerCallError  # noqa: E402
 from dynarl.workers.handles import CallChannel, RolloutHandle  # noqa: E402
 from dynarl.workers.inference import LogprobRequest  # noqa: E402
 from dynarl.workers.protocol import InferenceRole, RolloutRole  # noqa: E402
@@ -306,6 +306,44 @@ async def test_a_slot_switching_roles_keeps_its_place_in_the_weight_sync_group(
         assert (await inference.stats()).weight_version == 4
         async with anyio.create_task_group() as tg:  # leave together (a collective)
             tg.start_soon(slot.leave_weight_sync)
+            await trainer.leave_weight_sync()
+    finally:
+        await trainer.aclose()
+
+
+@pytest.mark.timeout(120)
+async def test_an_engine_whose_model_does_not_fit_fails_the_sync_at_once(
+    cluster: Cluster,
+) -> None:
+    """The engine refuses the trainer's manifest (a vocabulary that differs, as a
+    tokenizer mismatch gives) but still takes the broadcast in, so the sync fails
+    with the refusal in seconds instead of leaving the trainer in the collective
+    until the group's 60 s timeout; the engine keeps its weights, and the group
+    serves a sync of matching weights afterwards."""
+    rollout = await rollout_on(cluster, 0, "rollout-0")
+    held = (await rollout.stats()).weight_version
+    config = TrainerConfig(seed=0, timeout_s=60.0)
+    wider = ModelConfig(max_seq_len=96, tokenizer="chat")  # a 110-row embedding
+    workers = await cluster.launcher.start_workers(trainer_main, ["trainer-w"], num_threads=1)
+    pool = TrainerPool(
+        config,
+        workers=[CallChannel(cluster.router, h.name) for h in workers],
+        model_factory=functools.partial(build_model, wider, seed=0),
+        loss_fn=weighted_nll,
+    )
+    trainer = TorchTrainer(pool)
+    try:
+        await trainer.start((0,))
+        await sync_group.connect(trainer, [rollout])
+        with anyio.fail_after(20), pytest.raises(WeightManifestError, match="embed"):
+            await sync_group.broadcast(trainer, 7, [rollout])
+        assert (await rollout.stats()).weight_version == held
+        # The collective finished on both sides: the group is whole and the trainer
+        # answers (its next call would queue behind a stuck broadcast otherwise).
+        manifest = await trainer.weight_manifest(8)
+        assert manifest.version == 8
+        async with anyio.create_task_group() as tg:  # leave together (a collective)
+            tg.start_soon(rollout.leave_weight_sync)
             await trainer.leave_weight_sync()
     finally:
         await trainer.aclose()

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 import anyio
 
 from dynarl.workers import sync_group
+from dynarl.workers.errors import WeightManifestError
 from dynarl.workers.handles import SlotHandle
 from dynarl.workers.trainer import Trainer
 
@@ -87,11 +88,16 @@ class EngineWeights:
         A broadcast that fails (a member died under it: gloo reports the reset
         connection) is retried with exponential back-off, up to :attr:`SYNC_ATTEMPTS`
         times, on a group rebuilt from the members alive then (the router reports the
-        dead one meanwhile); the trainer keeps its weights throughout."""
+        dead one meanwhile); the trainer keeps its weights throughout. An engine whose
+        model does not fit the trainer's weights fails the sync at once
+        (:class:`~dynarl.workers.errors.WeightManifestError`: every try would fail
+        alike)."""
         delay_s = self.SYNC_BACKOFF_S
         for attempt in range(1, self.SYNC_ATTEMPTS + 1):
             try:
                 return await self._sync_once(version)
+            except WeightManifestError:
+                raise
             except Exception as error:
                 if attempt == self.SYNC_ATTEMPTS:
                     raise

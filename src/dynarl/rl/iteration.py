@@ -19,7 +19,6 @@ from typing import Any, Protocol
 
 import anyio
 import msgspec
-import numpy as np
 from anyio.abc import ObjectReceiveStream, ObjectSendStream, TaskGroup, TaskStatus
 
 from dynarl.control import events as ev
@@ -33,19 +32,19 @@ from dynarl.envs.environment import EnvironmentSpec
 from dynarl.envs.prompts import PromptSampler
 from dynarl.envs.verifier import AsyncVerifier
 from dynarl.obs.metrics import IterationStats
-from dynarl.obs.trace_records import Request
 from dynarl.rl.actor_steps import ActorSteps
 from dynarl.rl.carry import CarryState, IterationGroups, fresh_groups
 from dynarl.rl.config import AlgorithmConfig
-from dynarl.rl.episode import Episode, episode_stats
+from dynarl.rl.episode import Episode
 from dynarl.rl.episode_runner import EpisodeRunner
 from dynarl.rl.gate import StepGate
+from dynarl.rl.iteration_stats import Measured, iteration_stats, trace_requests
 from dynarl.rl.progress import Progress, Weights
 from dynarl.rl.reporter import EventReporter
 from dynarl.rl.requests import group_requests, prompt_ids, response_text
 from dynarl.rl.routed_results import SplitResults, split_results
 from dynarl.rl.samples import Rewarded, Samples, Scored
-from dynarl.rl.trace import RunTrace, episode_request
+from dynarl.rl.trace import RunTrace
 from dynarl.workers.config import RolloutConfig
 from dynarl.workers.inference import LogprobRequest
 from dynarl.workers.rollout import GenerateRequest
@@ -221,8 +220,24 @@ class Iteration:
         self.stage_s["sync"] = time.perf_counter() - t0
         p.reporter(ev.IterationDone(iteration=self.iteration))
         if p.trace is not None:
-            p.trace.record(self.iteration, self._trace_requests())
-        stats = self._stats(time.perf_counter() - self.started, carried, completions, open_tokens)
+            trained = trace_requests(self.iteration, self.samples, self.groups)
+            p.trace.record(self.iteration, trained)
+        stats = iteration_stats(
+            Measured(
+                iteration=self.iteration,
+                samples=self.samples,
+                groups=self.groups,
+                losses=self.actor.losses,
+                norms=self.actor.norms,
+                stage_s=self.stage_s,
+                elapsed_s=time.perf_counter() - self.started,
+                episodes=p.environment is not None,
+                partial=p.algorithm.partial_rollouts,
+            ),
+            carried,
+            completions,
+            open_tokens,
+        )
         self.carried_out = carried
         self.trained = [self.samples.completions[rid] for rid in self.groups.trained()]
         return stats
@@ -258,15 +273,6 @@ class Iteration:
                 tg.start_soon(start, i, request)
         return [item for item in first if item is not None]
 
-    def _trace_requests(self) -> list[Request]:
-        """The iteration's trained samples as trace lines, in request order."""
-        return [
-            episode_request(
-                self.samples.completions[rid], iteration=self.iteration, group=self.group_of[rid]
-            )
-            for rid in self.groups.trained()
-        ]
-
     def _request_items(self) -> list[Item]:
         """The single-turn rollout requests as router items (a carried one holds its
         partial output, which the engine that takes it resumes from)."""
@@ -280,44 +286,6 @@ class Iteration:
             )
             for r in self.requests
         ]
-
-    def _stats(
-        self,
-        elapsed: float,
-        carried: CarryState,
-        finished: dict[str, Episode],
-        open_tokens: dict[str, int],
-    ) -> IterationStats:
-        """What the iteration measured; ``finished``: every sample that finished in it
-        (those carried over included), ``open_tokens``: the tokens of the episodes it
-        carries over still playing."""
-        samples, trained = self.samples, self.groups.trained()
-        kept = set(trained)
-        completions = [c for rid, c in samples.completions.items() if rid in kept]
-        scored = [rid for rid in trained if samples.completions[rid].end != "aborted"] or trained
-        rewards = np.array([samples.rewards[rid] for rid in scored])
-        gen_tokens = self.groups.generated_tokens(finished, open_tokens)
-        partial = self.p.algorithm.partial_rollouts
-        return IterationStats(
-            iteration=self.iteration,
-            mean_reward=float(rewards.mean()),
-            solved_fraction=float(np.mean(rewards >= 1.0)),
-            num_samples=len(trained),
-            gen_tokens=gen_tokens,
-            mean_response_tokens=sum(c.num_sampled for c in completions) / len(trained),
-            tokens_per_s=gen_tokens / elapsed,
-            loss=float(np.mean(self.actor.losses)),
-            grad_norm=float(np.mean(self.actor.norms)),
-            weight_version=self.iteration + 1,
-            stage_s=self.stage_s,
-            elapsed_s=elapsed,
-            episodes=episode_stats(completions) if self.p.environment is not None else {},
-            partial_rollout=self.groups.stats(
-                samples.completions, carried, weight_version=self.iteration
-            )
-            if partial
-            else None,
-        )
 
     # ------------------------------------------------------------------ stages
 

@@ -82,3 +82,11 @@ class ReshardError(TrainerError):
 class WeightSyncError(TrainerError):
     """Weights could not be sent to (or received from) the engines: the two sides
     disagree about the tensors, or the sending rank is no longer a trainer."""
+
+
+class WeightManifestError(WeightSyncError):
+    """A receiver's model does not fit the weights the trainer describes (names,
+    shapes or dtypes differ): every try would fail the same way, so a sync that meets
+    it is not retried. The receiver still took the broadcast in (into scratch, its
+    model untouched), so the sender and the other members are not left waiting. Build
+    the trainer and the engines from the same model config (and tokenizer)."""

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import anyio
 
-from dynarl.workers.errors import WorkerCallError
+from dynarl.workers.errors import WeightManifestError, WorkerCallError
 from dynarl.workers.trainer import Trainer
 from dynarl.workers.weights import WeightManifest, WeightSyncGroup
 
@@ -82,7 +82,12 @@ async def connect(
 async def broadcast(trainer: Trainer, version: int, engines: Sequence[Member]) -> int:
     """Send the trainer's weights tagged ``version`` to ``engines`` (every member of
     the group): the trainer describes what it sends, every engine is handed that
-    manifest, then the broadcast runs. Returns the bytes sent."""
+    manifest, then the broadcast runs. Returns the bytes sent.
+
+    Raises:
+        WeightManifestError: an engine's model does not fit the manifest (it took the
+            broadcast in and threw it away; the others hold the new weights).
+    """
     versions: list[int] = []
     manifest = await trainer.weight_manifest(version)
     if manifest.version != version:
@@ -92,12 +97,23 @@ async def broadcast(trainer: Trainer, version: int, engines: Sequence[Member]) -
         )
 
     async def receive(engine: Member) -> None:
-        versions.append(await engine.update_weights(manifest))
+        try:
+            versions.append(await engine.update_weights(manifest))
+        except WorkerCallError as error:
+            if error.error == WeightManifestError.__name__:
+                raise WeightManifestError(str(error)) from error
+            raise
 
-    async with anyio.create_task_group() as tg:
-        for engine in engines:
-            tg.start_soon(receive, engine)
-        sent = await trainer.send_weights(version)
+    try:
+        async with anyio.create_task_group() as tg:
+            for engine in engines:
+                tg.start_soon(receive, engine)
+            sent = await trainer.send_weights(version)
+    except BaseExceptionGroup as errors:
+        refused = _refusal(errors)
+        if refused is not None:
+            raise refused from errors
+        raise
     if versions != [version] * len(engines):
         raise WorkerCallError(
             f"engines received weight versions {versions}, not {version}: another sync "
@@ -105,3 +121,12 @@ async def broadcast(trainer: Trainer, version: int, engines: Sequence[Member]) -
             error="WeightSyncError",
         )
     return sent
+
+
+def _refusal(errors: BaseExceptionGroup) -> WeightManifestError | None:
+    """The first engine's refusal of the manifest among ``errors``' leaves."""
+    for error in errors.exceptions:
+        found = _refusal(error) if isinstance(error, BaseExceptionGroup) else error
+        if isinstance(found, WeightManifestError):
+            return found
+    return None

@@ -6,7 +6,8 @@ its rank 0 and hosts its store at ``host:port``; engines join as ranks ``1..n-1`
 
 A sync of the run goes by manifest (:class:`~dynarl.workers.weights.WeightManifest`):
 the sender describes it (:func:`manifest_of`), every engine checks it against its own
-model before anything moves, and each bucket is one broadcast of its tensors
+model before its parameters are touched (one that does not fit still takes the
+broadcast in and throws it away, so nobody hangs), and each bucket is one broadcast of its tensors
 flattened in order (:func:`send_by_manifest`, :func:`receive_by_manifest`) — the
 layout SGLang servers take too. :func:`send_weights` / :func:`receive_weights` are the
 older self-describing form between two torch processes (a header with the version,
@@ -17,6 +18,7 @@ buckets), kept for in-process tools and tests.
 import datetime
 import functools
 import logging
+import math
 import zlib
 
 import anyio
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from dynarl.workers.errors import WeightSyncError
+from dynarl.workers.errors import WeightManifestError, WeightSyncError
 from dynarl.workers.torch.buckets import (
     Group,
     Staging,
@@ -212,6 +214,7 @@ def send_by_manifest(
     """Broadcast ``model``'s parameters from group rank 0 as ``manifest`` describes
     them (one broadcast per bucket, its tensors flattened in order). Collective: every
     receiver takes the same manifest at the same time. Returns the bytes sent."""
+    _check_manifest(manifest)
     tensors, plan = _layout(model, manifest, side="sender")
     with torch.no_grad():
         sent = broadcast_buckets(tensors, plan, group=group, group_src=0, staging=staging)
@@ -221,25 +224,65 @@ def send_by_manifest(
 
 def receive_by_manifest(model: torch.nn.Module, manifest: WeightManifest, *, group: Group) -> int:
     """Receive the broadcast ``manifest`` describes into ``model``'s parameters in
-    place; returns ``manifest.version``. Raises :class:`WeightSyncError` before any
-    byte moves when the manifest does not fit the model (the sender then fails on its
-    timeout)."""
-    tensors, plan = _layout(model, manifest, side="engine")
+    place; returns ``manifest.version``.
+
+    Raises:
+        WeightSyncError: the manifest itself is malformed (an empty bucket, one that
+            mixes dtypes); the sender refuses it the same way, so nothing is sent.
+        WeightManifestError: the manifest does not fit the model. The broadcast is
+            still taken in, into scratch buffers with the model untouched, so the
+            sender and the other members finish it rather than hang in the collective
+            until the group's timeout (as an SGLang server that fails to load a
+            bucket has received it).
+    """
+    _check_manifest(manifest)
+    try:
+        tensors, plan = _layout(model, manifest, side="engine")
+    except WeightManifestError:
+        _drain(manifest, group=group, device=next(model.parameters()).device)
+        raise
     with torch.no_grad():
         broadcast_buckets(tensors, plan, group=group, group_src=0)
     return manifest.version
 
 
+def _drain(manifest: WeightManifest, *, group: Group, device: torch.device) -> None:
+    """Take in the broadcast of ``manifest`` and throw it away (a bucket at a time)."""
+    staging = Staging()
+    for bucket in manifest.buckets:
+        numel = sum(math.prod(shape) for shape in bucket.shapes)
+        buffer = staging.get(_dtype(bucket.dtypes[0]), device, numel)
+        broadcast(buffer, group=group, group_src=0)
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise WeightSyncError(f"the weight manifest names an unknown dtype {name!r}")
+    return dtype
+
+
+def _check_manifest(manifest: WeightManifest) -> None:
+    """Refuse a malformed manifest, as the sender and every receiver do alike."""
+    for bucket in manifest.buckets:
+        if not bucket.names:
+            raise WeightSyncError("the weight manifest has an empty bucket; drop it")
+        if len(set(bucket.dtypes)) > 1:
+            raise WeightSyncError(f"a weight bucket mixes dtypes ({bucket.dtypes}); one per bucket")
+        _dtype(bucket.dtypes[0])
+
+
 def _layout(
     model: torch.nn.Module, manifest: WeightManifest, *, side: str
 ) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """``model``'s parameters in the manifest's order, and its buckets as indices."""
+    """``model``'s parameters in the manifest's order, and its buckets as indices;
+    :class:`WeightManifestError` when they do not fit (check the manifest first)."""
     params = dict(model.named_parameters())
     names = manifest.names
     missing = [n for n in names if n not in params]
     unsent = [n for n in params if n not in set(names)]
     if missing or unsent:
-        raise WeightSyncError(
+        raise WeightManifestError(
             f"the weight manifest names {len(names)} tensors; this {side}'s model lacks "
             f"{missing[:3]} and the manifest lacks {unsent[:3]}: build both from the "
             f"same model config"
@@ -247,21 +290,17 @@ def _layout(
     tensors: list[torch.Tensor] = []
     plan: list[list[int]] = []
     for bucket in manifest.buckets:
-        if not bucket.names:
-            raise WeightSyncError("the weight manifest has an empty bucket; drop it")
         indices = []
         for name, dtype, shape in zip(bucket.names, bucket.dtypes, bucket.shapes, strict=True):
             p = params[name].data
             if tuple(p.shape) != tuple(shape) or dtype_name(p.dtype) != dtype:
-                raise WeightSyncError(
+                raise WeightManifestError(
                     f"the weight manifest has {name} as {dtype}{list(shape)}; this "
                     f"{side}'s model has {dtype_name(p.dtype)}{list(p.shape)}: build both "
-                    f"from the same model config"
+                    f"from the same model config (and tokenizer)"
                 )
             indices.append(len(tensors))
             tensors.append(p)
-        if len({t.dtype for t in tensors[indices[0] :]}) > 1:
-            raise WeightSyncError(f"a weight bucket mixes dtypes ({bucket.dtypes}); one per bucket")
         plan.append(indices)
     return tensors, plan
 

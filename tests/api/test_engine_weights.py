@@ -1,0 +1,100 @@
+"""The run's weight-sync policy (:class:`~dynarl.api.engine_weights.EngineWeights`):
+a sync that fails because a member died is retried on a rebuilt group; one an engine
+refuses because its model does not fit the trainer's weights is not. The trainer and
+the engines here are scripted stand-ins for worker processes (the real collective and
+its drain are tested in tests/workers/test_worker_process.py)."""
+
+import anyio
+import pytest
+
+from dynarl.api.engine_weights import EngineWeights
+from dynarl.workers.errors import WeightManifestError, WorkerCallError
+from dynarl.workers.weights import WeightBucket, WeightManifest, WeightSyncGroup
+
+pytestmark = pytest.mark.anyio
+
+
+class Trainer:
+    """A sender that records the syncs it takes part in."""
+
+    def __init__(self) -> None:
+        self.sends: list[int] = []
+        self.groups = 0
+        self.weight_sync_ready = False
+
+    async def host_weight_sync(self, host: str, world_size: int, timeout_s: float) -> int:
+        return 29500
+
+    async def join_weight_sync(self, group: WeightSyncGroup) -> None:
+        self.groups += 1
+        self.weight_sync_ready = True
+
+    async def leave_weight_sync(self) -> None:
+        self.weight_sync_ready = False
+
+    async def weight_manifest(self, version: int) -> WeightManifest:
+        bucket = WeightBucket(names=("w",), dtypes=("float32",), shapes=((2,),))
+        return WeightManifest(version=version, buckets=(bucket,))
+
+    async def send_weights(self, version: int) -> int:
+        self.sends.append(version)
+        return 8
+
+
+class Engine:
+    """A member whose next updates fail with ``errors`` (then succeed)."""
+
+    def __init__(self, name: str, errors: list[Exception]) -> None:
+        self.name = name
+        self.role = "rollout"
+        self.in_weight_sync = False
+        self.weight_sync_ranks = 1
+        self.errors = errors
+        self.updates = 0
+
+    async def join_weight_sync(self, group: WeightSyncGroup) -> None:
+        pass
+
+    async def leave_weight_sync(self) -> None:
+        pass
+
+    async def update_weights(self, manifest: WeightManifest) -> int:
+        self.updates += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return manifest.version
+
+
+def weights(engines: list[Engine], trainer: Trainer) -> EngineWeights:
+    held = EngineWeights(
+        serving=lambda: list(engines),  # type: ignore[arg-type]
+        sender_host=lambda _: "127.0.0.1",
+        lost=set(),
+    )
+    held.trainer = trainer  # type: ignore[assignment]
+    held.SYNC_BACKOFF_S = 0.0
+    return held
+
+
+async def test_a_sync_a_dead_member_broke_is_retried_on_a_new_group() -> None:
+    trainer = Trainer()
+    reset = WorkerCallError("Connection reset by peer", error="RuntimeError")
+    engines = [Engine("slot-0", [reset]), Engine("slot-1", [])]
+    held = weights(engines, trainer)
+    assert await held.sync_weights(3) == 8
+    assert held.version == 3
+    assert engines[0].updates == 2 and trainer.groups == 2
+
+
+async def test_an_engine_refusing_the_manifest_fails_the_sync_without_retries() -> None:
+    trainer = Trainer()
+    refusal = WorkerCallError(
+        "the weight manifest has w as float32[2]; this engine's model has float32[3]",
+        error="WeightManifestError",
+    )
+    engines = [Engine("slot-0", [refusal, refusal, refusal, refusal]), Engine("slot-1", [])]
+    held = weights(engines, trainer)
+    with anyio.fail_after(5), pytest.raises(WeightManifestError, match=r"float32\[3\]"):
+        await held.sync_weights(3)
+    assert engines[0].updates == 1 and trainer.sends == [3]
+    assert held.version == 0
