@@ -7,6 +7,7 @@ mid-session, its environment alive, and resumes where it stopped; a resumed run
 restarts it."""
 
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,6 +18,7 @@ import pytest
 from dynarl.api.checkpoint import RunState, checkpoints, write_state
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
+from dynarl.control.topology import ROLLOUT
 from dynarl.core.ids import GroupId
 from dynarl.envs.environment import ChatMessage, EnvironmentSpec, StepResult, Turn
 from dynarl.envs.prompts import Prompt
@@ -169,6 +171,35 @@ def _groups(ids: list[str]) -> set[str]:
     return {rid.rsplit("-", 1)[0] for rid in ids}
 
 
+def _finished_lengths(rl: Any, before: CarryState, *, carried: bool = True) -> list[int]:
+    """The sampled tokens of every response the iteration's rollout finished (sorted):
+    those it trains and, with ``carried``, those it carries over finished, less those
+    that came in finished (``before``)."""
+    pipeline = rl._pipeline
+    came_finished = {
+        s.response.request_id
+        for g in before.groups
+        for s in g.samples
+        if isinstance(s, FinishedSample)
+    }
+    finished = [e for e in pipeline.trained if e.request_id not in came_finished]
+    if carried:
+        finished += [
+            s.response
+            for g in pipeline.carried.groups
+            for s in g.samples
+            if isinstance(s, FinishedSample) and s.response.request_id not in came_finished
+        ]
+    return sorted(e.num_sampled for e in finished)
+
+
+def _learnt_lengths(rl: Any) -> list[int]:
+    """The response lengths the controller learnt in the iteration (sorted): a resumed
+    request's or episode's whole output, its partial output included (the router item
+    states it)."""
+    return sorted(rl.controller.graph.components[ROLLOUT].lengths_iter)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 async def test_cut_requests_resume_with_their_tokens_and_training_stays_within_staleness(
@@ -210,6 +241,7 @@ async def test_cut_requests_resume_with_their_tokens_and_training_stays_within_s
             pipeline = rl._pipeline
             assert pipeline is not None
             resumed_with_tokens += check_resumed(carried, pipeline.trained, stats.iteration)
+            assert _learnt_lengths(rl) == _finished_lengths(rl, carried)
             # The controller heard which groups the rollout had to complete: the carried
             # ones (due, at max_staleness=1) and how many others.
             assert rl.controller is not None
@@ -239,6 +271,7 @@ async def test_cut_requests_resume_with_their_tokens_and_training_stays_within_s
         assert rl._pipeline is not None and rl._pipeline.carried == carried
         [stats] = [s async for s in rl.iterations()]
         resumed_with_tokens += check_resumed(carried, rl._pipeline.trained, stats.iteration)
+        assert _learnt_lengths(rl) == _finished_lengths(rl, carried)
     assert stats.iteration == 3 and stats.partial_rollout is not None
     assert stats.partial_rollout.num_carried_in == carried.num_samples
     assert resumed_with_tokens > 0  # some requests really were cut mid-response
@@ -323,6 +356,9 @@ async def test_episodes_carry_over_mid_session_and_resume_where_they_stopped(
                         assert final == sample.response
             assert len(pipeline.trained) == NUM_PROMPTS * GROUP == stats.num_samples
             assert all(e.end != "aborted" and 1 <= e.num_turns <= 6 for e in pipeline.trained)
+            # (Episodes a step ended after the withdrawal never complete in the router.)
+            trained = Counter(_finished_lengths(rl, carried, carried=False))
+            assert not trained - Counter(_learnt_lengths(rl))
             carried = pipeline.carried
             assert len(carried.groups) == OVER
             assert stats.partial_rollout is not None

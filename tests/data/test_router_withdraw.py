@@ -67,7 +67,13 @@ async def test_waiting_items_leave_at_once_and_running_ones_come_back_with_their
         await c.router.wait_for_instances(2)
         await c.router.drain(InstanceId("w0"))
         again = [
-            wire.Item(id=d.item.id, group=d.item.group, edge=PROMPTS, payload=d.result.payload)
+            wire.Item(
+                id=d.item.id,
+                group=d.item.group,
+                edge=PROMPTS,
+                payload=d.result.payload,
+                generated=d.result.num_tokens,  # its partial output's tokens
+            )
             for d in back
         ] + taken
         await c.router.submit(again)

@@ -42,6 +42,15 @@ def _setup() -> tuple[Placement, CheckedGraph, _Worker, WorkerState, WorkerState
     return p, graph, recalls, a, b
 
 
+def _withdrawn_tokens(graph: CheckedGraph) -> dict[ItemId, int]:
+    """The tokens each withdrawn item left with (``ItemsWithdrawn``)."""
+    out: dict[ItemId, int] = {}
+    for e in graph.of(ev.ItemsWithdrawn):
+        assert isinstance(e, ev.ItemsWithdrawn)
+        out.update(zip(e.items, e.generated or (0,) * len(e.items), strict=True))
+    return out
+
+
 async def test_queued_items_leave_at_once_and_running_ones_when_their_abort_returns() -> None:
     p, graph, recalls, a, b = _setup()
     p.admit([item(k) for k in range(8)], 0.0)
@@ -71,15 +80,16 @@ async def test_queued_items_leave_at_once_and_running_ones_when_their_abort_retu
     assert p.pending == set(graph.graph.edges[PROMPTS].items)
     assert len(p.pending) == 1 and graph.graph.edges[PROMPTS].num_withdrawn == 7
     assert not p.withdrawing
-    # The item that had generated 5 tokens keeps them (and 3 more if it ran again).
+    # The item that had generated 5 tokens leaves with them (and 3 more if it ran again).
     carried = 8 if first in in_flight_leaving else 5
-    assert p.carried_tokens[first] == carried
-    # Back in the next iteration: enqueued with its progress, completed with all of it.
+    assert _withdrawn_tokens(graph)[first] == carried
+    assert not p.generated_tokens, "the placement forgets what left"
+    # Back in the next iteration, stating its partial output: enqueued with its
+    # progress, completed with all of it.
     graph.events.clear()
-    p.admit([item(first.removeprefix("i"))], 3.0)
+    p.admit([item(first.removeprefix("i"), generated=carried)], 3.0)
     enq = graph.of(ev.ItemsEnqueued)
     assert isinstance(enq[0], ev.ItemsEnqueued) and enq[0].generated == (carried,)
-    assert first not in p.carried_tokens
     holder = next(w for w in (a, b) if any(it.id == first for it in w.queue.queued()))
     start(holder)
     p.on_result(holder, wire.ItemResult(item=first, num_tokens=4), 4.0)
@@ -98,7 +108,7 @@ async def test_an_item_that_finishes_before_its_abort_lands_completes() -> None:
     assert recalls.asked == [(holder.instance, (ItemId("i0"),))]
     out = p.on_result(holder, wire.ItemResult(item=ItemId("i0"), num_tokens=9), 1.1)
     assert out is not None and out.result.status == "done"
-    assert not p.withdrawing and not p.carried_tokens and not p.pending
+    assert not p.withdrawing and not p.generated_tokens and not p.pending
     assert len(graph.of(ev.ItemCompleted)) == 1 and not graph.of(ev.ItemsWithdrawn)
     graph.check()
 
@@ -115,7 +125,7 @@ async def test_sessions_out_on_a_tool_and_backlogged_items_leave_at_once() -> No
     taken = p.withdraw([ItemId("i0"), ItemId("i1"), ItemId("i2")], 2.0)
     assert {it.id for it in taken} == {ItemId("i0"), ItemId("i1"), ItemId("i2")}
     assert not p.pending and not p.in_tool and not p.backlog and not len(a.queue)
-    assert p.carried_tokens == {ItemId("i0"): 6, ItemId("i1"): 0, ItemId("i2"): 0}
+    assert _withdrawn_tokens(graph) == {ItemId("i0"): 6, ItemId("i1"): 0, ItemId("i2"): 0}
     with pytest.raises(RoutingError, match="not out on a tool call"):
         p.resume(ItemId("i0"), b"", 3.0, latency_s=0.1, ok=True)
     graph.check()
@@ -145,7 +155,7 @@ async def test_a_failed_workers_recalled_items_leave_instead_of_running_elsewher
     p.withdraw(on_a, 1.0)
     since = len(graph.events)
     p.fail_worker(a, "lost", 1.5)
-    assert set(p.carried_tokens) == set(on_a)
+    assert set(_withdrawn_tokens(graph)) == set(on_a)
     assert not any(isinstance(e, ev.ItemRouted) for e in graph.events[since:])
     assert p.pending == set(b.in_flight)
     graph.check()

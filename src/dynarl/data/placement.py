@@ -104,9 +104,6 @@ class Placement:
         self.withdrawing: set[ItemId] = set()
         """Items :meth:`withdraw` recalled from the instances running them: their
         aborted results take them out of the run instead of routing them again."""
-        self.carried_tokens: dict[ItemId, int] = {}
-        """The partial output's length of each withdrawn item, until it is admitted
-        again (see :meth:`withdraw`)."""
         self.num_withdrawn = 0
         self.held: set[InstanceId] = set()
         """Instances that start drained when they join (see ``Router.hold``)."""
@@ -229,23 +226,19 @@ class Placement:
             ids.add(item.id)
 
     def admit(self, items: Sequence[wire.Item], now: float) -> None:
-        """Enqueue checked new items and route them. An item withdrawn before (a
-        partial rollout's carried request, its payload the partial output) keeps
-        counting the tokens it had generated."""
-        by_edge: dict[EdgeId, list[ev.ItemRef]] = {}
+        """Enqueue checked new items and route them. An item that carries output (a
+        partial rollout's carried request, its payload the partial output) counts the
+        tokens it states (``Item.generated``) from the start."""
+        by_edge: dict[EdgeId, list[wire.Item]] = {}
         for item in items:
-            by_edge.setdefault(item.edge, []).append(ev.ItemRef(item.id, item.group, item.tokens))
-        for edge, refs in by_edge.items():
-            generated: tuple[int, ...] = ()
-            if self.carried_tokens:
-                carried = [self.carried_tokens.pop(ref.id, 0) for ref in refs]
-                for ref, n in zip(refs, carried, strict=True):
-                    if n:
-                        self.generated_tokens[ref.id] = n
-                generated = tuple(carried) if any(carried) else ()
-            self.emit(
-                ev.ItemsEnqueued(time_s=now, edge=edge, items=tuple(refs), generated=generated)
-            )
+            by_edge.setdefault(item.edge, []).append(item)
+            if item.generated:
+                self.generated_tokens[item.id] = item.generated
+        for edge, members in by_edge.items():
+            refs = tuple(ev.ItemRef(i.id, i.group, i.tokens) for i in members)
+            carried = tuple(i.generated for i in members)
+            generated = carried if any(carried) else ()
+            self.emit(ev.ItemsEnqueued(time_s=now, edge=edge, items=refs, generated=generated))
         self.pending.update(item.id for item in items)
         for item in items:
             self._place(item, now)
@@ -260,7 +253,7 @@ class Placement:
         ``aborted`` (or ``tool_call``, a session whose turn ended first: its tool's
         result belongs to the next iteration; one that finishes first completes as
         usual). Each leaving item is reported (``ItemsWithdrawn``, with the tokens it
-        generated), and its count is kept until :meth:`admit` takes it again. Raises
+        generated; submitted again, it states them: ``Item.generated``). Raises
         :class:`RoutingError`, changing nothing, for an item that is not pending, or
         whose in-flight instance cannot be asked."""
         wanted = set(item_ids)
@@ -297,7 +290,6 @@ class Placement:
             self.emit(
                 ev.ItemsWithdrawn(time_s=now, edge=edge, items=tuple(ids), generated=generated)
             )
-            self.carried_tokens.update(zip(ids, generated, strict=True))
         for item in items:
             self.pending.discard(item.id)
             self.withdrawing.discard(item.id)

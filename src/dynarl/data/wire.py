@@ -47,7 +47,10 @@ class Item(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     whether it should return there. ``tool_calls`` and ``prefix_tokens`` (completed
     tool calls, reusable KV prefix length) drive the request queue's priority order.
     ``tokens`` is its size (a request's prompt length; 0: unknown), reported to the
-    controller's model (:class:`~dynarl.control.events.ItemRef`).
+    controller's model (:class:`~dynarl.control.events.ItemRef`). ``generated`` is
+    the output it already carries when submitted (a partial rollout's carried request:
+    its partial output's tokens, every turn's for a session): the router counts it
+    with what instances generate (``ItemsEnqueued.generated``, ``ItemCompleted``).
     """
 
     id: ItemId
@@ -59,6 +62,7 @@ class Item(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     tool_calls: int = 0
     prefix_tokens: int = 0
     tokens: int = 0
+    generated: int = 0
 
 
 class ItemResult(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

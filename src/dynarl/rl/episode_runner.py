@@ -314,8 +314,9 @@ class EpisodeRunner:
         request = play.parked
         assert request is not None, f"episode {request_id} is parked"
         play.started_s += self.now_s() - play.parked_s  # parked time is not its own
+        generated = play.sampled_tokens
         play.parked, play.withdrawn, play.turn_out = None, False, True
-        return self._item(play, request)
+        return self._item(play, request, generated=generated)
 
     def carried_over(self, withdrawn: Iterable[str]) -> tuple[dict[str, Episode], dict[str, int]]:
         """Once the iteration's steps are over, what became of the ``withdrawn``
@@ -358,8 +359,9 @@ class EpisodeRunner:
         )
 
     @staticmethod
-    def _item(play: _Play, request: GenerateRequest) -> Item:
-        """The router item of ``play``'s turn ``request`` (its context its size)."""
+    def _item(play: _Play, request: GenerateRequest, *, generated: int = 0) -> Item:
+        """The router item of ``play``'s turn ``request`` (its context its size;
+        ``generated``: the tokens the episode sampled before, when it resumes)."""
         return Item(
             id=ItemId(play.request.request_id),
             group=play.group,
@@ -368,6 +370,7 @@ class EpisodeRunner:
             affinity="prefer",
             tokens=len(request.prompt_ids),
             tool_calls=play.tool_calls,
+            generated=generated,
         )
 
     def _wall_left(self, play: _Play) -> float:

@@ -283,6 +283,7 @@ class Iteration:
                 edge=PROMPTS,
                 payload=_ENCODER.encode(r),
                 tokens=len(r.prompt_ids),
+                generated=len(r.output_ids),
             )
             for r in self.requests
         ]

@@ -40,7 +40,6 @@ from dynarl.data.placement import Placement
 from dynarl.data.request_order import order_named
 from dynarl.data.routing import AffinityRouting
 from dynarl.data.transport import PeerId
-from dynarl.obs.trace_records import Request
 from dynarl.sim.cluster import ClusterModel
 from dynarl.sim.engine import SimEngine
 from dynarl.sim.jobs import Job, JobDone, JobProgress
@@ -150,14 +149,20 @@ class EngineFleet:
                 self._may_feed(node.id)
                 self.placement.add_worker(w, now)
 
-    def admit(self, requests: Sequence[Request], now: float) -> None:
-        """New requests: reported and routed (``ItemsEnqueued``, ``ItemRouted``)."""
+    def admit(self, seqs: Sequence[SeqProgress], now: float) -> None:
+        """New requests, or carried ones with what they generated: reported and
+        routed (``ItemsEnqueued``, ``ItemRouted``)."""
         self.placement.admit(
             [
                 wire.Item(
-                    id=r.id, group=r.group, edge=PROMPTS, affinity="prefer", tokens=r.prompt_tokens
+                    id=s.request.id,
+                    group=s.request.group,
+                    edge=PROMPTS,
+                    affinity="prefer",
+                    tokens=s.request.prompt_tokens,
+                    generated=s.generated(),
                 )
-                for r in requests
+                for s in seqs
             ],
             now,
         )

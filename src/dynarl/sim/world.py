@@ -176,7 +176,7 @@ class SimWorld:
             self.seqs[seq.request.id] = seq
         if self._dirty:  # the engines join before the batch arrives, as real workers do
             self._sync_instances(start)
-        self.fleet.admit([seq.request for seq in seqs], start)
+        self.fleet.admit(seqs, start)
         if ready:
             self._downstream(ready)
         n_steps = self.cfg.algorithm.n_minibatches
