@@ -7,6 +7,7 @@ mid-session, its environment alive, and resumes where it stopped; a resumed run
 restarts it."""
 
 import logging
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, ClassVar
@@ -286,6 +287,10 @@ class Relay:
 
     made: ClassVar[int] = 0
     closed: ClassVar[int] = 0
+    slow_s: ClassVar[float] = 0.05
+    """How long the steps after the first of six-turn tasks take."""
+    steps: ClassVar[list[tuple[float, float]]] = []
+    """When each step started and ended (``time.monotonic``)."""
 
     def __init__(self) -> None:
         Relay.made += 1
@@ -301,7 +306,9 @@ class Relay:
         return [{"role": "user", "content": task.text}]
 
     async def step(self, turn: Turn) -> StepResult:
-        await anyio.sleep(0.05)
+        start = time.monotonic()
+        await anyio.sleep(self.slow_s if self.turns == 6 and turn.index > 0 else 0.05)
+        Relay.steps.append((start, time.monotonic()))
         self.stopped.append(float(turn.finish_reason == "stop"))
         return StepResult(
             observation=({"role": "user", "content": "go on"},),
@@ -367,11 +374,14 @@ async def test_episodes_carry_over_mid_session_and_resume_where_they_stopped(
         assert rl.controller is not None
         assert rl.controller.statistics().events_rejected == {}
         rl.controller.graph.check()
-        playing = pipeline.runner.num_playing if pipeline.runner is not None else -1
+        assert pipeline.runner is not None
+        late = await pipeline.runner.settle()  # steps the last iteration left running
+        playing = pipeline.runner.num_playing
     assert resumed_mid_session > 0  # some episodes really were cut mid-session
     # The longest tasks' groups carry over at the end too, mid-session, still playing.
     open_left = [s for g in carried.groups for s in g.samples if isinstance(s, OpenEpisode)]
-    assert open_left and playing == len(open_left)
+    assert open_left and playing + len(late) == len(open_left)
+    assert set(late) <= {s.request_id for s in open_left}
     assert Relay.closed == Relay.made  # every environment closed once, parked ones too
     assert checkpoints(run_dir)[-1].state.carried == carried
 
@@ -391,4 +401,47 @@ async def test_episodes_carry_over_mid_session_and_resume_where_they_stopped(
                 assert final.num_turns == turns and final.weight_version == 3
     assert stats.num_samples == NUM_PROMPTS * GROUP
     assert stats.partial_rollout is not None and stats.partial_rollout.num_resumed == 0
+    assert Relay.closed == Relay.made
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_tool_call_running_at_an_iterations_end_overlaps_its_weight_sync(
+    tmp_path: Path,
+) -> None:
+    """The six-turn tasks' tool calls take a second, so their episodes are withdrawn
+    mid-call: the iteration trains, syncs the weights and ends while such a call runs
+    (it does not wait for it), and the next iteration takes the episode on once the
+    call is over (parked, or finished if the call ended it); every iteration trains
+    its 16 samples and every environment is closed once."""
+    pytest.importorskip("torch")
+    from dynarl.api.facade import DynaRL
+
+    cfg = apply_overrides(
+        DynaRLConfig(),
+        [
+            *PARTIAL,
+            "rollout.max_new_tokens=16",
+            "model.tokenizer=chat",
+            "env.max_turns=8",
+            "run.num_iterations=3",
+            "run.checkpoint_every=0",  # an iteration's end is its stats
+            f"run.run_dir={tmp_path / 'run'}",
+        ],
+    )
+    Relay.made = Relay.closed = 0
+    Relay.slow_s, Relay.steps = 1.0, []
+    ends: list[float] = []
+    try:
+        async with DynaRL(cfg, environment=RELAY) as rl:
+            async for stats in rl.iterations():
+                ends.append(time.monotonic())
+                assert stats.num_samples == NUM_PROMPTS * GROUP
+                assert stats.episodes["aborted"] == 0
+            assert rl.controller is not None
+            assert rl.controller.statistics().events_rejected == {}
+    finally:
+        Relay.slow_s = 0.05
+    overlapped = [(start, end) for start, end in Relay.steps if any(start < t < end for t in ends)]
+    assert overlapped, "no tool call outlived its iteration (did the iteration wait?)"
     assert Relay.closed == Relay.made

@@ -573,3 +573,81 @@ async def test_an_episode_its_running_step_ends_after_the_withdrawal_is_kept_asi
     finally:
         GatedLookup.done_after_gate = False
     assert ended["e0"].end == "done" and ended["e0"].reward == 0.5
+
+
+@pytest.mark.parametrize("step_ends_it", [True, False])
+async def test_a_step_still_running_at_the_iterations_end_is_settled_before_the_next(
+    tmp_path: Path, step_ends_it: bool
+) -> None:
+    """The steps run in a task group that outlives the iteration: an episode withdrawn
+    while its environment steps is carried over open (with its tokens) while the step
+    goes on (the iteration's weight sync runs meanwhile); :meth:`settle` waits for the
+    step and hands over the episode it ended (to carry over finished), or leaves it
+    parked for the next iteration to resume."""
+    task = TASKS[0]
+    GatedLookup.gate, GatedLookup.gated = anyio.Event(), task.prompt_id
+    GatedLookup.done_after_gate = step_ends_it
+    try:
+        async with rig(tmp_path, EnvironmentSpec(make=GatedLookup)) as r:
+            request = GenerateRequest(request_id="e0", prompt_ids=())
+            item = await r.runner.start(request, task, GroupId("g"))
+            assert item is not None
+            await r.router.submit([item])
+            async with anyio.create_task_group() as run_tasks:  # the run's, not the iteration's
+                [turn] = await r.router.receive_batch()
+                r.runner.turn_ended(turn, run_tasks)
+                await anyio.sleep(0.05)  # the step has begun (it waits for the gate)
+                assert r.runner.withdraw(["e0"]) == ["e0"]
+                # The iteration's training is over; its step is not.
+                ended, sampled = r.runner.carried_over(["e0"])
+                first = msgspec.msgpack.decode(turn.result.payload, type=Completion)
+                assert ended == {} and sampled["e0"] == len(first.output_ids)
+                settling = anyio.Event()
+                late: dict[str, Episode] = {}
+
+                async def settle() -> None:
+                    late.update(await r.runner.settle())
+                    settling.set()
+
+                run_tasks.start_soon(settle)
+                await anyio.sleep(0.05)
+                assert not settling.is_set(), "settle() returned with a step running"
+                GatedLookup.gate.set()
+                with anyio.fail_after(10):
+                    await settling.wait()
+            if step_ends_it:
+                assert late["e0"].end == "done" and late["e0"].reward == 0.5
+                assert r.runner.num_playing == 0
+            else:
+                assert late == {} and r.runner.holds("e0")
+            with pytest.raises(anyio.WouldBlock):
+                r.finished.receive_nowait()
+            assert r.router.statistics().num_pending == 0
+    finally:
+        GatedLookup.done_after_gate = False
+
+
+async def test_closing_the_runner_stops_a_running_step_and_closes_its_environment(
+    tmp_path: Path,
+) -> None:
+    task = TASKS[0]
+    GatedLookup.gate, GatedLookup.gated = anyio.Event(), task.prompt_id  # never set
+    closed: list[str] = []
+
+    class Closing(GatedLookup):
+        async def close(self) -> None:
+            closed.append(self.task.prompt_id)
+
+    async with rig(tmp_path, EnvironmentSpec(make=Closing)) as r:
+        item = await r.runner.start(
+            GenerateRequest(request_id="e0", prompt_ids=()), task, GroupId("g")
+        )
+        assert item is not None
+        await r.router.submit([item])
+        async with anyio.create_task_group() as run_tasks:
+            [turn] = await r.router.receive_batch()
+            r.runner.turn_ended(turn, run_tasks)
+            r.runner.withdraw(["e0"])
+            with anyio.fail_after(10):
+                await r.runner.aclose()
+        assert closed == [task.prompt_id] and r.runner.num_playing == 0

@@ -323,3 +323,28 @@ def test_an_open_episode_carries_over_and_restarts_only_where_no_runner_plays_it
     assert (played.tokens_before["0-0-1"], played.num_resumed, played.restarted) == (9, 1, [])
     assert restarted.tokens_before["0-0-1"] == 0
     assert (restarted.num_resumed, restarted.restarted) == (0, ["0-0-1"])
+
+
+def test_an_open_episode_a_late_step_ended_carries_over_finished_and_its_group_is_whole() -> None:
+    """An open episode whose environment step was still running when it was carried
+    over, and then ended it (the runner's ``settle``): the carry turns it into a
+    finished sample with its reward, the rest untouched, and the next iteration finds
+    its group whole (trained first, nothing of it rolled out again)."""
+    groups = IterationGroups(algorithm=algo(1, 1), carried=CarryState(), fresh=fresh(0, 2))
+    groups.finished(["0-1-0", "0-1-1"])
+    groups.finished(["0-0-0"])
+    groups.came_back_open(groups.to_withdraw()[0])
+    done = ["0-1-0", "0-1-1", "0-0-0"]
+    completions = {rid: response(rid, 4) for rid in done}
+    carried = groups.carry_out(completions, dict.fromkeys(done, 1.0), {"0-0-1": 9})
+    assert carried.ended({}) is carried
+    late = msgspec.structs.replace(response("0-0-1", 11), reward=0.25)
+    ended = carried.ended({"0-0-1": late, "elsewhere": response("elsewhere", 2)})
+    assert ended.groups[0].samples == (
+        carried.groups[0].samples[0],
+        FinishedSample(response=late, reward=0.25),
+    )
+    assert ended.groups[0].times_carried == carried.groups[0].times_carried
+    following = IterationGroups(algorithm=algo(1, 1), carried=ended, fresh=fresh(1, 1))
+    assert all(r.request_id != "0-0-1" for r in following.rollout)
+    assert {e.request_id for e, _ in following.waiting} == {"0-0-0", "0-0-1"}

@@ -359,6 +359,7 @@ async def assemble(
         max_seq_len=cfg.model.max_seq_len,
         trace=None if run_dir is None else _trace(cfg, run_dir, resumed, stack),
         carried=None if resumed is None else resumed.state.carried,
+        tasks=tg,
     )
     stack.push_async_callback(pipeline.aclose)
     return Run(controller, world, pipeline, meter, recorder, sampler)

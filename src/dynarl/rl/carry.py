@@ -121,6 +121,26 @@ class CarryState(msgspec.Struct, frozen=True, kw_only=True):
         """Samples carried."""
         return sum(len(g.samples) for g in self.groups)
 
+    def ended(self, episodes: Mapping[str, Episode]) -> "CarryState":
+        """This state with the open episodes among ``episodes`` finished, each as its
+        response and its reward (an environment step still running when they were
+        carried over ended them)."""
+        if not episodes:
+            return self
+
+        def sample(s: CarriedSample) -> CarriedSample:
+            episode = episodes.get(s.request_id) if isinstance(s, OpenEpisode) else None
+            if episode is None:
+                return s
+            return FinishedSample(response=episode, reward=episode.reward or 0.0)
+
+        return CarryState(
+            groups=tuple(
+                msgspec.structs.replace(g, samples=tuple(sample(s) for s in g.samples))
+                for g in self.groups
+            )
+        )
+
 
 def fresh_groups(algorithm: AlgorithmConfig, carried: CarryState) -> int:
     """How many fresh groups (prompts) the next iteration starts: ``num_prompts`` +

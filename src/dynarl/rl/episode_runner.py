@@ -24,8 +24,11 @@ had sampled, or, for an episode whose environment was stepping, the turn after t
 step (the step finishes while the iteration scores and trains; an episode the step
 ends is kept aside for the iteration's carry-over). Its environment stays alive, its
 transcript kept, and the next iteration resumes it (:meth:`EpisodeRunner.resume`); its
-wall-time limit does not run while it is parked. The runner lives as long as the
-pipeline driver, which closes it.
+wall-time limit does not run while it is parked. A step still running when the
+iteration's training is over goes on beside its weight sync (the steps run in the
+run's task group), and the next iteration waits for it (:meth:`EpisodeRunner.settle`):
+the episode parks, or, ended by the step, carries over finished. The runner lives as
+long as the pipeline driver, which closes it.
 """
 
 import logging
@@ -134,6 +137,11 @@ class EpisodeRunner:
         self.steps = anyio.CapacityLimiter(limits.max_concurrent_steps)
         self._plays: dict[str, _Play] = {}
         self._ended_aside: dict[str, Episode] = {}
+        self._stepping = 0  # environment steps started and not over
+        self._still = anyio.Event()  # set while none is
+        self._still.set()
+        self._scopes: set[anyio.CancelScope] = set()
+        self._closed = False
 
     def attach(self, finished: MemoryObjectSendStream[Episode]) -> None:
         """An iteration begins: its finished episodes go to ``finished``."""
@@ -172,9 +180,32 @@ class EpisodeRunner:
 
     def turn_ended(self, routed: RoutedResult, tasks: TaskGroup) -> None:
         """A turn came back from its engine: in ``tasks``, step the environment, then
-        resume the session for its next turn, finish it, or (withdrawn) park it."""
+        resume the session for its next turn, finish it, or (withdrawn) park it.
+
+        Give ``tasks`` a life longer than the iteration's (the run's): a withdrawn
+        episode's step still running when the iteration's training is over then goes
+        on beside its weight sync, and :meth:`settle` waits for it before the next
+        iteration starts."""
         self._plays[str(routed.item.id)].turn_out = False
-        tasks.start_soon(self._turn_ended, routed)
+        if not self._stepping:
+            self._still = anyio.Event()
+        self._stepping += 1
+        tasks.start_soon(self._step, routed)
+
+    async def _step(self, routed: RoutedResult) -> None:
+        try:
+            with anyio.CancelScope() as scope:
+                if self._closed:  # the run stopped before the step began
+                    return
+                self._scopes.add(scope)
+                try:
+                    await self._turn_ended(routed)
+                finally:
+                    self._scopes.discard(scope)
+        finally:
+            self._stepping -= 1
+            if not self._stepping:
+                self._still.set()
 
     async def _turn_ended(self, routed: RoutedResult) -> None:
         rid = str(routed.item.id)
@@ -319,13 +350,23 @@ class EpisodeRunner:
         return self._item(play, request, generated=generated)
 
     def carried_over(self, withdrawn: Iterable[str]) -> tuple[dict[str, Episode], dict[str, int]]:
-        """Once the iteration's steps are over, what became of the ``withdrawn``
+        """Once the iteration's training is over, what became of the ``withdrawn``
         episodes: those that ended after their rollout did (their last step said done,
         or a limit or a failure ended them; forgotten here), and the tokens each of the
-        others, parked, has sampled so far."""
+        others (parked, or in an environment step that is still running) has sampled
+        so far."""
         ended, self._ended_aside = self._ended_aside, {}
         playing = {rid: self._plays[rid].sampled_tokens for rid in withdrawn if rid not in ended}
         return ended, playing
+
+    async def settle(self) -> dict[str, Episode]:
+        """Wait until no environment step runs (before an iteration starts: the steps
+        of episodes withdrawn from the last one, which ran on beside its weight sync).
+        Returns the episodes those steps ended since :meth:`carried_over` (carry them
+        over finished); the others are parked."""
+        await self._still.wait()
+        ended, self._ended_aside = self._ended_aside, {}
+        return ended
 
     @property
     def num_playing(self) -> int:
@@ -336,8 +377,14 @@ class EpisodeRunner:
         play.parked, play.parked_s, play.turn_out = request, self.now_s(), False
 
     async def aclose(self) -> None:
-        """Close the environments of episodes still playing, parked ones included (the
-        run stops), and the stream of finished episodes."""
+        """Stop the environment steps still running, close the environments of
+        episodes still playing, parked ones included (the run stops), and the stream of
+        finished episodes."""
+        self._closed = True
+        for scope in list(self._scopes):
+            scope.cancel()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_TIMEOUT_S):
+            await self._still.wait()
         for rid in list(self._plays):
             await self._close(self._plays.pop(rid))
         self.detach()

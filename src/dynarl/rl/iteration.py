@@ -85,6 +85,9 @@ class Driver(Protocol):
     """What the last iteration carried over (partial rollouts)."""
     runner: EpisodeRunner | None
     """Plays the episodes (with ``environment``), across iterations."""
+    tasks: TaskGroup | None
+    """Where the environments' steps run: the run's tasks, so that one still running
+    at the iteration's end overlaps its weight sync (``None``: the iteration's own)."""
 
 
 class Iteration:
@@ -335,7 +338,7 @@ class Iteration:
                     assert self.tg is not None
                     if runner.is_withdrawn(str(turn.item.id)):  # it ended as it was recalled
                         self.groups.came_back_open(str(turn.item.id))
-                    runner.turn_ended(turn, self.tg)
+                    runner.turn_ended(turn, self.tg if p.tasks is None else p.tasks)
                 for request in split.withdrawn:
                     if runner is None:
                         self.groups.came_back(request)

@@ -37,6 +37,8 @@ carry from one iteration to the next.
 from collections.abc import Callable
 from typing import Any
 
+from anyio.abc import TaskGroup
+
 from dynarl.data.router import Router
 from dynarl.envs.config import EnvConfig
 from dynarl.envs.environment import EnvironmentSpec
@@ -82,6 +84,9 @@ class Pipeline:
             directory's ``trace.jsonl``); ``None``: not recorded.
         carried: what the iteration before the first carried over (partial rollouts:
             a resumed run's, from its checkpoint); default nothing.
+        tasks: the run's task group (with ``environment``): the environments' steps
+            run in it, so that a withdrawn episode's step still running when an
+            iteration's training is over goes on beside its weight sync.
     """
 
     def __init__(
@@ -105,6 +110,7 @@ class Pipeline:
         max_seq_len: int = 0,
         trace: RunTrace | None = None,
         carried: CarryState | None = None,
+        tasks: TaskGroup | None = None,
     ) -> None:
         self.algorithm = algorithm
         self.rollout = rollout
@@ -123,6 +129,9 @@ class Pipeline:
         self.env = env or EnvConfig()
         self.max_seq_len = max_seq_len
         self.trace = trace
+        self.tasks = tasks
+        """Where the environments' steps run (else in each iteration's own tasks, which
+        then wait for them)."""
         self.carried = carried or CarryState()
         """What the last finished iteration carried over to the next (partial rollouts;
         a checkpoint saves it)."""
@@ -142,7 +151,11 @@ class Pipeline:
         """Plays the episodes (with ``environment``)."""
 
     async def run(self, iteration: int) -> IterationStats:
-        """Run iteration ``iteration`` and return what it measured."""
+        """Run iteration ``iteration`` and return what it measured (first waiting for
+        the environment steps the last one left running: the episodes they ended carry
+        over finished)."""
+        if self.runner is not None:
+            self.carried = self.carried.ended(await self.runner.settle())
         run = Iteration(self, iteration)
         stats = await run.run()
         self.carried, self.trained = run.carried_out, run.trained
