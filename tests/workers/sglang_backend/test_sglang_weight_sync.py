@@ -7,12 +7,14 @@ carries the new version."""
 import socket
 
 import anyio
+import msgspec
 import pytest
 
 from dynarl.testing.fake_sglang import FakeSGLang
 from dynarl.testing.sinks import RecordingSink
 from dynarl.workers.errors import WeightSyncError
 from dynarl.workers.rollout import GenerateRequest, SamplingParams
+from dynarl.workers.sglang.errors import ServerError
 from dynarl.workers.torch import weight_sync
 from dynarl.workers.torch.model import build_model
 from dynarl.workers.weights import WeightSyncGroup
@@ -127,3 +129,76 @@ async def test_a_tensor_parallel_server_takes_a_rank_per_tp_worker() -> None:
         loaded = dict(fake.engine.model.named_parameters())
     for name, p in trained.named_parameters():
         assert loaded[name].data.equal(p.data)
+
+
+async def test_a_bucket_the_server_cannot_load_fails_the_sync_after_the_last(
+    fake: FakeSGLang,
+) -> None:
+    """The trainer's model has a wider vocabulary than the server's: the server takes
+    each bucket in and fails to load the embedding's (HTTP 400, as SGLang answers),
+    and the engine posts the remaining buckets all the same, so the trainer's
+    broadcast finishes instead of waiting for a receiver until the group's timeout;
+    the sync then fails naming the bucket."""
+    trained = build_model(msgspec.structs.replace(MODEL, tokenizer="chat"), seed=1)
+    manifest = weight_sync.manifest_of(trained, version=7, bucket_bytes=16 * 1024)
+    embedding = next(
+        i for i, b in enumerate(manifest.buckets) if "model.embed_tokens.weight" in b.names
+    )
+    assert embedding < len(manifest.buckets) - 1, "a bucket follows the one that fails"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    group = WeightSyncGroup(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=60.0)
+    sender: list[weight_sync.Group] = []
+    sent: list[int] = []
+
+    def join() -> None:
+        sender.append(
+            weight_sync.join_weight_sync_group(
+                host="127.0.0.1",
+                port=port,
+                rank=0,
+                world_size=2,
+                device=trained.device,
+                timeout_s=60.0,
+            )
+        )
+
+    async with running(fake, weight_sync_backend="gloo") as engine:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, join)
+            await engine.join_weight_sync(group)
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+
+                async def send() -> None:
+                    sent.append(
+                        await anyio.to_thread.run_sync(
+                            lambda: weight_sync.send_by_manifest(trained, manifest, group=sender[0])
+                        )
+                    )
+
+                tg.start_soon(send)
+                with pytest.raises(WeightSyncError, match=f"bucket {embedding} of"):
+                    await engine.receive_weights(manifest)
+        assert sent and sent[0] > 0  # every bucket went out
+        assert engine.weight_version == 0 and fake.weight_version != "7"
+        await engine.leave_weight_sync()
+
+
+async def test_the_calls_that_enter_a_collective_are_made_once(fake: FakeSGLang) -> None:
+    """A 5xx from ``/init_weights_update_group`` or ``/update_weights_from_distributed``
+    is not retried: the server may have entered the collective, and a second attempt
+    would wait for peers that are not coming. Other calls are retried as usual."""
+    async with running(
+        fake, weight_sync_backend="gloo", retry_backoff_s=0.01, max_retries=3
+    ) as engine:
+        fake.fail_paths["/init_weights_update_group"] = [503, 503]
+        group = WeightSyncGroup(host="127.0.0.1", port=1, rank=1, world_size=2, timeout_s=5.0)
+        with pytest.raises(ServerError, match="503"):
+            await engine.join_weight_sync(group)
+        assert fake.calls["/init_weights_update_group"] == 1
+        fake.fail_paths["/get_load"] = [503, 503]
+        before = fake.calls["/get_load"]
+        await engine.client.get("/get_load", object)
+        assert fake.calls["/get_load"] - before == 3

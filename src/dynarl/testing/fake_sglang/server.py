@@ -8,6 +8,7 @@ name, gloo on CPU)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime
 import json
@@ -95,6 +96,10 @@ class FakeSGLang:
         self.num_load_calls = 0
         self.fail_next: list[int] = []
         """Statuses to answer the next calls with instead (tests: 5xx retries)."""
+        self.fail_paths: dict[str, list[int]] = {}
+        """Per endpoint path, statuses to answer its next calls with instead."""
+        self.calls: collections.Counter[str] = collections.Counter()
+        """Calls received per endpoint path."""
         self.group_ranks: tuple[int, ...] = ()
         """The ranks it holds in the weight-sync group (one per TP worker)."""
         self._groups: list[Any] = []
@@ -166,6 +171,25 @@ class FakeSGLang:
     # ------------------------------------------------------------------ routes
 
     def _routes(self) -> list[Route]:
+        return [
+            Route(r.path, self._counted(r.path, r.endpoint), methods=r.methods)
+            for r in self._endpoints()
+        ]
+
+    def _counted(self, path: str, endpoint: Any) -> Any:
+        """``endpoint``, counted in :attr:`calls` and failing as :attr:`fail_paths` says."""
+
+        async def call(request: Request) -> Response:
+            self.calls[path] += 1
+            failing = self.fail_paths.get(path)
+            if failing:
+                return JSONResponse({"error": {"message": "injected"}}, status_code=failing.pop(0))
+            response: Response = await endpoint(request)
+            return response
+
+        return call
+
+    def _endpoints(self) -> list[Route]:
         post, get = ["POST", "PUT"], ["GET"]
         return [
             Route("/health", self._health, methods=get),

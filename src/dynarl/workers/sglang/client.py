@@ -81,14 +81,18 @@ class SGLangClient:
         response = await self._call("GET", path, None)
         return _decode(path, response.content, result)
 
-    async def post(self, path: str, body: object | None = None) -> bytes:
-        """``POST path`` with ``body`` as JSON; returns the response body."""
-        response = await self._call("POST", path, body)
+    async def post(self, path: str, body: object | None = None, *, retry: bool = True) -> bytes:
+        """``POST path`` with ``body`` as JSON; returns the response body. Without
+        ``retry``, one attempt: for a call that is not idempotent (one that joins a
+        collective, which a second attempt would enter again with no peer)."""
+        response = await self._call("POST", path, body, retry=retry)
         return response.content
 
-    async def post_as(self, path: str, body: object | None, result: type[T]) -> T:
-        """``POST path``, decoded as ``result``."""
-        return _decode(path, await self.post(path, body), result)
+    async def post_as(
+        self, path: str, body: object | None, result: type[T], *, retry: bool = True
+    ) -> T:
+        """``POST path``, decoded as ``result`` (``retry`` as for :meth:`post`)."""
+        return _decode(path, await self.post(path, body, retry=retry), result)
 
     async def generate(self, request: GenerateReqInput) -> AsyncIterator[GenerateChunk]:
         """Stream ``/generate``: each ``data:`` line decoded, until ``data: [DONE]``.
@@ -140,15 +144,18 @@ class SGLangClient:
                     ) from e
                 await self._back_off(attempt, repr(e))
 
-    async def _call(self, method: str, path: str, body: object | None) -> httpx.Response:
+    async def _call(
+        self, method: str, path: str, body: object | None, *, retry: bool = True
+    ) -> httpx.Response:
         content = None if body is None else _ENCODER.encode(body)
-        for attempt in range(self._max_retries + 1):
+        retries = self._max_retries if retry else 0
+        for attempt in range(retries + 1):
             try:
                 response = await self.client.request(
                     method, path, content=content, headers=_JSON if content else None
                 )
             except _RETRYABLE as e:
-                if attempt == self._max_retries:
+                if attempt == retries:
                     raise ServerError(
                         f"{self.url}{path}: no answer after {attempt + 1} attempts: {e!r}; "
                         f"is the server running?",
@@ -156,7 +163,7 @@ class SGLangClient:
                     ) from e
                 await self._back_off(attempt, repr(e))
                 continue
-            if response.status_code >= 500 and attempt < self._max_retries:
+            if response.status_code >= 500 and attempt < retries:
                 await self._back_off(attempt, f"{path}: HTTP {response.status_code}")
                 continue
             if response.status_code >= 400:

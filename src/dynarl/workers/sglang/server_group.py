@@ -4,11 +4,18 @@ HTTP API: ``/init_weights_update_group`` (its tensor-parallel workers join as ra
 sync's manifest (``load_format="flattened_bucket"``: the bucket is one broadcast of its
 tensors flattened in order, which the trainer sends from group rank 0 meanwhile), and
 ``/destroy_weights_update_group``. The membership is the server's, not the process's
-that drives it, so no other role can take it over."""
+that drives it, so no other role can take it over.
+
+The two calls that enter a collective are made once, never retried (a second attempt
+would wait for peers that are not coming). A bucket the server fails to load (its
+model does not fit the trainer's, say) it has still received, as SGLang receives a
+bucket before loading it: the remaining buckets are posted all the same, so the
+trainer's broadcast of them finishes, and the sync fails after the last."""
 
 from dynarl.workers.errors import WeightSyncError
 from dynarl.workers.sglang import messages as m
 from dynarl.workers.sglang.client import SGLangClient
+from dynarl.workers.sglang.errors import ServerError
 from dynarl.workers.weights import GROUP_NAME, WeightManifest, WeightSyncGroup
 
 
@@ -53,6 +60,7 @@ class ServerGroup:
                 backend=self.backend,
             ),
             m.SuccessResponse,
+            retry=False,
         )
         if not reply.success:
             raise WeightSyncError(f"{self.name}: the server could not join: {reply.message}")
@@ -60,26 +68,38 @@ class ServerGroup:
 
     async def receive(self, manifest: WeightManifest) -> int:
         """Have the server receive the broadcast ``manifest`` describes, bucket by
-        bucket, the last call flushing its cache and taking the version; returns it."""
+        bucket, the last call flushing its cache and taking the version; returns it.
+
+        Raises:
+            WeightSyncError: a bucket failed (after every bucket was posted, unless the
+                server stopped answering), or the server is in no group.
+        """
         if not self.joined:
             raise WeightSyncError(f"{self.name} is in no weight-sync group; join one first")
+        failed: str | None = None
         for i, bucket in enumerate(manifest.buckets):
             last = i == len(manifest.buckets) - 1
-            reply = await self.client.post_as(
-                "/update_weights_from_distributed",
-                m.UpdateWeightsFromDistributedReqInput(
-                    names=list(bucket.names),
-                    dtypes=list(bucket.dtypes),
-                    shapes=[list(s) for s in bucket.shapes],
-                    group_name=GROUP_NAME,
-                    flush_cache=last,
-                    weight_version=str(manifest.version) if last else None,
-                    load_format="flattened_bucket",
-                ),
-                m.SuccessResponse,
+            request = m.UpdateWeightsFromDistributedReqInput(
+                names=list(bucket.names),
+                dtypes=list(bucket.dtypes),
+                shapes=[list(s) for s in bucket.shapes],
+                group_name=GROUP_NAME,
+                flush_cache=last,
+                weight_version=str(manifest.version) if last and failed is None else None,
+                load_format="flattened_bucket",
             )
-            if not reply.success:
-                raise WeightSyncError(f"{self.name}: weight update failed: {reply.message}")
+            try:
+                reply = await self.client.post_as(
+                    "/update_weights_from_distributed", request, m.SuccessResponse, retry=False
+                )
+            except ServerError as e:
+                if not e.status:  # no answer: it is not receiving the rest either
+                    raise WeightSyncError(f"{self.name}: weight update failed: {e}") from e
+                reply = m.SuccessResponse(success=False, message=str(e))
+            if not reply.success and failed is None:
+                failed = f"bucket {i} of {len(manifest.buckets)}: {reply.message}"
+        if failed is not None:
+            raise WeightSyncError(f"{self.name}: weight update failed at {failed}")
         return manifest.version
 
     async def leave(self) -> None:
