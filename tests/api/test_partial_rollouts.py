@@ -321,6 +321,14 @@ class Relay:
 
 
 RELAY = EnvironmentSpec(make=Relay, task=lambda i: Prompt(prompt_id=f"r{i}", text=f"task {i}"))
+EPISODES = [
+    *PARTIAL,
+    "rollout.max_new_tokens=16",
+    "model.tokenizer=chat",
+    "env.max_turns=8",
+    "run.num_iterations=3",
+]
+"""Relay's episodes, three iterations of them."""
 
 
 @pytest.mark.slow
@@ -334,14 +342,7 @@ async def test_episodes_carry_over_mid_session_and_resume_where_they_stopped(
     run_dir = tmp_path / "run"
     cfg = apply_overrides(
         DynaRLConfig(),
-        [
-            *PARTIAL,
-            "rollout.max_new_tokens=16",
-            "model.tokenizer=chat",
-            "env.max_turns=8",
-            "run.num_iterations=3",
-            f"run.run_dir={run_dir}",
-        ],
+        [*EPISODES, f"run.run_dir={run_dir}"],
     )
     Relay.made = Relay.closed = 0
     carried = CarryState()
@@ -420,11 +421,7 @@ async def test_a_tool_call_running_at_an_iterations_end_overlaps_its_weight_sync
     cfg = apply_overrides(
         DynaRLConfig(),
         [
-            *PARTIAL,
-            "rollout.max_new_tokens=16",
-            "model.tokenizer=chat",
-            "env.max_turns=8",
-            "run.num_iterations=3",
+            *EPISODES,
             "run.checkpoint_every=0",  # an iteration's end is its stats
             f"run.run_dir={tmp_path / 'run'}",
         ],

@@ -9,6 +9,7 @@ import socket
 import anyio
 import msgspec
 import pytest
+import torch
 
 from dynarl.testing.fake_sglang import FakeSGLang
 from dynarl.testing.sinks import RecordingSink
@@ -16,8 +17,9 @@ from dynarl.workers.errors import WeightSyncError
 from dynarl.workers.rollout import GenerateRequest, SamplingParams
 from dynarl.workers.sglang.errors import ServerError
 from dynarl.workers.torch import weight_sync
+from dynarl.workers.torch.buckets import Group
 from dynarl.workers.torch.model import build_model
-from dynarl.workers.weights import WeightSyncGroup
+from dynarl.workers.weights import WeightManifest, WeightSyncGroup
 
 from .conftest import MODEL, running
 
@@ -30,27 +32,44 @@ def greedy(prefix: str) -> list[GenerateRequest]:
     ]
 
 
+def free_port() -> int:
+    """A port free on localhost now (the group's store binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+class Sender:
+    """The trainer's end of the group (rank 0), joined from a thread by :meth:`join`."""
+
+    def __init__(self, model: torch.nn.Module, port: int, world_size: int, timeout_s: float):
+        self.model, self.port, self.world_size, self.timeout_s = model, port, world_size, timeout_s
+        self.group: Group | None = None
+
+    def join(self) -> None:
+        self.group = weight_sync.join_weight_sync_group(
+            host="127.0.0.1",
+            port=self.port,
+            rank=0,
+            world_size=self.world_size,
+            device=next(self.model.parameters()).device,
+            timeout_s=self.timeout_s,
+        )
+
+    def send(self, manifest: WeightManifest) -> int:
+        assert self.group is not None, "join first"
+        return weight_sync.send_by_manifest(self.model, manifest, group=self.group)
+
+
 async def test_weights_arrive_in_buckets_with_their_version(fake: FakeSGLang) -> None:
     trained = build_model(MODEL, seed=1)
     manifest = weight_sync.manifest_of(trained, version=7, bucket_bytes=64 * 1024)
     assert len(manifest.buckets) > 1
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    group = WeightSyncGroup(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=30.0)
-    sender: list[weight_sync.Group] = []
-
-    def join() -> None:
-        sender.append(
-            weight_sync.join_weight_sync_group(
-                host="127.0.0.1",
-                port=port,
-                rank=0,
-                world_size=2,
-                device=trained.device,
-                timeout_s=30.0,
-            )
-        )
+    sender = Sender(trained, free_port(), world_size=2, timeout_s=30.0)
+    group = WeightSyncGroup(
+        host="127.0.0.1", port=sender.port, rank=1, world_size=2, timeout_s=30.0
+    )
 
     async with running(fake, weight_sync_backend="gloo") as engine:
         sink = RecordingSink(raise_on_fail=True)
@@ -58,12 +77,12 @@ async def test_weights_arrive_in_buckets_with_their_version(fake: FakeSGLang) ->
         await sink.wait_for(lambda: len(sink.completions) == 3)
         before = dict(sink.completions)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(anyio.to_thread.run_sync, join)
+            tg.start_soon(anyio.to_thread.run_sync, sender.join)
             await engine.join_weight_sync(group)
         async with anyio.create_task_group() as tg:
             tg.start_soon(
                 anyio.to_thread.run_sync,
-                lambda: weight_sync.send_by_manifest(trained, manifest, group=sender[0]),
+                lambda: sender.send(manifest),
             )
             assert await engine.receive_weights(manifest) == 7
         await engine.leave_weight_sync()
@@ -90,22 +109,8 @@ async def test_a_tensor_parallel_server_takes_a_rank_per_tp_worker() -> None:
     gives it one rank is refused before anything joins."""
     trained = build_model(MODEL, seed=1)
     manifest = weight_sync.manifest_of(trained, version=3, bucket_bytes=64 * 1024)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    sender: list[weight_sync.Group] = []
-
-    def join() -> None:
-        sender.append(
-            weight_sync.join_weight_sync_group(
-                host="127.0.0.1",
-                port=port,
-                rank=0,
-                world_size=3,
-                device=trained.device,
-                timeout_s=30.0,
-            )
-        )
+    sender = Sender(trained, free_port(), world_size=3, timeout_s=30.0)
+    port = sender.port
 
     with FakeSGLang(MODEL, tp=2) as fake:
         async with running(fake, weight_sync_backend="gloo") as engine:
@@ -116,13 +121,13 @@ async def test_a_tensor_parallel_server_takes_a_rank_per_tp_worker() -> None:
                 host="127.0.0.1", port=port, rank=1, world_size=3, num_ranks=2, timeout_s=30.0
             )
             async with anyio.create_task_group() as tg:
-                tg.start_soon(anyio.to_thread.run_sync, join)
+                tg.start_soon(anyio.to_thread.run_sync, sender.join)
                 await engine.join_weight_sync(group)
             assert fake.group_ranks == (1, 2)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(
                     anyio.to_thread.run_sync,
-                    lambda: weight_sync.send_by_manifest(trained, manifest, group=sender[0]),
+                    lambda: sender.send(manifest),
                 )
                 assert await engine.receive_weights(manifest) == 3
             await engine.leave_weight_sync()
@@ -145,38 +150,21 @@ async def test_a_bucket_the_server_cannot_load_fails_the_sync_after_the_last(
         i for i, b in enumerate(manifest.buckets) if "model.embed_tokens.weight" in b.names
     )
     assert embedding < len(manifest.buckets) - 1, "a bucket follows the one that fails"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    group = WeightSyncGroup(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=60.0)
-    sender: list[weight_sync.Group] = []
+    sender = Sender(trained, free_port(), world_size=2, timeout_s=60.0)
+    group = WeightSyncGroup(
+        host="127.0.0.1", port=sender.port, rank=1, world_size=2, timeout_s=60.0
+    )
     sent: list[int] = []
-
-    def join() -> None:
-        sender.append(
-            weight_sync.join_weight_sync_group(
-                host="127.0.0.1",
-                port=port,
-                rank=0,
-                world_size=2,
-                device=trained.device,
-                timeout_s=60.0,
-            )
-        )
 
     async with running(fake, weight_sync_backend="gloo") as engine:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(anyio.to_thread.run_sync, join)
+            tg.start_soon(anyio.to_thread.run_sync, sender.join)
             await engine.join_weight_sync(group)
         with anyio.fail_after(30):
             async with anyio.create_task_group() as tg:
 
                 async def send() -> None:
-                    sent.append(
-                        await anyio.to_thread.run_sync(
-                            lambda: weight_sync.send_by_manifest(trained, manifest, group=sender[0])
-                        )
-                    )
+                    sent.append(await anyio.to_thread.run_sync(lambda: sender.send(manifest)))
 
                 tg.start_soon(send)
                 with pytest.raises(WeightSyncError, match=f"bucket {embedding} of"):
