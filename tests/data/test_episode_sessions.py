@@ -13,10 +13,12 @@ from typing import Any, ClassVar
 import anyio
 import msgspec
 import pytest
+from anyio.abc import TaskGroup
 
 from dynarl.control import events as ev
 from dynarl.core.ids import GroupId, ItemId
 from dynarl.data import ItemResult, PeerLostError, Router, WorkerLink
+from dynarl.data.placement import RoutedResult
 from dynarl.envs.config import EnvConfig
 from dynarl.envs.environment import (
     ChatMessage,
@@ -545,6 +547,17 @@ async def test_episodes_withdrawn_mid_session_park_and_resume_token_for_token(
     assert partial == by_id["e1"].turn_tokens[0] + by_id["e1"].turn_tokens[1] // 2
 
 
+async def first_turn_to_its_environment(r: Rig, task: Prompt, tasks: TaskGroup) -> RoutedResult:
+    """Start episode ``e0`` of ``task``, and once its first turn is back, hand it to
+    its environment (its step runs in ``tasks``); the turn."""
+    item = await r.runner.start(GenerateRequest(request_id="e0", prompt_ids=()), task, GroupId("g"))
+    assert item is not None
+    await r.router.submit([item])
+    [turn] = await r.router.receive_batch()
+    r.runner.turn_ended(turn, tasks)
+    return turn
+
+
 async def test_an_episode_its_running_step_ends_after_the_withdrawal_is_kept_aside(
     tmp_path: Path,
 ) -> None:
@@ -556,13 +569,8 @@ async def test_an_episode_its_running_step_ends_after_the_withdrawal_is_kept_asi
     GatedLookup.done_after_gate = True
     try:
         async with rig(tmp_path, EnvironmentSpec(make=GatedLookup)) as r:
-            request = GenerateRequest(request_id="e0", prompt_ids=())
-            item = await r.runner.start(request, task, GroupId("g"))
-            assert item is not None
-            await r.router.submit([item])
             async with anyio.create_task_group() as tg:
-                [turn] = await r.router.receive_batch()
-                r.runner.turn_ended(turn, tg)
+                await first_turn_to_its_environment(r, task, tg)
                 assert r.runner.withdraw(["e0"]) == ["e0"]
                 GatedLookup.gate.set()
             ended, _ = r.runner.carried_over(["e0"])
@@ -589,13 +597,8 @@ async def test_a_step_still_running_at_the_iterations_end_is_settled_before_the_
     GatedLookup.done_after_gate = step_ends_it
     try:
         async with rig(tmp_path, EnvironmentSpec(make=GatedLookup)) as r:
-            request = GenerateRequest(request_id="e0", prompt_ids=())
-            item = await r.runner.start(request, task, GroupId("g"))
-            assert item is not None
-            await r.router.submit([item])
             async with anyio.create_task_group() as run_tasks:  # the run's, not the iteration's
-                [turn] = await r.router.receive_batch()
-                r.runner.turn_ended(turn, run_tasks)
+                turn = await first_turn_to_its_environment(r, task, run_tasks)
                 await anyio.sleep(0.05)  # the step has begun (it waits for the gate)
                 assert r.runner.withdraw(["e0"]) == ["e0"]
                 # The iteration's training is over; its step is not.
@@ -639,14 +642,8 @@ async def test_closing_the_runner_stops_a_running_step_and_closes_its_environmen
             closed.append(self.task.prompt_id)
 
     async with rig(tmp_path, EnvironmentSpec(make=Closing)) as r:
-        item = await r.runner.start(
-            GenerateRequest(request_id="e0", prompt_ids=()), task, GroupId("g")
-        )
-        assert item is not None
-        await r.router.submit([item])
         async with anyio.create_task_group() as run_tasks:
-            [turn] = await r.router.receive_batch()
-            r.runner.turn_ended(turn, run_tasks)
+            await first_turn_to_its_environment(r, task, run_tasks)
             r.runner.withdraw(["e0"])
             with anyio.fail_after(10):
                 await r.runner.aclose()

@@ -7,8 +7,8 @@ its rank 0 and hosts its store at ``host:port``; engines join as ranks ``1..n-1`
 A sync of the run goes by manifest (:class:`~dynarl.workers.weights.WeightManifest`):
 the sender describes it (:func:`manifest_of`), every engine checks it against its own
 model before its parameters are touched (one that does not fit still takes the
-broadcast in and throws it away, so nobody hangs), and each bucket is one broadcast of its tensors
-flattened in order (:func:`send_by_manifest`, :func:`receive_by_manifest`) — the
+broadcast in and throws it away, so nobody hangs), and each bucket is one broadcast of
+its tensors flattened in order (:func:`send_by_manifest`, :func:`receive_by_manifest`) — the
 layout SGLang servers take too. :func:`send_weights` / :func:`receive_weights` are the
 older self-describing form between two torch processes (a header with the version,
 tensor count, element count, a layout checksum and the bucket size, then the
