@@ -197,6 +197,18 @@ class Cluster:
 
         self._tg.start_soon(run)
 
+    async def picked_up(self, worker: str, num: int) -> None:
+        """Wait until ``worker``'s serving loop holds ``num`` items it took from its link:
+        an item still in the link's inbox when an abort lands goes back untouched (see
+        ``WorkerLink``), before the worker could add its tokens."""
+
+        def taken() -> bool:
+            link = self.links.get(worker)
+            stats = link.statistics() if link is not None else None
+            return stats is not None and stats.num_held == num and stats.num_waiting == 0
+
+        await wait_until(taken)
+
     async def collect(self, num: int, timeout_s: float = 10.0) -> list[RoutedResult]:
         """The next ``num`` completions."""
         out: list[RoutedResult] = []

@@ -402,13 +402,7 @@ async def test_drain_reroutes_queued_and_in_flight_items(inproc: Net) -> None:
         await c.router.wait_for_instances(1)
         await c.router.submit([item(k) for k in range(6)])
         # Two items in the worker's hands (not just sent), four queued in front of it.
-        await wait_until(
-            lambda: (
-                "w0" in c.links
-                and c.links["w0"].statistics().num_held == 2
-                and c.links["w0"].statistics().num_waiting == 0
-            )
-        )
+        await c.picked_up("w0", 2)
         assert c.router.statistics().num_queued == 4
         c.add_worker("w1")
         await c.router.wait_for_instances(2)
@@ -439,7 +433,7 @@ async def test_a_joining_worker_gets_its_share_of_what_another_is_running(
         c.add_worker("w0", capacity=8, serve=functools.partial(hold_until_aborted, num_tokens=3))
         await c.router.wait_for_instances(1)
         await c.router.submit([item(k) for k in range(8)])
-        await wait_until(lambda: "w0" in c.links and c.links["w0"].statistics().num_held == 8)
+        await c.picked_up("w0", 8)
         c.add_worker("w1", capacity=8)
         await c.router.wait_for_instances(2)
         if balance:
@@ -519,7 +513,7 @@ async def test_a_requeued_session_counts_the_tokens_of_every_turn(inproc: Net) -
         [turn] = await c.collect(1)
         assert turn.result.status == "tool_call"
         await c.router.resume(turn.item.id, turn.result.payload + b"+tool")
-        await wait_until(lambda: c.links["w0"].statistics().num_held == 1)
+        await c.picked_up("w0", 1)
         c.add_worker("w1")
         await c.router.wait_for_instances(2)
         with anyio.fail_after(5):

@@ -9,7 +9,7 @@ from dynarl.control import events as ev
 from dynarl.core.ids import InstanceId, ItemId
 from dynarl.data import ItemResult, PeerLostError, WorkerLink, wire
 
-from .helpers import PROMPTS, Cluster, Net, cluster, item, wait_until
+from .helpers import PROMPTS, Net, cluster, item, wait_until
 
 
 async def hold(link: WorkerLink, *, num_tokens: int, status: str = "aborted") -> None:
@@ -44,19 +44,6 @@ async def finish(link: WorkerLink) -> None:
         pass
 
 
-async def picked_up(c: Cluster, worker: str, num: int) -> None:
-    """Wait until ``worker``'s serving loop took ``num`` items from its link: an item
-    still in the link's inbox when the abort lands goes back untouched (see
-    ``WorkerLink``), before the worker could add its tokens."""
-
-    def taken() -> bool:
-        link = c.links.get(worker)
-        stats = link.statistics() if link is not None else None
-        return stats is not None and stats.num_held == num and stats.num_waiting == 0
-
-    await wait_until(taken)
-
-
 async def test_waiting_items_leave_at_once_and_running_ones_come_back_with_their_output(
     net: Net,
 ) -> None:
@@ -65,7 +52,7 @@ async def test_waiting_items_leave_at_once_and_running_ones_come_back_with_their
         await c.router.wait_for_instances(1)
         items = [item(k) for k in range(5)]
         await c.router.submit(items)
-        await picked_up(c, "w0", 2)
+        await c.picked_up("w0", 2)
         assert c.router.statistics().num_queued == 3
         taken = c.router.withdraw([i.id for i in items])
         # Three were queued: they leave now, as submitted.
@@ -107,7 +94,7 @@ async def test_an_item_that_finishes_before_its_abort_lands_completes(inproc: Ne
         c.add_worker("w0", serve=lambda link: hold(link, num_tokens=2, status="done"))
         await c.router.wait_for_instances(1)
         await c.router.submit([item(0)])
-        await picked_up(c, "w0", 1)
+        await c.picked_up("w0", 1)
         assert c.router.withdraw([ItemId("i0")]) == []
         [done] = await c.collect(1)
     assert (done.result.status, done.result.payload) == ("done", b"p0xx")
