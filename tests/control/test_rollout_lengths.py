@@ -263,7 +263,12 @@ def test_requests_queued_inside_an_engine_make_no_progress_and_the_sum_is_what_i
     report(g, 1, 60.0, 2.0)
     assert sum(pending_progress(g, ROLLOUT)) == pytest.approx(260.0)
     assert mean_progress(g, ROLLOUT) == pytest.approx(260.0 / 3)
-    g.apply(ev.ItemCompleted(edge=PROMPTS, item=a, instance=E0, num_tokens=130, time_s=2.0))
+    # The preempted one waits: it gains nothing while the one running gains 40.
+    before = pending_progress(g, ROLLOUT)
+    report(g, 1, 40.0, 3.0)
+    assert sorted(pending_progress(g, ROLLOUT) - before) == pytest.approx([0.0, 0.0, 40.0])
+    g.check()  # each held request's progress, as the engine's arrays give it
+    g.apply(ev.ItemCompleted(edge=PROMPTS, item=a, instance=E0, num_tokens=170, time_s=3.0))
     g.check()
 
 
