@@ -266,8 +266,9 @@ def test_requests_queued_inside_an_engine_make_no_progress_and_the_sum_is_what_i
     # The preempted one waits: it gains nothing while the one running gains 40.
     before = pending_progress(g, ROLLOUT)
     report(g, 1, 40.0, 3.0)
-    assert sorted(pending_progress(g, ROLLOUT) - before) == pytest.approx([0.0, 0.0, 40.0])
-    g.check()  # each held request's progress, as the engine's arrays give it
+    after = pending_progress(g, ROLLOUT)
+    assert sorted(b - a for a, b in zip(before, after, strict=True)) == pytest.approx([0, 0, 40])
+    g.check()
     g.apply(ev.ItemCompleted(edge=PROMPTS, item=a, instance=E0, num_tokens=170, time_s=3.0))
     g.check()
 

@@ -8,7 +8,6 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
-from dynarl.control.held_progress import HeldProgress
 from dynarl.control.meter import RateMeter
 from dynarl.control.plan import InstanceSpec
 from dynarl.control.topology import ComponentSpec, EdgeSpec
@@ -46,7 +45,6 @@ class ItemState:
         "owner",
         "prefix_tokens",
         "running",
-        "slot",
         "tokens",
         "tool_calls",
     )
@@ -63,7 +61,6 @@ class ItemState:
         self.generated = 0.0
         self.mark = 0.0
         self.running = False
-        self.slot = 0  # its row in its holder's HeldProgress
 
 
 class Node:
@@ -88,7 +85,6 @@ class Node:
         "decode_tokens",
         "devices",
         "gen_tokens_per_s",
-        "held",
         "held_since_s",
         "id",
         "items",
@@ -142,14 +138,11 @@ class Node:
         # Tokens of requests that completed here beyond their estimate: generated since
         # the last report, so the next reports count them, but they are nobody's now.
         self.unreported = 0.0
-        # Every held item's progress terms as arrays (read by the scheduler).
-        self.held = HeldProgress()
 
     def attach(self, st: ItemState) -> None:
         """Hold ``st`` (routed here); it waits until a report says it runs."""
         st.running = False
         self.waiting[st.id] = st
-        self.held.add(st)
         self.progress_base += st.generated
 
     def start_oldest(self, num_running: int) -> None:
@@ -157,7 +150,6 @@ class Node:
         while len(self.started) < num_running and self.waiting:
             st = self.waiting.pop(next(iter(self.waiting)))
             st.running, st.mark = True, self.tokens_per_request
-            self.held.update(st)
             self.started[st.id] = st
             self.progress_base -= st.mark
 
@@ -192,7 +184,6 @@ class Node:
             self._fold(st)
         else:
             del self.waiting[st.id]
-        self.held.remove(st)
         self.progress_base -= st.generated
 
     def _fold(self, st: ItemState) -> None:
@@ -201,7 +192,6 @@ class Node:
         self.progress_base += self.tokens_per_request
         st.generated += self.tokens_per_request - st.mark
         st.running, st.mark = False, 0.0
-        self.held.update(st)
 
     def progress_of(self, st: ItemState) -> float:
         """Tokens ``st`` (held here) has generated, as of the last stats report."""

@@ -7,12 +7,8 @@ one :class:`Profile` -- a profiling run's, or what a run's predictor observed
 from pathlib import Path
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 
 from dynarl.core.ids import ComponentId
-
-FloatArray = npt.NDArray[np.float64]
 
 
 class ProfileRow(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,11 +39,6 @@ class PrefillCost(msgspec.Struct, frozen=True, kw_only=True):
     def seconds(self, context_tokens: float) -> float:
         """Seconds to re-prefill one request of ``context_tokens`` tokens."""
         n = max(context_tokens, 0.0)
-        return n * (self.s_per_token + self.s_per_token_context * n / 2.0)
-
-    def seconds_each(self, context_tokens: FloatArray) -> FloatArray:
-        """:meth:`seconds` of each request, as an array (the same arithmetic)."""
-        n = np.maximum(context_tokens, 0.0)
         return n * (self.s_per_token + self.s_per_token_context * n / 2.0)
 
 

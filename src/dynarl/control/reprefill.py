@@ -8,8 +8,6 @@ requests meanwhile, at the profile's :class:`~dynarl.control.predictor.PrefillCo
 controller observes no decode rate meanwhile).
 """
 
-import numpy as np
-
 from dynarl.control.elements import Node
 from dynarl.control.estimates import Estimates
 from dynarl.control.hypergraph import Hypergraph
@@ -40,9 +38,10 @@ def reprefill_s(
     for n in drained:
 
         def seconds(n: Node = n) -> float:
-            each = cost.seconds_each(n.held.contexts(n.tokens_per_request))
-            # summed one after another, in the order the engine took them
-            return float(np.cumsum(each)[-1]) if len(each) else 0.0
+            out = 0.0
+            for item, edge in n.items.items():
+                out += cost.seconds(n.context_of(graph.edges[edge].items[item]))
+            return out
 
         # An engine's sum changes only when it reports (progress) or its requests change.
         state = (n.last_stats_s, len(n.items), n.progress_base, n.tokens_per_request)

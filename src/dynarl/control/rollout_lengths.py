@@ -15,11 +15,8 @@ their remaining lengths.
 import bisect
 import math
 
-import numpy as np
-
 from dynarl.control.elements import TOOL, HyperEdge
 from dynarl.control.estimates import Estimates, or_fresh
-from dynarl.control.held_progress import FloatArray
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.core.ids import ComponentId, GroupId
 
@@ -87,7 +84,7 @@ def returning_sessions(graph: Hypergraph, component: ComponentId) -> float:
 
 def pending_progress(
     graph: Hypergraph, component: ComponentId, estimates: Estimates | None = None
-) -> FloatArray:
+) -> list[float]:
     """Tokens each pending request of a rollout component has generated, ascending
     (once per state of the hypergraph, with ``estimates``)."""
     return or_fresh(estimates).get(
@@ -95,7 +92,7 @@ def pending_progress(
     )
 
 
-def _pending_progress(graph: Hypergraph, component: ComponentId) -> FloatArray:
+def _pending_progress(graph: Hypergraph, component: ComponentId) -> list[float]:
     edges = graph.edges_into(component)
     if all(e.spec.consumers == (component,) for e in edges):
         return _progress_by_holder(graph, component, edges)
@@ -107,27 +104,27 @@ def _pending_progress(graph: Hypergraph, component: ComponentId) -> FloatArray:
                 out.append(st.generated)
             else:
                 out.append(graph.instances[owner].progress_of(st))
-    return np.sort(np.array(out, dtype=np.float64))
+    out.sort()
+    return out
 
 
 def _progress_by_holder(
     graph: Hypergraph, component: ComponentId, edges: list[HyperEdge]
-) -> FloatArray:
+) -> list[float]:
     """:func:`_pending_progress` when only ``component`` consumes its edges: every
-    held request is then held by one of its instances, so each instance's requests
-    are read from the arrays it keeps of them
-    (:class:`~dynarl.control.held_progress.HeldProgress`) and the parked ones from the
-    edges (the sorted values are the same)."""
-    parked: list[float] = []
+    held request is then held by one of its instances, so each instance's running and
+    waiting requests are read together (its share of the tokens looked up once, not
+    once per request) and the queued ones from the edges' queues (the sorted values
+    are the same)."""
+    out: list[float] = []
     for edge in edges:  # the parked requests: queued, or out on a tool call
         items = edge.items
-        parked.extend([items[i].generated for i in edge.queue])
-        parked.extend([st.generated for st in edge.in_tool.values()])
-    parts = [np.array(parked, dtype=np.float64)]
+        out.extend([items[i].generated for i in edge.queue])
+        out.extend([st.generated for st in edge.in_tool.values()])
     for node in graph.components[component].instances.values():
-        if node.held:
-            parts.append(node.held.progress(node.tokens_per_request))
-    out = np.concatenate(parts)
+        tpr = node.tokens_per_request
+        out.extend([st.generated + tpr - st.mark for st in node.started.values()])
+        out.extend([st.generated for st in node.waiting.values()])
     out.sort()
     return out
 
@@ -223,7 +220,7 @@ def _longest(graph: Hypergraph, component: ComponentId, est: Estimates) -> float
         longest = max(mean, _median_of_max(node.lengths_prev, progress, cap))
     else:
         longest = max(
-            mean, (node.max_tokens_completed or graph.max_tokens_per_request) - float(progress[0])
+            mean, (node.max_tokens_completed or graph.max_tokens_per_request) - progress[0]
         )
     return longest
 
@@ -284,7 +281,7 @@ def _completion_order(graph: Hypergraph, component: ComponentId, est: Estimates)
     size = max(1, math.ceil(n / _BUCKETS))
     points: list[tuple[float, float, float]] = []  # (remainder, weight, final length)
     for i in range(0, n, size):
-        p, count = float(progress[i]), min(size, n - i)
+        p, count = progress[i], min(size, n - i)
         k = bisect.bisect_right(lengths, p)
         left = len(lengths) - k
         if left == 0:  # past every length seen: one more token (see expected_remaining)
@@ -331,7 +328,7 @@ def expected_output_work(graph: Hypergraph, component: ComponentId) -> float:
     return prompts + so_far + pending * expected_remaining_tokens(graph, component)
 
 
-def _median_of_max(lengths: list[int], progress: FloatArray, cap: float) -> float:
+def _median_of_max(lengths: list[int], progress: list[float], cap: float) -> float:
     """The smallest ``r`` with ``P(max_i (L_i - p_i) <= r) >= 1/2``, where ``L_i`` is
     drawn from ``lengths`` (sorted) given ``L_i > p_i``, for the sorted ``progress``.
 
@@ -342,7 +339,7 @@ def _median_of_max(lengths: list[int], progress: FloatArray, cap: float) -> floa
     n, buckets = len(progress), []
     size = max(1, math.ceil(n / _BUCKETS))
     for i in range(0, n, size):
-        buckets.append((float(progress[i]), min(size, n - i)))
+        buckets.append((progress[i], min(size, n - i)))
     floor = 0.0  # a request past every length seen ends at the cap
     survivors: list[tuple[float, int, int, int]] = []  # (p, count, first survivor, survivors)
     for p, count in buckets:
