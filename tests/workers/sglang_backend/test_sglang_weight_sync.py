@@ -7,6 +7,7 @@ carries the new version."""
 import socket
 
 import anyio
+import httpx
 import msgspec
 import pytest
 import torch
@@ -190,3 +191,30 @@ async def test_the_calls_that_enter_a_collective_are_made_once(fake: FakeSGLang)
         before = fake.calls["/get_load"]
         await engine.client.get("/get_load", object)
         assert fake.calls["/get_load"] - before == 3
+
+
+async def test_a_server_whose_group_was_abandoned_joins_the_next(fake: FakeSGLang) -> None:
+    """When a member dies the controller abandons the group without leaving it (leaving
+    is collective), so the server still holds a group under the sync's name, and SGLang
+    refuses a second group under a name in use. The engine has the server destroy what
+    it holds before it joins, so the next group forms and its sync arrives."""
+    trained = build_model(MODEL, seed=1)
+    manifest = weight_sync.manifest_of(trained, version=5, bucket_bytes=64 * 1024)
+    async with running(fake, weight_sync_backend="gloo") as engine:
+        for _ in range(2):  # the first group is left behind, as after a death
+            sender = Sender(trained, free_port(), world_size=2, timeout_s=15.0)
+            group = WeightSyncGroup(
+                host="127.0.0.1", port=sender.port, rank=1, world_size=2, timeout_s=15.0
+            )
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(anyio.to_thread.run_sync, sender.join)
+                    await engine.join_weight_sync(group)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, lambda: sender.send(manifest))
+            assert await engine.receive_weights(manifest) == 5
+        await engine.leave_weight_sync()
+        assert fake.calls["/init_weights_update_group"] == 2
+    # The fake answers as SGLang does: a name in use, and a group it does not hold.
+    async with httpx.AsyncClient(base_url=fake.url) as http:
+        assert (await http.post("/destroy_weights_update_group", json={})).status_code == 400

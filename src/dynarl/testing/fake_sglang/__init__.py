@@ -54,7 +54,10 @@ at commit 0025436e, and ``managers/tokenizer_manager.py`` / ``managers/io_struct
   distributed``, sgl-project/sglang#13824, 0.5.6+; waits for running requests unless
   ``abort_all_requests``; ``weight_version`` is taken on success; ``flush_cache``
   empties the prefix cache), and ``/destroy_weights_update_group``:
-  ``{"success", "message"}``, 400 on failure.
+  ``{"success", "message"}``, 400 on failure. A group's name stays taken until its group
+  is destroyed: joining another under it fails at once, as torch's
+  ``_new_process_group_helper`` refuses a name in use, and destroying a group it does
+  not hold fails too.
 - ``GET /get_server_info`` (server args, ``max_running_requests`` the flag as given
   or ``null``; scheduler info; ``internal_states``, one per data-parallel rank, with
   ``Scheduler.get_internal_state``'s ``effective_max_running_requests_per_dp``, the

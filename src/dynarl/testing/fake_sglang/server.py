@@ -101,8 +101,9 @@ class FakeSGLang:
         self.calls: collections.Counter[str] = collections.Counter()
         """Calls received per endpoint path."""
         self.group_ranks: tuple[int, ...] = ()
-        """The ranks it holds in the weight-sync group (one per TP worker)."""
-        self._groups: list[Any] = []
+        """The ranks it holds in the weight-sync group it joined last (one per TP
+        worker)."""
+        self._groups: dict[str, list[Any]] = {}  # per group name, a group per TP worker
         self._socket = socket.socket()
         self._socket.bind((host, port))
         self.url = f"http://{host}:{self._socket.getsockname()[1]}"
@@ -292,6 +293,17 @@ class FakeSGLang:
         world_size, offset = int(obj["world_size"]), int(obj["rank_offset"])
         name = obj.get("group_name", "weight_update_group")
         timeout = datetime.timedelta(seconds=60)
+        if name in self._groups:
+            # init_custom_process_group -> torch's _new_process_group_helper: a name
+            # stays taken until /destroy_weights_update_group destroys its group.
+            return JSONResponse(
+                {
+                    "success": False,
+                    "message": "Failed to initialize custom process group: The specified "
+                    "group name has already been created, please use a different group name.",
+                },
+                status_code=400,
+            )
 
         def join(rank: int) -> Any:
             # Each TP worker joins as rank_offset + tp_rank (ModelRunner.
@@ -311,14 +323,15 @@ class FakeSGLang:
             return JSONResponse(
                 {"success": False, "message": f"Failed to init group: {e}."}, status_code=400
             )
-        self._groups, self.group_ranks = list(groups), ranks
+        self._groups[name], self.group_ranks = list(groups), ranks
         return JSONResponse(
             {"success": True, "message": "Succeeded to initialize custom process group."}
         )
 
     async def _update_weights(self, http: Request) -> Response:
         obj = await http.json()
-        if not self._groups:
+        groups = self._groups.get(obj.get("group_name", "weight_update_group"))
+        if not groups:
             return JSONResponse(
                 {"success": False, "message": "The weight update group is not initialized."},
                 status_code=400,
@@ -329,7 +342,7 @@ class FakeSGLang:
         specs = list(zip(obj["names"], obj["dtypes"], obj["shapes"], strict=True))
         flattened = obj.get("load_format") == "flattened_bucket"
         received = await asyncio.gather(
-            *(asyncio.to_thread(_receive, group, specs, flattened) for group in self._groups)
+            *(asyncio.to_thread(_receive, group, specs, flattened) for group in groups)
         )
         tensors = received[0]  # every TP worker received the same tensors
         known = dict(self.engine.model.named_parameters())
@@ -349,7 +362,13 @@ class FakeSGLang:
         return JSONResponse({"success": True, "message": message})
 
     async def _destroy_group(self, http: Request) -> Response:
-        self._groups, self.group_ranks = [], ()
+        obj = await http.json()
+        if self._groups.pop(obj.get("group_name", "weight_update_group"), None) is None:
+            return JSONResponse(
+                {"success": False, "message": "The group to be destroyed does not exist."},
+                status_code=400,
+            )
+        self.group_ranks = ()
         return JSONResponse(
             {"success": True, "message": "Succeeded to destroy custom process group."}
         )

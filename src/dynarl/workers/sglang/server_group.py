@@ -7,7 +7,9 @@ tensors flattened in order, which the trainer sends from group rank 0 meanwhile)
 that drives it, so no other role can take it over.
 
 The two calls that enter a collective are made once, never retried (a second attempt
-would wait for peers that are not coming). A bucket the server fails to load (its
+would wait for peers that are not coming). Before it joins, the server destroys any
+group it still holds under the sync's name (one abandoned when a member died), since
+SGLang refuses a second group under a name in use. A bucket the server fails to load (its
 model does not fit the trainer's, say) it has still received, as SGLang receives a
 bucket before loading it: the remaining buckets are posted all the same, so the
 trainer's broadcast of them finishes, and the sync fails after the last."""
@@ -49,6 +51,12 @@ class ServerGroup:
                 f"ranks, but it runs tp_size={self.tp_size}; set rollout.tp to the "
                 f"servers' --tp-size"
             )
+        # A group the server still holds keeps the sync's name taken, and SGLang refuses
+        # a second group under a name in use (torch's _new_process_group_helper). The
+        # controller abandons a group without leaving it when a member dies (leaving is
+        # collective), and a server outlives the process that drives it: destroy
+        # whatever it holds first.
+        await self._destroy()
         reply = await self.client.post_as(
             "/init_weights_update_group",
             m.InitWeightsUpdateGroupReqInput(
@@ -106,7 +114,16 @@ class ServerGroup:
         """Have the server leave the group; a no-op when it is in none."""
         if self.joined:
             self.joined = False
+            await self._destroy()
+
+    async def _destroy(self) -> None:
+        """Have the server destroy the group it holds under the sync's name, if any
+        (SGLang answers 400 when it holds none)."""
+        try:
             await self.client.post(
                 "/destroy_weights_update_group",
                 m.DestroyWeightsUpdateGroupReqInput(group_name=GROUP_NAME),
             )
+        except ServerError as e:
+            if e.status != 400:
+                raise
