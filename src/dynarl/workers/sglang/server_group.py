@@ -9,8 +9,8 @@ that drives it, so no other role can take it over.
 The two calls that enter a collective are made once, never retried (a second attempt
 would wait for peers that are not coming). Before it joins, the server destroys any
 group it still holds under the sync's name (one abandoned when a member died), since
-SGLang refuses a second group under a name in use. A bucket the server fails to load (its
-model does not fit the trainer's, say) it has still received, as SGLang receives a
+SGLang refuses a second group under a name in use. A bucket the server fails to load
+(its model does not fit the trainer's, say) it has still received, as SGLang receives a
 bucket before loading it: the remaining buckets are posted all the same, so the
 trainer's broadcast of them finishes, and the sync fails after the last."""
 
