@@ -16,6 +16,7 @@ pytest.importorskip("torch")
 from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
 from dynarl.api.facade import DynaRL
+from dynarl.testing.faults import FaultInjector, WorkerKill
 
 pytestmark = pytest.mark.slow
 
@@ -62,6 +63,44 @@ async def test_a_colocated_run_on_sglang_servers_syncs_weights_every_iteration(
         if pid.isdigit() and f"--port {port}" in _cmdline(pid) and "fake_sglang" in _cmdline(pid)
     ]
     assert not servers, "a launched server outlived the run"
+
+
+@pytest.mark.timeout(400)
+async def test_a_killed_rollout_slot_is_survived_and_the_servers_keep_taking_weights(
+    tmp_path: Path,
+) -> None:
+    """Two rollout slots on SGLang servers; one is killed mid-rollout. Its requests run
+    on the survivor, the weight-sync group is abandoned (leaving is collective), and at
+    the iteration's sync the surviving server, which still holds the old group under
+    the sync's name, joins the rebuilt one: SGLang refuses a second group under a name
+    in use, so it destroys the old one first. Every iteration trains every sample once
+    and takes the next weight version."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = apply_overrides(
+        DynaRLConfig(),
+        [
+            *SMALL,
+            "cluster.num_devices=3",
+            "rollout.initial_devices=2",
+            "run.num_iterations=3",
+            "run.stall_timeout_s=120",
+            "scheduler.mode=static-disaggregated",
+            "algorithm.old_logprobs=rollout",
+            f"rollout.sglang.port_base={port}",
+            f"run.run_dir={tmp_path}",
+        ],
+    )
+    async with DynaRL(cfg) as rl:
+        injector = FaultInjector(rl, [WorkerKill(target="rollout", point="rollout", iteration=1)])
+        injector.attach()
+        history = [s async for s in rl.iterations()]
+    assert len(injector.kills) == 1
+    assert [s.weight_version for s in history] == [1, 2, 3]
+    samples = cfg.algorithm.samples_per_iteration
+    for (iteration, edge), counts in injector.completions().items():
+        assert len(counts) == samples and set(counts.values()) == {1}, (iteration, edge)
 
 
 def _cmdline(pid: str) -> str:
