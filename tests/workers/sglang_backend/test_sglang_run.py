@@ -69,8 +69,9 @@ async def test_a_colocated_run_on_sglang_servers_syncs_weights_every_iteration(
 async def test_a_killed_rollout_slot_is_survived_and_the_servers_keep_taking_weights(
     tmp_path: Path,
 ) -> None:
-    """Two rollout slots on SGLang servers; one is killed mid-rollout. Its requests run
-    on the survivor, the weight-sync group is abandoned (leaving is collective), and at
+    """Two rollout slots on SGLang servers; one is killed mid-rollout, and its server
+    dies with it. Its requests run on the survivor, the weight-sync group is abandoned
+    (leaving is collective), and at
     the iteration's sync the surviving server, which still holds the old group under
     the sync's name, joins the rebuilt one: SGLang refuses a second group under a name
     in use, so it destroys the old one first. Every iteration trains every sample once
@@ -101,6 +102,10 @@ async def test_a_killed_rollout_slot_is_survived_and_the_servers_keep_taking_wei
     samples = cfg.algorithm.samples_per_iteration
     for (iteration, edge), counts in injector.completions().items():
         assert len(counts) == samples and set(counts.values()) == {1}, (iteration, edge)
+    # The killed slot's server died with it (its tether), not left holding its port.
+    ports = (f"--port {port} ", f"--port {port + 1} ")
+    left = [pid for pid in os.listdir("/proc") if any(p in _cmdline(pid) + " " for p in ports)]
+    assert not left, "a launched server outlived its slot"
 
 
 def _cmdline(pid: str) -> str:

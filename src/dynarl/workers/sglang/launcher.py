@@ -4,7 +4,9 @@ built, in its slot's worker thread, and stops it when it closes.
 
 The server runs in a process group of its own (it forks a scheduler and a
 detokenizer per rank), so stopping it signals the whole group: SIGTERM, then SIGKILL
-after a grace period. Its output goes to a log file next to nothing else, named in
+after a grace period. It runs under a tether (:mod:`dynarl.workers.sglang.tether`,
+the group's leader) that kills the group should the launching process die without
+stopping it. Its output goes to a log file next to nothing else, named in
 every error.
 """
 
@@ -95,7 +97,8 @@ class ServerProcess:
 
     @property
     def pid(self) -> int | None:
-        """The server's process id (``None`` before start)."""
+        """The id of the server's process group (its tether's pid; ``None`` before
+        start)."""
         return None if self._process is None else self._process.pid
 
     def start(self, *, timeout_s: float) -> None:
@@ -109,7 +112,7 @@ class ServerProcess:
             self.log_path = log.name
             logger.info("starting SGLang server: %s (log %s)", " ".join(self.command), log.name)
             self._process = subprocess.Popen(
-                self.command,
+                [sys.executable, "-m", "dynarl.workers.sglang.tether", *self.command],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self._env,
