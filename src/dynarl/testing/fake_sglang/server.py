@@ -341,15 +341,27 @@ class FakeSGLang:
         await self.scheduler.wait_idle()  # model_update_lock: running requests finish
         specs = list(zip(obj["names"], obj["dtypes"], obj["shapes"], strict=True))
         flattened = obj.get("load_format") == "flattened_bucket"
-        received = await asyncio.gather(
-            *(asyncio.to_thread(_receive, group, specs, flattened) for group in groups)
-        )
-        tensors = received[0]  # every TP worker received the same tensors
-        known = dict(self.engine.model.named_parameters())
-        unknown = [n for n, t in tensors.items() if n not in known or known[n].shape != t.shape]
-        if unknown:
+        try:
+            received = await asyncio.gather(
+                *(asyncio.to_thread(_receive, group, specs, flattened) for group in groups)
+            )
+            tensors = received[0]  # every TP worker received the same tensors
+            known = dict(self.engine.model.named_parameters())
+            for name, tensor in tensors.items():  # as a model's load_weights fails
+                if name not in known:
+                    raise KeyError(name)  # params_dict[name]
+                if known[name].shape != tensor.shape:  # its weight_loader's assertion
+                    raise AssertionError(f"{tuple(known[name].shape)} != {tuple(tensor.shape)}")
+        except Exception as e:
+            # ModelRunner.update_weights_from_distributed: a failed broadcast and a
+            # failed load end alike.
             return JSONResponse(
-                {"success": False, "message": f"Failed to update weights: unknown {unknown}."},
+                {
+                    "success": False,
+                    "message": f"Failed to update parameter online: {e}. The full weights "
+                    "of the ModelRunner are partially updated. Please discard the whole "
+                    "weights.",
+                },
                 status_code=400,
             )
         version = obj.get("weight_version")
