@@ -2,7 +2,9 @@
 backed by the torch engine) and adapters attached to them."""
 
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -63,3 +65,19 @@ async def until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
             return
         await anyio.sleep(0.005)
     raise TimeoutError("the condition did not hold in time")
+
+
+def free_port() -> int:
+    """A port free on localhost now (a group's store or a launched server binds it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def cmdline(pid: str) -> str:
+    """Process ``pid``'s command line, its words joined by spaces ('' once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

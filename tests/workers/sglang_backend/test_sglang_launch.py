@@ -5,7 +5,6 @@ with the same weights a torch engine of the run starts with, and closing the eng
 stops the server and removes the checkpoint."""
 
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from dynarl.workers.sglang.config import SGLangConfig
 from dynarl.workers.sglang.errors import LaunchFailedError
 from dynarl.workers.torch.backend import BACKEND as TORCH
 
-from .conftest import MODEL
+from .conftest import MODEL, cmdline, free_port
 
 FAKE = ("python", "-m", "dynarl.testing.fake_sglang")
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
@@ -30,9 +29,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
 
 @pytest.mark.slow
 def test_a_launched_server_serves_the_runs_policy_and_stops_with_its_engine() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     sglang = SGLangConfig(launch_command=FAKE, port_base=port, startup_timeout_s=90)
     rollout = RolloutConfig(backend="sglang", max_running_requests=8, sglang=sglang)
     engine = BACKEND.build_rollout(
@@ -53,7 +50,7 @@ def test_a_launched_server_serves_the_runs_policy_and_stops_with_its_engine() ->
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{engine.client.url}/health", timeout=2.0)
     ours = f"{FAKE[-1]} --model-path {checkpoint} "
-    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and ours in _cmdline(pid)]
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and ours in cmdline(pid)]
     assert not left, "a fake server outlived its engine"
 
 
@@ -66,13 +63,6 @@ async def _greedy(engine: RolloutEngine) -> Completion:
         await sink.wait_for(lambda: len(sink.completions) == 1)
         tg.cancel_scope.cancel()
     return sink.completions["g"]
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
 
 
 def test_a_server_that_fails_to_start_is_a_clear_error_and_leaves_nothing() -> None:

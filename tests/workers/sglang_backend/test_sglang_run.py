@@ -6,7 +6,6 @@ manifest after every optimizer step. Nothing is left running afterwards."""
 
 import multiprocessing
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,8 @@ from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
 from dynarl.api.facade import DynaRL
 from dynarl.testing.faults import FaultInjector, WorkerKill
+
+from .conftest import cmdline, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -36,9 +37,7 @@ SMALL = [
 async def test_a_colocated_run_on_sglang_servers_syncs_weights_every_iteration(
     tmp_path: Path,
 ) -> None:
-    with socket.socket() as s:  # launched servers listen on port_base + slot index
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # launched servers listen on port_base + slot index
     cfg = apply_overrides(
         DynaRLConfig(),
         [
@@ -57,12 +56,7 @@ async def test_a_colocated_run_on_sglang_servers_syncs_weights_every_iteration(
         assert any(dst == "rollout" for _, dst in moves), moves
         assert stats.allocation == {"rollout": 0, "inference": 0, "actor": 2}
     assert multiprocessing.active_children() == []
-    servers = [
-        pid
-        for pid in os.listdir("/proc")
-        if pid.isdigit() and f"--port {port}" in _cmdline(pid) and "fake_sglang" in _cmdline(pid)
-    ]
-    assert not servers, "a launched server outlived the run"
+    assert not servers_on(port), "a launched server outlived the run"
 
 
 @pytest.mark.timeout(400)
@@ -71,14 +65,11 @@ async def test_a_killed_rollout_slot_is_survived_and_the_servers_keep_taking_wei
 ) -> None:
     """Two rollout slots on SGLang servers; one is killed mid-rollout, and its server
     dies with it. Its requests run on the survivor, the weight-sync group is abandoned
-    (leaving is collective), and at
-    the iteration's sync the surviving server, which still holds the old group under
-    the sync's name, joins the rebuilt one: SGLang refuses a second group under a name
-    in use, so it destroys the old one first. Every iteration trains every sample once
-    and takes the next weight version."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (leaving is collective), and at the iteration's sync the surviving server, which
+    still holds the old group under the sync's name, joins the rebuilt one: SGLang
+    refuses a second group under a name in use, so it destroys the old one first.
+    Every iteration trains every sample once and takes the next weight version."""
+    port = free_port()
     cfg = apply_overrides(
         DynaRLConfig(),
         [
@@ -103,13 +94,16 @@ async def test_a_killed_rollout_slot_is_survived_and_the_servers_keep_taking_wei
     for (iteration, edge), counts in injector.completions().items():
         assert len(counts) == samples and set(counts.values()) == {1}, (iteration, edge)
     # The killed slot's server died with it (its tether), not left holding its port.
-    ports = (f"--port {port} ", f"--port {port + 1} ")
-    left = [pid for pid in os.listdir("/proc") if any(p in _cmdline(pid) + " " for p in ports)]
-    assert not left, "a launched server outlived its slot"
+    assert not servers_on(port, port + 1), "a launched server outlived its slot"
 
 
-def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
+def servers_on(*ports: int) -> list[str]:
+    """Ids of fake servers still running on any of ``ports``."""
+    flags = [f"--port {port} " for port in ports]
+    return [
+        pid
+        for pid in os.listdir("/proc")
+        if pid.isdigit()
+        and "fake_sglang" in (line := cmdline(pid) + " ")
+        and any(flag in line for flag in flags)
+    ]

@@ -4,8 +4,6 @@ names, dtypes and shapes (``/update_weights_from_distributed``, flattened bucket
 while the trainer's torch sender broadcasts them, and what it generates afterwards
 carries the new version."""
 
-import socket
-
 import anyio
 import httpx
 import msgspec
@@ -22,7 +20,7 @@ from dynarl.workers.torch.buckets import Group
 from dynarl.workers.torch.model import build_model
 from dynarl.workers.weights import WeightManifest, WeightSyncGroup
 
-from .conftest import MODEL, running
+from .conftest import MODEL, free_port, running
 
 
 def greedy(prefix: str) -> list[GenerateRequest]:
@@ -31,14 +29,6 @@ def greedy(prefix: str) -> list[GenerateRequest]:
         GenerateRequest(request_id=f"{prefix}{i}", prompt_ids=(5 + i, 9, 11), sampling=sampling)
         for i in range(3)
     ]
-
-
-def free_port() -> int:
-    """A port free on localhost now (the group's store binds it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 class Sender:

@@ -34,6 +34,8 @@ from dynarl.workers.torch.engine import ALL_MEMORY, MemoryTag
 DEFAULT_VERSION = "0.5.9"
 """The SGLang version the fake reports."""
 
+_GROUP_NAME = "weight_update_group"  # the requests' default group_name (io_struct)
+
 
 class FakeSGLang:
     """A fake SGLang server on ``127.0.0.1`` (``with`` it, or :meth:`start`/:meth:`stop`).
@@ -291,7 +293,7 @@ class FakeSGLang:
     async def _init_group(self, http: Request) -> Response:
         obj = await http.json()
         world_size, offset = int(obj["world_size"]), int(obj["rank_offset"])
-        name = obj.get("group_name", "weight_update_group")
+        name = obj.get("group_name", _GROUP_NAME)
         timeout = datetime.timedelta(seconds=60)
         if name in self._groups:
             # init_custom_process_group -> torch's _new_process_group_helper: a name
@@ -330,7 +332,7 @@ class FakeSGLang:
 
     async def _update_weights(self, http: Request) -> Response:
         obj = await http.json()
-        groups = self._groups.get(obj.get("group_name", "weight_update_group"))
+        groups = self._groups.get(obj.get("group_name", _GROUP_NAME))
         if not groups:
             return JSONResponse(
                 {"success": False, "message": "The weight update group is not initialized."},
@@ -375,7 +377,7 @@ class FakeSGLang:
 
     async def _destroy_group(self, http: Request) -> Response:
         obj = await http.json()
-        if self._groups.pop(obj.get("group_name", "weight_update_group"), None) is None:
+        if self._groups.pop(obj.get("group_name", _GROUP_NAME), None) is None:
             return JSONResponse(
                 {"success": False, "message": "The group to be destroyed does not exist."},
                 status_code=400,
