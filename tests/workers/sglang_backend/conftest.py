@@ -67,12 +67,20 @@ async def until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
     raise TimeoutError("the condition did not hold in time")
 
 
-def free_port() -> int:
-    """A port free on localhost now (a group's store or a launched server binds it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
+def free_port(num: int = 1) -> int:
+    """A port free on localhost now, and the ``num - 1`` after it (a group's store, or
+    the servers launched on ``port_base + slot index``, bind them)."""
+    while True:
+        with contextlib.ExitStack() as held:
+            first = held.enter_context(socket.socket())
+            first.bind(("127.0.0.1", 0))
+            port: int = first.getsockname()[1]
+            try:
+                for k in range(1, num):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port + k))
+            except OSError:
+                continue  # one after it is taken: try another
+            return port
 
 
 def cmdline(pid: str) -> str:

@@ -37,7 +37,7 @@ SMALL = [
 async def test_a_colocated_run_on_sglang_servers_syncs_weights_every_iteration(
     tmp_path: Path,
 ) -> None:
-    port = free_port()  # launched servers listen on port_base + slot index
+    port = free_port(2)  # launched servers listen on port_base + slot index
     cfg = apply_overrides(
         DynaRLConfig(),
         [
@@ -69,7 +69,7 @@ async def test_a_killed_rollout_slot_is_survived_and_the_servers_keep_taking_wei
     still holds the old group under the sync's name, joins the rebuilt one: SGLang
     refuses a second group under a name in use, so it destroys the old one first.
     Every iteration trains every sample once and takes the next weight version."""
-    port = free_port()
+    port = free_port(3)  # a port per device's slot, as port_base + slot index
     cfg = apply_overrides(
         DynaRLConfig(),
         [
