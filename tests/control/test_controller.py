@@ -15,15 +15,17 @@ from dynarl.control import events as ev
 from dynarl.control.controller import Controller
 from dynarl.control.modes import make_policy
 from dynarl.control.pipeline import build_hypergraph
-from dynarl.control.plan import Migration
+from dynarl.control.plan import EMPTY_PLAN, Migration, Plan
 from dynarl.control.predictor import Predictor
 from dynarl.control.scheduler import Trigger
-from dynarl.control.topology import PROMPTS
-from dynarl.core.clock import LoopClock
+from dynarl.control.topology import INFERENCE, PROMPTS, ROLLOUT, TO_INFERENCE
+from dynarl.core.clock import LoopClock, ManualClock
 from dynarl.core.ids import GroupId, InstanceId, ItemId
 from dynarl.core.virtual_time import VirtualTimeLoop
 from dynarl.testing.harness import HarnessResult, fake_profile, run_with_fake_world
 from dynarl.testing.world import FakeWorldConfig
+
+from .graphs import make_graph
 
 T = TypeVar("T")
 
@@ -228,3 +230,42 @@ def test_a_failing_move_is_retried_with_exponential_back_off() -> None:
     assert stats.plans_held_back > 0
     assert len(stats.plans) == stats.plans_committed  # a held-back plan is not committed
     assert controller.graph.components["rollout"].num_active_devices == 3  # old placement kept
+
+
+class RecordingPolicy:
+    """Plans nothing; records what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str | None]] = []
+
+    def decide(self, graph: object, trigger: Trigger) -> Plan:
+        self.asked.append((trigger.kind, trigger.component))
+        return EMPTY_PLAN
+
+
+def test_a_stage_is_drained_once_nothing_upstream_of_it_works_either() -> None:
+    """The scorer running dry between two rollout completions is a lull the tick
+    covers, not a decision; its last sample, after the rollout's last, is one."""
+    graph = make_graph()
+    policy = RecordingPolicy()
+    controller = Controller(graph, policy, RecordingExecutor(), clock=ManualClock())
+    samples = [ev.ItemRef(ItemId(f"s{k}"), GroupId("g")) for k in range(2)]
+    rollout, scorer = InstanceId("rollout-0"), InstanceId("inference-0")
+
+    def generate(k: int) -> None:
+        controller.handle(ev.ItemRouted(edge=PROMPTS, item=ItemId(f"s{k}"), instance=rollout))
+        controller.handle(ev.ItemCompleted(edge=PROMPTS, item=ItemId(f"s{k}"), instance=rollout))
+        controller.handle(ev.ItemsEnqueued(edge=TO_INFERENCE, items=(samples[k],)))
+
+    def score(k: int) -> None:
+        controller.handle(ev.ItemRouted(edge=TO_INFERENCE, item=ItemId(f"s{k}"), instance=scorer))
+        controller.handle(ev.ItemCompleted(edge=TO_INFERENCE, item=ItemId(f"s{k}"), instance=scorer))
+
+    controller.handle(ev.ItemsEnqueued(edge=PROMPTS, items=tuple(samples)))
+    generate(0)
+    score(0)  # the scorer is empty, the rollout still works on s1
+    assert ("stage_drained", INFERENCE) not in policy.asked
+    generate(1)
+    assert policy.asked == [("stage_drained", ROLLOUT)]
+    score(1)
+    assert policy.asked == [("stage_drained", ROLLOUT), ("stage_drained", INFERENCE)]
