@@ -61,14 +61,18 @@ async def test_a_colocated_run_on_sglang_servers_syncs_weights_every_iteration(
 
 @pytest.mark.timeout(400)
 async def test_a_killed_rollout_slot_is_survived_and_the_servers_keep_taking_weights(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two rollout slots on SGLang servers; one is killed mid-rollout, and its server
     dies with it. Its requests run on the survivor, the weight-sync group is abandoned
     (leaving is collective), and at the iteration's sync the surviving server, which
     still holds the old group under the sync's name, joins the rebuilt one: SGLang
     refuses a second group under a name in use, so it destroys the old one first.
-    Every iteration trains every sample once and takes the next weight version."""
+    Every iteration trains every sample once and takes the next weight version, and
+    the random-init policy written for the killed slot's server goes with it."""
+    scratch = tmp_path / "tmp"  # where the slots write their servers' policies
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
     port = free_port(3)  # a port per device's slot, as port_base + slot index
     cfg = apply_overrides(
         DynaRLConfig(),
@@ -95,6 +99,7 @@ async def test_a_killed_rollout_slot_is_survived_and_the_servers_keep_taking_wei
         assert len(counts) == samples and set(counts.values()) == {1}, (iteration, edge)
     # The killed slot's server died with it (its tether), not left holding its port.
     assert not servers_on(port, port + 1), "a launched server outlived its slot"
+    assert not list(scratch.glob("dynarl-sglang-policy-*")), "a policy outlived its slot"
 
 
 def servers_on(*ports: int) -> list[str]:

@@ -54,10 +54,12 @@ class SGLangBackend:
         stop = contextlib.ExitStack()  # closed by the engine, or here on failure
         try:
             model_path = role.model.path
+            owned: list[str] = []
             if model_path is None:
                 checkpoint = PolicyCheckpoint(role.model, seed=role.seed)
                 stop.callback(checkpoint.remove)
                 model_path = checkpoint.path
+                owned.append(checkpoint.path)
             port = config.port_base + index
             command = server_command(
                 config,
@@ -69,7 +71,9 @@ class SGLangBackend:
                 port=port,
                 order=role.order,
             )
-            server = ServerProcess(command, url=f"http://{config.host}:{port}", env=SERVER_ENV)
+            server = ServerProcess(
+                command, url=f"http://{config.host}:{port}", env=SERVER_ENV, owned=owned
+            )
             stop.callback(server.stop)
             server.start(timeout_s=config.startup_timeout_s)
             engine = connect(

@@ -86,11 +86,22 @@ class ServerProcess:
         command: its command line.
         url: where it answers once healthy.
         env: extra environment variables.
+        owned: paths that exist for the server alone (the random-init policy written
+            for it): removed by its tether should the launcher die without stopping it;
+            otherwise the launcher removes them after :meth:`stop`.
     """
 
-    def __init__(self, command: Sequence[str], *, url: str, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        url: str,
+        env: dict[str, str] | None = None,
+        owned: Sequence[str] = (),
+    ):
         self.command = list(command)
         self.url = url
+        self.owned = list(owned)
         self._env = {**os.environ, **(env or {})}
         self._process: subprocess.Popen[bytes] | None = None
         self.log_path = ""
@@ -111,8 +122,9 @@ class ServerProcess:
         with tempfile.NamedTemporaryFile(prefix="sglang-", suffix=".log", delete=False) as log:
             self.log_path = log.name
             logger.info("starting SGLang server: %s (log %s)", " ".join(self.command), log.name)
+            removes = [arg for path in self.owned for arg in ("--remove", path)]
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "dynarl.workers.sglang.tether", *self.command],
+                [sys.executable, "-m", "dynarl.workers.sglang.tether", *removes, *self.command],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self._env,
