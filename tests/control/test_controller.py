@@ -259,7 +259,9 @@ def test_a_stage_is_drained_once_nothing_upstream_of_it_works_either() -> None:
 
     def score(k: int) -> None:
         controller.handle(ev.ItemRouted(edge=TO_INFERENCE, item=ItemId(f"s{k}"), instance=scorer))
-        controller.handle(ev.ItemCompleted(edge=TO_INFERENCE, item=ItemId(f"s{k}"), instance=scorer))
+        controller.handle(
+            ev.ItemCompleted(edge=TO_INFERENCE, item=ItemId(f"s{k}"), instance=scorer)
+        )
 
     controller.handle(ev.ItemsEnqueued(edge=PROMPTS, items=tuple(samples)))
     generate(0)

@@ -73,9 +73,7 @@ def test_the_tether_waits_for_its_server_and_ends_as_it_did(
 ) -> None:
     server = [sys.executable, "-c", command] if command else SLEEPER
     # What it is to remove only for a dead launcher: a live one removes it itself.
-    tether = subprocess.Popen(
-        [*TETHER, "--remove", str(tmp_path), *server], start_new_session=True
-    )
+    tether = subprocess.Popen([*TETHER, "--remove", str(tmp_path), *server], start_new_session=True)
     try:
         if command is None:  # stopped as ServerProcess.stop does: SIGTERM to the group
             time.sleep(0.5)
