@@ -14,7 +14,11 @@ hypergraph (its estimates computed afresh), as each decision of a run does.
 With ``--base DIR`` (the ``src`` of another checkout, say a ``git worktree`` of
 ``main``), each row runs in a subprocess per version, alternating, twice each, and the
 table gives both and their ratio; the simulations are deterministic, so both versions
-replay the same decisions. Prints a table and one JSON line.
+replay the same decisions -- as long as both decide at the same moments (a version
+that asks the policy at other triggers samples other states: compare its total
+decision time instead, from the second table). A second table counts each version's decisions by the
+trigger that asked for them (and those the policy answered with a plan), from its
+simulation. Prints both tables and one JSON line.
 
     python bench/decision_cost.py --rows agentic-1.5b-128 math-1.5b-128 --base /tmp/main/src
 """
@@ -34,18 +38,23 @@ HERE = Path(__file__).resolve().parent
 PARTS = ("decision", "policy", "hold", "demands", "progress", "steps")
 
 
-def _snapshots(row: str, every: int) -> list[bytes]:
-    """The pickled states of every ``every``-th decision of ``row``'s simulation."""
+def _snapshots(row: str, every: int) -> tuple[list[bytes], dict[str, dict[str, float]]]:
+    """The pickled states of every ``every``-th decision of ``row``'s simulation, and
+    its decisions by trigger (how many, how many with a plan, their wall-clock ms in
+    the simulation: noisy, unlike the replays)."""
     import sim_paper
     from dynarl.control import controller
 
     taken: list[bytes] = []
     decide = controller.Controller.decide
     count = 0
+    seen: list[Any] = []
 
     def taking(self: Any, trigger: Any) -> Any:
         nonlocal count
         count += 1
+        if not seen:
+            seen.append(self)
         if count % every == 0:
             taken.append(pickle.dumps((self.graph, self.policy, self.hold, trigger)))
         return decide(self, trigger)
@@ -56,7 +65,13 @@ def _snapshots(row: str, every: int) -> list[bytes]:
         sim_paper.run_one(workload, size, int(devices), "dynamic", iterations=2, seed=0)
     finally:
         controller.Controller.decide = decide  # type: ignore[method-assign]
-    return taken
+    # (A checkout from before the controller counted by trigger has none.)
+    kinds = getattr(seen[0].statistics(), "triggers", {}) if seen else {}
+    triggers = {
+        k: {"decisions": t.decisions, "plans": t.plans, "ms": round(1e3 * t.total_s, 1)}
+        for k, t in sorted(kinds.items(), key=lambda kv: -kv[1].total_s)
+    }
+    return taken, triggers
 
 
 def _fastest(fn: Callable[[], object], fresh: Callable[[], None], repeats: int) -> float:
@@ -106,13 +121,14 @@ def _time_one(blob: bytes, repeats: int) -> dict[str, float]:
 
 def measure(row: str, every: int, repeats: int) -> dict[str, Any]:
     """Mean ms per decision of each part over ``row``'s sampled decisions."""
-    blobs = _snapshots(row, every)
+    blobs, triggers = _snapshots(row, every)
     totals = dict.fromkeys(PARTS, 0.0)
     for blob in blobs:
         for name, seconds in _time_one(blob, repeats).items():
             totals[name] += seconds
     n = max(len(blobs), 1)
-    return {"row": row, "decisions": len(blobs), "ms": {k: 1e3 * v / n for k, v in totals.items()}}
+    ms = {k: 1e3 * v / n for k, v in totals.items()}
+    return {"row": row, "decisions": len(blobs), "ms": ms, "triggers": triggers}
 
 
 def _in_subprocess(src: str, row: str, every: int, repeats: int) -> dict[str, Any]:
@@ -139,13 +155,16 @@ def main() -> None:
     head_src = str(HERE.parent / "src")
     versions = {"head": head_src} | ({"base": args.base} if args.base else {})
     results: dict[str, dict[str, dict[str, float]]] = {}
+    by_trigger: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     for row in args.rows:
         best: dict[str, dict[str, float]] = {}
         for _ in range(2):  # alternating, so both meet the machine in the same moods
             for version, src in versions.items():
-                ms = _in_subprocess(src, row, args.every, args.repeats)["ms"]
+                measured = _in_subprocess(src, row, args.every, args.repeats)
+                ms = measured["ms"]
                 seen = best.setdefault(version, ms)
                 best[version] = {k: min(v, seen[k]) for k, v in ms.items()}
+                by_trigger.setdefault(row, {})[version] = measured.get("triggers", {})
         results[row] = best
     header = f"{'row':18s} {'part':9s} {'head ms':>9s}"
     if args.base:
@@ -159,7 +178,20 @@ def main() -> None:
                 ratio = best["head"][part] / base if base > 0 else float("nan")
                 line += f" {base:9.3f} {ratio:9.2f}"
             print(line)
-    print(json.dumps({"bench": "decision_cost", "ms_per_decision": results}))
+    print()
+    print(
+        f"{'row':18s} {'trigger':18s} {'version':7s} {'decisions':>9s} {'plans':>6s} {'sim ms':>8s}"
+    )
+    for row, versions_seen in by_trigger.items():
+        for version, kinds in versions_seen.items():
+            for kind, t in kinds.items():
+                print(
+                    f"{row:18s} {kind:18s} {version:7s} {t['decisions']:9.0f} "
+                    f"{t['plans']:6.0f} {t['ms']:8.1f}"
+                )
+    print(
+        json.dumps({"bench": "decision_cost", "ms_per_decision": results, "by_trigger": by_trigger})
+    )
 
 
 if __name__ == "__main__":

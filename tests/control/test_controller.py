@@ -163,6 +163,12 @@ def test_controller_applies_streamed_events_rejects_bad_ones_and_decides(caplog)
     assert stats.migrations_done == len(executor.seen)
     assert controller.graph.components["rollout"].num_active_devices == 6
     assert stats.decisions >= 10  # ticks kept coming on virtual time
+    assert sum(t.decisions for t in stats.triggers.values()) == stats.decisions
+    assert stats.triggers["iteration_start"].plans == 1  # the move to rollout
+    assert stats.triggers["tick"].decisions >= 9
+    assert sum(t.total_s for t in stats.triggers.values()) == pytest.approx(
+        stats.decision_total_s
+    )
     assert controller.predictor is not None
     assert controller.predictor.migration_cost("reshard") < 2.0  # learned from the 2 s moves
     assert not controller.graph.migrations
@@ -271,3 +277,6 @@ def test_a_stage_is_drained_once_nothing_upstream_of_it_works_either() -> None:
     assert policy.asked == [("stage_drained", ROLLOUT)]
     score(1)
     assert policy.asked == [("stage_drained", ROLLOUT), ("stage_drained", INFERENCE)]
+    counts = controller.statistics().triggers
+    assert set(counts) == {"stage_drained"}
+    assert (counts["stage_drained"].decisions, counts["stage_drained"].plans) == (2, 0)

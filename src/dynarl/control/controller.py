@@ -64,6 +64,15 @@ class CommittedPlan(msgspec.Struct, frozen=True, kw_only=True):
     predicted_without_s: float
 
 
+class TriggerStats(msgspec.Struct, kw_only=True):
+    """The decisions one kind of trigger asked for: how many, how many of them the
+    policy answered with a plan, and their wall-clock seconds in all."""
+
+    decisions: int = 0
+    plans: int = 0
+    total_s: float = 0.0
+
+
 class ControllerStats(msgspec.Struct, kw_only=True):
     """What the controller has done so far."""
 
@@ -81,6 +90,9 @@ class ControllerStats(msgspec.Struct, kw_only=True):
     """Wall-clock seconds of every decision so far."""
     plans: list[CommittedPlan] = msgspec.field(default_factory=list)
     """The most recent committed plans (up to 4096), oldest first."""
+    triggers: dict[str, TriggerStats] = msgspec.field(default_factory=dict)
+    """The decisions so far by the kind of trigger that asked for them (where the
+    decision time goes)."""
 
 
 _TRIGGERS: dict[type[ev.Event], TriggerKind] = {
@@ -247,6 +259,12 @@ class Controller:
         self._decision_s.append(took)
         self._stats.decision_total_s += took
         self._stats.decisions += 1
+        kind = self._stats.triggers.get(trigger.kind)
+        if kind is None:
+            kind = self._stats.triggers[trigger.kind] = TriggerStats()
+        kind.decisions += 1
+        kind.plans += bool(plan)
+        kind.total_s += took
         return plan
 
     def _update_holds(self, held: frozenset[ComponentId]) -> None:
@@ -272,6 +290,7 @@ class Controller:
             decision_s=list(self._decision_s),
             plans=list(self._plans),
             decision_total_s=s.decision_total_s,
+            triggers={k: msgspec.structs.replace(v) for k, v in s.triggers.items()},
         )
 
     # ------------------------------------------------------------------ internals
