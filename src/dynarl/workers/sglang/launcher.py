@@ -87,8 +87,9 @@ class ServerProcess:
         url: where it answers once healthy.
         env: extra environment variables.
         owned: paths that exist for the server alone (the random-init policy written
-            for it): removed by its tether should the launcher die without stopping it;
-            otherwise the launcher removes them after :meth:`stop`.
+            for it): its tether deletes them should the launcher die without stopping
+            it. Otherwise they are the caller's to delete after :meth:`stop` (the
+            backend's :class:`~dynarl.workers.sglang.checkpoint.PolicyCheckpoint`).
     """
 
     def __init__(
