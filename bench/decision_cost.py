@@ -16,9 +16,9 @@ With ``--base DIR`` (the ``src`` of another checkout, say a ``git worktree`` of
 table gives both and their ratio; the simulations are deterministic, so both versions
 replay the same decisions -- as long as both decide at the same moments (a version
 that asks the policy at other triggers samples other states: compare its total
-decision time instead, from the second table). A second table counts each version's decisions by the
-trigger that asked for them (and those the policy answered with a plan), from its
-simulation. Prints both tables and one JSON line.
+decision time instead, from the second table). The second table counts each
+version's decisions by the trigger that asked for them, and those the policy
+answered with a plan, from its simulation. Prints both tables and one JSON line.
 
     python bench/decision_cost.py --rows agentic-1.5b-128 math-1.5b-128 --base /tmp/main/src
 """

@@ -166,9 +166,7 @@ def test_controller_applies_streamed_events_rejects_bad_ones_and_decides(caplog)
     assert sum(t.decisions for t in stats.triggers.values()) == stats.decisions
     assert stats.triggers["iteration_start"].plans == 1  # the move to rollout
     assert stats.triggers["tick"].decisions >= 9
-    assert sum(t.total_s for t in stats.triggers.values()) == pytest.approx(
-        stats.decision_total_s
-    )
+    assert sum(t.total_s for t in stats.triggers.values()) == pytest.approx(stats.decision_total_s)
     assert controller.predictor is not None
     assert controller.predictor.migration_cost("reshard") < 2.0  # learned from the 2 s moves
     assert not controller.graph.migrations

@@ -171,7 +171,6 @@ class Controller:
         self._reprefill_until: dict[ComponentId, float] = {}
         # Per rollout: its engines' step counters over the last few seconds.
         self._decode_windows = DecodeWindows(graph.rate_tau_s)
-        self._ancestors = {c: frozenset(graph.spec.ancestors(c)) for c in graph.components}
 
     async def run(
         self,
@@ -245,7 +244,7 @@ class Controller:
         graph = self.graph
         if graph.pending(component):
             return False
-        return not any(graph.pending(a) for a in self._ancestors[component])
+        return not any(graph.pending(a) for a in graph.ancestors[component])
 
     def decide(self, trigger: Trigger) -> Plan:
         """Ask the policy for a plan and commit it."""
@@ -259,12 +258,12 @@ class Controller:
         self._decision_s.append(took)
         self._stats.decision_total_s += took
         self._stats.decisions += 1
-        kind = self._stats.triggers.get(trigger.kind)
-        if kind is None:
-            kind = self._stats.triggers[trigger.kind] = TriggerStats()
-        kind.decisions += 1
-        kind.plans += bool(plan)
-        kind.total_s += took
+        tally = self._stats.triggers.get(trigger.kind)
+        if tally is None:
+            tally = self._stats.triggers[trigger.kind] = TriggerStats()
+        tally.decisions += 1
+        tally.plans += bool(plan)
+        tally.total_s += took
         return plan
 
     def _update_holds(self, held: frozenset[ComponentId]) -> None:
