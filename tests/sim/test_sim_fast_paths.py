@@ -4,6 +4,7 @@ and the virtual-time loop's own clock."""
 
 import asyncio
 import random
+import socket
 
 from dynarl.core.ids import ItemId
 from dynarl.core.virtual_time import VirtualClock, VirtualTimeLoop
@@ -67,3 +68,30 @@ def test_virtual_clock_reads_and_sleeps_on_its_loop() -> None:
 
     with asyncio.Runner(loop_factory=lambda: VirtualTimeLoop(start_s=1.0)) as runner:
         assert runner.run(main()) == (4.0, 4.0)
+
+
+def test_virtual_time_loop_serves_real_io_before_time_jumps() -> None:
+    """With no I/O of its own the loop skips the poll before each jump; a socket it
+    watches is still served at the virtual time its data came, not after the next
+    timer."""
+
+    async def main() -> tuple[list[tuple[bytes, float]], float]:
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        got: list[tuple[bytes, float]] = []
+        loop.add_reader(a.fileno(), lambda: got.append((a.recv(16), loop.time())))
+        try:
+            b.send(b"x")
+            await asyncio.sleep(10.0)
+            b.send(b"y")
+            await asyncio.sleep(0.0)  # a pass with callbacks ready polls too
+            await asyncio.sleep(5.0)
+        finally:
+            loop.remove_reader(a.fileno())
+            a.close()
+            b.close()
+        return got, loop.time()
+
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        assert runner.run(main()) == ([(b"x", 0.0), (b"y", 10.0)], 15.0)
