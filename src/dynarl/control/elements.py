@@ -99,6 +99,7 @@ class Node:
         "state",
         "tokens_per_request",
         "unreported",
+        "version",
         "waiting",
     )
 
@@ -138,12 +139,17 @@ class Node:
         # Tokens of requests that completed here beyond their estimate: generated since
         # the last report, so the next reports count them, but they are nobody's now.
         self.unreported = 0.0
+        # Counts the changes to which requests it holds and which of them run (not
+        # their progress, which ``tokens_per_request`` gives): what is computed from
+        # its requests' states holds while it stays.
+        self.version = 0
 
     def attach(self, st: ItemState) -> None:
         """Hold ``st`` (routed here); it waits until a report says it runs."""
         st.running = False
         self.waiting[st.id] = st
         self.progress_base += st.generated
+        self.version += 1
 
     def start_oldest(self, num_running: int) -> None:
         """Mark the first waiting items running, until ``num_running`` are."""
@@ -152,6 +158,7 @@ class Node:
             st.running, st.mark = True, self.tokens_per_request
             self.started[st.id] = st
             self.progress_base -= st.mark
+            self.version += 1
 
     def stop_youngest(self, num_running: int) -> None:
         """Mark the youngest running items preempted, until ``num_running`` run (an
@@ -163,6 +170,7 @@ class Node:
             stopped[st.id] = st
         if stopped:
             self.waiting = dict(reversed(stopped.items())) | self.waiting
+            self.version += 1
 
     def add_tokens(self, tokens: float) -> None:
         """The engine generated ``tokens`` more: its running items share them, less
@@ -185,6 +193,7 @@ class Node:
         else:
             del self.waiting[st.id]
         self.progress_base -= st.generated
+        self.version += 1
 
     def _fold(self, st: ItemState) -> None:
         """Stop counting ``st`` as running: its progress so far goes into ``generated``

@@ -7,7 +7,10 @@ causes (:func:`~dynarl.control.scoring.score_plan`) each read every pending requ
 One decision asks for them many times -- every candidate plan is scored against them,
 and the trainer's hold is decided after the plan -- so :class:`Estimates` computes each
 once per state of the hypergraph (its count of applied events) and hands it out until
-the next event.
+the next event. What is read from one engine's requests (the re-prefill its draining
+causes, as a function of its progress) is kept per engine until that engine's requests
+change (:meth:`Estimates.per_engine`): an engine reports progress at every stats
+event, but holds and runs the same requests for many.
 
 An :class:`Estimates` belongs to one controller: its policies and its hold share it
 (:func:`~dynarl.control.modes.make_policy`, :func:`~dynarl.control.modes.make_hold`).
@@ -20,30 +23,27 @@ one given a warm one.
 from collections.abc import Callable, Hashable
 from typing import TypeVar, cast
 
+from dynarl.control.elements import Node
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.core.ids import InstanceId
 
 T = TypeVar("T")
 
-EngineState = tuple[float, int, float, float]
-"""What an engine's re-prefill sum depends on: its last report's time, its item count,
-its progress base and its tokens per running request."""
-
 
 class Estimates:
     """Values computed from one state of a hypergraph, reused until it changes."""
 
-    __slots__ = ("_events", "_graph", "_reprefill", "_reprefill_cost", "_values")
+    __slots__ = ("_engines", "_events", "_graph", "_values")
 
     def __init__(self) -> None:
         self._graph: Hypergraph | None = None
         self._events = -1
         self._values: dict[Hashable, object] = {}
-        # Per engine: (its state, seconds to re-prefill its requests), for one
-        # prefill cost. Kept across events: an engine's sum changes only when it
-        # reports or its requests change, and each decision drains the same engines.
-        self._reprefill: dict[InstanceId, tuple[EngineState, float]] = {}
-        self._reprefill_cost: object = None
+        # Per engine: (the engine, its version, the value's key, the value). Kept
+        # across events: what is read from an engine's requests changes only when
+        # which requests it holds or runs does, and each decision drains the same
+        # engines.
+        self._engines: dict[InstanceId, tuple[Node, int, Hashable, object]] = {}
 
     def get(self, graph: Hypergraph, key: Hashable, compute: Callable[[], T]) -> T:
         """``compute()`` for ``graph`` as it is, computed once per state of it
@@ -56,30 +56,24 @@ class Estimates:
             self._values[key] = value
             return value
 
-    def reprefill_s(
-        self,
-        graph: Hypergraph,
-        engine: InstanceId,
-        state: EngineState,
-        cost: object,
-        compute: Callable[[], float],
-    ) -> float:
-        """``compute()``, the seconds to re-prefill ``engine``'s requests at the
-        prefill ``cost``, reused while the engine's ``state`` and the cost stay."""
+    def per_engine(
+        self, graph: Hypergraph, node: Node, key: Hashable, compute: Callable[[], T]
+    ) -> T:
+        """``compute()``, a value read from the requests ``node`` (an engine of
+        ``graph``) holds, reused while it holds and runs the same ones
+        (:attr:`Node.version <dynarl.control.elements.Node.version>`) and ``key``
+        (what else the value depends on) stays. One value per engine is kept."""
         self._sync(graph)
-        if cost is not self._reprefill_cost:
-            self._reprefill.clear()
-            self._reprefill_cost = cost
-        known = self._reprefill.get(engine)
-        if known is None or known[0] != state:
-            known = (state, compute())
-            self._reprefill[engine] = known
-        return known[1]
+        known = self._engines.get(node.id)
+        if known is None or known[0] is not node or known[1] != node.version or known[2] != key:
+            known = (node, node.version, key, compute())
+            self._engines[node.id] = known
+        return cast(T, known[3])
 
     def _sync(self, graph: Hypergraph) -> None:
         if graph is not self._graph:
             self._graph = graph
-            self._reprefill.clear()
+            self._engines.clear()
             self._events = -1
         if graph.events_applied != self._events:
             self._events = graph.events_applied

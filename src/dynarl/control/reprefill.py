@@ -8,7 +8,9 @@ requests meanwhile, at the profile's :class:`~dynarl.control.predictor.PrefillCo
 controller observes no decode rate meanwhile).
 """
 
+import bisect
 from functools import partial
+from itertools import accumulate
 
 from dynarl.control.elements import Node
 from dynarl.control.estimates import Estimates
@@ -38,36 +40,61 @@ def reprefill_s(
         return 0.0
     total = 0.0
     for n in drained:
-        # An engine's sum changes only when it reports (progress) or its requests change.
-        state = (n.last_stats_s, len(n.items), n.progress_base, n.tokens_per_request)
-        total += est.reprefill_s(
-            graph, n.id, state, cost, partial(engine_reprefill_s, graph, n, cost)
-        )
+        stall = est.per_engine(graph, n, cost, partial(EngineReprefill, n, cost))
+        total += stall.seconds(n.tokens_per_request)
     return total / keep
 
 
-def engine_reprefill_s(graph: Hypergraph, node: Node, cost: PrefillCost) -> float:
-    """Seconds to re-prefill every request ``node`` holds, one after another: the sum
-    of :meth:`PrefillCost.seconds` over their contexts (:meth:`Node.context_of`).
+class EngineReprefill:
+    """Seconds to re-prefill every request one engine holds, one after another (the
+    sum of :meth:`PrefillCost.seconds` over their contexts, :meth:`Node.context_of`),
+    as a function of the engine's tokens per running request.
 
-    Spelled out rather than calling those two per request (the same arithmetic in the
-    same order, so the same sum to the bit): a decision's candidates re-read tens of
-    engines of tens of requests each, and the two calls per request were most of the
-    time the scorer spent on re-prefills."""
-    a, b = cost.s_per_token, cost.s_per_token_context
-    per_token = node.tokens_per_request
-    edges = graph.edges
-    out = 0.0
-    for item, edge in node.items.items():
-        st = edges[edge].items[item]
-        if st.running:
-            context = st.tokens + (st.generated + per_token - st.mark)
-        else:
-            context = st.tokens + st.generated
-        context = max(context, st.prefix_tokens)
-        context = max(context, 0.0)
-        out += context * (a + b * context / 2.0)
-    return out
+    A running request's context is ``r + t``, ``r`` its prompt and what it had
+    generated when it started less that mark, ``t`` the engine's tokens per running
+    request (or its cached prefix, if longer); only ``t`` changes as the engine
+    reports. So the sum over the requests whose context passes their prefix is a
+    quadratic in ``t`` (from the sums of ``r`` and ``r^2``), plus what the others'
+    prefixes and the waiting requests cost: :meth:`seconds` is a bisection and a few
+    products, however many requests the engine holds (each decision's candidates
+    re-read tens of engines of tens of requests each, and the engines report
+    between any two decisions). Built from the engine as it is; valid while it
+    holds and runs the same requests (:attr:`Node.version`)."""
+
+    __slots__ = ("_a", "_b", "_fixed", "_prefix_s", "_r1", "_r2", "_thresholds")
+
+    def __init__(self, node: Node, cost: PrefillCost) -> None:
+        self._a, self._b = cost.s_per_token, cost.s_per_token_context / 2.0
+        # Waiting requests: their context does not move with the engine's progress.
+        self._fixed = sum(
+            [
+                cost.seconds(max(st.tokens + st.generated, st.prefix_tokens))
+                for st in node.waiting.values()
+            ]
+        )
+        # Running ones, by the progress past which their context passes their prefix.
+        running = sorted(
+            (st.prefix_tokens - r, r, st.prefix_tokens)
+            for st in node.started.values()
+            for r in (st.tokens + st.generated - st.mark,)
+        )
+        self._thresholds = [x[0] for x in running]
+        self._r1 = list(accumulate((x[1] for x in running), initial=0.0))
+        self._r2 = list(accumulate((x[1] * x[1] for x in running), initial=0.0))
+        # Suffix sums of their prefixes' costs (for those still short of it).
+        self._prefix_s = list(
+            accumulate((cost.seconds(x[2]) for x in reversed(running)), initial=0.0)
+        )
+        self._prefix_s.reverse()
+
+    def seconds(self, tokens_per_request: float) -> float:
+        """The sum at ``tokens_per_request`` tokens per running request."""
+        t = tokens_per_request
+        k = bisect.bisect_right(self._thresholds, t)  # contexts past their prefix
+        s1, s2 = self._r1[k], self._r2[k]
+        # sum over them of a (r + t) + b/2 (r + t)^2
+        passed = self._a * (s1 + k * t) + self._b * (s2 + 2.0 * t * s1 + k * t * t)
+        return self._fixed + passed + self._prefix_s[k]
 
 
 def reprefill_span_s(graph: Hypergraph, cost: PrefillCost, migration: Migration) -> float:
