@@ -92,18 +92,26 @@ def _steps(graph: Hypergraph, cid: ComponentId, steps_left: int, est: Estimates)
     for stage in chain:
         kind = graph.components[stage].spec.kind
         for edge in graph.edges_into(stage):
-            if kind == "rollout" or stage == cid:
+            if kind == "rollout":
                 # Only the order of the samples between the two matters: here the
-                # edge's counts per group serve (O(groups), not O(items)).
+                # edge's counts per group serve (O(groups), not O(items)). Most
+                # groups are only here (0.0 + x is x, as a float).
+                if edge.groups:
+                    rollout = stage
+                for group, (num, size) in edge.groups.items():
+                    g = groups.get(group)
+                    if g is None:
+                        groups[group] = [0.0 + num, 0.0, 0.0, 0.0 + num, 0.0 + size]
+                    else:
+                        g[0] += num
+                        g[3] += num
+                        g[4] += size
+                continue
+            if stage == cid:
                 for group, (num, size) in edge.groups.items():
                     g = groups.setdefault(group, [0.0, 0.0, 0.0, 0.0, 0.0])
                     g[0] += num
-                    if kind == "rollout":
-                        rollout = stage
-                        g[3] += num
-                        g[4] += size
-                    else:
-                        g[1] += size if sized else num
+                    g[1] += size if sized else num
                 continue
             # Per group its counts (groups in the order of their first sample), per
             # sample only its work (graph.item_work, summed in whole tokens).
@@ -122,11 +130,11 @@ def _steps(graph: Hypergraph, cid: ComponentId, steps_left: int, est: Estimates)
             arrived += sum(works)
     if rollout is not None:
         _rollout_groups(graph, rollout, groups, est)
-    upstream = sum(g[1] for g in groups.values()) - graph.work_pending(cid)
+    upstream = sum([g[1] for g in groups.values()]) - graph.work_pending(cid)
     for group, by in arrival.items():
         g = groups[group]
         g[2] = max(g[2], min(1.0, by / upstream) if upstream > 0 else 0.0)
-    total = sum(g[0] for g in groups.values())
+    total = sum([g[0] for g in groups.values()])
     per_step = math.ceil(total / steps_left)
     steps: list[float] = []
     ready: list[float] = []
