@@ -3,16 +3,18 @@ quadratic in the engine's progress, kept while it holds the same requests) is th
 per-request formula summed, for running, waiting and returning (prefix-holding)
 requests, before and after a request's context passes its prefix."""
 
+import msgspec
 import pytest
 
 from dynarl.control import events as ev
 from dynarl.control.elements import Node
 from dynarl.control.estimates import Estimates
 from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.plan import InstanceSpec
 from dynarl.control.predictor_profile import PrefillCost
 from dynarl.control.reprefill import EngineReprefill
-from dynarl.control.topology import PROMPTS
-from dynarl.core.ids import GroupId, InstanceId, ItemId
+from dynarl.control.topology import PROMPTS, ROLLOUT
+from dynarl.core.ids import DeviceId, GroupId, InstanceId, ItemId
 
 from .test_item_sizes import sized_graph
 
@@ -96,3 +98,17 @@ def test_an_engines_model_is_kept_until_its_requests_change() -> None:
     assert again.seconds(node.tokens_per_request) == pytest.approx(
         direct(g, node, node.tokens_per_request)
     )
+
+
+def test_models_of_engines_gone_from_the_hypergraph_are_dropped() -> None:
+    g = sized_graph(expected_tokens=1000.0)
+    est = Estimates()
+    live = g.instances[E0]
+    spec = InstanceSpec(id=InstanceId("gone"), devices=(DeviceId(0),))
+    for k in range(50):  # engines that restarted under new ids, drained once each
+        dead = Node(msgspec.structs.replace(spec, id=InstanceId(f"gone-{k}")), ROLLOUT, 0.0)
+        est.per_engine(g, dead, COST, lambda dead=dead: EngineReprefill(dead, COST))
+        est.per_engine(g, live, COST, lambda: EngineReprefill(live, COST))
+    kept = est._engines
+    assert len(kept) <= 2 * len(g.instances) + 1
+    assert kept[E0][0] is live

@@ -62,12 +62,18 @@ class Estimates:
         """``compute()``, a value read from the requests ``node`` (an engine of
         ``graph``) holds, reused while it holds and runs the same ones
         (:attr:`Node.version <dynarl.control.elements.Node.version>`) and ``key``
-        (what else the value depends on) stays. One value per engine is kept."""
+        (what else the value depends on) stays. One value per engine is kept, and
+        only for engines the hypergraph still has (the others are dropped whenever
+        the kept ones outnumber its instances twice: engines restart under new ids)."""
         self._sync(graph)
-        known = self._engines.get(node.id)
+        engines = self._engines
+        known = engines.get(node.id)
         if known is None or known[0] is not node or known[1] != node.version or known[2] != key:
             known = (node, node.version, key, compute())
-            self._engines[node.id] = known
+            if node.id not in engines and len(engines) >= 2 * len(graph.instances):
+                live = graph.instances
+                self._engines = engines = {i: e for i, e in engines.items() if live.get(i) is e[0]}
+            engines[node.id] = known
         return cast(T, known[3])
 
     def _sync(self, graph: Hypergraph) -> None:
