@@ -4,12 +4,11 @@ reference log-probs exactly when configured; a malformed sample is a typed error
 nothing is scored; memory is released and resumed without changing a score; weight
 versions travel with the weights."""
 
-import socket
-
 import anyio
 import numpy as np
 import pytest
 
+from dynarl.testing.ports import free_port
 from dynarl.workers.errors import BadRequestError
 from dynarl.workers.inference import LogprobRequest
 from dynarl.workers.tokenizer import build_tokenizer
@@ -99,9 +98,7 @@ async def test_weights_arrive_with_their_version_and_leave_the_reference(
 
     trained = build_model(MODEL, seed=1)
     manifest = weight_sync.manifest_of(trained, version=3, bucket_bytes=1 << 20)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
 
     def send() -> None:
         sender = weight_sync.join_weight_sync_group(

@@ -7,13 +7,12 @@ and resumed without changing the output; an ended multi-turn session leaves noth
 cached; weight versions travel with the weights; bad requests get a typed error and
 queue nothing."""
 
-import socket
-
 import anyio
 import msgspec
 import numpy as np
 import pytest
 
+from dynarl.testing.ports import free_port
 from dynarl.workers.errors import BadRequestError
 from dynarl.workers.inference import LogprobRequest
 from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams
@@ -212,9 +211,7 @@ async def test_weights_arrive_with_their_version(rollout_factory: RolloutFactory
     from dynarl.workers.torch.model import build_model
 
     trained = build_model(MODEL, seed=1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     group = WeightSyncGroup(host="127.0.0.1", port=port, rank=1, world_size=2, timeout_s=30.0)
 
     manifest = weight_sync.manifest_of(trained, version=7, bucket_bytes=1 << 16)

@@ -2,7 +2,6 @@
 local workers, TCP on the chosen interface and port otherwise, advertising an address
 workers can dial; settings that cannot apply are refused naming the field."""
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,13 +13,7 @@ from dynarl.data.endpoint import node_address
 from dynarl.launch.binding import bind_controller
 from dynarl.launch.config import ClusterConfig, RayConfig
 from dynarl.launch.ray_placement import DevicePlacement, device_groups
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+from dynarl.testing.ports import free_port
 
 
 async def test_local_workers_get_a_private_ipc_socket(tmp_path: Path) -> None:

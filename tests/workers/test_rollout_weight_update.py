@@ -2,7 +2,6 @@
 real gloo group; the version travels with them. Also: the engine's wire types stay
 free of torch, so the SGLang backend can share them."""
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from dynarl.api.config import ModelConfig
+from dynarl.testing.ports import free_port
 from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams
 from dynarl.workers.tokenizer import build_tokenizer
 from dynarl.workers.torch.engine import RolloutEngine
@@ -44,13 +44,6 @@ TRAINER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.mark.slow
 def test_update_weights_from_a_trainer_process_over_gloo() -> None:
     tokenizer = build_tokenizer()
@@ -66,7 +59,7 @@ def test_update_weights_from_a_trainer_process_over_gloo() -> None:
     engine.step()
     engine.step()  # in flight when the weights arrive
 
-    port = _free_port()
+    port = free_port()
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(port)])
     try:
         group = join_weight_sync_group(

@@ -3,11 +3,12 @@ loopback port (a gloo world of their own) and gather what they report."""
 
 import multiprocessing
 import queue
-import socket
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+from dynarl.testing.ports import free_port
 
 
 def gather_from_workers(
@@ -21,9 +22,7 @@ def gather_from_workers(
     """Start ``worker(w, port, *args, results)`` for ``w`` in ``range(world)`` and
     return the first ``expected`` ``(name, value)`` pairs they put on ``results``, by
     name; fails the test if they stop reporting for ``timeout_s``."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     processes = [

@@ -2,7 +2,6 @@
 backed by the torch engine) and adapters attached to them."""
 
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -65,22 +64,6 @@ async def until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
             return
         await anyio.sleep(0.005)
     raise TimeoutError("the condition did not hold in time")
-
-
-def free_port(num: int = 1) -> int:
-    """A port free on localhost now, and the ``num - 1`` after it (a group's store, or
-    the servers launched on ``port_base + slot index``, bind them)."""
-    while True:
-        with contextlib.ExitStack() as held:
-            first = held.enter_context(socket.socket())
-            first.bind(("127.0.0.1", 0))
-            port: int = first.getsockname()[1]
-            try:
-                for k in range(1, num):
-                    held.enter_context(socket.socket()).bind(("127.0.0.1", port + k))
-            except OSError:
-                continue  # one after it is taken: try another
-            return port
 
 
 def cmdline(pid: str) -> str:

@@ -12,6 +12,7 @@ import anyio
 import httpx
 import pytest
 
+from dynarl.testing.ports import free_port
 from dynarl.testing.sinks import RecordingSink
 from dynarl.workers.config import RolloutConfig
 from dynarl.workers.protocol import RolloutRole
@@ -21,7 +22,7 @@ from dynarl.workers.sglang.config import SGLangConfig
 from dynarl.workers.sglang.errors import LaunchFailedError
 from dynarl.workers.torch.backend import BACKEND as TORCH
 
-from .conftest import MODEL, cmdline, free_port
+from .conftest import MODEL, cmdline
 
 FAKE = ("python", "-m", "dynarl.testing.fake_sglang")
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)

@@ -16,8 +16,9 @@ from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
 from dynarl.api.facade import DynaRL
 from dynarl.testing.faults import FaultInjector, WorkerKill
+from dynarl.testing.ports import free_port
 
-from .conftest import cmdline, free_port
+from .conftest import cmdline
 
 pytestmark = pytest.mark.slow
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dynarl.testing.fake_sglang import FakeSGLang
+from dynarl.testing.ports import free_port
 from dynarl.testing.sinks import RecordingSink
 from dynarl.workers.errors import WeightSyncError
 from dynarl.workers.rollout import GenerateRequest, SamplingParams
@@ -20,7 +21,7 @@ from dynarl.workers.torch.buckets import Group
 from dynarl.workers.torch.model import build_model
 from dynarl.workers.weights import WeightManifest, WeightSyncGroup
 
-from .conftest import MODEL, free_port, running
+from .conftest import MODEL, running
 
 
 def greedy(prefix: str) -> list[GenerateRequest]:
