@@ -17,22 +17,10 @@ from dynarl.control.topology import PROMPTS, ROLLOUT
 from dynarl.core.ids import DeviceId, GroupId, InstanceId, ItemId
 
 from .test_item_sizes import sized_graph
+from .test_rollout_lengths import report
 
 E0 = InstanceId("rollout-0")
 COST = PrefillCost(s_per_token=3.1e-5, s_per_token_context=7.3e-9, kv_capacity_tokens=1e6)
-
-
-def report(g: Hypergraph, running: int, tokens_per_s: float, t: float) -> None:
-    g.apply(
-        ev.EngineStats(
-            instance=E0,
-            kv_usage=0.2,
-            num_running=running,
-            num_queued=0,
-            gen_tokens_per_s=tokens_per_s,
-            time_s=t,
-        )
-    )
 
 
 def direct(g: Hypergraph, node: Node, per_token: float) -> float:
