@@ -66,12 +66,7 @@ class EngineReprefill:
     def __init__(self, node: Node, cost: PrefillCost) -> None:
         self._a, self._b = cost.s_per_token, cost.s_per_token_context / 2.0
         # Waiting requests: their context does not move with the engine's progress.
-        self._fixed = sum(
-            [
-                cost.seconds(max(st.tokens + st.generated, st.prefix_tokens))
-                for st in node.waiting.values()
-            ]
-        )
+        self._fixed = sum([cost.seconds(node.context_of(st)) for st in node.waiting.values()])
         # Running ones, by the progress past which their context passes their prefix.
         running = sorted(
             (st.prefix_tokens - r, r, st.prefix_tokens)
