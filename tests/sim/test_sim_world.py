@@ -94,6 +94,29 @@ def test_the_engines_reports_add_up_to_the_tokens_they_generated() -> None:
     assert reported[0] == pytest.approx(result.engine_tokens, rel=1e-3)
 
 
+def test_engines_report_on_a_real_reporters_schedule() -> None:
+    """Engines report as a real slot's load reporter does: all of them every
+    ``sim.stats_period_s``, and between those only an engine that ran out of requests
+    (its counts final for what it was given). They once reported at every request that
+    started or ended, 27 times a simulated second each on agentic 1.5B, so the
+    simulated controller saw engine loads fresher than a real one can."""
+    by_time: dict[float, list[ev.EngineStats]] = {}
+    period = 1.0
+
+    def on_event(e: ev.Event) -> None:
+        if isinstance(e, ev.EngineStats):
+            by_time.setdefault(e.time_s, []).append(e)
+
+    cfg = small(16, "sim.workload=agentic", f"sim.stats_period_s={period}")
+    result, _ = run(cfg, check=False, on_event=on_event)
+    rounds = [t for t, reports in by_time.items() if len(reports) > 1]
+    between = [r for t, reports in by_time.items() if len(reports) == 1 for r in reports]
+    assert rounds and between
+    assert all(r.num_running == r.num_queued == 0 for r in between)
+    simulated_s = sum(r.duration_s for r in result.iterations)
+    assert len(rounds) <= simulated_s / period + 2 * len(result.iterations) + 1
+
+
 @pytest.mark.parametrize("order", ["fifo", "priority"])
 def test_agentic_turns_and_tool_calls_are_conserved(order: str) -> None:
     cfg = small(16, "sim.workload=agentic", f"sim.request_order={order}", "run.num_iterations=1")

@@ -60,8 +60,9 @@ class SimConfig(Section, frozen=True, kw_only=True):
             ``priority`` (more completed tool calls first, then a longer cached
             prefix, with an aging bound so nothing starves).
         warmup_iterations: iterations left out of the reported means.
-        stats_period_s: how often every engine reports its load when nothing else
-            happens (engines also report whenever a request starts or ends).
+        stats_period_s: how often every engine reports its load (an engine that runs
+            out of requests also reports at once), as a real slot's
+            ``stats_interval_s``.
     """
 
     gpu: str = "H100"

@@ -227,21 +227,26 @@ class EngineFleet:
                 self._touch(iid, now)
 
     def report(self, now: float, *, all_engines: bool) -> None:
-        """Emit the stats of the engines touched since the last report (or of all), as
-        of ``now``: the controller stamps a report with its arrival time, so an engine
-        whose clock lags (no event of its own since) is brought to ``now`` first. The
-        placement reads each report's KV usage, as the data router does."""
+        """Emit engine stats as of ``now``, as a real slot's load reporter
+        (:mod:`dynarl.workers.load_reports`) sends them: every engine's on schedule
+        (``all_engines``), and between those only those of the engines that ran out of
+        requests since the last report (a rollout's end for them: their counts are
+        final for what they were given). The controller stamps a report with its
+        arrival time, so an engine whose clock lags (no event of its own since) is
+        brought to ``now`` first. The placement reads each report's KV usage, as the
+        data router does (so, like it, it routes on usage up to a period old)."""
         if all_engines:
             self._touched.update(dict.fromkeys(self.engines))
         touched, self._touched = self._touched, {}
         for iid in touched:
-            if iid in self.engines:
-                e = self.engines[iid]
-                if e.sim.now < now:
-                    self._touch(iid, now)
-                stats = e.sim.stats()
-                e.worker.kv_usage = stats.kv_usage
-                self.emit(stats)
+            e = self.engines.get(iid)
+            if e is None or not (all_engines or e.sim.next_event_time() == math.inf):
+                continue
+            if e.sim.now < now:
+                self._touch(iid, now)
+            stats = e.sim.stats()
+            e.worker.kv_usage = stats.kv_usage
+            self.emit(stats)
         self._touched.clear()
 
     def _touch(self, iid: InstanceId, now: float) -> None:
