@@ -1,6 +1,7 @@
 """The tail floor: the longest responses' decode with their KV reads, then the last
 minibatch of the longest groups, then the weight sync."""
 
+import msgspec
 import pytest
 from small_cluster import SIXTEEN_DEVICES
 
@@ -83,3 +84,17 @@ def test_the_last_step_trains_the_longest_groups(cluster: ClusterModel) -> None:
 
 def test_no_requests_no_floor(cluster: ClusterModel) -> None:
     assert tail_floor_s(cluster, [], 16) == 0.0
+
+
+def test_the_longest_on_larger_engines_decode_as_those_engines_do(cluster: ClusterModel) -> None:
+    # tail_tp puts the longest requests on engines of that size: one longest request
+    # then costs its decode alone on a TP-2 engine (the weights read two ways: a
+    # shorter step), and at the rollout's own size exactly the default floor.
+    reqs = _requests([[8000, 100, 100, 100], [100] * 4, [100] * 4, [100] * 4])
+    wide = msgspec.structs.replace(cluster, engine=msgspec.structs.replace(cluster.engine, tp=2))
+    after = last_step_s(cluster, reqs, 16) + cluster.weight_sync.time_s(cluster.model)
+    assert tail_floor_s(cluster, reqs, 16, tail_tp=1) == tail_floor_s(cluster, reqs, 16)
+    floor = tail_floor_s(cluster, reqs, 16, tail_tp=2)
+    assert floor == pytest.approx(decode_alone_s(wide, reqs[0]) + after, rel=1e-9)
+    assert decode_alone_s(wide, reqs[0]) < decode_alone_s(cluster, reqs[0])
+    assert floor < tail_floor_s(cluster, reqs, 16)

@@ -29,6 +29,8 @@ engines, training left until after the rollout).
 from collections import defaultdict
 from collections.abc import Sequence
 
+import msgspec
+
 from dynarl.core.ids import GroupId
 from dynarl.obs.trace_records import Request
 from dynarl.sim.bound import work_device_s
@@ -59,19 +61,30 @@ def last_step_s(cluster: ClusterModel, requests: Sequence[Request], num_devices:
     return actor.step_time_s(sum(lengths), devices, attended_context(lengths))
 
 
-def tail_floor_s(cluster: ClusterModel, requests: Sequence[Request], num_devices: int) -> float:
+def tail_floor_s(
+    cluster: ClusterModel, requests: Sequence[Request], num_devices: int, *, tail_tp: int = 0
+) -> float:
     """The tail floor of one iteration of ``requests`` on ``num_devices`` devices
-    (see the module docstring); 0 without requests."""
+    (see the module docstring); 0 without requests.
+
+    ``tail_tp`` puts the longest requests on engines of that tensor-parallel size
+    instead of the rollout's own (0: the rollout's), the rest of the work staying on
+    the rollout's: what engines resharded to a larger ``tp`` for the tail would buy.
+    A decode step's fixed part (the weights read, split ``tp`` ways) is most of the
+    longest requests' time, so a larger ``tp`` shortens it, while each such engine
+    takes that many more devices from the rest for as long."""
     if not requests:
         return 0.0
     eng = cluster.engine
     tp = eng.tp
     raw, _ = eng.step_coefficients()
-    a = raw + eng.step_per_request_s  # a step of the longest requests' engine, per token
     length = max(sum(r.output_tokens) for r in requests)
     longest = [r for r in requests if sum(r.output_tokens) == length]
     # Their KV reads (device-seconds): decoding alone costs a per step plus the reads.
-    kv = tp * sum(decode_alone_s(cluster, r) - length * a - sum(r.tool_latency_s) for r in longest)
+    kv = tp * sum(
+        decode_alone_s(cluster, r) - length * (raw + eng.step_per_request_s) - sum(r.tool_latency_s)
+        for r in longest
+    )
     work = work_device_s(cluster, requests)
     last = last_step_s(cluster, requests, num_devices)
     unit = cluster.actor.replica_devices
@@ -81,7 +94,19 @@ def tail_floor_s(cluster: ClusterModel, requests: Sequence[Request], num_devices
     per_token = raw / eng.max_running_requests + eng.step_per_request_s
     own = tp * len(longest) * length * per_token
     rest = max(0.0, sum(work.values()) - kv - own - last_device_s)
-    steps = length * a
+    if tail_tp and tail_tp != tp:
+        # The same requests on engines of ``tail_tp`` devices: their steps and reads as
+        # those engines decode them.
+        tail = msgspec.structs.replace(cluster, engine=msgspec.structs.replace(eng, tp=tail_tp))
+        raw, _ = tail.engine.step_coefficients()
+        tp = tail_tp
+        kv = tp * sum(
+            decode_alone_s(tail, r)
+            - length * (raw + eng.step_per_request_s)
+            - sum(r.tool_latency_s)
+            for r in longest
+        )
+    steps = length * (raw + eng.step_per_request_s)
     num_engines = max(1, num_devices // tp)
     rollout = min(
         max(steps + kv / (tp * e), (e * tp * steps + kv + rest) / num_devices)
