@@ -428,6 +428,55 @@ async def test_a_component_tally_counts_what_its_workers_queue_and_hold_until_th
     assert (peers.active, peers.slots) == ([b], 2)
 
 
+async def test_a_component_counts_what_its_workers_hold_beyond_their_slots() -> None:
+    """``beyond_slots`` (what the balance's O(1) answer rests on) follows adds, pops,
+    re-adds, clears, a worker leaving, and holds at every step what the workers hold
+    in flight beyond their slots."""
+    a, b, c = worker("a", 8, slots=2), worker("b", 8, slots=3), worker("c", 8)
+    peers = ComponentPeers.of([a, b, c])
+
+    def exact() -> int:
+        return sum(max(0, len(w.in_flight) - w.slots) for w in (a, b, c))
+
+    steps = itertools.count()
+    for w, k in [(a, 0), (a, 1), (a, 2), (a, 3), (b, 4), (b, 5), (b, 6), (b, 7), (c, 8)]:
+        w.in_flight.add(item(k))
+        assert peers.beyond_slots.count == exact(), next(steps)
+    assert (peers.beyond_slots.count, a.in_flight.num_beyond_slots) == (3, 2)
+    a.in_flight.add(item(3))  # the same id again: no more beyond
+    assert peers.beyond_slots.count == exact() == 3
+    assert a.in_flight.pop(ItemId("i0")) is not None and peers.beyond_slots.count == 2
+    assert a.in_flight.pop(ItemId("i0")) is None and peers.beyond_slots.count == 2
+    b.in_flight.clear()
+    assert peers.beyond_slots.count == exact() == 1
+    peers.uncount(a)  # a leaves holding one beyond its slots
+    assert peers.beyond_slots.count == 0 and a.in_flight.num_beyond_slots == 1
+    for k in range(9, 20):
+        c.in_flight.add(item(k))  # no slots given: its capacity, 8
+    assert peers.beyond_slots.count == c.in_flight.num_beyond_slots == 4  # a is not counted
+
+
+async def test_the_tail_balance_takes_from_an_engine_only_when_one_holds_beyond_its_slots() -> None:
+    """In the tail, ``b`` (one short of its share) takes nothing running from ``a``,
+    whichever way the balance finds that out, until ``a`` holds more than it runs: then
+    it asks that one back."""
+    events: list[ev.Event] = []
+    p, recalls = _balancing(events)
+    a, b = worker("a", 16, slots=8), worker("b", 16, slots=8)
+    p.add_worker(a, 0.0)
+    p.add_worker(b, 0.0)
+    p.admit([item(k) for k in range(16)], 0.0)
+    start(a)
+    start(b)
+    done = next(iter(b.in_flight))
+    p.on_result(b, wire.ItemResult(item=done, num_tokens=5), 1.0)
+    p.after_results(b, 1.0)
+    assert recalls.asked == [] and (len(a.in_flight), len(b.in_flight)) == (8, 7)
+    a.in_flight.add(item(20))  # a now holds one beyond its 8 slots
+    p.after_results(b, 2.0)
+    assert recalls.asked == [(InstanceId("a"), (ItemId("i20"),))]
+
+
 async def test_without_tail_balancing_the_tail_stays_where_it_runs() -> None:
     """``b`` takes its share when it joins, runs it out, and then takes nothing more
     from ``a``'s three (with tail balancing it would take one)."""

@@ -161,10 +161,24 @@ class Balancer:
         peers = component.active
         if len(peers) < 2:
             return
-        if not self.recalled and len(w.in_flight) + len(w.queue) >= min(
-            w.capacity, component.held_at_most * w.slots // component.slots
-        ):
-            return  # it holds its share already: O(1) (the exact sum below is no more)
+        if not self.recalled:
+            # O(1) answers from what all the component's workers hold (draining ones
+            # too: at least what the active ones hold), before the exact sums below.
+            mine = len(w.in_flight) + len(w.queue)
+            most = min(w.capacity, component.held_at_most * w.slots // component.slots)
+            if mine >= most:
+                return  # it holds its share already (the exact share is no more)
+            if (
+                tail
+                and (most - mine) ** 2 <= most
+                and component.queued.count == len(w.queue)
+                and component.beyond_slots.count == w.in_flight.num_beyond_slots
+            ):
+                # No running request may move (for any share up to ``most``, the
+                # shortfall's square is within the share: see ``running_too``) and no
+                # other instance queues anything or holds more than it runs: the scan
+                # below would find nothing (in an agentic rollout, most scans).
+                return
         held: dict[InstanceId, int] = {}
         # Whether another instance holds an item that can move without its engine
         # losing work: one in its request queue, or one beyond its slots (waiting in

@@ -5,8 +5,8 @@ result's component queues work the one with room could take, and whether that on
 holds less than its fair share of what they all hold. :class:`ComponentPeers` answers
 both without visiting each instance while nothing can move: it keeps the active
 instances and their capacity (refreshed as workers join, leave, drain or resume) and
-two :class:`~dynarl.data.tally.Tally` counts, of what every instance of the component
-(draining ones too) queues and holds in flight.
+three :class:`~dynarl.data.tally.Tally` counts, of what every instance of the component
+(draining ones too) queues, holds in flight, and holds in flight beyond its slots.
 """
 
 from collections.abc import Iterable
@@ -18,7 +18,7 @@ from dynarl.data.tally import Tally
 class ComponentPeers:
     """One component's workers: the active ones, their capacity, and what all hold."""
 
-    __slots__ = ("active", "in_flight", "queued", "slots")
+    __slots__ = ("active", "beyond_slots", "in_flight", "queued", "slots")
 
     def __init__(self) -> None:
         self.active: list[WorkerState] = []
@@ -29,6 +29,9 @@ class ComponentPeers:
         """Items queued at any of its workers, active or draining."""
         self.in_flight = Tally()
         """Items in flight at any of its workers, active or draining."""
+        self.beyond_slots = Tally()
+        """Of those, the items beyond their workers' slots (waiting in the workers' own
+        queues)."""
 
     @classmethod
     def of(cls, workers: Iterable[WorkerState]) -> "ComponentPeers":
@@ -42,7 +45,7 @@ class ComponentPeers:
     def count(self, w: WorkerState) -> None:
         """``w`` joined: count what it queues and holds in flight."""
         w.queue.count_in(self.queued)
-        w.in_flight.count_in(self.in_flight)
+        w.in_flight.count_in(self.in_flight, self.beyond_slots)
 
     def uncount(self, w: WorkerState) -> None:
         """``w`` left: stop counting it."""

@@ -169,7 +169,7 @@ class WorkerState:
         """Items it runs at once; what it holds beyond them waits (in its own queue or
         here). Routing, balance and stealing read this."""
         self.queue = queue
-        self.in_flight = InFlight(instance)
+        self.in_flight = InFlight(instance, self.slots)
         self.active = True
         self.last_seen_s = now_s
         self.kv_usage = 0.0
