@@ -80,11 +80,7 @@ def tail_floor_s(
     raw, _ = eng.step_coefficients()
     length = max(sum(r.output_tokens) for r in requests)
     longest = [r for r in requests if sum(r.output_tokens) == length]
-    # Their KV reads (device-seconds): decoding alone costs a per step plus the reads.
-    kv = tp * sum(
-        decode_alone_s(cluster, r) - length * (raw + eng.step_per_request_s) - sum(r.tool_latency_s)
-        for r in longest
-    )
+    kv = _reads_device_s(cluster, longest, length)
     work = work_device_s(cluster, requests)
     last = last_step_s(cluster, requests, num_devices)
     unit = cluster.actor.replica_devices
@@ -97,15 +93,10 @@ def tail_floor_s(
     if tail_tp and tail_tp != tp:
         # The same requests on engines of ``tail_tp`` devices: their steps and reads as
         # those engines decode them.
-        tail = msgspec.structs.replace(cluster, engine=msgspec.structs.replace(eng, tp=tail_tp))
-        raw, _ = tail.engine.step_coefficients()
+        wide = msgspec.structs.replace(cluster, engine=msgspec.structs.replace(eng, tp=tail_tp))
         tp = tail_tp
-        kv = tp * sum(
-            decode_alone_s(tail, r)
-            - length * (raw + eng.step_per_request_s)
-            - sum(r.tool_latency_s)
-            for r in longest
-        )
+        raw, _ = wide.engine.step_coefficients()
+        kv = _reads_device_s(wide, longest, length)
     steps = length * (raw + eng.step_per_request_s)
     num_engines = max(1, num_devices // tp)
     rollout = min(
@@ -113,3 +104,15 @@ def tail_floor_s(
         for e in range(1, min(num_engines, len(longest)) + 1)
     )
     return rollout + last + cluster.weight_sync.time_s(cluster.model)
+
+
+def _reads_device_s(cluster: ClusterModel, longest: Sequence[Request], length: int) -> float:
+    """The KV reads of the ``longest`` requests (``length`` tokens each) on the
+    cluster's engines, in device-seconds: decoding one alone costs a step's fixed part
+    per token plus its reads."""
+    eng = cluster.engine
+    raw, _ = eng.step_coefficients()
+    a = raw + eng.step_per_request_s
+    return eng.tp * sum(
+        decode_alone_s(cluster, r) - length * a - sum(r.tool_latency_s) for r in longest
+    )
