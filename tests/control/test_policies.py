@@ -11,12 +11,14 @@ from dynarl.control import events as ev
 from dynarl.control.config import SchedulerConfig
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.modes import make_policy
+from dynarl.control.plan import Plan
 from dynarl.control.planner import PlanBuilder
 from dynarl.control.policies.bottleneck import BottleneckPolicy, _amounts
 from dynarl.control.policies.colocated import ColocatedPolicy
 from dynarl.control.policies.donors import spare_engines, underused_engines
 from dynarl.control.policies.phases import ActorTakesCluster, RolloutBorrowsActor
 from dynarl.control.policies.rlhfuse import RlhfusePolicy
+from dynarl.control.policies.starved import StarvedStage
 from dynarl.control.predictor import Predictor
 from dynarl.control.predictor_profile import PrefillCost, Profile
 from dynarl.control.scheduler import Trigger, TriggerKind
@@ -373,3 +375,40 @@ def test_a_donor_is_charged_the_re_prefill_of_the_requests_it_moves() -> None:
     assert score_plan(g, dear, plan, before) == pytest.approx(
         flat - cheap.migration_cost("workload") + stall, rel=0.05
     )
+
+
+def test_a_starved_stage_takes_the_bottleneck_plan_when_that_starts_it_too() -> None:
+    """Inference has work and no device, the rollout's engines nothing left: the floor
+    alone starts one replica, and growing it would wait for that move to end; with the
+    bottleneck policy behind it, the stage gets the bottleneck's plan in one move."""
+    g = make_graph(rollout=4, inference=0, actor=2)
+    enqueue(g, TO_INFERENCE, 512, "i")
+    predictor = predictor_for(g)
+    floor = StarvedStage()
+    plan = floor.decide(g, tick(1.0, "stage_drained"))
+    assert [(m.src, m.dst, len(m.create)) for m in plan.migrations] == [(ROLLOUT, INFERENCE, 1)]
+    bottleneck = BottleneckPolicy(SchedulerConfig(), predictor)
+    fuller = StarvedStage(fuller=bottleneck).decide(g, tick(1.0, "stage_drained"))
+    assert fuller == bottleneck.decide(g, tick(1.0, "stage_drained"))
+    assert sum(len(m.create) for m in fuller.migrations if m.dst == INFERENCE) > 1
+    dynamic = make_policy(SchedulerConfig(), predictor, {}).decide(g, tick(1.0, "stage_drained"))
+    assert dynamic == fuller
+
+
+def test_a_starved_stage_gets_its_floor_when_the_bottleneck_plan_leaves_it_starved() -> None:
+    """A fuller plan that does not start the starved stage is not taken: the stage
+    would wait for it to end, and then for its own start."""
+
+    class Elsewhere:
+        name = "elsewhere"
+
+        def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
+            builder = PlanBuilder(graph)
+            builder.gather(ACTOR, graph.components[ACTOR].num_active + 1, [ROLLOUT])
+            return builder.build("rollout -> actor")
+
+    g = make_graph(rollout=4, inference=0, actor=2)
+    enqueue(g, TO_INFERENCE, 512, "i")
+    assert Elsewhere().decide(g, tick(1.0))
+    plan = StarvedStage(fuller=Elsewhere()).decide(g, tick(1.0, "stage_drained"))
+    assert plan.reason == "inference has work and no device: start it"

@@ -37,7 +37,7 @@ def _dynamic(
         policies.append(
             PredictorGate(give_back, predictor, cfg.min_gain, rival=bottleneck, estimates=est)
         )
-    policies.append(StarvedStage(est))
+    policies.append(StarvedStage(est, fuller=bottleneck))
     policies.append(RebalanceTail(cfg, predictor, est))
     policies.append(bottleneck)
     return FirstOf("dynamic", policies)
@@ -78,7 +78,8 @@ def make_policy(
     """The policy of ``cfg.mode``: ``dynamic`` reboots crashed devices, lets the actor
     take the cluster before its last minibatch, lends the actor's devices to rollout at
     iteration start (these two only when the predictor says they pay), starts stages
-    that have work and no device, spreads the rollout tail's hot engines over the idle
+    that have work and no device (with the bottleneck policy's plan when that starts
+    them too), spreads the rollout tail's hot engines over the idle
     ones, and otherwise moves devices to the predicted bottleneck (these two when the
     predictor says they pay);
     ``static-colocated`` hands every device to each stage in turn;
