@@ -235,7 +235,9 @@ def test_steps_in_arrival_order_put_the_long_late_samples_in_the_last_step() -> 
     d = demands(g)[ACTOR]
     # 8 samples (each its own group) in 4 steps of 2: the trainer's own 3, then
     # inference's 3, then rollout's 2 (50 + 2000 each, the prior's expected length).
-    assert d.steps == pytest.approx((80.0 + 100.0, 120.0 + 300.0, 400.0 + 500.0, 4100.0))
+    # Inference's count the pool's mean (400) each: which of them completes first is
+    # not their queue order.
+    assert d.steps == pytest.approx((80.0 + 100.0, 120.0 + 400.0, 400.0 + 400.0, 4100.0))
     assert all(a < b for a, b in zip(d.steps, d.steps[1:], strict=False))
     assert sum(d.steps) == pytest.approx(d.work)
     assert d.steps[-1] > d.work / 4  # far above the equal share (d.tail)
@@ -244,6 +246,22 @@ def test_steps_in_arrival_order_put_the_long_late_samples_in_the_last_step() -> 
     # at the median of the rollout's remaining time (no lengths seen yet: uniform).
     upstream = 1200.0 + 4100.0
     assert d.ready == pytest.approx((0.0, 300.0 / upstream, 1200.0 / upstream, 9 / 16))
+
+
+def test_a_step_drawn_from_the_samples_between_rollout_and_trainer_holds_their_mean() -> None:
+    """Groups whose last samples are at inference complete in no order of their size
+    (many replicas side by side): a step filled from them is predicted at their mean,
+    not at the smallest ones' that happen to be first in the queue."""
+    g = sized_graph(actor_steps=4, arrival_order=True)
+    put(g, PROMPTS, [50, 50], "r")
+    put(g, TO_ACTOR, [100, 100], "a")  # two whole groups at the trainer: exact
+    put(g, TO_INFERENCE, [10, 10, 990, 990], "s")  # the small ones first in the queue
+    d = demands(g)[ACTOR]
+    # The first step: the trainer's own two; the second: two of inference's four, at
+    # their mean (not the queue's first two, 10 + 10).
+    assert d.steps[:2] == pytest.approx((200.0, 1000.0))
+    assert sum(d.steps) == pytest.approx(d.work)
+    assert sum(d.steps) == pytest.approx(d.work)
 
 
 def test_a_step_waits_for_the_last_request_of_each_of_its_groups() -> None:
