@@ -261,7 +261,6 @@ def test_a_step_drawn_from_the_samples_between_rollout_and_trainer_holds_their_m
     # their mean (not the queue's first two, 10 + 10).
     assert d.steps[:2] == pytest.approx((200.0, 1000.0))
     assert sum(d.steps) == pytest.approx(d.work)
-    assert sum(d.steps) == pytest.approx(d.work)
 
 
 def test_a_step_waits_for_the_last_request_of_each_of_its_groups() -> None:
