@@ -55,8 +55,9 @@ def demands(
     that move requests between engines ask for it; device moves are scored without it.
     (That choice dates from a fit whose per-request cost ``b`` the tail's slow windows
     inflated, which made a busy engine's queue look several times slower than it is;
-    the fit now weighs relative errors and reads decode steps apart from prefills, and
-    scoring device moves with it has not been tried since.)
+    the fit now weighs relative errors and reads decode steps apart from prefills;
+    scoring device moves with it was tried again on 2026-12-07: every reference row
+    within the seeds' chaos, so it stays off.)
 
     The result is shared (with ``estimates``, once per state of the hypergraph): copy
     it before changing it.
