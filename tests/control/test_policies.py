@@ -13,7 +13,7 @@ from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.modes import make_policy
 from dynarl.control.plan import Plan
 from dynarl.control.planner import PlanBuilder
-from dynarl.control.policies.bottleneck import BottleneckPolicy, _amounts
+from dynarl.control.policies.bottleneck import BottleneckPolicy, _amounts, _Sizes
 from dynarl.control.policies.colocated import ColocatedPolicy
 from dynarl.control.policies.donors import spare_engines, underused_engines
 from dynarl.control.policies.phases import ActorTakesCluster, RolloutBorrowsActor
@@ -412,3 +412,24 @@ def test_a_starved_stage_gets_its_floor_when_the_bottleneck_plan_leaves_it_starv
     assert Elsewhere().decide(g, tick(1.0))
     plan = StarvedStage(fuller=Elsewhere()).decide(g, tick(1.0, "stage_drained"))
     assert plan.reason == "inference has work and no device: start it"
+
+
+def test_a_donor_with_work_gives_whole_instances_of_its_receiver() -> None:
+    """Four-device engines giving to 8-device inference replicas: seven would make
+    three replicas and leave four devices to the free pool, which the model counts as
+    lost; a rollout with work left gives six and keeps the seventh working. A donor
+    with no work left gives what it was asked (its devices idle either way), and so
+    does a move whose leftover comes from the receiver's valid sizes, not its unit
+    (the next decision hands those on)."""
+    g = make_graph(rollout=40, rollout_tp=4, inference=8, inference_tp=8, actor=16)
+    assert _Sizes(g, {}, working={ROLLOUT})(ROLLOUT, INFERENCE, 7) == (ROLLOUT, INFERENCE, 6)
+    assert _Sizes(g, {}, working={ROLLOUT})(ROLLOUT, INFERENCE, 8) == (ROLLOUT, INFERENCE, 8)
+    assert _Sizes(g, {}, working=set())(ROLLOUT, INFERENCE, 7) == (ROLLOUT, INFERENCE, 7)
+    assert _Sizes(g, {}, working={ROLLOUT})(ROLLOUT, INFERENCE, 1) is None  # half a replica
+    # One-device engines to a trainer of 2-device replicas: five devices drain four.
+    # With valid sizes 1 and 2, four devices grow it by one replica and leave two,
+    # left over by the size, not the unit: those go free as asked.
+    g = make_graph(rollout=8, inference=2, actor=2, actor_unit=2, actor_sizes=(1, 3))
+    assert _Sizes(g, {}, working={ROLLOUT})(ROLLOUT, ACTOR, 5) == (ROLLOUT, ACTOR, 4)
+    g = make_graph(rollout=8, inference=2, actor=2, actor_unit=2, actor_sizes=(1, 2))
+    assert _Sizes(g, {}, working={ROLLOUT})(ROLLOUT, ACTOR, 4) == (ROLLOUT, ACTOR, 4)

@@ -26,7 +26,8 @@ rollout, inference and the actor each grow and shrink within an iteration.
 """
 
 import itertools
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Set
 
 from dynarl.control.config import SchedulerConfig
 from dynarl.control.demand import Demand, Rates
@@ -119,7 +120,7 @@ class BottleneckPolicy:
         seen: set[tuple[object, ...]] = set()
         tried: set[_Size] = set()  # sizes built already: their plans are known
         orders: dict[ComponentId, list[Node]] = {}  # drain orders, shared by the candidates
-        sizes = _Sizes(graph, orders)
+        sizes = _Sizes(graph, orders, working={c for c in order if demand[c].work > 0})
         for src, dst, amount in _round_robin(per_receiver):
             if len(seen) >= self.cfg.num_candidates * len(receivers):
                 break
@@ -210,10 +211,27 @@ class _Sizes:
     no valid move). From the free pool, ``dst`` grows to the largest valid size
     ``amount`` free devices reach; from a donor, to the smallest valid shrink that
     gives at least ``amount`` instances, if its drained devices make at least one
-    instance of ``dst``. Two amounts with one size make one plan."""
+    instance of ``dst``. Two amounts with one size make one plan.
 
-    def __init__(self, graph: Hypergraph, orders: dict[ComponentId, list[Node]]) -> None:
+    A donor with work left (in ``working``) gives devices in whole instances of
+    ``dst``: an amount whose devices do not divide into them (seven 4-device engines
+    for 8-device replicas) drains the largest multiple that does, and the rest go on
+    with the donor's work. Left over, they would idle in the free pool until a later
+    decision spends them, and the scheduler's model, which lets only a stage's own and
+    its predecessors' devices join it, scores them as lost to the end of the iteration
+    (so on agentic 32B such moves never won, and the rollout's tail never handed
+    engines to inference). Devices a valid size of ``dst`` leaves over (a trainer of
+    16 replicas given 28 devices' worth) still go to the free pool: the next decision
+    hands them on at once, a move to two receivers in two steps."""
+
+    def __init__(
+        self,
+        graph: Hypergraph,
+        orders: dict[ComponentId, list[Node]],
+        working: Set[ComponentId] = frozenset(),
+    ) -> None:
         self.graph = graph
+        self.working = working
         self.probe = PlanBuilder(graph, reassign=False, orders=orders)  # no moves: sizes
         self.num_free = len(self.probe.free_devices())
         # Per donor and amount: the instances it drains and their devices.
@@ -225,11 +243,16 @@ class _Sizes:
             target = probe.grow_target(dst, min(amount, self.num_free))
             return None if target <= probe.instances(dst) else (None, dst, target)
         drains = self._drain(src, amount)
+        unit = self.graph.components[dst].spec.devices_per_instance
+        if drains is not None and drains[1] % unit and src in self.working:
+            src_unit = self.graph.components[src].spec.devices_per_instance
+            step = math.lcm(src_unit, unit) // src_unit  # donor instances per whole one
+            if drains[0] >= step:
+                drains = self._drain(src, drains[0] // step * step)
         if drains is None:
             return None
         drain, num_devices = drains
         # As ``PlanBuilder.move`` sizes the instances it creates.
-        unit = self.graph.components[dst].spec.devices_per_instance
         create = min(
             probe.grow_target(dst, num_devices) - probe.instances(dst), num_devices // unit
         )
