@@ -427,9 +427,9 @@ def test_a_donor_with_work_gives_whole_instances_of_its_receiver() -> None:
     assert _Sizes(g, {}, working=set())(ROLLOUT, INFERENCE, 7) == (ROLLOUT, INFERENCE, 7)
     assert _Sizes(g, {}, working={ROLLOUT})(ROLLOUT, INFERENCE, 1) is None  # half a replica
     # One-device engines to a trainer of 2-device replicas: five devices drain four.
-    # With valid sizes 1 and 2, four devices grow it by one replica and leave two,
-    # left over by the size, not the unit: those go free as asked.
     g = make_graph(rollout=8, inference=2, actor=2, actor_unit=2, actor_sizes=(1, 3))
     assert _Sizes(g, {}, working={ROLLOUT})(ROLLOUT, ACTOR, 5) == (ROLLOUT, ACTOR, 4)
+    # With valid sizes 1 and 2, four devices grow it by one replica and leave two,
+    # left over by the size, not the unit: those go free as asked.
     g = make_graph(rollout=8, inference=2, actor=2, actor_unit=2, actor_sizes=(1, 2))
     assert _Sizes(g, {}, working={ROLLOUT})(ROLLOUT, ACTOR, 4) == (ROLLOUT, ACTOR, 4)

@@ -228,7 +228,7 @@ class _Sizes:
         self,
         graph: Hypergraph,
         orders: dict[ComponentId, list[Node]],
-        working: Set[ComponentId] = frozenset(),
+        working: Set[ComponentId],
     ) -> None:
         self.graph = graph
         self.working = working
