@@ -63,20 +63,27 @@ Workload = Literal["math", "agentic"]
 
 
 def run_one(
-    workload: Workload, size: Size, devices: int, mode: str, *, iterations: int, seed: int
+    workload: Workload,
+    size: Size,
+    devices: int,
+    mode: str,
+    *,
+    iterations: int,
+    seed: int,
+    overrides: tuple[str, ...] = (),
 ) -> ModeResult:
     """One simulation: ``mode`` (``dynamic+priority``: dynamic, priority order;
     ``MODE/none``: MODE with ``rollout.balance=none``) on a reference setting, with
-    ``seed`` added to the recipe's seed."""
+    ``seed`` added to the recipe's seed and ``overrides`` (``KEY=VALUE``) applied last."""
     named, _, balance = mode.partition("/")
     base, _, extra = named.partition("+")
     cfg = paper_setting(workload, size, devices, mode=base, num_iterations=iterations)  # type: ignore[arg-type]
-    overrides = [f"run.seed={cfg.job.run.seed + seed}"]
+    settings = [f"run.seed={cfg.job.run.seed + seed}"]
     if extra == "priority":
-        overrides.append("sim.request_order=priority")
+        settings.append("sim.request_order=priority")
     if balance:
-        overrides.append(f"rollout.balance={balance}")
-    cfg = simulated_run(cfg, overrides)
+        settings.append(f"rollout.balance={balance}")
+    cfg = simulated_run(cfg, [*settings, *overrides])
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
         result, _ = runner.run(simulate(cfg, name=mode))
     return result

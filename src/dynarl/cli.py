@@ -13,17 +13,14 @@ print and start event loops; the library never does.
 
 import argparse
 import asyncio
-import json
 import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import yaml
 
-from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
 from dynarl.cli_sources import resolve_config, resolve_source
 from dynarl.core.errors import ConfigError, DynaRLError
@@ -72,147 +69,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from dynarl.core.virtual_time import VirtualTimeLoop
-    from dynarl.obs.plot import plot_timeline
-    from dynarl.obs.timeline import read_timeline, write_timeline
-    from dynarl.sim.config import SimulatedRun, simulated_run
-    from dynarl.sim.cpu_profile import cpu_profile
-    from dynarl.sim.run import simulate
+    from dynarl.cli_sim import sim_command
 
-    base = resolve_source(args.config)
-    if isinstance(base, msgspec.Struct) and not isinstance(base, DynaRLConfig | SimulatedRun):
-        raise ConfigError(f"{args.config!r} is neither a run's nor a simulated run's config")
-    sim_run = simulated_run(base, args.set)
-    if args.profile:
-        from dynarl.sim.profile_file import read_profile
-
-        read_profile(args.profile)  # a bad file is refused before anything runs
-        sim_run = simulated_run(sim_run, [f"sim.gpu={json.dumps(args.profile)}"])
-    if args.workload:
-        sim_run = simulated_run(sim_run, _workload_overrides(args.workload, sim_run))
-    cfg, sim = sim_run.job, sim_run.sim
-    modes = args.modes.split(",") if args.modes else [cfg.scheduler.mode]
-    if args.compare:
-        modes = ["dynamic", "static-colocated", "static-disaggregated"]
-        modes.append("rlhfuse" if sim.workload == "math" else "dynamic+priority")
-    run_dir = Path(args.out or cfg.run.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(
-        yaml.safe_dump(msgspec.to_builtins(sim_run), sort_keys=False)
-    )
-    algo = cfg.algorithm
-    model = sim.model
-    if cpu_profile(sim.gpu) is not None:
-        m = cfg.model  # the CPU profile runs the model section's shape
-        model = m.path or f"{m.arch} {m.num_layers}x{m.hidden_size} (model section)"
-    device = sim.gpu
-    if sim.gpu.lower().endswith(".json") or "/" in sim.gpu:
-        device = f"{cpu_profile(sim.gpu).name} (profile {sim.gpu})"  # type: ignore[union-attr]
-    workload = sim.workload if sim.trace is None else f"{sim.workload} trace {sim.trace}"
-    print(
-        f"simulating {workload} on {cfg.cluster.num_devices} x {device}, "
-        f"{model}, {algo.samples_per_iteration} sequences/iteration, "
-        f"{cfg.run.num_iterations} iterations ({sim.warmup_iterations} warm-up)"
-    )
-    print(
-        f"{'mode':<22} {'throughput':>14} {'mean iter s':>11} {'bound s':>8} "
-        f"{'above bound':>11} {'migrations':>10} {'crit. path s':>12}"
-    )
-    recorders = []
-    results = []
-    with (run_dir / "metrics.jsonl").open("wb") as metrics:
-        for mode in modes:
-            mode_name, _, extra = mode.partition("+")
-            mode_run = simulated_run(sim_run, [f"scheduler.mode={mode_name}"])
-            if extra:
-                mode_run = simulated_run(mode_run, [f"sim.request_order={extra}"])
-            with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
-                result, recorder = runner.run(simulate(mode_run, name=mode))
-            recorders.append(recorder)
-            results.append(result)
-            metrics.write(msgspec.json.encode({"run": mode, "result": result}) + b"\n")
-            print(
-                f"{mode:<22} {result.throughput:>10.1f} {result.unit.split('/')[0][:3]}/s "
-                f"{result.mean_iteration_s:>11.1f} {result.bound_s:>8.1f} "
-                f"{result.bound_gap:>10.0%} {result.num_migrations:>10} "
-                f"{result.critical_path_s:>12.1f}"
-            )
-            busy = ", ".join(
-                f"{c} {t.busy:.0f}/{t.held:.0f}" for c, t in result.devices.items() if t.held
-            )
-            print(f"{'':<22} busy/held device-s: {busy}")
-            above = ", ".join(
-                f"{cause} {secs:+.1f}" for cause, secs in result.gap_s.items() if abs(secs) >= 0.05
-            )
-            print(f"{'':<22} above the bound, s: {above}")
-            acc = result.plan_accuracy
-            if acc.plans:
-                print(
-                    f"{'':<22} its {acc.plans} scored plans predicted the iteration's end "
-                    f"{acc.median:+.0%} (median; 90% within {acc.p90_abs:.0%})"
-                )
-            if algo.partial_rollouts:
-                print(f"{'':<22} {_staleness(result, sim.warmup_iterations)}")
-    _print_bound(results)
-    write_timeline(run_dir / "timeline.jsonl", recorders)
-    title = f"{sim.workload} {model} on {cfg.cluster.num_devices} x {device}"
-    lines = read_timeline(run_dir / "timeline.jsonl")
-    plot_timeline(lines, run_dir / "timeline.png", title=title)
-    pictures = ["timeline.png"]
-    if len(modes) > 1:  # and one picture per mode, on its own time axis
-        for mode in modes:
-            name = f"timeline-{mode.replace('+', '-')}.png"
-            mine = [line for line in lines if line.run == mode]
-            plot_timeline(mine, run_dir / name, title=f"{mode}: {title}")
-            pictures.append(name)
-    print(f"wrote {run_dir}/: config.yaml, metrics.jsonl, timeline.jsonl, {', '.join(pictures)}")
-    return 0
-
-
-def _staleness(result: Any, warmup: int) -> str:
-    """What a simulated run's partial rollouts carried over, on its measured iterations."""
-    measured = result.iterations[min(warmup, len(result.iterations) - 1) :]
-    trained = sum(r.trained_tokens for r in measured)
-    older = sum(r.older_tokens for r in measured) / trained if trained else 0.0
-    carried = sum(r.carried_groups for r in measured) / len(measured)
-    most = max(r.max_times_carried for r in measured)
-    return (
-        f"partial rollouts: {carried:.0f} groups carried on per iteration, {older:.0%} of "
-        f"the trained response tokens from older weights, a group carried at most {most}x"
-    )
-
-
-def _print_bound(results: Sequence[Any]) -> None:
-    """The row of the bound under the modes' table: the same iterations at the larger
-    of the work-conserving bound and the critical path (the modes share the workload,
-    so they share it; its throughput is the best any mode could reach)."""
-    if not results:
-        return
-    r = results[0]
-    work_per_iteration = r.throughput * r.mean_iteration_s
-    throughput = work_per_iteration / r.lower_bound_s if r.lower_bound_s > 0 else 0.0
-    print(
-        f"{'lower bound':<22} {throughput:>10.1f} {r.unit.split('/')[0][:3]}/s "
-        f"{r.lower_bound_s:>11.1f} {r.bound_s:>8.1f} {'':>11} {'':>10} "
-        f"{r.critical_path_s:>12.1f}"
-    )
-
-
-def _workload_overrides(path: str, sim_run: Any) -> list[str]:
-    """What replaying the trace at ``path`` sets: ``sim.trace``, the batch shape, the
-    kind and (if the trace's longest request needs it) the length cap."""
-    from dynarl.sim.replay import ReplayWorkload
-    from dynarl.sim.traces import read_trace
-
-    replay = ReplayWorkload.of_requests(read_trace(path).requests, source=path)
-    cap = max(sim_run.job.rollout.max_new_tokens, replay.longest_output_tokens)
-    return [
-        f"sim.trace={json.dumps(path)}",
-        f"sim.workload={'agentic' if replay.multi_turn else 'math'}",
-        f"algorithm.num_prompts={replay.num_prompts}",
-        f"algorithm.group_size={replay.group_size}",
-        f"rollout.max_new_tokens={cap}",
-    ]
+    return sim_command(args)
 
 
 def _profile(args: argparse.Namespace) -> int:
@@ -308,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile",
         metavar="FILE",
         help="simulate the device `dynarl profile` measured in FILE (sets sim.gpu=FILE)",
+    )
+    sim.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="run every mode at each value of a config key, e.g. rollout.tp=2,4 "
+        "(repeat for a grid of keys)",
     )
     sim.add_argument("--out", help="run directory (default: run.run_dir)")
     sim.set_defaults(func=_sim)
