@@ -45,6 +45,8 @@ def test_overrides_parse_values_by_type() -> None:
         ("scheduler.u_low=1.5", "scheduler.u_low", ["1.5", "< 1.0"]),
         ("scheduler.mode=fast", "scheduler.mode", ["'fast'", "'dynamic'", "'static-colocated'"]),
         ("rollout.tp=two", "rollout.tp", ["'two'", "an int >= 1"]),
+        ("rollout.tail_tp=3 rollout.tp=2", "rollout.tail_tp", ["multiple of rollout.tp=2", "=4"]),
+        ("rollout.tail_tp=1", "rollout.tail_tp", ["larger than it", "or 0"]),
         ("rollout.tpp=2", "rollout.tpp", ["known fields", "tp"]),
         ("bogus.x=1", "bogus.x", ["no field 'bogus'", "scheduler"]),
         ("scheduler.num_candidates=20", "scheduler.num_candidates", ["<= 10"]),

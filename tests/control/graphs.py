@@ -14,6 +14,7 @@ def make_graph(
     actor: int = 2,
     free: int = 0,
     rollout_tp: int = 1,
+    rollout_tail_tp: int = 0,
     inference_tp: int = 1,
     actor_unit: int = 1,
     actor_sizes: tuple[int, ...] = (1, 2, 4, 8),
@@ -26,6 +27,7 @@ def make_graph(
     ``actor_unit`` / ``rollout_tp`` / ``inference_tp`` devices."""
     spec = rl_pipeline(
         rollout_tp=rollout_tp,
+        rollout_tail_tp=rollout_tail_tp,
         inference_tp=inference_tp,
         actor_devices_per_replica=actor_unit,
         actor_dp_sizes=actor_sizes,

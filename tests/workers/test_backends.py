@@ -29,6 +29,7 @@ from dynarl.workers import backends
             ["does not shard", "inference.tp=1"],
         ),
         ("rollout.tp=2", "rollout.tp", ["does not shard", "rollout.tp=1"]),
+        ("rollout.tail_tp=2", "rollout.tail_tp", ["dynarl sim", "unset rollout.tail_tp"]),
         ("actor.tp=2", "actor.tp", ["actor.backend=megatron"]),
         ("actor.pp=2", "actor.pp", ["pipeline parallelism"]),
     ],

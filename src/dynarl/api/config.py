@@ -256,6 +256,7 @@ class DynaRLConfig(Section, frozen=True, kw_only=True):
         return PipelineLayout(
             num_devices=self.cluster.num_devices,
             rollout_tp=self.rollout.tp,
+            rollout_tail_tp=self.rollout.tail_tp,
             inference_tp=self.inference.tp,
             actor_devices_per_replica=self.actor.devices_per_replica,
             actor_initial_devices=self.actor.initial_devices,

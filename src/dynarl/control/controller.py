@@ -350,7 +350,8 @@ class Controller:
         cid = migration.src  # the drained engines' requests stay in their component
         if self.predictor is None or not migration.reassign or cid is None:
             return
-        cost = self.predictor.prefill_cost(cid)
+        unit = self.graph.components[cid].spec.devices_per_instance
+        cost = self.predictor.prefill_cost(cid, unit)
         if cost is None:
             return
         now = self.clock.now()
@@ -412,16 +413,19 @@ class Controller:
         where they count their steps (:class:`DecodeWindows`; the prefill seconds
         apart), else their summed recent rates, which mix in the prefills."""
         stalled_until = self._reprefill_until.get(cid, -math.inf)
+        unit = node.spec.devices_per_instance  # its engines' size: each has its own fit
         if counts_steps(node):
             sample = self._decode_windows.sample(node, now)
             if sample is None:
                 return
-            predictor.observe(cid, devices, sample.load, sample.throughput, context=sample.context)
+            predictor.observe(
+                cid, devices, sample.load, sample.throughput, context=sample.context, unit=unit
+            )
             if sample.start_s >= stalled_until:
                 # A migration's re-prefills are priced where the move is scored
                 # (control/reprefill.py), not as the workload's own prefills.
                 predictor.observe_prefill(
-                    cid, devices, sample.load, sample.prefill_device_s, sample.tokens
+                    cid, devices, sample.load, sample.prefill_device_s, sample.tokens, unit=unit
                 )
             return
         self._decode_windows.forget(cid)
@@ -437,7 +441,7 @@ class Controller:
             # predicted rollout end jumped by 270 s).
             return
         if load > 0 and rate > 0:
-            predictor.observe(cid, devices, load, rate, context=active_context(node))
+            predictor.observe(cid, devices, load, rate, context=active_context(node), unit=unit)
 
     def _observe_occupancy(
         self, predictor: Predictor, cid: ComponentId, node: HyperNode, devices: int, now: float

@@ -10,6 +10,8 @@ loaded engine). Both the scoring of placements (:mod:`dynarl.control.scoring`) a
 trainer's step model (:mod:`dynarl.control.trainer_steps`) build on them.
 """
 
+from collections.abc import Mapping
+
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.predictor import Predictor
 from dynarl.control.throughput_fit import busy_devices
@@ -89,9 +91,16 @@ class Demand:
 
 
 def rate(
-    graph: Hypergraph, predictor: Predictor, cid: ComponentId, devices: int, d: Demand
+    graph: Hypergraph,
+    predictor: Predictor,
+    cid: ComponentId,
+    devices: int,
+    d: Demand,
+    *,
+    unit: int = 0,
 ) -> float:
-    """Effective rate at which ``cid`` gets through its remaining work on ``devices``.
+    """Effective rate at which ``cid`` gets through its remaining work on ``devices``,
+    its instances of ``unit`` devices each (0: their size now).
 
     For rollout with fitted step costs (:class:`~dynarl.control.predictor.StepCosts`)
     the finish time is ``a * longest + b' * work / devices``: every step pays the fixed
@@ -110,22 +119,23 @@ def rate(
     by the slowdown at the devices kept busy.
     """
     load = max(d.load, 1.0)
-    costs = predictor.step_costs(cid) if d.longest > 0 else None
+    spec = graph.components[cid].spec
+    unit = unit or spec.devices_per_instance
+    costs = predictor.step_costs(cid, unit) if d.longest > 0 else None
     if costs is None or devices <= 0:
         context = d.context if d.context > 0 else None
-        return predictor.predict(cid, devices, load, context=context).throughput
+        return predictor.predict(cid, devices, load, context=context, unit=unit).throughput
     a, b = costs.a, costs.per_token(d.context)
-    spec = graph.components[cid].spec
-    busy = busy_devices(devices, load, spec.devices_per_instance)
+    busy = busy_devices(devices, load, unit)
     shared = b * d.work / busy
     if d.hottest > 0:
-        shared = max(shared, b * d.hottest / spec.devices_per_instance)
+        shared = max(shared, b * d.hottest / unit)
     if spec.max_load_per_instance:
         cap = spec.max_load_per_instance
-        instances = max(1, devices // spec.devices_per_instance)
+        instances = max(1, devices // unit)
         if load > cap * instances:
             # The longest response may wait behind the waves of the others.
-            step = a + b * cap / spec.devices_per_instance
+            step = a + b * cap / unit
             shared = max(shared, d.work * step / (instances * cap))
     # Devices sharing a host's cores slow each other down (1.0 when independent).
     finish = (a * d.longest + shared) * predictor.slowdown(busy)
@@ -143,19 +153,28 @@ class Rates:
     entry, so an answer is never handed to another demand.
     """
 
-    __slots__ = ("_graph", "_memo", "_predictor")
+    __slots__ = ("_graph", "_memo", "_predictor", "_units")
 
-    def __init__(self, graph: Hypergraph, predictor: Predictor) -> None:
+    def __init__(
+        self,
+        graph: Hypergraph,
+        predictor: Predictor,
+        units: Mapping[ComponentId, int] | None = None,
+    ) -> None:
         self._graph = graph
         self._predictor = predictor
+        self._units = dict(units or {})  # instance sizes other than the graph's
         self._memo: dict[tuple[ComponentId, int, Demand], float] = {}
 
     def __call__(self, cid: ComponentId, devices: int, d: Demand) -> float:
-        """``rate(graph, predictor, cid, devices, d)``."""
+        """``rate(graph, predictor, cid, devices, d)``, at the instance size the
+        ``units`` it was made with give ``cid`` (else its size now)."""
         key = (cid, devices, d)
         try:
             return self._memo[key]
         except KeyError:
-            value = rate(self._graph, self._predictor, cid, devices, d)
+            value = rate(
+                self._graph, self._predictor, cid, devices, d, unit=self._units.get(cid, 0)
+            )
             self._memo[key] = value
             return value

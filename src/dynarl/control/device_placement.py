@@ -17,6 +17,8 @@ their queues through the hypergraph's item bookkeeping (``Hypergraph._release``)
 
 from collections.abc import Iterable, Mapping
 
+import msgspec
+
 from dynarl.control import events as ev
 from dynarl.control.elements import Node
 from dynarl.control.graph_state import GraphState
@@ -61,12 +63,17 @@ def on_migration_started(graph: GraphState, e: ev.MigrationStarted) -> None:
     created = [d for spec in m.create for d in spec.devices]
     if len(set(created)) != len(created) or not set(created) <= set(m.devices):
         raise EventError(f"migration {m.id} creates instances on devices it does not move")
+    resized = _resized(graph, m)
     if m.create:
         if m.dst is None:
             raise EventError(f"migration {m.id} creates instances in the free pool")
         dst = graph.components[m.dst].spec
+        if resized:
+            dst = msgspec.structs.replace(dst, devices_per_instance=m.unit)
         for spec in m.create:
             check_new_instance(graph, spec, dst)
+    if resized and m.dst is not None:
+        graph.components[m.dst].resize(m.unit)
     for node in drained:
         node.state = "draining"
         hn = graph.components[node.component]
@@ -87,6 +94,24 @@ def on_migration_started(graph: GraphState, e: ev.MigrationStarted) -> None:
     graph.next_migration_id = MigrationId(max(graph.next_migration_id, m.id + 1))
 
 
+def _resized(graph: GraphState, m: Migration) -> bool:
+    """Whether ``m`` resizes its destination's instances; raise :class:`EventError` if
+    it may not (a size the spec does not allow, or active instances of the old size
+    left that it does not drain)."""
+    if not m.unit or m.dst is None or m.unit == graph.components[m.dst].spec.devices_per_instance:
+        return False
+    hn = graph.components[m.dst]
+    if m.unit not in hn.base_spec.instance_sizes:
+        raise EventError(
+            f"migration {m.id} resizes {m.dst} to {m.unit} devices an instance; "
+            f"its instances take {hn.base_spec.instance_sizes}"
+        )
+    left = sorted({n.id for n in hn.active_instances()} - set(m.drain))
+    if left:
+        raise EventError(f"migration {m.id} resizes {m.dst} but leaves {left} as they are")
+    return True
+
+
 def on_migration_done(graph: GraphState, e: ev.MigrationDone) -> None:
     """Remove the drained instances, place the new ones, free the remaining devices."""
     m = _migration(graph, e.migration)
@@ -104,6 +129,12 @@ def on_migration_done(graph: GraphState, e: ev.MigrationDone) -> None:
         placed.update(spec.devices)
     if m.create and m.dst is not None:
         graph.components[m.dst].restart_rate(e.time_s)  # resized: see on_migration_started
+    if m.src is not None:
+        # A component left without instances starts again at its own size (the
+        # rollout's engines regrouped for a tail come back at ``tp`` next iteration).
+        src = graph.components[m.src]
+        if not src.instances and src.spec is not src.base_spec:
+            src.resize(src.base_spec.devices_per_instance)
     _free(graph, [d for d in m.devices if d not in placed])
     graph.crashed_in_migration.difference_update(m.devices)
 
@@ -119,6 +150,8 @@ def on_migration_failed(graph: GraphState, e: ev.MigrationFailed) -> None:
             hn = graph.components[node.component]
             hn.num_active += 1
             hn.num_active_devices += len(node.devices)
+            if m.unit:
+                hn.resize(len(node.devices))  # back to the size of those it restarts
     if m.drain and m.src is not None:
         graph.components[m.src].restart_rate(e.time_s)  # resized back
     for d in m.devices:

@@ -5,6 +5,7 @@ current; the scheduler reads them."""
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -220,9 +221,15 @@ class Node:
 
 
 class HyperNode:
-    """One component: static spec, its instances and measured rates."""
+    """One component: its spec, its instances and measured rates.
+
+    ``spec`` is the component's spec at its instances' current size: ``base_spec`` as
+    built, or (after :meth:`resize`) with ``devices_per_instance`` set to the other
+    size the spec allows (``tail_devices_per_instance``).
+    """
 
     def __init__(self, spec: ComponentSpec, *, rate_tau_s: float) -> None:
+        self.base_spec = spec
         self.spec = spec
         self.instances: dict[InstanceId, Node] = {}
         self.num_active = 0
@@ -274,6 +281,22 @@ class HyperNode:
     def id(self) -> ComponentId:
         """The component's id."""
         return self.spec.id
+
+    def resize(self, devices_per_instance: int) -> None:
+        """Set the devices every instance runs on from now: one of
+        ``base_spec.instance_sizes`` (the caller makes sure no active instance of
+        another size is left). Raises :class:`ValueError` for another size."""
+        if devices_per_instance not in self.base_spec.instance_sizes:
+            raise ValueError(
+                f"{self.id} instances run on {self.base_spec.instance_sizes} devices, "
+                f"not {devices_per_instance}"
+            )
+        if devices_per_instance == self.base_spec.devices_per_instance:
+            self.spec = self.base_spec
+        elif devices_per_instance != self.spec.devices_per_instance:
+            self.spec = msgspec.structs.replace(
+                self.base_spec, devices_per_instance=devices_per_instance
+            )
 
     def restart_rate(self, time_s: float) -> None:
         """Measure the work rate afresh from ``time_s`` (the component was resized)."""

@@ -13,6 +13,8 @@ class PipelineLayout(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         num_devices: devices in the job.
         rollout_tp, inference_tp: devices per rollout engine and inference replica.
+        rollout_tail_tp: devices per engine the rollout's tail may regroup into (0:
+            none).
         actor_devices_per_replica: devices per data-parallel trainer replica.
         actor_initial_devices, rollout_initial_devices, inference_initial_devices:
             devices each component starts with.
@@ -42,3 +44,4 @@ class PipelineLayout(msgspec.Struct, frozen=True, kw_only=True):
     allow_uneven_micro_batches: bool
     u_low: float
     uses_inference: bool = True
+    rollout_tail_tp: int = 0

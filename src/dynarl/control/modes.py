@@ -11,6 +11,7 @@ from dynarl.control.policies.hold import HoldForDevices
 from dynarl.control.policies.phases import ActorTakesCluster, RolloutBorrowsActor
 from dynarl.control.policies.rebalance import RebalanceTail
 from dynarl.control.policies.recovery import RebootCrashed
+from dynarl.control.policies.resize import ResizeEngines
 from dynarl.control.policies.rlhfuse import RlhfusePolicy
 from dynarl.control.policies.starved import StarvedStage
 from dynarl.control.predictor import Predictor
@@ -38,6 +39,7 @@ def _dynamic(
             PredictorGate(give_back, predictor, cfg.min_gain, rival=bottleneck, estimates=est)
         )
     policies.append(StarvedStage(est, fuller=bottleneck))
+    policies.append(ResizeEngines(cfg, predictor, est))
     policies.append(RebalanceTail(cfg, predictor, est))
     policies.append(bottleneck)
     return FirstOf("dynamic", policies)
@@ -79,8 +81,9 @@ def make_policy(
     take the cluster before its last minibatch, lends the actor's devices to rollout at
     iteration start (these two only when the predictor says they pay), starts stages
     that have work and no device (with the bottleneck policy's plan when that starts
-    them too), spreads the rollout tail's hot engines over the idle
-    ones, and otherwise moves devices to the predicted bottleneck (these two when the
+    them too), regroups the rollout's engines into wider ones for its tail (where
+    ``rollout.tail_tp`` allows it), spreads the rollout tail's hot engines over the idle
+    ones, and otherwise moves devices to the predicted bottleneck (these three when the
     predictor says they pay);
     ``static-colocated`` hands every device to each stage in turn;
     ``static-disaggregated`` keeps the initial split (rebooting crashed devices);

@@ -30,6 +30,7 @@ def build_pipeline(
     actor_unit = layout.actor_devices_per_replica
     spec = rl_pipeline(
         rollout_tp=layout.rollout_tp,
+        rollout_tail_tp=layout.rollout_tail_tp,
         inference_tp=layout.inference_tp,
         actor_devices_per_replica=actor_unit,
         rollout_max_running=layout.rollout_max_running,

@@ -34,6 +34,11 @@ class Migration(msgspec.Struct, frozen=True, kw_only=True):
     ``devices``; the rest go to the free pool. ``reassign`` is the instance-level
     decision of where the drained instances' items go (largest groups first to the
     least loaded); items that finished meanwhile are skipped by the executor.
+
+    ``unit`` resizes ``dst``: its instances run on that many devices from this
+    migration on (one of its spec's ``instance_sizes``; 0: its current size). A resize
+    drains every active instance of ``dst`` (they are all one size); see
+    :meth:`~dynarl.control.elements.HyperNode.resize`.
     """
 
     id: MigrationId
@@ -44,6 +49,7 @@ class Migration(msgspec.Struct, frozen=True, kw_only=True):
     drain: tuple[InstanceId, ...] = ()
     create: tuple[InstanceSpec, ...] = ()
     reassign: tuple[tuple[ItemId, InstanceId], ...] = ()
+    unit: int = 0
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):

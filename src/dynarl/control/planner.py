@@ -251,6 +251,42 @@ class PlanBuilder:
         self._created[component] += len(specs)
         return migration
 
+    def regroup(self, component: ComponentId, unit: int) -> Migration | None:
+        """Drain every active instance of ``component`` and restart its devices as
+        instances of ``unit`` devices each (a resize: see ``Migration.unit``), their
+        items back in the queue for the new instances to take. Each new instance takes
+        whole drained ones, in device order (as a move to a component of a larger
+        unit does); the devices of those left over go to the free pool. ``None`` if
+        none would be made."""
+        active = sorted(self.graph.components[component].active_instances(), key=_first_device)
+        if not active or any(n.id in self._drained for n in active):
+            return None
+        devices = [d for n in active for d in n.devices]
+        groups = [tuple(devices[i : i + unit]) for i in range(0, len(devices) - unit + 1, unit)]
+        if not groups:
+            return None
+        held = set(devices)
+        serial = self._created[component]
+        specs = tuple(
+            InstanceSpec(id=self.graph.new_instance_id(component, serial + i), devices=g)
+            for i, g in enumerate(groups)
+        )
+        migration = Migration(
+            id=MigrationId(self.graph.next_migration_id + len(self.migrations)),
+            kind=migration_kind(component, component, self.graph),
+            src=component,
+            dst=component,
+            devices=tuple(sorted(held)),
+            drain=tuple(n.id for n in active),
+            create=specs,
+            unit=unit,
+        )
+        self.migrations.append(migration)
+        self._drained.update(n.id for n in active)
+        self._num_drained[component] += len(active)
+        self._created[component] += len(specs)
+        return migration
+
     def gather(
         self,
         dst: ComponentId,
@@ -306,6 +342,10 @@ class PlanBuilder:
             score_before=score_before,
             score_after=score_after,
         )
+
+
+def _first_device(node: Node) -> DeviceId:
+    return min(node.devices)
 
 
 def spread_peak(loads: Sequence[int], moved: int) -> int:

@@ -40,6 +40,13 @@ writes) and says how sure it is: :meth:`Predictor.predict` returns the relative 
 error of the fit beside the estimate. Migration costs per kind are learned the same way
 (an exponential average of observed durations). What re-prefilling a moved request
 costs a rollout engine (:class:`PrefillCost`) comes from the profile alone.
+
+A component whose instances may be regrouped into another size (the rollout's engines
+at ``tail_devices_per_instance`` for its tail) has a fit per size: the methods take
+the size asked about as ``unit`` (0, or the component's own, for its own), and
+observations go to the fit of the size that made them (:attr:`ProfileRow.engine_devices`
+in a profile). A re-prefill on an engine ``k`` times wider takes ``1/k`` the time
+(compute-bound) with ``k`` times the KV cache.
 """
 
 import collections
@@ -163,6 +170,8 @@ class Predictor:
             (so a fresh predictor still ranks plans sensibly).
         devices_per_instance: devices one instance of a component runs on (default 1):
             a concave component's load keeps at most that many devices per item busy.
+        tail_devices_per_instance: the other size a component's instances may be
+            regrouped into (see the module docstring); a fit is kept for it.
         host_slowdown: the devices share one host's cores: element ``n - 1`` is how
             many times longer a device's work takes while ``n`` compute at once (1.0
             first; see :func:`host_factor`). Empty (default): independent devices.
@@ -179,14 +188,22 @@ class Predictor:
         forget: float = 0.995,
         prior_per_device: dict[ComponentId, float] | None = None,
         devices_per_instance: dict[ComponentId, int] | None = None,
+        tail_devices_per_instance: dict[ComponentId, int] | None = None,
         host_slowdown: tuple[float, ...] = (),
     ) -> None:
         check_host_slowdown(host_slowdown)
         self.host_slowdown = tuple(host_slowdown)
         units = devices_per_instance or {}
+        self._units = {c: units.get(c, 1) for c in scalings}
         self._fits = {
             c: ThroughputFit(s, forget, units.get(c, 1), slowdown=self.slowdown)
             for c, s in scalings.items()
+        }
+        # Fits of the other instance size, per (component, size).
+        self._sized = {
+            (c, n): ThroughputFit(scalings[c], forget, n, slowdown=self.slowdown)
+            for c, n in (tail_devices_per_instance or {}).items()
+            if n and c in scalings
         }
         self._prior = dict(prior_per_device or {})
         self.migration_s: dict[str, float] = dict(DEFAULT_MIGRATION_S)
@@ -219,8 +236,26 @@ class Predictor:
             {c.id: c.scaling for c in pipeline.components},
             profile=profile,
             devices_per_instance={c.id: c.devices_per_instance for c in pipeline.components},
+            tail_devices_per_instance={
+                c.id: c.tail_devices_per_instance
+                for c in pipeline.components
+                if c.tail_devices_per_instance
+            },
             host_slowdown=host_slowdown,
         )
+
+    def _fit(self, component: ComponentId, unit: int) -> ThroughputFit | None:
+        """The fit of ``component``'s instances of ``unit`` devices (0: its own size);
+        ``None`` for an unknown component or size."""
+        if not unit or unit == self._units.get(component):
+            return self._fits.get(component)
+        return self._sized.get((component, unit))
+
+    def _sized_fit(self, component: ComponentId, unit: int) -> ThroughputFit:
+        fit = self._fit(component, unit)
+        if fit is None:
+            raise KeyError(f"{component} has no instances of {unit} devices")
+        return fit
 
     def observe(
         self,
@@ -230,12 +265,15 @@ class Predictor:
         throughput: float,
         *,
         context: float = 0.0,
+        unit: int = 0,
     ) -> None:
         """Add one measurement of ``component``'s throughput (for rollout, at a mean
-        ``context`` tokens per running request; 0 if unknown)."""
-        fit = self._fits.get(component)
+        ``context`` tokens per running request; 0 if unknown) on instances of ``unit``
+        devices (0: its own size)."""
+        fit = self._fit(component, unit)
         if fit is not None:
             fit.add(devices, load, throughput, context)
+            sized = unit if unit and unit != self._units.get(component) else 0
             self._rows[component].append(
                 ProfileRow(
                     component=component,
@@ -243,17 +281,25 @@ class Predictor:
                     load=load,
                     throughput=throughput,
                     context=context,
+                    engine_devices=sized,
                 )
             )
 
     def observe_prefill(
-        self, component: ComponentId, devices: int, load: float, device_s: float, tokens: float
+        self,
+        component: ComponentId,
+        devices: int,
+        load: float,
+        device_s: float,
+        tokens: float,
+        *,
+        unit: int = 0,
     ) -> None:
         """Add what a rollout's engines spent prefilling (``device_s`` device-seconds)
         while they generated ``tokens`` tokens, on ``devices`` devices at ``load``
         running requests (a concave component whose decode rate :meth:`observe` sees
-        apart from its prefills)."""
-        fit = self._fits.get(component)
+        apart from its prefills), its instances of ``unit`` devices (0: its own)."""
+        fit = self._fit(component, unit)
         if fit is not None and fit.scaling == "concave":
             fit.add_prefill(devices, load, device_s, tokens)
             self._prefill_rows[component].append(
@@ -269,7 +315,14 @@ class Predictor:
     def observe_all(self, rows: Iterable[ProfileRow]) -> None:
         """Add profile rows."""
         for r in rows:
-            self.observe(r.component, r.devices, r.load, r.throughput, context=r.context)
+            self.observe(
+                r.component,
+                r.devices,
+                r.load,
+                r.throughput,
+                context=r.context,
+                unit=r.engine_devices,
+            )
 
     def observe_migration(self, kind: str, duration_s: float, *, alpha: float = 0.3) -> None:
         """Fold an observed migration duration into the cost estimate of its kind."""
@@ -280,20 +333,37 @@ class Predictor:
         """Expected seconds one migration of ``kind`` takes."""
         return self.migration_s.get(kind, DEFAULT_MIGRATION_S["reboot"])
 
-    def prefill_cost(self, component: ComponentId) -> PrefillCost | None:
-        """What re-prefilling a moved request costs one engine of ``component``;
-        ``None`` if the profile did not measure it."""
-        return self._prefill.get(component)
+    def prefill_cost(self, component: ComponentId, unit: int = 0) -> PrefillCost | None:
+        """What re-prefilling a moved request costs one engine of ``component`` of
+        ``unit`` devices (0: its own size); ``None`` if the profile did not measure
+        it."""
+        cost = self._prefill.get(component)
+        own = self._units.get(component, 1)
+        if cost is None or not unit or unit == own:
+            return cost
+        k = unit / own  # compute-bound: k times the devices, 1/k the time
+        return PrefillCost(
+            s_per_token=cost.s_per_token / k,
+            s_per_token_context=cost.s_per_token_context / k,
+            kv_capacity_tokens=cost.kv_capacity_tokens * k,
+        )
 
     def predict(
-        self, component: ComponentId, devices: int, load: float, *, context: float | None = None
+        self,
+        component: ComponentId,
+        devices: int,
+        load: float,
+        *,
+        context: float | None = None,
+        unit: int = 0,
     ) -> Estimate:
         """Expected throughput of ``component`` on ``devices`` devices at ``load`` (for
-        rollout, at a mean ``context`` per request; default: the observations' mean).
+        rollout, at a mean ``context`` per request; default: the observations' mean),
+        its instances of ``unit`` devices (0: its own size).
 
         Zero devices or zero load predict zero throughput (with certainty).
         """
-        fit = self._fits[component]
+        fit = self._sized_fit(component, unit)
         if devices <= 0 or load <= 0:
             return Estimate(0.0, 0.0, fit.count)
         value = fit.predict(devices, load, context)
@@ -309,11 +379,12 @@ class Predictor:
         compute at once (1.0 for independent devices; :func:`host_factor`)."""
         return host_factor(self.host_slowdown, devices)
 
-    def step_costs(self, component: ComponentId) -> StepCosts | None:
+    def step_costs(self, component: ComponentId, unit: int = 0) -> StepCosts | None:
         """A concave component's fitted decode-step costs (:class:`StepCosts`) on
-        devices working alone (see :meth:`slowdown` for those sharing a host);
-        ``None`` before the fit exists."""
-        fit = self._fits[component]
+        devices working alone (see :meth:`slowdown` for those sharing a host), its
+        instances of ``unit`` devices (0: its own size); ``None`` before the fit
+        exists."""
+        fit = self._sized_fit(component, unit)
         coef = fit.solve() if fit.scaling == "concave" else None
         if coef is None:
             return None

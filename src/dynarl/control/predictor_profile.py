@@ -14,13 +14,16 @@ from dynarl.core.ids import ComponentId
 class ProfileRow(msgspec.Struct, frozen=True, kw_only=True):
     """One measurement: ``component`` on ``devices`` devices with ``load`` parallel
     work items (running requests, samples) did ``throughput`` units/s; for rollout,
-    ``context`` is the mean tokens of context a running request held (0: unknown)."""
+    ``context`` is the mean tokens of context a running request held (0: unknown).
+    ``engine_devices`` is the devices of each of its instances when they were
+    regrouped into another size than the component's own (0: its own)."""
 
     component: ComponentId
     devices: int
     load: float
     throughput: float
     context: float = 0.0
+    engine_devices: int = 0
 
 
 class PrefillCost(msgspec.Struct, frozen=True, kw_only=True):

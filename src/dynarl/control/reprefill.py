@@ -34,8 +34,9 @@ def reprefill_s(
     ``drained`` engines (0 without a measured prefill cost). The candidates of every
     decision drain the same engines over and over: each engine's sum is kept in
     ``est`` while its state stays."""
-    cost = predictor.prefill_cost(cid)
-    keep = graph.components[cid].num_active - num_drained
+    node = graph.components[cid]
+    cost = predictor.prefill_cost(cid, node.spec.devices_per_instance)
+    keep = node.num_active - num_drained
     if cost is None or keep <= 0:
         return 0.0
     total = 0.0

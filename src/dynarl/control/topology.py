@@ -25,6 +25,9 @@ class ComponentSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Static facts of one component (a hypernode).
 
     ``devices_per_instance`` is the scaling unit (rollout TP; actor TP x PP).
+    ``tail_devices_per_instance`` is the other size a component's instances may all be
+    regrouped into (the rollout's engines for its tail: a larger TP; 0: none); see
+    :meth:`~dynarl.control.elements.HyperNode.resize`.
     ``valid_sizes`` restricts the number of instances (actor data-parallel sizes that
     divide the global batch); empty means any count in ``[min_instances,
     max_instances]``. ``max_load_per_instance`` is how many requests one instance runs
@@ -48,6 +51,13 @@ class ComponentSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_load_per_instance: int = 0
     steps_per_iteration: int = 1
     steps_in_arrival_order: bool = False
+    tail_devices_per_instance: int = 0
+
+    @property
+    def instance_sizes(self) -> tuple[int, ...]:
+        """The devices an instance may run on: the unit, then the tail's size if any."""
+        tail = self.tail_devices_per_instance
+        return (self.devices_per_instance, tail) if tail else (self.devices_per_instance,)
 
     def is_valid_size(self, num_instances: int) -> bool:
         """Whether the component may run with ``num_instances`` instances."""
@@ -171,6 +181,7 @@ def rl_pipeline(
     *,
     rollout_tp: int,
     inference_tp: int,
+    rollout_tail_tp: int = 0,
     actor_devices_per_replica: int,
     actor_dp_sizes: Sequence[int],
     reward_on_devices: bool = False,
@@ -182,6 +193,7 @@ def rl_pipeline(
     """The standard RL pipeline: prompts -> rollout -> (reward, inference) -> actor.
 
     Reward runs off the devices unless ``reward_on_devices`` (a reward model).
+    ``rollout_tail_tp``: the engine size the rollout's tail may regroup into (0: none).
     ``actor_steps_in_arrival_order``: minibatches are formed as samples arrive.
     Without ``with_inference`` (the actor trains on the engines' own log-probs) there
     is no inference stage: rollout feeds the actor.
@@ -194,6 +206,7 @@ def rl_pipeline(
             interruptible_at="request",
             scaling="concave",
             max_load_per_instance=rollout_max_running,
+            tail_devices_per_instance=rollout_tail_tp,
         ),
         ComponentSpec(
             id=INFERENCE,

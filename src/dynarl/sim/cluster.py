@@ -128,7 +128,9 @@ def sequence_tokens(request: Request) -> int:
     return request.total_tokens
 
 
-def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices: int) -> Profile:
+def sim_profile(
+    cluster: ClusterModel, requests: Sequence[Request], num_devices: int, *, tail_tp: int = 0
+) -> Profile:
     """What a short profiling run on ``cluster`` would measure, as predictor seed rows.
 
     Rollout rows come from the engine's decode step at the context the workload's
@@ -141,37 +143,23 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
     model; the rollout engine's re-prefill cost from its prefill model and KV capacity.
     On slots sharing a host (``cluster.host``) each row's throughput is divided by the
     host's slowdown at the slots its work keeps busy, as such a run would measure (seed
-    a predictor with :func:`host_slowdown` so it reads them so).
+    a predictor with :func:`host_slowdown` so it reads them so). With ``tail_tp``, the
+    rollout rows again for engines of that size (``ProfileRow.engine_devices``): what
+    the engines regrouped for the rollout's tail run at.
     """
     eng = cluster.engine
     turns = [(r.prompt_tokens, n) for r in requests for n in r.output_tokens]
     tokens = sum(n for _, n in turns) or 1
     # Mean context a generated token reads: prompt plus half its own response.
     context = sum(n * (p + n / 2) for p, n in turns) / tokens
-    a, b = eng.step_coefficients()
-    cap = eng.max_running_requests
     lengths = [sequence_tokens(r) for r in requests]
     mean_tokens = sum(lengths) / max(len(requests), 1)
     attended = attended_context(lengths)
     samples_per_step = max(1, len(requests) // cluster.actor.n_minibatches)
-    rows: list[ProfileRow] = []
-    for n in range(eng.tp, num_devices + 1, eng.tp):
-        engines = n // eng.tp
-        for load in (1, 4, 16, 64, 256, 1024, 4096, 16384):
-            running = min(load, cap * engines)
-            for ctx in (context / 4, context, context * 4):
-                # fewer requests than engines: each runs alone on its engine
-                per_engine = running / min(running, engines)
-                step = a + eng.step_per_request_s * per_engine + b * ctx * per_engine
-                rows.append(
-                    ProfileRow(
-                        component=ROLLOUT,
-                        devices=n,
-                        load=running,
-                        throughput=running / step,
-                        context=ctx,
-                    )
-                )
+    rows = _rollout_rows(eng, context, num_devices)
+    if tail_tp and tail_tp != eng.tp:
+        wide = msgspec.structs.replace(eng, tp=tail_tp)
+        rows += _rollout_rows(wide, context, num_devices, engine_devices=tail_tp)
     unit = cluster.inference.tp
     for n in range(unit, num_devices + 1, unit) if cluster.inference.num_forwards else ():
         per_item = cluster.inference.time_s(mean_tokens, unit, attended) / (n // unit)
@@ -213,11 +201,43 @@ def sim_profile(cluster: ClusterModel, requests: Sequence[Request], num_devices:
         # together, n / slowdown(n) of one slot alone.
         rows = [
             msgspec.structs.replace(
-                r, throughput=r.throughput / cluster.host.factor(_busy_slots(r, eng.tp))
+                r,
+                throughput=r.throughput
+                / cluster.host.factor(_busy_slots(r, r.engine_devices or eng.tp)),
             )
             for r in rows
         ]
     return Profile(rows=tuple(rows), migration_s=migration_s, prefill={ROLLOUT: prefill})
+
+
+def _rollout_rows(
+    eng: EngineConfig, context: float, num_devices: int, *, engine_devices: int = 0
+) -> list[ProfileRow]:
+    """Rollout rows of engines ``eng`` (decode steps at ``context`` tokens, a quarter
+    and four times it) on every whole number of them up to ``num_devices``, marked as
+    engines of ``engine_devices`` devices (0: the rollout's own size)."""
+    a, b = eng.step_coefficients()
+    cap = eng.max_running_requests
+    rows: list[ProfileRow] = []
+    for n in range(eng.tp, num_devices + 1, eng.tp):
+        engines = n // eng.tp
+        for load in (1, 4, 16, 64, 256, 1024, 4096, 16384):
+            running = min(load, cap * engines)
+            for ctx in (context / 4, context, context * 4):
+                # fewer requests than engines: each runs alone on its engine
+                per_engine = running / min(running, engines)
+                step = a + eng.step_per_request_s * per_engine + b * ctx * per_engine
+                rows.append(
+                    ProfileRow(
+                        component=ROLLOUT,
+                        devices=n,
+                        load=running,
+                        throughput=running / step,
+                        context=ctx,
+                        engine_devices=engine_devices,
+                    )
+                )
+    return rows
 
 
 def _busy_slots(row: ProfileRow, unit: int) -> int:

@@ -42,6 +42,7 @@ from dynarl.data.routing import AffinityRouting
 from dynarl.data.transport import PeerId
 from dynarl.sim.cluster import ClusterModel
 from dynarl.sim.engine import SimEngine
+from dynarl.sim.engine_config import EngineConfig
 from dynarl.sim.jobs import Job, JobDone, JobProgress
 from dynarl.sim.metrics import WorldTotals
 from dynarl.sim.progress import EngineSlot, SeqProgress
@@ -124,13 +125,15 @@ class EngineFleet:
         self._feed_heap: list[tuple[int, InstanceId]] = []
         self._joined = 0
         self.slowdown = 1.0  # the host's: engines' work takes this many times its alone time
+        self._wide: dict[int, EngineConfig] = {}  # engine models at other sizes, by tp
 
     def sync(self, now: float) -> None:
         """Create modelled engines for active rollout instances that have none; each
         joins the placement (taking the backlog and requests waiting elsewhere)."""
         for node in self.graph.components[ROLLOUT].active_instances():
             if node.id not in self.engines:
-                sim = SimEngine(self.cluster.engine, instance=node.id, start_s=now)
+                config = self._engine_config(len(node.devices))
+                sim = SimEngine(config, instance=node.id, start_s=now)
                 sim.set_slowdown(self.slowdown)
                 w = WorkerState.configured(
                     PeerId(node.id.encode()),
@@ -148,6 +151,18 @@ class EngineFleet:
                 self._touched[node.id] = None
                 self._may_feed(node.id)
                 self.placement.add_worker(w, now)
+
+    def _engine_config(self, num_devices: int) -> EngineConfig:
+        """The modelled engine of an instance on ``num_devices`` devices: the cluster's,
+        at that tensor-parallel size (engines regrouped for the rollout's tail are
+        wider; the KV capacity follows from their memory)."""
+        engine = self.cluster.engine
+        if num_devices == engine.tp:
+            return engine
+        wide = self._wide.get(num_devices)
+        if wide is None:
+            wide = self._wide[num_devices] = msgspec.structs.replace(engine, tp=num_devices)
+        return wide
 
     def admit(self, seqs: Sequence[SeqProgress], now: float) -> None:
         """New requests, or carried ones with what they generated: reported and
@@ -187,6 +202,10 @@ class EngineFleet:
     def busy(self) -> list[InstanceId]:
         """The engines with a request running or prefilling."""
         return [iid for iid, e in self.engines.items() if e.busy_since is not None]
+
+    def busy_devices(self) -> int:
+        """The devices of the engines with a request running or prefilling."""
+        return sum(e.sim.config.tp for e in self.engines.values() if e.busy_since is not None)
 
     def decode_rates_alone(self) -> tuple[float, float]:
         """Tokens and responses a second every engine's running batch generates, at
@@ -435,7 +454,7 @@ class EngineFleet:
             p.fail_worker(w, failed, now)
         if e.busy_since is not None:
             e.busy_s += now - e.busy_since
-        self.totals.rollout_device_s += e.busy_s * self.cluster.engine.tp
+        self.totals.rollout_device_s += e.busy_s * e.sim.config.tp
         self.totals.preemptions += e.sim.totals().num_preemptions
         self.totals.engine_tokens += e.sim.totals().generated_tokens
 
@@ -447,7 +466,7 @@ class EngineFleet:
     def busy_device_s(self, now: float) -> float:
         """Device-seconds the engines have spent with requests running by ``now``."""
         live = sum(
-            e.busy_s + (now - e.busy_since if e.busy_since is not None else 0.0)
+            (e.busy_s + (now - e.busy_since if e.busy_since is not None else 0.0)) * e.sim.config.tp
             for e in self.engines.values()
         )
-        return self.totals.rollout_device_s + live * self.cluster.engine.tp
+        return self.totals.rollout_device_s + live

@@ -135,7 +135,7 @@ async def simulate(
     cluster = cluster or build_cluster(run)
     # A "profiling run" on other prompts than the measured ones.
     sample = cluster.workload.generate(np.random.default_rng(cfg.run.seed + 1_000_003))
-    profile = sim_profile(cluster, sample, cfg.cluster.num_devices)
+    profile = sim_profile(cluster, sample, cfg.cluster.num_devices, tail_tp=cfg.rollout.tail_tp)
     predictor = Predictor.for_pipeline(
         graph.spec, profile=profile, host_slowdown=host_slowdown(cluster, cfg.cluster.num_devices)
     )

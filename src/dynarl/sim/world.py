@@ -286,7 +286,7 @@ class SimWorld:
         if host is None:
             return False
         slots = (
-            len(self.fleet.busy()) * self.cluster.engine.tp
+            self.fleet.busy_devices()
             + len(self.inference.busy()) * self.cluster.inference.tp
             + self.actor.busy_devices()
         )

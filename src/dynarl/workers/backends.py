@@ -175,6 +175,15 @@ def check(role: Role, section: RolloutConfig | InferenceConfig | ActorConfig) ->
     name = section.backend
     backend = check_name(field, name, BACKENDS[role])
     tp, pp = section.tp, getattr(section, "pp", 1)
+    tail = getattr(section, "tail_tp", 0)
+    if tail:
+        # No backend relaunches its engines at another size yet; the simulator does.
+        raise ConfigError(
+            f"{role}.tail_tp={tail}: the {name} backend runs every engine at {role}.tp="
+            f"{tp} (engines regrouped for the rollout's tail are modelled by `dynarl sim` "
+            f"only); unset {role}.tail_tp",
+            field=f"{role}.tail_tp",
+        )
     if backend.max_tp is not None and tp > backend.max_tp:
         raise ConfigError(
             f"{role}.tp={tp}: the {name} backend does not shard one {role} instance over "

@@ -79,6 +79,15 @@ class RolloutConfig(Section, frozen=True, kw_only=True):
         backend: ``torch`` (the reference engine; one device per engine) or ``sglang``
             (SGLang servers over their HTTP API; see ``sglang``).
         tp: devices per engine (tensor parallel).
+        tail_tp: devices per engine the dynamic scheduler may regroup the engines
+            into for the rollout's tail (0: never; else a multiple of ``tp``): a
+            decode step's fixed part (the weights read, split ``tp`` ways) is most of a
+            thin batch's time, so wider engines end the longest responses sooner, while
+            narrow ones yield more tokens per device at full batch. The scheduler
+            regroups every engine at once, when its predictor says the rollout ends
+            sooner for it (re-prefills and the move included); engines return to
+            ``tp`` when the rollout next starts. The simulator models it; the real
+            backends run every engine at ``tp`` and refuse it.
         initial_devices: devices rollout starts each run with.
         max_running_requests: requests an engine decodes at once.
         kv_capacity_tokens: KV-cache tokens an engine holds.
@@ -104,6 +113,7 @@ class RolloutConfig(Section, frozen=True, kw_only=True):
 
     backend: Literal["torch", "sglang"] = "torch"
     tp: PositiveInt = 1
+    tail_tp: NonNegativeInt = 0
     initial_devices: NonNegativeInt = 2
     max_running_requests: PositiveInt = 64
     kv_capacity_tokens: PositiveInt = 16384
@@ -113,6 +123,15 @@ class RolloutConfig(Section, frozen=True, kw_only=True):
     request_order: Literal["fifo", "priority"] = "fifo"
     balance: Balance = "below_share"
     sglang: SGLangConfig = msgspec.field(default_factory=SGLangConfig)
+
+    def __post_init__(self) -> None:
+        if self.tail_tp and (self.tail_tp <= self.tp or self.tail_tp % self.tp):
+            raise ConfigError(
+                f"rollout.tail_tp={self.tail_tp} must be a multiple of rollout.tp="
+                f"{self.tp} larger than it (the tail's engines regroup whole ones), or 0 "
+                f"to keep every engine at rollout.tp; e.g. rollout.tail_tp={2 * self.tp}",
+                field="rollout.tail_tp",
+            )
 
 
 class InferenceConfig(Section, frozen=True, kw_only=True):

@@ -91,7 +91,7 @@ class BottleneckPolicy:
         ]
         if graph.free_devices:
             donors.append((None, len(graph.free_devices)))
-        receivers = [c for c in order if demand[c].work > 0 and self._known(c, demand[c])]
+        receivers = [c for c in order if demand[c].work > 0 and self._known(graph, c, demand[c])]
         if any(not before[c] and not demand[c].upstream for c in receivers):
             # A component with work and no device stalls the iteration: anyone with an
             # instance to spare may give one (the predictor still picks the best).
@@ -111,7 +111,7 @@ class BottleneckPolicy:
             [
                 (src, dst, amount)
                 for src, give in donors
-                if src != dst and (src is None or self._known(src, demand[src]))
+                if src != dst and (src is None or self._known(graph, src, demand[src]))
                 for amount in _amounts(give)
             ]
             for dst in receivers
@@ -159,12 +159,14 @@ class BottleneckPolicy:
             score_after=score,
         )
 
-    def _known(self, cid: ComponentId, demand: Demand) -> bool:
+    def _known(self, graph: Hypergraph, cid: ComponentId, demand: Demand) -> bool:
         # A component with no work left needs no prediction; otherwise act only on a
         # fitted model (a guess in made-up units cannot be weighed against seconds).
         if demand.work <= 0:
             return True
-        return self.predictor.predict(cid, 1, max(demand.load, 1.0)).num_observations >= 2
+        unit = graph.components[cid].spec.devices_per_instance
+        load = max(demand.load, 1.0)
+        return self.predictor.predict(cid, 1, load, unit=unit).num_observations >= 2
 
     def _gain(
         self,

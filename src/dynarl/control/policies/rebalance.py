@@ -56,7 +56,8 @@ class RebalanceTail:
         before = {c: n.num_active_devices for c, n in graph.components.items()}
         for cid in graph.of_kind("rollout"):
             node = graph.components[cid]
-            if graph.waiting_for_slot(cid) or self.predictor.step_costs(cid) is None:
+            unit = node.spec.devices_per_instance
+            if graph.waiting_for_slot(cid) or self.predictor.step_costs(cid, unit) is None:
                 continue  # requests wait for a slot: the light engines will take them
             if any(e.num_in_tool for e in graph.edges_into(cid)):
                 continue  # sessions in a tool call come back to their engine's KV prefix

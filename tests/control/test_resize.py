@@ -1,0 +1,231 @@
+"""Engines regrouped into a wider size for the rollout's tail: the hypergraph's resize,
+the planner's regroup, the predictor's fit per size and the policy that decides."""
+
+import pytest
+
+from dynarl.control import events as ev
+from dynarl.control.config import SchedulerConfig
+from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.plan import InstanceSpec, Migration
+from dynarl.control.planner import PlanBuilder
+from dynarl.control.policies.resize import ResizeEngines
+from dynarl.control.predictor import Predictor
+from dynarl.control.predictor_profile import PrefillCost, Profile, ProfileRow
+from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT
+from dynarl.core.errors import EventError
+from dynarl.core.ids import DeviceId, GroupId, InstanceId, ItemId, MigrationId
+
+from .graphs import carry_out, make_graph
+from .test_policies import tick
+
+
+def tail_graph(loads: list[int], *, tail_tp: int = 2) -> Hypergraph:
+    """Rollout engines of one device (a tail size of ``tail_tp``) holding ``loads[k]``
+    running requests each, every request 2,000 tokens into its response."""
+    g = make_graph(rollout=len(loads), inference=2, actor=2, rollout_tail_tp=tail_tp)
+    g.apply(ev.IterationStarted(iteration=0))
+    for k, n in enumerate(loads):
+        iid = InstanceId(f"rollout-{k}")
+        refs = tuple(ev.ItemRef(ItemId(f"r{k}-{j}"), GroupId(f"g{k}-{j}")) for j in range(n))
+        g.apply(ev.ItemsEnqueued(edge=PROMPTS, items=refs))
+        for ref in refs:
+            g.apply(ev.ItemRouted(edge=PROMPTS, item=ref.id, instance=iid))
+        g.apply(
+            ev.EngineStats(
+                instance=iid,
+                kv_usage=0.1,
+                num_running=n,
+                num_queued=0,
+                kv_tokens=2000 * n,
+            )
+        )
+    return g
+
+
+def decode_rate(devices: int, load: float, step_s: float) -> float:
+    """Tokens/s of engines of one size, ``step_s`` a step plus 0.5 ms per request per
+    device (``load`` running requests over ``devices`` devices)."""
+    return load / (step_s + 0.0005 * load / devices)
+
+
+def predictor(graph: Hypergraph, *, narrow_step_s: float, wide_step_s: float) -> Predictor:
+    """A predictor whose profile measured the rollout's engines at their own size
+    (one device) and at the tail's (two): steps of ``narrow_step_s`` and
+    ``wide_step_s``; inference and the actor at fixed rates per device."""
+    rows = []
+    for n in (2, 4, 8):
+        for load in (1, 8, 64):
+            rows.append(
+                ProfileRow(
+                    component=ROLLOUT,
+                    devices=n,
+                    load=load,
+                    throughput=decode_rate(n, load, narrow_step_s),
+                )
+            )
+            rows.append(
+                ProfileRow(
+                    component=ROLLOUT,
+                    devices=n,
+                    load=load,
+                    throughput=decode_rate(n, load, wide_step_s),
+                    engine_devices=2,
+                )
+            )
+        rows.append(ProfileRow(component=INFERENCE, devices=n, load=512, throughput=100.0 * n))
+        rows.append(ProfileRow(component=ACTOR, devices=n, load=512, throughput=10.0 * n))
+    prefill = {
+        ROLLOUT: PrefillCost(s_per_token=1e-5, s_per_token_context=0.0, kv_capacity_tokens=1e6)
+    }
+    profile = Profile(rows=tuple(rows), prefill=prefill)
+    return Predictor.for_pipeline(graph.spec, profile=profile)
+
+
+def test_a_regroup_drains_every_engine_and_restarts_their_devices_wide() -> None:
+    g = tail_graph([3, 3, 2, 2, 1, 1, 1])  # seven engines: the seventh has no partner
+    items = {i for n in g.components[ROLLOUT].instances.values() for i in n.items}
+    builder = PlanBuilder(g, reassign=False)
+    m = builder.regroup(ROLLOUT, 2)
+    assert m is not None and (m.src, m.dst, m.unit) == (ROLLOUT, ROLLOUT, 2)
+    assert len(m.drain) == 7 and [len(s.devices) for s in m.create] == [2, 2, 2]
+    carry_out(g, builder.build("regroup"))
+    node = g.components[ROLLOUT]
+    assert node.spec.devices_per_instance == 2 and node.num_active == 3
+    assert all(len(n.devices) == 2 for n in node.active_instances())
+    assert len(g.free_devices) == 1  # the seventh engine's device
+    # Their requests wait for the wide engines, none lost.
+    assert set(g.edges[PROMPTS].queue) == items
+    # Instances of the component's own size are refused while it is wide.
+    with pytest.raises(EventError, match="take 2"):
+        g.apply(
+            ev.MigrationStarted(
+                migration=Migration(
+                    id=MigrationId(g.next_migration_id),
+                    kind="workload",
+                    src=None,
+                    dst=ROLLOUT,
+                    devices=tuple(sorted(g.free_devices)),
+                    create=(InstanceSpec(id=InstanceId("x"), devices=tuple(g.free_devices)),),
+                )
+            )
+        )
+    # Once every engine is gone (the iteration's end), the rollout is back at its size.
+    to_actor = PlanBuilder(g)
+    assert to_actor.move(ROLLOUT, ACTOR, drain=3) is not None
+    carry_out(g, to_actor.build("the actor takes the cluster"))
+    assert not node.instances and node.spec is node.base_spec
+
+
+def test_a_resize_that_leaves_an_engine_or_takes_another_size_is_refused() -> None:
+    g = tail_graph([2, 2, 2, 2])
+    engines = sorted(g.components[ROLLOUT].active_instances(), key=lambda n: n.id)
+    devices = tuple(d for n in engines for d in n.devices)
+
+    def resize(unit: int, drained: int) -> Migration:
+        return Migration(
+            id=MigrationId(g.next_migration_id),
+            kind="workload",
+            src=ROLLOUT,
+            dst=ROLLOUT,
+            devices=tuple(d for n in engines[:drained] for d in n.devices),
+            drain=tuple(n.id for n in engines[:drained]),
+            create=(InstanceSpec(id=InstanceId("rollout-w"), devices=devices[:unit]),),
+            unit=unit,
+        )
+
+    with pytest.raises(EventError, match="leaves"):
+        g.apply(ev.MigrationStarted(migration=resize(2, 3)))
+    with pytest.raises(EventError, match=r"take \(1, 2\)"):
+        g.apply(ev.MigrationStarted(migration=resize(3, 4)))
+    g.check()
+    assert g.components[ROLLOUT].num_active == 4 and not g.migrations
+
+
+def test_a_failed_regroup_puts_the_engines_back_at_their_size() -> None:
+    g = tail_graph([2, 2, 2, 2])
+    builder = PlanBuilder(g, reassign=False)
+    m = builder.regroup(ROLLOUT, 2)
+    assert m is not None
+    g.apply(ev.MigrationStarted(migration=m))
+    assert g.components[ROLLOUT].spec.devices_per_instance == 2
+    g.apply(ev.MigrationFailed(migration=m.id, reason="engines would not start"))
+    g.check()
+    node = g.components[ROLLOUT]
+    assert node.spec is node.base_spec and node.num_active == 4
+
+
+def test_each_instance_size_has_its_own_fit() -> None:
+    g = tail_graph([1, 1, 1, 1])
+    p = predictor(g, narrow_step_s=0.02, wide_step_s=0.01)
+    narrow, wide = p.step_costs(ROLLOUT), p.step_costs(ROLLOUT, 2)
+    assert narrow is not None and wide is not None
+    assert narrow.a == pytest.approx(0.02, rel=0.05) and wide.a == pytest.approx(0.01, rel=0.05)
+    assert p.step_costs(ROLLOUT, 1) == narrow  # its own size is the plain fit
+    # Observations of wide engines go to the wide fit only.
+    for _ in range(50):
+        p.observe(ROLLOUT, 8, 8, decode_rate(8, 8, 0.005), unit=2)
+    assert p.step_costs(ROLLOUT) == narrow
+    refitted = p.step_costs(ROLLOUT, 2)
+    assert refitted is not None and refitted.a < 0.01
+    # and the profile it hands on keeps them apart
+    again = Predictor.for_pipeline(g.spec, profile=p.to_profile())
+    assert again.step_costs(ROLLOUT) == pytest.approx(narrow)
+    # A re-prefill is compute-bound: on engines twice as wide, half the time.
+    own, twice = p.prefill_cost(ROLLOUT), p.prefill_cost(ROLLOUT, 2)
+    assert own is not None and twice is not None
+    assert twice.seconds(4000) == pytest.approx(own.seconds(4000) / 2)
+    assert twice.kv_capacity_tokens == 2 * own.kv_capacity_tokens
+    with pytest.raises(KeyError, match="no instances of 3 devices"):
+        p.step_costs(ROLLOUT, 3)
+
+
+def test_engines_regroup_when_the_wide_size_ends_the_tail_sooner() -> None:
+    cfg = SchedulerConfig()
+    g = tail_graph([2, 1, 1, 1, 1, 1, 1, 1])
+    plan = ResizeEngines(cfg, predictor(g, narrow_step_s=0.02, wide_step_s=0.008)).decide(
+        g, tick(5.0)
+    )
+    assert plan and plan.score_after < plan.score_before * (1 - cfg.min_gain)
+    (m,) = plan.migrations
+    assert m.unit == 2 and len(m.drain) == 8 and len(m.create) == 4
+    assert "regroup 8 engines of 1 devices into 4 of 2" in plan.reason
+    # A wide step barely cheaper does not pay for the move and the re-prefills.
+    slow = predictor(g, narrow_step_s=0.02, wide_step_s=0.0198)
+    assert not ResizeEngines(cfg, slow).decide(g, tick(5.0))
+
+
+def test_no_regroup_while_sessions_are_in_a_tool_call_or_once_wide() -> None:
+    g = tail_graph([2, 1, 1, 1, 1, 1, 1, 1])
+    p = predictor(g, narrow_step_s=0.02, wide_step_s=0.008)
+    g.apply(
+        ev.ToolCallStarted(
+            edge=PROMPTS, item=ItemId("r1-0"), instance=InstanceId("rollout-1"), prefix_tokens=9
+        )
+    )
+    assert not ResizeEngines(SchedulerConfig(), p).decide(g, tick(5.0))
+    wide = tail_graph([2, 1, 1, 1, 1, 1, 1, 1])
+    builder = PlanBuilder(wide, reassign=False)
+    builder.regroup(ROLLOUT, 2)
+    carry_out(wide, builder.build("regroup"))
+    assert not ResizeEngines(SchedulerConfig(), p).decide(wide, tick(6.0))
+    # nor for a rollout with no tail size
+    plain = tail_graph([2, 1, 1, 1, 1, 1, 1, 1], tail_tp=0)
+    assert not ResizeEngines(SchedulerConfig(), predictor_plain(plain)).decide(plain, tick(5.0))
+
+
+def predictor_plain(graph: Hypergraph) -> Predictor:
+    rows = [
+        ProfileRow(component=ROLLOUT, devices=n, load=load, throughput=decode_rate(n, load, 0.02))
+        for n in (2, 4, 8)
+        for load in (1, 8, 64)
+    ]
+    return Predictor.for_pipeline(graph.spec, profile=Profile(rows=tuple(rows)))
+
+
+def test_a_device_list_of_the_wide_engines_is_their_drained_engines_devices() -> None:
+    g = tail_graph([1, 1, 1, 1])
+    engines = sorted(g.components[ROLLOUT].active_instances(), key=lambda n: min(n.devices))
+    m = PlanBuilder(g, reassign=False).regroup(ROLLOUT, 2)
+    assert m is not None
+    expected = [tuple(DeviceId(d) for e in engines[i : i + 2] for d in e.devices) for i in (0, 2)]
+    assert [s.devices for s in m.create] == expected

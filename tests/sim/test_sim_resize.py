@@ -1,0 +1,52 @@
+"""The rollout's engines regrouped into wider ones for the tail (``rollout.tail_tp``),
+simulated end to end: the wide engines decode what the narrow ones held, no token is
+lost or generated twice, and the next iteration starts at ``rollout.tp`` again."""
+
+from test_sim_world import run, small
+
+from dynarl.control import events as ev
+from dynarl.control.topology import ROLLOUT
+from dynarl.sim.config import simulated_run
+
+
+def test_a_dynamic_run_regroups_its_tail_and_starts_the_next_iteration_narrow() -> None:
+    starts: list[ev.MigrationStarted] = []
+    iterations: list[float] = []  # when each starts
+
+    def watch(event: ev.Event) -> None:
+        if isinstance(event, ev.MigrationStarted) and event.migration.dst == ROLLOUT:
+            starts.append(event)
+        elif isinstance(event, ev.IterationStarted):
+            iterations.append(event.time_s)
+
+    # 7B engines of two devices, regrouped into four: a step's weights read is most
+    # of a thin batch's time there
+    model = ("sim.model=R1-Distill-Qwen-7B", "rollout.tp=2", "rollout.tail_tp=4")
+    cfg = small(16, "scheduler.mode=dynamic", *model, "rollout.max_new_tokens=16384")
+    result, _ = run(cfg, on_event=watch)
+    assert result.generated_tokens == result.requested_tokens == result.engine_tokens
+    assert result.events_rejected == {}
+    regroups = [e for e in starts if e.migration.unit == 4]
+    assert len(regroups) == 2, "a regroup in each iteration"
+    for e in regroups:
+        m = e.migration
+        assert m.src == m.dst == ROLLOUT and all(len(s.devices) == 4 for s in m.create)
+    # Every iteration's rollout starts on engines of two devices: the first engines
+    # created after it starts are narrow.
+    for start in iterations[1:]:
+        first = next(e for e in starts if e.time_s >= start and e.migration.create)
+        assert {len(s.devices) for s in first.migration.create} == {2}
+
+
+def test_the_static_modes_keep_their_engines_size() -> None:
+    resized: list[ev.MigrationStarted] = []
+
+    def watch(event: ev.Event) -> None:
+        if isinstance(event, ev.MigrationStarted) and event.migration.unit:
+            resized.append(event)
+
+    for mode in ("static-colocated", "static-disaggregated", "rlhfuse"):
+        cfg = simulated_run(small(16, f"scheduler.mode={mode}"), ["rollout.tail_tp=2"])
+        result, _ = run(cfg, on_event=watch)
+        assert result.generated_tokens == result.requested_tokens
+    assert not resized
