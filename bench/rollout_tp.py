@@ -17,6 +17,9 @@ reference ``tp`` against the best static mode at *any* factor (a static placemen
 whose ``tp`` was chosen well). Last, one JSON line ``{"bench": "rollout_tp", "rows":
 [...]}``.
 
+Every engine runs at the one size (``rollout.tail_tp=0``: no regroup for the tail,
+which the reference settings' dynamic mode may otherwise make).
+
 ``--rows`` picks rows by name (math-7b-128,...), ``--jobs`` runs that many simulations
 at once. Every simulation is deterministic, so the figures do not depend on the
 machine; only the wall time does.
@@ -38,7 +41,9 @@ MODES = ("dynamic", *STATIC)
 
 def _job(args: tuple[Workload, Size, int, str, int, int, int]) -> ModeResult:
     w, s, n, mode, tp, iterations, seed = args
-    return run_one(w, s, n, mode, iterations=iterations, seed=seed, overrides=(f"rollout.tp={tp}",))
+    # Every engine at one size: the recipe's tail size is left out.
+    overrides = (f"rollout.tp={tp}", "rollout.tail_tp=0")
+    return run_one(w, s, n, mode, iterations=iterations, seed=seed, overrides=overrides)
 
 
 def main() -> None:

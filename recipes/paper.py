@@ -39,7 +39,9 @@ def paper_setting(
     seed: int = 0,
 ) -> SimulatedRun:
     """The reference setting ``workload``-``size`` on ``num_devices`` H100s (a multiple
-    of 64 scales the 64-GPU placement)."""
+    of 64 scales the 64-GPU placement). The rollout's engines run at the reference's
+    ``tp`` and may be regrouped at twice it for the tail (``rollout.tail_tp``: the
+    dynamic scheduler decides; the static modes keep ``tp``)."""
     scale = num_devices / 64
     actor_d, rollout_d, inference_d = (32, 24, 8) if size == "32b" else (16, 40, 8)
     actor_tp, rollout_tp, inference_tp = _TP[size]
@@ -48,6 +50,7 @@ def paper_setting(
         rollout=RolloutConfig(
             backend="sglang",
             tp=rollout_tp,
+            tail_tp=2 * rollout_tp,
             initial_devices=round(rollout_d * scale),
             max_running_requests=160 if size == "32b" else 128,
             max_new_tokens=28672 if workload == "math" else 8192,

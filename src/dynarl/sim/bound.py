@@ -13,6 +13,10 @@ The **lower bound** of an iteration is the larger of the work-conserving bound a
 iteration's critical path (:func:`critical_path_s`): the longest request decoded alone,
 then scored, then trained in a last optimizer step, then the weight sync. No schedule
 beats either, so none beats the larger.
+
+Where the rollout's engines may be regrouped into a wider size for the tail
+(``rollout.tail_tp``), each bound is the smaller of the two sizes' (narrow engines
+decode a full batch for fewer device-seconds, wide ones a request alone sooner).
 """
 
 from collections.abc import Sequence
@@ -83,9 +87,25 @@ def work_device_s(cluster: ClusterModel, requests: Sequence[Request]) -> dict[st
 
 
 def work_conserving_bound(
-    cluster: ClusterModel, requests: Sequence[Request], num_devices: int
+    cluster: ClusterModel, requests: Sequence[Request], num_devices: int, *, tail_tp: int = 0
 ) -> Bound:
-    """The bound on one iteration of ``requests`` on ``num_devices`` devices."""
+    """The bound on one iteration of ``requests`` on ``num_devices`` devices, engines of
+    ``tail_tp`` devices allowed beside the cluster's own (0: none; see the module
+    docstring)."""
+    own = _bound(cluster, requests, num_devices)
+    if not tail_tp or tail_tp == cluster.engine.tp:
+        return own
+    engine = msgspec.structs.replace(cluster.engine, tp=tail_tp)
+    wide = _bound(msgspec.structs.replace(cluster, engine=engine), requests, num_devices)
+    best = own if own.iteration_s <= wide.iteration_s else wide
+    return msgspec.structs.replace(
+        best,
+        critical_path_s=min(own.critical_path_s, wide.critical_path_s),
+        path_s=min(own.path_s, wide.path_s),
+    )
+
+
+def _bound(cluster: ClusterModel, requests: Sequence[Request], num_devices: int) -> Bound:
     work = work_device_s(cluster, requests)
     serial = cluster.weight_sync.time_s(cluster.model)
     return Bound(

@@ -253,12 +253,20 @@ def _summarise(
     agentic = run.sim.workload == "agentic"
     work = sum(r.requests if agentic else r.generated_tokens for r in measured)
     n = cfg.cluster.num_devices
+    tail = cfg.rollout.tail_tp
     bounds = [
-        work_conserving_bound(world.cluster, world.workloads[r.iteration], n) for r in measured
+        work_conserving_bound(world.cluster, world.workloads[r.iteration], n, tail_tp=tail)
+        for r in measured
     ]
     bound_s = sum(b.iteration_s for b in bounds) / len(bounds)
     lower_s = sum(b.lower_bound_s for b in bounds) / len(bounds)
-    floor_s = sum(tail_floor_s(world.cluster, world.workloads[r.iteration], n) for r in measured)
+    floor_s = 0.0
+    for r in measured:
+        requests = world.workloads[r.iteration]
+        floor = tail_floor_s(world.cluster, requests, n)
+        if tail:
+            floor = min(floor, tail_floor_s(world.cluster, requests, n, tail_tp=tail))
+        floor_s += floor
     mean_s = total_s / len(measured)
     held: dict[str, float] = {}
     for r in measured:
