@@ -229,3 +229,20 @@ def test_a_device_list_of_the_wide_engines_is_their_drained_engines_devices() ->
     assert m is not None
     expected = [tuple(DeviceId(d) for e in engines[i : i + 2] for d in e.devices) for i in (0, 2)]
     assert [s.devices for s in m.create] == expected
+
+
+def test_waiting_requests_allow_a_regroup_until_the_rollout_has_seen_a_tool_call() -> None:
+    """With requests waiting for a slot the predictor scores waves of full batches, a
+    model of requests that hold their slot until they end: multi-turn sessions do not,
+    so once a tool call has been seen, no regroup is scored while requests wait."""
+    g = tail_graph([2, 1, 1, 1, 1, 1, 1, 1])
+    g.apply(
+        ev.ItemsEnqueued(
+            edge=PROMPTS, items=tuple(ev.ItemRef(ItemId(f"w{j}"), GroupId("w")) for j in range(4))
+        )
+    )
+    assert g.waiting_for_slot(ROLLOUT) == 4
+    p = predictor(g, narrow_step_s=0.02, wide_step_s=0.008)
+    assert ResizeEngines(SchedulerConfig(), p).decide(g, tick(5.0))
+    g.components[ROLLOUT].tool_returns.append(1)  # a session came back from a tool
+    assert not ResizeEngines(SchedulerConfig(), p).decide(g, tick(5.0))

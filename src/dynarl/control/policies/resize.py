@@ -10,7 +10,7 @@ the same devices: each step reads its share of the weights from more devices, an
 requests' KV reads per device stay as they were. That is elastic tensor parallelism
 for the long tail (RollPacker's long rounds).
 
-Once no request waits for a slot, this policy scores regrouping every engine at once
+This policy scores regrouping every engine at once
 (:meth:`~dynarl.control.planner.PlanBuilder.regroup`: drained, their requests back in
 the queue, each re-prefilled on a wide engine) against keeping them, with the
 predictor's decode model at each size (``Predictor.step_costs(cid, unit)``, seeded by a
@@ -19,14 +19,16 @@ every running request included, and commits it when it beats keeping the engines
 ``min_gain``. The engines stay wide until the rollout has no instance left (the
 iteration's end); its next ones start at ``tp``.
 
-Not while requests wait for a slot: the predictor then models the rollout as waves of
-full batches, the least sure of its parts, and the regroup halves the slots. (Let
-through, on simulated agentic 32B it regrouped 8 s into the iteration on a prediction
-that put the narrow engines' iteration 25% above what it took, and cost 4.5%; on math
-32B, where wide engines are better from the start, it would have gained 5-7% more.)
-Not while sessions are in a tool call either: each comes back to the engine holding
-its KV prefix, which a regroup would lose (as :mod:`~dynarl.control.policies.rebalance`
-says).
+With requests waiting for a slot, the predictor models the rollout as waves of full
+batches (each request holding its slot until it ends), and the regroup, which halves
+the slots, is scored that way: on simulated math 32B, where wide engines are better
+from the start, it regroups at the iteration's start and gains 6-7%. Multi-turn
+sessions do not hold their slots that way (they leave for their tools and come back),
+so once the rollout has seen a tool call no regroup is made while requests wait: on
+simulated agentic 32B such a regroup, 8 s into the iteration, rested on a prediction
+that put the narrow engines' iteration 24% above what it took, and cost 4.5%. Nor while
+sessions are in a tool call: each comes back to the engine holding its KV prefix,
+which a regroup would lose (as :mod:`~dynarl.control.policies.rebalance` says).
 """
 
 from functools import partial
@@ -72,8 +74,10 @@ class ResizeEngines:
         wide = node.base_spec.tail_devices_per_instance
         if not wide or unit == wide or node.num_active < 2 or not graph.pending(cid):
             return EMPTY_PLAN
-        if graph.waiting_for_slot(cid) or any(e.num_in_tool for e in graph.edges_into(cid)):
+        if any(e.num_in_tool for e in graph.edges_into(cid)):
             return EMPTY_PLAN
+        if graph.waiting_for_slot(cid) and (node.tool_returns or node.tool_ends):
+            return EMPTY_PLAN  # waves of multi-turn sessions: see the module docstring
         if self.predictor.step_costs(cid, unit) is None:
             return EMPTY_PLAN
         if self.predictor.step_costs(cid, wide) is None:
