@@ -34,7 +34,7 @@ from concurrent.futures import ProcessPoolExecutor
 from recipes.paper import _TP, SIZES, Size
 
 from dynarl.sim.run import ModeResult
-from sim_paper import STATIC, Workload, run_one
+from sim_paper import STATIC, Setting, Workload, pick_rows, run_one
 
 MODES = ("dynamic", *STATIC)
 
@@ -60,14 +60,10 @@ def main() -> None:
     statics = [m for m in modes if m in STATIC]
     if "dynamic" not in modes or not statics:
         parser.error("--modes needs dynamic and at least one static mode")
-    settings: list[tuple[Workload, Size, int]] = [
+    every: list[Setting] = [
         (w, s, n) for w in ("math", "agentic") for n in (64, 128) for s in SIZES
     ]
-    if args.rows:
-        wanted = set(args.rows.split(","))
-        settings = [x for x in settings if f"{x[0]}-{x[1]}-{x[2]}" in wanted]
-        if not settings:
-            parser.error(f"no row named {args.rows!r} (rows look like math-1.5b-64)")
+    settings = pick_rows(parser, every, args.rows)
     seeds = range(args.seeds)
     jobs = [
         (w, s, n, m, _TP[s][1] * f, args.iterations, k)

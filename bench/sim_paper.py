@@ -60,6 +60,7 @@ MATH_MODES = ("dynamic", "static-colocated", "static-disaggregated", "rlhfuse")
 AGENTIC_MODES = ("dynamic", "dynamic+priority", "static-colocated", "static-disaggregated")
 STATIC = ("static-colocated", "static-disaggregated")
 Workload = Literal["math", "agentic"]
+Setting = tuple[Workload, Size, int]
 
 
 def run_one(
@@ -87,6 +88,18 @@ def run_one(
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
         result, _ = runner.run(simulate(cfg, name=mode))
     return result
+
+
+def pick_rows(parser: argparse.ArgumentParser, settings: list[Setting], rows: str) -> list[Setting]:
+    """The ``settings`` ``rows`` names (comma-separated, like math-1.5b-64; all if
+    empty); a name that matches none is the parser's error."""
+    if not rows:
+        return settings
+    wanted = set(rows.split(","))
+    picked = [x for x in settings if f"{x[0]}-{x[1]}-{x[2]}" in wanted]
+    if not picked:
+        parser.error(f"no row named {rows!r} (rows look like math-1.5b-64)")
+    return picked
 
 
 def _plan_error(results: list[ModeResult]) -> dict[str, float]:
@@ -123,18 +136,14 @@ def main() -> None:
         help="also run the static modes without request-level balancing (rollout.balance=none)",
     )
     args = parser.parse_args()
-    settings: list[tuple[Workload, Size, int]] = [
+    settings: list[Setting] = [
         (w, s, n)
         for w in (("math",) if args.quick else ("math", "agentic"))
         for n in ((64,) if args.quick else (64, 128))
         for s in SIZES
         if s in args.sizes.split(",")
     ]
-    if args.rows:
-        wanted = set(args.rows.split(","))
-        settings = [x for x in settings if f"{x[0]}-{x[1]}-{x[2]}" in wanted]
-        if not settings:
-            parser.error(f"no row named {args.rows!r} (rows look like math-1.5b-64)")
+    settings = pick_rows(parser, settings, args.rows)
     seeds = range(args.seeds)
 
     def modes_of(w: Workload) -> tuple[str, ...]:

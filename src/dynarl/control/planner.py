@@ -230,26 +230,7 @@ class PlanBuilder:
                     load, iid = heapq.heappop(heap)
                     reassign.append((q[k], iid))
                     heapq.heappush(heap, (load + 1, iid))
-        serial = self._created[component]
-        specs = tuple(
-            InstanceSpec(id=self.graph.new_instance_id(component, serial + i), devices=n.devices)
-            for i, n in enumerate(hot)
-        )
-        migration = Migration(
-            id=MigrationId(self.graph.next_migration_id + len(self.migrations)),
-            kind=migration_kind(component, component, self.graph),
-            src=component,
-            dst=component,
-            devices=tuple(sorted(d for n in hot for d in n.devices)),
-            drain=tuple(n.id for n in hot),
-            create=specs,
-            reassign=tuple(reassign),
-        )
-        self.migrations.append(migration)
-        self._drained.update(leaving)
-        self._num_drained[component] += len(hot)
-        self._created[component] += len(specs)
-        return migration
+        return self._restart(component, hot, [n.devices for n in hot], reassign=reassign)
 
     def regroup(self, component: ComponentId, unit: int) -> Migration | None:
         """Drain every active instance of ``component`` and restart its devices as
@@ -265,7 +246,19 @@ class PlanBuilder:
         groups = [tuple(devices[i : i + unit]) for i in range(0, len(devices) - unit + 1, unit)]
         if not groups:
             return None
-        held = set(devices)
+        return self._restart(component, active, groups, unit=unit)
+
+    def _restart(
+        self,
+        component: ComponentId,
+        drained: Sequence[Node],
+        groups: Sequence[tuple[DeviceId, ...]],
+        *,
+        reassign: Sequence[tuple[ItemId, InstanceId]] = (),
+        unit: int = 0,
+    ) -> Migration:
+        """A migration within ``component``: drain ``drained`` and start an instance
+        on each of ``groups`` of their devices (the rest go to the free pool)."""
         serial = self._created[component]
         specs = tuple(
             InstanceSpec(id=self.graph.new_instance_id(component, serial + i), devices=g)
@@ -276,14 +269,15 @@ class PlanBuilder:
             kind=migration_kind(component, component, self.graph),
             src=component,
             dst=component,
-            devices=tuple(sorted(held)),
-            drain=tuple(n.id for n in active),
+            devices=tuple(sorted(d for n in drained for d in n.devices)),
+            drain=tuple(n.id for n in drained),
             create=specs,
+            reassign=tuple(reassign),
             unit=unit,
         )
         self.migrations.append(migration)
-        self._drained.update(n.id for n in active)
-        self._num_drained[component] += len(active)
+        self._drained.update(n.id for n in drained)
+        self._num_drained[component] += len(drained)
         self._created[component] += len(specs)
         return migration
 
