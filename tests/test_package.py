@@ -82,6 +82,7 @@ def test_no_module_below_the_facade_imports_it() -> None:
         "cli_display.py",
         "cli_profile.py",
         "cli_run.py",
+        "cli_sim.py",
         "cli_sources.py",
         "config_doc.py",
         "__init__.py",
