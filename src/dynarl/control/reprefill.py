@@ -9,6 +9,7 @@ controller observes no decode rate meanwhile).
 """
 
 import bisect
+from collections.abc import Iterable
 from functools import partial
 from itertools import accumulate
 
@@ -39,11 +40,19 @@ def reprefill_s(
     keep = node.num_active - num_drained
     if cost is None or keep <= 0:
         return 0.0
+    return engines_reprefill_s(graph, cost, drained, est=est) / keep
+
+
+def engines_reprefill_s(
+    graph: Hypergraph, cost: PrefillCost, engines: Iterable[Node], *, est: Estimates
+) -> float:
+    """Seconds one engine of ``cost`` takes to re-prefill every request ``engines``
+    hold, one after another (each engine's sum kept in ``est`` while its state stays)."""
     total = 0.0
-    for n in drained:
+    for n in engines:
         stall = est.per_engine(graph, n, cost, partial(EngineReprefill, n, cost))
         total += stall.seconds(n.tokens_per_request)
-    return total / keep
+    return total
 
 
 class EngineReprefill:

@@ -31,8 +31,6 @@ sessions are in a tool call: each comes back to the engine holding its KV prefix
 which a regroup would lose (as :mod:`~dynarl.control.policies.rebalance` says).
 """
 
-from functools import partial
-
 from dynarl.control.config import SchedulerConfig
 from dynarl.control.demand import Rates
 from dynarl.control.estimates import Estimates, or_fresh
@@ -40,7 +38,7 @@ from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.plan import EMPTY_PLAN, Plan
 from dynarl.control.planner import PlanBuilder
 from dynarl.control.predictor import Predictor
-from dynarl.control.reprefill import EngineReprefill
+from dynarl.control.reprefill import engines_reprefill_s
 from dynarl.control.scheduler import Trigger
 from dynarl.control.scoring import demands, remaining_time
 from dynarl.core.ids import ComponentId
@@ -78,9 +76,7 @@ class ResizeEngines:
             return EMPTY_PLAN
         if graph.waiting_for_slot(cid) and (node.tool_returns or node.tool_ends):
             return EMPTY_PLAN  # waves of multi-turn sessions: see the module docstring
-        if self.predictor.step_costs(cid, unit) is None:
-            return EMPTY_PLAN
-        if self.predictor.step_costs(cid, wide) is None:
+        if any(self.predictor.step_costs(cid, size) is None for size in (unit, wide)):
             return EMPTY_PLAN
         builder = PlanBuilder(graph, reassign=False)
         migration = builder.regroup(cid, wide)
@@ -107,13 +103,12 @@ class ResizeEngines:
         )
         if not score < base * (1.0 - self.cfg.min_gain):
             return EMPTY_PLAN
-        plan = builder.build(
+        return builder.build(
             f"rollout tail: regroup {node.num_active} engines of {unit} devices into "
             f"{len(migration.create)} of {wide}: predicted {base:.1f}s -> {score:.1f}s",
             score_before=base,
             score_after=score,
         )
-        return plan
 
     def _reprefill_s(self, graph: Hypergraph, cid: ComponentId, num_wide: int, wide: int) -> float:
         """Seconds each of ``num_wide`` wide engines stalls re-prefilling its share of
@@ -124,8 +119,5 @@ class ResizeEngines:
         cost = self.predictor.prefill_cost(cid, node.spec.devices_per_instance)
         if cost is None or num_wide <= 0:
             return 0.0
-        total = 0.0
-        for n in node.active_instances():
-            stall = self.estimates.per_engine(graph, n, cost, partial(EngineReprefill, n, cost))
-            total += stall.seconds(n.tokens_per_request)
+        total = engines_reprefill_s(graph, cost, node.active_instances(), est=self.estimates)
         return total * node.spec.devices_per_instance / wide / num_wide
