@@ -6,9 +6,10 @@ import pytest
 from dynarl.control import events as ev
 from dynarl.control.config import SchedulerConfig
 from dynarl.control.hypergraph import Hypergraph
+from dynarl.control.modes import make_policy
 from dynarl.control.plan import InstanceSpec, Migration
 from dynarl.control.planner import PlanBuilder
-from dynarl.control.policies.resize import ResizeEngines
+from dynarl.control.policies.resize import ResizeEngines, tail_unit
 from dynarl.control.predictor import Predictor
 from dynarl.control.predictor_profile import PrefillCost, Profile, ProfileRow
 from dynarl.control.topology import ACTOR, INFERENCE, PROMPTS, ROLLOUT
@@ -246,3 +247,60 @@ def test_waiting_requests_allow_a_regroup_until_the_rollout_has_seen_a_tool_call
     assert ResizeEngines(SchedulerConfig(), p).decide(g, tick(5.0))
     g.components[ROLLOUT].tool_returns.append(1)  # a session came back from a tool
     assert not ResizeEngines(SchedulerConfig(), p).decide(g, tick(5.0))
+
+
+def start_graph(*, prompts: int = 64) -> Hypergraph:
+    """An iteration's start: the actor holds every device, the rollout none (its
+    engines of one device may be two wide), ``prompts`` requests wait for it."""
+    g = make_graph(rollout=0, inference=0, actor=8, rollout_tail_tp=2)
+    g.apply(ev.IterationStarted(iteration=1))
+    refs = tuple(ev.ItemRef(ItemId(f"p{j}"), GroupId(f"g{j // 8}")) for j in range(prompts))
+    g.apply(ev.ItemsEnqueued(edge=PROMPTS, items=refs))
+    return g
+
+
+def test_the_iteration_start_borrow_starts_the_engines_at_the_size_predicted_better() -> None:
+    cfg = SchedulerConfig()
+    baseline = {ROLLOUT: 4, INFERENCE: 2, ACTOR: 2}
+    g = start_graph()
+    fast_wide = make_policy(cfg, predictor(g, narrow_step_s=0.02, wide_step_s=0.005), baseline)
+    plan = fast_wide.decide(g, tick(0.0, "iteration_start"))
+    (m,) = plan.migrations
+    assert (m.src, m.dst, m.unit) == (ACTOR, ROLLOUT, 2)
+    assert [len(s.devices) for s in m.create] == [2, 2, 2, 2]
+    assert "its engines at 2 devices" in plan.reason and plan.score_after < plan.score_before
+    carry_out(g, plan)
+    node = g.components[ROLLOUT]
+    assert node.spec.devices_per_instance == 2 and node.num_active == 4
+    # Wide steps dearer than narrow ones: the engines start at their own size.
+    g = start_graph()
+    slow_wide = make_policy(cfg, predictor(g, narrow_step_s=0.02, wide_step_s=0.03), baseline)
+    (m,) = slow_wide.decide(g, tick(0.0, "iteration_start")).migrations
+    assert m.unit == 0 and [len(s.devices) for s in m.create] == [1] * 8
+
+
+def test_once_a_tool_call_was_seen_waiting_sessions_start_on_engines_of_their_own_size() -> None:
+    g = start_graph()
+    p = predictor(g, narrow_step_s=0.02, wide_step_s=0.005)
+    assert tail_unit(g, ROLLOUT, p) == 2
+    g.components[ROLLOUT].tool_returns.append(1)  # sessions came back from tools before
+    assert tail_unit(g, ROLLOUT, p) == 0
+    policy = make_policy(SchedulerConfig(), p, {ROLLOUT: 4, INFERENCE: 2, ACTOR: 2})
+    (m,) = policy.decide(g, tick(0.0, "iteration_start")).migrations
+    assert m.unit == 0 and len(m.create) == 8
+
+
+def test_a_move_starts_instances_at_another_size_only_where_the_component_has_none() -> None:
+    g = start_graph()
+    builder = PlanBuilder(g)
+    m = builder.move(ACTOR, ROLLOUT, drain=3, unit=2)
+    assert m is not None and m.unit == 2 and [len(s.devices) for s in m.create] == [2]
+    with pytest.raises(ValueError, match="has instances"):
+        builder.move(ACTOR, ROLLOUT, drain=2, unit=2)  # this plan already made one
+    # A failed move puts the rollout back at its own size; the actor keeps its devices.
+    g.apply(ev.MigrationStarted(migration=m))
+    assert g.components[ROLLOUT].spec.devices_per_instance == 2
+    g.apply(ev.MigrationFailed(migration=m.id, reason="engines would not start"))
+    g.check()
+    node = g.components[ROLLOUT]
+    assert node.spec is node.base_spec and g.components[ACTOR].num_active == 8

@@ -1,6 +1,8 @@
 """The rollout's engines regrouped into wider ones for the tail (``rollout.tail_tp``),
 simulated end to end: the wide engines decode what the narrow ones held, no token is
-lost or generated twice, and the next iteration starts at ``rollout.tp`` again."""
+lost or generated twice, and the next iteration starts at the size the predictor
+picks: ``rollout.tp`` while requests wait for a slot, the tail's where every request
+has one."""
 
 from test_sim_world import run, small
 
@@ -31,11 +33,34 @@ def test_a_dynamic_run_regroups_its_tail_and_starts_the_next_iteration_narrow() 
     for e in regroups:
         m = e.migration
         assert m.src == m.dst == ROLLOUT and all(len(s.devices) == 4 for s in m.create)
-    # Every iteration's rollout starts on engines of two devices: the first engines
-    # created after it starts are narrow.
+    # With 32 slots an engine, the waves of a narrow rollout end sooner: the next
+    # iteration's rollout starts on engines of two devices.
     for start in iterations[1:]:
         first = next(e for e in starts if e.time_s >= start and e.migration.create)
         assert {len(s.devices) for s in first.migration.create} == {2}
+
+
+def test_where_every_request_has_a_slot_the_next_iteration_starts_wide() -> None:
+    starts: list[ev.MigrationStarted] = []
+    iterations: list[float] = []
+
+    def watch(event: ev.Event) -> None:
+        if isinstance(event, ev.MigrationStarted) and event.migration.dst == ROLLOUT:
+            starts.append(event)
+        elif isinstance(event, ev.IterationStarted):
+            iterations.append(event.time_s)
+
+    model = ("sim.model=R1-Distill-Qwen-7B", "rollout.tp=2", "rollout.tail_tp=4")
+    slots = "rollout.max_running_requests=256"  # the whole batch at once, either size
+    cfg = small(16, "scheduler.mode=dynamic", *model, "rollout.max_new_tokens=16384", slots)
+    result, _ = run(cfg, on_event=watch)
+    assert result.generated_tokens == result.requested_tokens == result.engine_tokens
+    (start,) = iterations[1:]
+    first = next(e.migration for e in starts if e.time_s >= start and e.migration.create)
+    # The borrow itself makes them wide: no engine of two devices, no second restart.
+    assert first.src != ROLLOUT and first.unit == 4
+    assert all(len(s.devices) == 4 for s in first.create)
+    assert not [e for e in starts if e.time_s >= start and e.migration.src == ROLLOUT]
 
 
 def test_the_static_modes_keep_their_engines_size() -> None:

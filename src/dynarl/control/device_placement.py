@@ -131,7 +131,7 @@ def on_migration_done(graph: GraphState, e: ev.MigrationDone) -> None:
         graph.components[m.dst].restart_rate(e.time_s)  # resized: see on_migration_started
     if m.src is not None:
         # A component left without instances starts again at its own size (the
-        # rollout's engines regrouped for a tail come back at ``tp`` next iteration).
+        # rollout's engines regrouped for a tail; a move may start the next ones wide).
         src = graph.components[m.src]
         if not src.instances and src.spec is not src.base_spec:
             src.resize(src.base_spec.devices_per_instance)
@@ -152,6 +152,11 @@ def on_migration_failed(graph: GraphState, e: ev.MigrationFailed) -> None:
             hn.num_active_devices += len(node.devices)
             if m.unit:
                 hn.resize(len(node.devices))  # back to the size of those it restarts
+    if m.unit and m.dst is not None:
+        # A component a failed move was to start at another size: back to its own.
+        dst = graph.components[m.dst]
+        if not dst.num_active and dst.spec is not dst.base_spec:
+            dst.resize(dst.base_spec.devices_per_instance)
     if m.drain and m.src is not None:
         graph.components[m.src].restart_rate(e.time_s)  # resized back
     for d in m.devices:

@@ -1,6 +1,7 @@
 """Scheduling modes: which policy each mode runs, as a table."""
 
 from collections.abc import Callable
+from functools import partial
 
 from dynarl.control.config import SchedulerConfig, SchedulingMode
 from dynarl.control.estimates import Estimates, or_fresh
@@ -11,7 +12,7 @@ from dynarl.control.policies.hold import HoldForDevices
 from dynarl.control.policies.phases import ActorTakesCluster, RolloutBorrowsActor
 from dynarl.control.policies.rebalance import RebalanceTail
 from dynarl.control.policies.recovery import RebootCrashed
-from dynarl.control.policies.resize import ResizeEngines
+from dynarl.control.policies.resize import ResizeEngines, tail_unit
 from dynarl.control.policies.rlhfuse import RlhfusePolicy
 from dynarl.control.policies.starved import StarvedStage
 from dynarl.control.predictor import Predictor
@@ -33,8 +34,12 @@ def _dynamic(
         # Lending at iteration start is the rule's call; giving the devices back at the
         # tail competes with the bottleneck policy's plan (see PredictorGate).
         lend = RolloutBorrowsActor(baseline, cfg, phase="start")
+        # The same, its engines at the rollout's tail size: the better of the two.
+        wide = RolloutBorrowsActor(
+            baseline, cfg, phase="start", engine_size=partial(tail_unit, predictor=predictor)
+        )
         give_back = RolloutBorrowsActor(baseline, cfg, phase="return")
-        policies.append(PredictorGate(lend, predictor, cfg.min_gain, estimates=est))
+        policies.append(PredictorGate(lend, predictor, cfg.min_gain, rival=wide, estimates=est))
         policies.append(
             PredictorGate(give_back, predictor, cfg.min_gain, rival=bottleneck, estimates=est)
         )
@@ -79,7 +84,8 @@ def make_policy(
 ) -> Policy:
     """The policy of ``cfg.mode``: ``dynamic`` reboots crashed devices, lets the actor
     take the cluster before its last minibatch, lends the actor's devices to rollout at
-    iteration start (these two only when the predictor says they pay), starts stages
+    iteration start (these two only when the predictor says they pay; the lending at the
+    rollout's own engine size or at its tail size, whichever is predicted better), starts stages
     that have work and no device (with the bottleneck policy's plan when that starts
     them too), regroups the rollout's engines into wider ones for its tail (where
     ``rollout.tail_tp`` allows it), spreads the rollout tail's hot engines over the idle

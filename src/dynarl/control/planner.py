@@ -121,11 +121,12 @@ class PlanBuilder:
                 return k
         return None
 
-    def grow_target(self, component: ComponentId, extra_devices: int) -> int:
-        """The largest valid instance count reachable with ``extra_devices`` more."""
+    def grow_target(self, component: ComponentId, extra_devices: int, unit: int = 0) -> int:
+        """The largest valid instance count reachable with ``extra_devices`` more (as
+        instances of ``unit`` devices; 0: the component's size now)."""
         spec = self.graph.components[component].spec
         now = self.instances(component)
-        top = now + extra_devices // spec.devices_per_instance
+        top = now + extra_devices // (unit or spec.devices_per_instance)
         if spec.valid_sizes:  # only those can be valid
             return max(
                 (k for k in spec.valid_sizes if now < k <= top and spec.is_valid_size(k)),
@@ -147,12 +148,19 @@ class PlanBuilder:
         drain: int = 0,
         take_free: int | Sequence[DeviceId] = 0,
         create: int | None = None,
+        unit: int = 0,
     ) -> Migration | None:
         """Drain ``drain`` instances of ``src`` (in drain order) plus ``take_free``
         free devices (a count, or the devices themselves), and start ``create``
         instances of ``dst`` on them (by default as many as fit and keep ``dst`` at a
-        valid size). Returns ``None`` when that moves nothing."""
+        valid size). Returns ``None`` when that moves nothing.
+
+        ``unit`` starts ``dst``'s instances at that many devices each, one of its
+        spec's ``instance_sizes`` (a resize: see ``Migration.unit``); ``dst`` may then
+        have no instance, active or made by this builder, of its size now."""
         graph = self.graph
+        if unit and dst is not None and self.instances(dst):
+            raise ValueError(f"{dst} has instances: a move cannot start others at {unit}")
         drained = self.drainable(src, drain) if src is not None and drain else []
         if isinstance(take_free, int):
             free = self.free_devices()[:take_free]
@@ -164,14 +172,14 @@ class PlanBuilder:
             return None
         specs: list[InstanceSpec] = []
         if dst is not None:
-            unit = graph.components[dst].spec.devices_per_instance
+            size = unit or graph.components[dst].spec.devices_per_instance
             if create is None:
-                create = self.grow_target(dst, len(devices)) - self.instances(dst)
-            create = min(create, len(devices) // unit)
+                create = self.grow_target(dst, len(devices), unit) - self.instances(dst)
+            create = min(create, len(devices) // size)
             for i in range(create):
                 iid = graph.new_instance_id(dst, self._created[dst] + i)
                 specs.append(
-                    InstanceSpec(id=iid, devices=tuple(devices[i * unit : (i + 1) * unit]))
+                    InstanceSpec(id=iid, devices=tuple(devices[i * size : (i + 1) * size]))
                 )
         reassign: list[tuple[ItemId, InstanceId]] = []
         if drained and src is not None and self.reassign:
@@ -188,6 +196,7 @@ class PlanBuilder:
             drain=tuple(n.id for n in drained),
             create=tuple(specs),
             reassign=tuple(reassign),
+            unit=unit if specs else 0,
         )
         self.migrations.append(migration)
         self._used_devices.update(free)

@@ -347,7 +347,8 @@ def score_plan(
     """Predicted remaining iteration seconds if ``plan`` is carried out now
     (``placed``: ``demand`` already holds each rollout's most loaded engine as the
     plan leaves it; else :func:`after_moves` places the moved requests; ``rates``: see
-    :func:`finish_times`).
+    :func:`finish_times`; without them, a component the plan resizes is rated at its
+    new instance size).
 
     A receiver's new devices arrive after its migration's cost; a donor whose drained
     instances hold requests loses that cost too (they re-prefill elsewhere). A donor's
@@ -369,6 +370,7 @@ def score_plan(
     during = dict(before)
     delays: dict[ComponentId, float] = {}
     penalties: dict[ComponentId, float] = {}
+    units: dict[ComponentId, int] = {}  # components the plan resizes
     for m in plan.migrations:
         cost = predictor.migration_cost(m.kind)
         if m.src is not None:
@@ -384,6 +386,10 @@ def score_plan(
         if m.dst is not None:
             after[m.dst] += sum(len(s.devices) for s in m.create)
             delays[m.dst] = max(delays.get(m.dst, 0.0), cost)
+            if m.unit and m.unit != graph.components[m.dst].spec.devices_per_instance:
+                units[m.dst] = m.unit
+    if units and rates is None:
+        rates = Rates(graph, predictor, units=units)
     demand = demands(graph, estimates=est) if demand is None else demand
     if not placed:
         demand = after_moves(graph, plan, demand)

@@ -56,10 +56,14 @@ class PredictorGate:
             return EMPTY_PLAN
         if self.rival is not None:
             other = self.rival.decide(graph, trigger)
-            if other and score_plan(graph, self.predictor, other, before, estimates=est) < after:
-                # Committed here: returning nothing would let the policies between
-                # this rule and its rival decide instead.
-                return other
+            if other:
+                rival = score_plan(graph, self.predictor, other, before, estimates=est)
+                if rival < after:
+                    # Committed here: returning nothing would let the policies between
+                    # this rule and its rival decide instead.
+                    plan, after = other, rival
+        if plan.score_after:
+            return plan  # a policy's plan, with its own figures
         return msgspec.structs.replace(
             plan,
             reason=f"{plan.reason}: predicted {base:.1f}s -> {after:.1f}s",

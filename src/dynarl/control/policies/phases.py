@@ -12,6 +12,7 @@
   hold, at its largest valid data-parallel size.
 """
 
+from collections.abc import Callable
 from typing import Literal
 
 from dynarl.control.config import SchedulerConfig
@@ -22,13 +23,18 @@ from dynarl.control.planner import PlanBuilder
 from dynarl.control.policies.donors import underused_engines
 from dynarl.control.scheduler import Baseline, Trigger
 from dynarl.control.scoring import demands
+from dynarl.core.ids import ComponentId
 
 
 class RolloutBorrowsActor:
     """Lend the actor's devices to rollout at iteration start; return them for the tail.
 
     ``phase`` limits it to the lending (``"start"``) or the return (``"return"``), so
-    a chain can gate the two differently.
+    a chain can gate the two differently. ``engine_size``, where given, says at how
+    many devices each the rollout's engines start when it borrows while it has none
+    (:func:`~dynarl.control.policies.resize.tail_unit`: at its tail size); where it
+    answers 0, or the rollout still has engines, no borrow is made. A chain offers
+    this borrow beside the one at the rollout's own size, and the predictor picks.
     """
 
     name = "rollout-borrows-actor"
@@ -39,12 +45,16 @@ class RolloutBorrowsActor:
         cfg: SchedulerConfig,
         *,
         phase: Literal["start", "return", "both"] = "both",
+        engine_size: Callable[[Hypergraph, ComponentId], int] | None = None,
     ) -> None:
         self.baseline = dict(baseline)
         self.cfg = cfg
         self.phase = phase
+        self.engine_size = engine_size
         if phase != "both":
             self.name = f"rollout-borrows-actor-{phase}"
+        if engine_size is not None:
+            self.name += "-resized"
 
     def decide(self, graph: Hypergraph, trigger: Trigger) -> Plan:
         """Borrow on ``iteration_start`` (or when the batch arrives at a rollout
@@ -67,11 +77,19 @@ class RolloutBorrowsActor:
             # device then, their arrival is the moment to borrow.)
             if graph.pending(actor) or not graph.components[actor].num_active:
                 return EMPTY_PLAN
+            unit = 0
+            if self.engine_size is not None:
+                unit = self.engine_size(graph, rollout)
+                if not unit or graph.components[rollout].num_active:
+                    return EMPTY_PLAN
             active = graph.components[actor].num_active
             keep = min(builder.shrink_targets(actor), default=active)
-            if not builder.move(actor, rollout, drain=active - keep):
+            if not builder.move(actor, rollout, drain=active - keep, unit=unit):
                 return EMPTY_PLAN
-            return builder.build("iteration start: rollout borrows the actor's devices")
+            reason = "iteration start: rollout borrows the actor's devices"
+            if unit:
+                reason += f", its engines at {unit} devices"
+            return builder.build(reason)
         node = graph.components[rollout]
         surplus = node.num_active_devices - self.baseline.get(rollout, 0)
         batch = sum(e.enqueued_this_iteration for e in graph.edges_into(rollout))

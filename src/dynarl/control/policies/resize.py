@@ -17,7 +17,10 @@ predictor's decode model at each size (``Predictor.step_costs(cid, unit)``, seed
 profile that measured both and refined online), the move's cost and the re-prefill of
 every running request included, and commits it when it beats keeping the engines by
 ``min_gain``. The engines stay wide until the rollout has no instance left (the
-iteration's end); its next ones start at ``tp``.
+iteration's end). The next iteration's borrow of the trainer's devices is scored at
+both sizes (:func:`tail_unit` says where the wide one may be offered; the dynamic mode
+puts the two borrows behind one :class:`~dynarl.control.policies.gate.PredictorGate`),
+so where the wide engines win from the start they are made at once, not regrouped.
 
 With requests waiting for a slot, the predictor models the rollout as waves of full
 batches (each request holding its slot until it ends), and the regroup, which halves
@@ -69,14 +72,8 @@ class ResizeEngines:
     def _regroup(self, graph: Hypergraph, cid: ComponentId) -> Plan:
         node = graph.components[cid]
         unit = node.spec.devices_per_instance
-        wide = node.base_spec.tail_devices_per_instance
-        if not wide or unit == wide or node.num_active < 2 or not graph.pending(cid):
-            return EMPTY_PLAN
-        if any(e.num_in_tool for e in graph.edges_into(cid)):
-            return EMPTY_PLAN
-        if graph.waiting_for_slot(cid) and (node.tool_returns or node.tool_ends):
-            return EMPTY_PLAN  # waves of multi-turn sessions: see the module docstring
-        if any(self.predictor.step_costs(cid, size) is None for size in (unit, wide)):
+        wide = tail_unit(graph, cid, self.predictor)
+        if not wide or node.num_active < 2 or not graph.pending(cid):
             return EMPTY_PLAN
         builder = PlanBuilder(graph, reassign=False)
         migration = builder.regroup(cid, wide)
@@ -121,3 +118,22 @@ class ResizeEngines:
             return 0.0
         total = engines_reprefill_s(graph, cost, node.active_instances(), est=self.estimates)
         return total * node.spec.devices_per_instance / wide / num_wide
+
+
+def tail_unit(graph: Hypergraph, cid: ComponentId, predictor: Predictor) -> int:
+    """The tail size (devices an engine) rollout ``cid``'s engines may take now, or 0:
+    none other than their size now, sessions in a tool call, requests waiting for a
+    slot once a tool call has been seen (the module docstring says why), or a size the
+    predictor has no decode model for."""
+    node = graph.components[cid]
+    unit = node.spec.devices_per_instance
+    wide = node.base_spec.tail_devices_per_instance
+    if not wide or unit == wide:
+        return 0
+    if any(e.num_in_tool for e in graph.edges_into(cid)):
+        return 0
+    if graph.waiting_for_slot(cid) and (node.tool_returns or node.tool_ends):
+        return 0  # waves of multi-turn sessions: see the module docstring
+    if any(predictor.step_costs(cid, size) is None for size in (unit, wide)):
+        return 0
+    return wide
