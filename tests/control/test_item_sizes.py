@@ -25,9 +25,14 @@ from .graphs import make_graph
 
 
 def sized_graph(
-    *, actor_steps: int = 1, arrival_order: bool = False, expected_tokens: float = 256.0
+    *,
+    actor_steps: int = 1,
+    arrival_order: bool = False,
+    expected_tokens: float = 256.0,
+    inference: int = 1,
 ) -> Hypergraph:
-    """Two rollout engines, one inference replica, one trainer replica (one device each)."""
+    """Two rollout engines, ``inference`` inference replicas, one trainer replica (one
+    device each)."""
     spec = rl_pipeline(
         rollout_tp=1,
         inference_tp=1,
@@ -40,7 +45,7 @@ def sized_graph(
         (ACTOR, "actor-0"),
         (ROLLOUT, "rollout-0"),
         (ROLLOUT, "rollout-1"),
-        (INFERENCE, "inference-0"),
+        *((INFERENCE, f"inference-{k}") for k in range(inference)),
     ]
     placement: dict[ComponentId, list[InstanceSpec]] = {}
     for device, (cid, name) in enumerate(names):
@@ -261,6 +266,32 @@ def test_a_step_drawn_from_the_samples_between_rollout_and_trainer_holds_their_m
     # their mean (not the queue's first two, 10 + 10).
     assert d.steps[:2] == pytest.approx((200.0, 1000.0))
     assert sum(d.steps) == pytest.approx(d.work)
+
+
+def test_groups_at_a_stage_of_several_replicas_complete_in_no_order_of_its_queue() -> None:
+    """One replica scores its samples in the order they came: a group is complete with
+    its last one in the queue. Several do not keep that order (the data plane routes
+    by count and moves queued samples to whichever runs out): a group of ``m`` samples
+    there completes at the median of the latest of ``m`` uniform shares of the time."""
+
+    def ready(replicas: int) -> tuple[float, ...]:
+        g = sized_graph(actor_steps=2, arrival_order=True, inference=replicas)
+        # Group A's two samples first in the queue, then B's one and C's one.
+        groups = ("A", "A", "B", "C")
+        refs = tuple(ev.ItemRef(ItemId(f"s{k}"), GroupId(n), 100) for k, n in enumerate(groups))
+        g.apply(ev.ItemsEnqueued(edge=TO_INFERENCE, items=refs))
+        for k, ref in enumerate(refs):
+            iid = InstanceId(f"inference-{k % replicas}")
+            g.apply(ev.ItemRouted(edge=TO_INFERENCE, item=ref.id, instance=iid))
+        d = demands(g)[ACTOR]
+        assert d.steps == pytest.approx((200.0, 200.0))
+        return d.ready
+
+    # In queue order: A complete halfway through inference's time, B and C at the end.
+    assert ready(1) == pytest.approx((0.5, 1.0))
+    # On two replicas: B and C (one sample each) at the median of one uniform share,
+    # A (two) at the median of the later of two: B and C make the first step.
+    assert ready(2) == pytest.approx((0.5, 0.5**0.5))
 
 
 def test_a_step_waits_for_the_last_request_of_each_of_its_groups() -> None:

@@ -29,12 +29,12 @@ holds them at their step boundary.
 """
 
 import math
-from collections.abc import Mapping
-from itertools import accumulate
+from collections.abc import Iterator, Mapping, Sequence
 from operator import itemgetter
 
 from dynarl.control import partial_cut, rollout_lengths
 from dynarl.control.demand import Demand, Rates
+from dynarl.control.elements import ItemState
 from dynarl.control.estimates import Estimates, or_fresh
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.predictor import Predictor
@@ -85,7 +85,7 @@ def _steps(graph: Hypergraph, cid: ComponentId, steps_left: int, est: Estimates)
     groups: dict[GroupId, list[float]] = {}
     # Samples between rollout and trainer arrive in chain order (nearest the trainer
     # first), in queue order: the work arrived by each group's last one.
-    arrival: dict[GroupId, int] = {}
+    arrival: dict[GroupId, float] = {}
     arrived = 0
     rollout: ComponentId | None = None
     sized = graph.sized
@@ -115,7 +115,7 @@ def _steps(graph: Hypergraph, cid: ComponentId, steps_left: int, est: Estimates)
                 continue
             # Per group its counts (groups in the order of their first sample), per
             # sample only its work (graph.item_work, summed in whole tokens).
-            states = edge.items.values()
+            states = list(edge.items.values())
             order = [st.group for st in states]
             for group in dict.fromkeys(order):
                 num, size = edge.groups[group]
@@ -124,10 +124,12 @@ def _steps(graph: Hypergraph, cid: ComponentId, steps_left: int, est: Estimates)
                 g[1] += size if sized else num
             # max(tokens, 1), with no call per sample (sizes are never negative)
             works = [st.tokens or 1 for st in states] if sized else [1] * len(order)
-            running = accumulate(works, initial=arrived)
-            next(running)
-            arrival.update(zip(order, running, strict=True))
-            arrived += sum(works)
+            here = sum(works)
+            for group, by in _reached(graph, stage, states, works, here):
+                at = arrived + by
+                if arrival.get(group, -1.0) < at:
+                    arrival[group] = at
+            arrived += here
     if rollout is not None:
         _rollout_groups(graph, rollout, groups, est)
     upstream = sum([g[1] for g in groups.values()]) - graph.work_pending(cid)
@@ -152,7 +154,47 @@ def _steps(graph: Hypergraph, cid: ComponentId, steps_left: int, est: Estimates)
     return tuple(steps), tuple(ready)
 
 
-def _pool_work(groups: dict[GroupId, list[float]], arrival: dict[GroupId, int]) -> None:
+def _reached(
+    graph: Hypergraph,
+    stage: ComponentId,
+    states: Sequence[ItemState],
+    works: list[int],
+    total: int,
+) -> Iterator[tuple[GroupId, float]]:
+    """For each group with samples at a stage between rollout and the trainer (the
+    edge's ``states``, ``works`` each, ``total`` in all): the stage's work done (of
+    ``total``) when its last sample there is done.
+
+    One instance works through its samples in the order they came: a group is done
+    with its last one in the edge's order. Several do not keep that order: the data
+    plane routes by count, not by work, and moves queued samples to whichever
+    instance runs out (the busiest's oldest first), each to the back of its new
+    queue. Measured on simulated math 32B at 64 devices (seed 5, two replicas 245 s
+    of work behind, 4,279 samples of 509 groups): the samples were done in an order
+    unrelated to the edge's, on each replica too, and the first minibatch's 128
+    groups were complete after 58% of the stage's time, where the edge's order put
+    them at 10%; the trainer, given 32 devices for that minibatch, held them idle
+    for 245 s. A stage with no instance is no better: the devices that come to it
+    later run several (math 7B at 128 devices, seed 5: 7,220 samples queued, every
+    minibatch complete within the last 2 s of the 23 s its replicas took). So unless
+    one instance holds the stage, each sample is done at a uniform share of the
+    stage's work, and a group of ``m`` samples there at the median of the largest of
+    ``m`` such shares, ``0.5 ** (1 / m)``, as a group with ``m`` requests in rollout
+    ends (:func:`_rollout_groups`)."""
+    if graph.components[stage].num_active == 1:
+        by = 0.0
+        for st, w in zip(states, works, strict=True):
+            by += w
+            yield st.group, by
+        return
+    counts: dict[GroupId, int] = {}
+    for st in states:
+        counts[st.group] = counts.get(st.group, 0) + 1
+    for group, m in counts.items():
+        yield group, total * 0.5 ** (1.0 / m)
+
+
+def _pool_work(groups: dict[GroupId, list[float]], arrival: dict[GroupId, float]) -> None:
     """Give the groups whose last samples are between rollout and the trainer (none
     left in rollout) the pool's mean work per sample: which of them complete first is
     not their queue order.
