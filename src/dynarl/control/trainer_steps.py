@@ -52,8 +52,9 @@ def steps_in_arrival_order(
     until the trainer's predecessors finish.
 
     A group is complete when its last sample reaches the trainer. Samples already here
-    have arrived; those at a stage between rollout and the trainer arrive evenly (in
-    work) over that time, in queue order. A group with ``m`` requests still in
+    have arrived; those at a stage between rollout and the trainer arrive over that
+    time: in queue order (evenly in work) where one instance holds the stage, in no
+    order of it where several do (:func:`_reached`). A group with ``m`` requests still in
     rollout completes with the last of them: at the median of the maximum of ``m``
     draws from the rollout's completion order
     (:func:`~dynarl.control.rollout_lengths.completion_order`; before a finished
