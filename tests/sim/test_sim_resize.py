@@ -10,10 +10,16 @@ from dynarl.control import events as ev
 from dynarl.control.topology import ROLLOUT
 from dynarl.sim.config import simulated_run
 
+# 7B engines of two devices, regrouped into four: a step's weights read is most of a
+# thin batch's time there
+MODEL = ("sim.model=R1-Distill-Qwen-7B", "rollout.tp=2", "rollout.tail_tp=4")
 
-def test_a_dynamic_run_regroups_its_tail_and_starts_the_next_iteration_narrow() -> None:
+
+def run_7b(*extra: str) -> tuple[list[ev.MigrationStarted], list[float]]:
+    """A dynamic run of the 7B model (``small``'s cluster, responses up to 16K tokens):
+    the migrations that started rollout instances, and when each iteration started."""
     starts: list[ev.MigrationStarted] = []
-    iterations: list[float] = []  # when each starts
+    iterations: list[float] = []
 
     def watch(event: ev.Event) -> None:
         if isinstance(event, ev.MigrationStarted) and event.migration.dst == ROLLOUT:
@@ -21,13 +27,15 @@ def test_a_dynamic_run_regroups_its_tail_and_starts_the_next_iteration_narrow() 
         elif isinstance(event, ev.IterationStarted):
             iterations.append(event.time_s)
 
-    # 7B engines of two devices, regrouped into four: a step's weights read is most
-    # of a thin batch's time there
-    model = ("sim.model=R1-Distill-Qwen-7B", "rollout.tp=2", "rollout.tail_tp=4")
-    cfg = small(16, "scheduler.mode=dynamic", *model, "rollout.max_new_tokens=16384")
+    cfg = small(16, "scheduler.mode=dynamic", *MODEL, "rollout.max_new_tokens=16384", *extra)
     result, _ = run(cfg, on_event=watch)
     assert result.generated_tokens == result.requested_tokens == result.engine_tokens
     assert result.events_rejected == {}
+    return starts, iterations
+
+
+def test_a_dynamic_run_regroups_its_tail_and_starts_the_next_iteration_narrow() -> None:
+    starts, iterations = run_7b()
     regroups = [e for e in starts if e.migration.unit == 4]
     assert len(regroups) == 2, "a regroup in each iteration"
     for e in regroups:
@@ -41,20 +49,8 @@ def test_a_dynamic_run_regroups_its_tail_and_starts_the_next_iteration_narrow() 
 
 
 def test_where_every_request_has_a_slot_the_next_iteration_starts_wide() -> None:
-    starts: list[ev.MigrationStarted] = []
-    iterations: list[float] = []
-
-    def watch(event: ev.Event) -> None:
-        if isinstance(event, ev.MigrationStarted) and event.migration.dst == ROLLOUT:
-            starts.append(event)
-        elif isinstance(event, ev.IterationStarted):
-            iterations.append(event.time_s)
-
-    model = ("sim.model=R1-Distill-Qwen-7B", "rollout.tp=2", "rollout.tail_tp=4")
-    slots = "rollout.max_running_requests=256"  # the whole batch at once, either size
-    cfg = small(16, "scheduler.mode=dynamic", *model, "rollout.max_new_tokens=16384", slots)
-    result, _ = run(cfg, on_event=watch)
-    assert result.generated_tokens == result.requested_tokens == result.engine_tokens
+    # The whole batch at once, at either size.
+    starts, iterations = run_7b("rollout.max_running_requests=256")
     (start,) = iterations[1:]
     first = next(e.migration for e in starts if e.time_s >= start and e.migration.create)
     # The borrow itself makes them wide: no engine of two devices, no second restart.
