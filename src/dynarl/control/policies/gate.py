@@ -5,9 +5,10 @@ devices; the actor takes the cluster) ignore what a move costs. Behind
 :class:`PredictorGate` they obey the same contract as every dynamic decision: a plan is
 committed only when its predicted remaining iteration time, migration costs included,
 beats keeping the placement by ``min_gain``. Given a ``rival`` (a policy later in the
-chain), the gate commits whichever of the two plans is predicted better. A rule comes
-first in a chain, so without the rival its merely good plan would stop the better one
-behind it: on
+chain, or the same rule made another way: the iteration start's borrow with the
+rollout's engines at its tail size), the gate commits whichever of the two plans is
+predicted better. A rule comes first in a chain, so without the rival its merely good
+plan would stop the better one behind it: on
 simulated 32B math at 64 GPUs, returning the borrowed devices to the trainer at the
 rollout's end (predicted 823 s -> 778 s) kept the bottleneck policy from sending them
 all to inference (predicted -> 665 s), and the trainer ran its first step on 16
