@@ -11,12 +11,12 @@ from dynarl.control.controller import Controller
 from dynarl.control.decode_window import DecodeWindows
 from dynarl.control.hypergraph import Hypergraph
 from dynarl.control.predictor import Predictor
-from dynarl.control.predictor_profile import PrefillCost, Profile
-from dynarl.control.topology import PROMPTS, ROLLOUT
+from dynarl.control.predictor_profile import Profile
+from dynarl.control.topology import ROLLOUT
 from dynarl.core.clock import ManualClock
-from dynarl.core.ids import GroupId, InstanceId, ItemId
+from dynarl.core.ids import InstanceId
 
-from .test_controller_observe import DoNothing, NoMoves, drain_rollout_0, rollout_graph
+from .test_controller_observe import DoNothing, NoMoves, rollout_graph
 
 A, B, C = 0.02, 1e-4, 1e-7  # the engines' decode step: A + (B + C * context) * batch
 TICK_S = 0.5
@@ -34,19 +34,28 @@ class CountingEngines:
         self.tokens = [0, 0]
         self.decode_s = [0.0, 0.0]
         self.prefill_s = [0.0, 0.0]
+        self.resume_s = [0.0, 0.0]
 
     def run(
-        self, running: int, context: int, prefill: float, engines: tuple[int, ...] = (0, 1)
+        self,
+        running: int,
+        context: int,
+        prefill: float,
+        engines: tuple[int, ...] = (0, 1),
+        *,
+        resume_s: float = 0.0,
     ) -> None:
-        """One tick: ``TICK_S`` pass, the engines report, the controller observes."""
+        """One tick: ``TICK_S`` pass, the engines report, the controller observes.
+        ``resume_s``: seconds of it each engine spends re-prefilling moved requests."""
         self.clock.advance(TICK_S)
         step = A + (B + C * context) * running
         for i in engines:
-            steps = int(TICK_S / (step + prefill * running))
+            steps = int((TICK_S - resume_s) / (step + prefill * running))
             self.steps[i] += steps
             self.tokens[i] += steps * running
             self.decode_s[i] += steps * step
-            self.prefill_s[i] += steps * running * prefill  # (idle for the rest)
+            self.prefill_s[i] += steps * running * prefill + resume_s  # (idle for the rest)
+            self.resume_s[i] += resume_s
             self.controller.handle(
                 ev.EngineStats(
                     instance=InstanceId(f"rollout-{i}"),
@@ -59,6 +68,7 @@ class CountingEngines:
                     decode_tokens=self.tokens[i],
                     decode_s=self.decode_s[i],
                     prefill_s=self.prefill_s[i],
+                    resume_prefill_s=self.resume_s[i],
                 )
             )
         self.controller._observe_tick(self.clock.now())
@@ -136,31 +146,42 @@ def test_an_engine_that_does_not_count_steps_leaves_the_rollout_on_its_reported_
 
 
 def test_a_moved_requests_re_prefill_is_not_the_workloads_prefill() -> None:
-    # A migration's re-prefills are priced where the move is scored: while the engines
-    # re-prefill moved requests (and for a window after), the decode fit goes on but
-    # the prefill cost does not learn from them.
-    cost = PrefillCost(s_per_token=1e-3, s_per_token_context=0.0, kv_capacity_tokens=1e6)
-    g, controller, predictor, engines = counting_setup(Profile(prefill={ROLLOUT: cost}))
-    refs = tuple(ev.ItemRef(ItemId(f"r{k}"), GroupId("g"), 1000) for k in range(4))
-    controller.handle(ev.ItemsEnqueued(edge=PROMPTS, items=refs))
-    for ref in refs:
-        controller.handle(
-            ev.ItemRouted(edge=PROMPTS, item=ref.id, instance=InstanceId("rollout-0"))
-        )
-    for _ in range(20):
+    # A migration's re-prefills are priced where the move is scored: the engines count
+    # them apart (``resume_prefill_s``), so while they re-prefill moved requests the
+    # decode fit goes on and the workload's prefill share does not move.
+    _, _, predictor, engines = counting_setup()
+    for _ in range(40):
         engines.run(32, 1000, P_SOME)
     before = predictor.step_costs(ROLLOUT)
-    assert before is not None and before.prefill > 0
+    assert before is not None and before.prefill == pytest.approx(P_SOME, rel=0.05)
     observed = predictor.predict(ROLLOUT, 2, 64).num_observations
-    # Its four requests (1,000-token prompts and more) go to rollout-1: a 4 s stall.
-    controller._note_reprefill(
-        drain_rollout_0(tuple((ref.id, InstanceId("rollout-1")) for ref in refs))
-    )
-    stall_ticks = int(4.0 / TICK_S) + 1
-    for _ in range(stall_ticks):
-        engines.run(32, 1000, 20 * P_SOME)  # the stall: mostly prefill
-    for _ in range(int(g.rate_tau_s / TICK_S)):
-        engines.run(32, 1000, P_SOME)  # windows that still hold some of the stall
+    for _ in range(10):  # a 4 s stall, mostly re-prefill
+        engines.run(32, 1000, P_SOME, resume_s=0.4)
     after = predictor.step_costs(ROLLOUT)
-    assert after is not None and after.prefill == pytest.approx(before.prefill, rel=0.05)
-    assert predictor.predict(ROLLOUT, 2, 64).num_observations > observed + stall_ticks
+    assert after is not None and after.prefill == pytest.approx(P_SOME, rel=0.05)
+    step = A + (B + C * 1000) * 32  # the decode step the engines ran throughout
+    assert after.a + (after.b + after.c * 1000) * 32 == pytest.approx(step, rel=0.01)
+    assert predictor.predict(ROLLOUT, 2, 64).num_observations == observed + 10
+    # Counted as the workload's own, the stall would have read as ten times the share.
+    _, _, blind, engines = counting_setup()
+    for _ in range(40):
+        engines.run(32, 1000, P_SOME)
+    for _ in range(10):
+        engines.run(32, 1000, P_SOME + 0.4 / (32 * 20))
+    mixed = blind.step_costs(ROLLOUT)
+    assert mixed is not None and mixed.prefill > 1.5 * P_SOME
+
+
+def test_the_prefill_share_is_the_components_at_both_engine_sizes() -> None:
+    # Engines of the tail's size take only moved requests (no fresh ones to learn the
+    # prefill from); a prefill is compute-bound, so its device-seconds per generated
+    # token learned on the engines of the rollout's size hold for both.
+    predictor = Predictor({ROLLOUT: "concave"}, tail_devices_per_instance={ROLLOUT: 2})
+    for n in (1, 2, 4, 8) * 3:
+        predictor.observe(ROLLOUT, n, 8 * n, 100.0 * n, unit=1)
+        predictor.observe(ROLLOUT, 2 * n, 8 * n, 150.0 * n, unit=2)
+        predictor.observe_prefill(ROLLOUT, n, 8 * n, 0.5 * n, 1000.0 * n)
+    narrow, wide = predictor.step_costs(ROLLOUT, 1), predictor.step_costs(ROLLOUT, 2)
+    assert narrow is not None and wide is not None
+    assert narrow.prefill == wide.prefill == pytest.approx(5e-4)
+    assert (wide.a, wide.b) != pytest.approx((narrow.a, narrow.b))

@@ -511,3 +511,28 @@ def test_a_job_waiting_for_a_step_boundary_starts_when_every_running_job_is_abor
     (done,) = engine.advance_to(1.0)
     assert (done.id, done.generated_tokens) == ("b", 5)
     assert done.time_s > prefill_s + config.prefill_overhead_s
+
+
+def test_a_resumed_jobs_re_prefill_is_counted_apart() -> None:
+    # A job taken from an engine with partial output re-prefills its context on the
+    # next: the engine reports those seconds apart from its prefills of fresh jobs
+    # (in the same prefill, in proportion to their FLOPs).
+    config = _config()
+    home = _engine(config, "home")
+    home.submit([_job("a", 3000, 500)])
+    home.advance_to(1.0)
+    assert home.stats().resume_prefill_s == 0.0
+    (progress,) = home.abort([ItemId("a")])
+    assert progress.generated_tokens > 0
+    resumed = _job("a", 3000, 500).resume(progress)
+    assert resumed.resumed
+    other = _engine(config, "other")
+    other.submit([resumed, _job("b", 1000, 500)])
+    stats = other.stats()
+    moved_s, fresh_s = config.prefill_s(resumed.context_tokens), config.prefill_s(1000)
+    assert stats.prefill_s == pytest.approx(config.prefill_overhead_s + moved_s + fresh_s)
+    assert stats.resume_prefill_s == pytest.approx(stats.prefill_s * moved_s / (moved_s + fresh_s))
+    # Taken out before its prefill ended, a job has generated nothing: no re-prefill.
+    (early,) = other.abort([ItemId("b")])
+    assert early.generated_tokens == 0
+    assert not _job("b", 1000, 500).resume(early).resumed

@@ -341,3 +341,36 @@ def test_the_engine_counts_its_steps_by_kind_and_their_seconds(model: PreTrained
     assert final.decode_tokens >= final.decode_steps
     assert final.prefill_s == pytest.approx(0.25 * final.prefill_steps)
     assert final.decode_s == pytest.approx(0.25 * final.decode_steps)
+
+
+def test_a_resumed_requests_re_prefill_is_counted_apart(model: PreTrainedModel) -> None:
+    # A request that comes with partial output (aborted on another engine) re-prefills
+    # its prompt and that output: the engine reports those seconds apart
+    # (``resume_prefill_s``, in proportion to the tokens each request feeds), so the
+    # control plane keeps a move's cost out of the workload's prefill model.
+    first = _engine(model, max_running_requests=3)
+    for request in _requests(0.0):
+        first.add_request(request)
+    for _ in range(4):
+        first.step()
+    partial = first.abort()
+    resumed = [p for p in partial if p.output_ids]
+    assert resumed and len(resumed) < len(partial)
+    clock = ManualClock()
+
+    def now_s() -> float:
+        clock.advance(0.25)  # a step is 0.25 s
+        return clock.now()
+
+    second = _engine(model, now_s=now_s)
+    for p in partial:
+        second.add_request(p)
+    second.step()  # one prefill admits them all
+    stats = second.stats()
+    assert stats.prefill_steps == 1 and stats.prefill_s == pytest.approx(0.25)
+    fed = {p.request_id: len(p.prompt_ids) + len(p.output_ids) for p in partial}
+    share = sum(fed[p.request_id] for p in resumed) / sum(fed.values())
+    assert stats.resume_prefill_s == pytest.approx(0.25 * share)
+    while second.num_unfinished:  # decode steps and no more prefills: nothing more
+        second.step()
+    assert second.stats().resume_prefill_s == pytest.approx(0.25 * share)

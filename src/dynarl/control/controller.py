@@ -412,7 +412,6 @@ class Controller:
         """Observe a rollout's decode rate: over a window of its engines' step counters
         where they count their steps (:class:`DecodeWindows`; the prefill seconds
         apart), else their summed recent rates, which mix in the prefills."""
-        stalled_until = self._reprefill_until.get(cid, -math.inf)
         unit = node.spec.devices_per_instance  # its engines' size: each has its own fit
         if counts_steps(node):
             sample = self._decode_windows.sample(node, now)
@@ -421,14 +420,14 @@ class Controller:
             predictor.observe(
                 cid, devices, sample.load, sample.throughput, context=sample.context, unit=unit
             )
-            if sample.start_s >= stalled_until:
-                # A migration's re-prefills are priced where the move is scored
-                # (control/reprefill.py), not as the workload's own prefills.
-                predictor.observe_prefill(
-                    cid, devices, sample.load, sample.prefill_device_s, sample.tokens, unit=unit
-                )
+            # (The engines count a moved request's re-prefill apart: the move's cost,
+            # priced where the move is scored, control/reprefill.py.)
+            predictor.observe_prefill(
+                cid, devices, sample.load, sample.prefill_device_s, sample.tokens
+            )
             return
         self._decode_windows.forget(cid)
+        stalled_until = self._reprefill_until.get(cid, -math.inf)
         active = list(node.active_instances())
         load = float(sum(n.num_running for n in active))
         rate = sum(n.gen_tokens_per_s for n in active)

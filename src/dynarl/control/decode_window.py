@@ -11,7 +11,9 @@ collapsed (relative error 1.0; one iteration predicted at 7,847 s).
 
 Engines that count their steps (``EngineStats.decode_steps``, ``decode_tokens``,
 ``decode_s``, ``prefill_s``: the torch engine and the simulator's) say how the time
-went. :class:`DecodeWindows` keeps each rollout's
+went, and which prefill seconds re-prefilled requests moved to them
+(``resume_prefill_s``: a move's cost, priced where the move is scored, left out of the
+workload's prefills). :class:`DecodeWindows` keeps each rollout's
 counters at every tick and, over a trailing window of at least ``span_s`` on the same
 engines, turns them into a :class:`DecodeSample`: the decode rate (tokens per second of
 decoding, summed over the engines), the mean batch those steps ran, and the prefill
@@ -30,8 +32,8 @@ class DecodeSample(msgspec.Struct, frozen=True):
     """A rollout's engines over the window from ``start_s``: ``throughput`` tokens per
     second of decoding summed over the engines, at a mean decode batch summed over
     them (``load``), holding ``context`` tokens per running request (over its ticks);
-    meanwhile they spent ``prefill_device_s`` device-seconds prefilling and generated
-    ``tokens``."""
+    meanwhile they spent ``prefill_device_s`` device-seconds prefilling the workload's
+    requests (re-prefills of moved ones left out) and generated ``tokens``."""
 
     start_s: float
     load: float
@@ -46,8 +48,9 @@ class _Snapshot(msgspec.Struct, frozen=True):
     # KV tokens the running requests hold, and how many run
     held: float
     running: float
-    # per engine: (devices, decode tokens, decode steps, decode s, prefill s)
-    counters: dict[InstanceId, tuple[int, int, int, float, float]]
+    # per engine: (devices, decode tokens, decode steps, decode s, prefill s, of which
+    # re-prefills)
+    counters: dict[InstanceId, tuple[int, int, int, float, float, float]]
 
 
 class DecodeWindows:
@@ -83,7 +86,14 @@ class DecodeWindows:
             float(sum(n.kv_tokens for n in active)),
             float(sum(n.num_running for n in active)),
             {
-                n.id: (len(n.devices), n.decode_tokens, n.decode_steps, n.decode_s, n.prefill_s)
+                n.id: (
+                    len(n.devices),
+                    n.decode_tokens,
+                    n.decode_steps,
+                    n.decode_s,
+                    n.prefill_s,
+                    n.resume_prefill_s,
+                )
                 for n in active
             },
         )
@@ -134,11 +144,12 @@ def _continues(before: _Snapshot, after: _Snapshot) -> bool:
 
 def _between(first: _Snapshot, last: _Snapshot, context: float) -> DecodeSample | None:
     load = throughput = prefill = tokens = 0.0
-    for instance, (devices, gen, steps, decode_s, prefill_s) in last.counters.items():
-        _, gen0, steps0, decode0, prefill0 = first.counters[instance]
+    for instance, (devices, gen, steps, decode_s, prefill_s, resume_s) in last.counters.items():
+        _, gen0, steps0, decode0, prefill0, resume0 = first.counters[instance]
         d_gen, d_steps, d_decode = gen - gen0, steps - steps0, decode_s - decode0
         tokens += d_gen
-        prefill += (prefill_s - prefill0) * devices
+        # the workload's own prefills: a moved request's re-prefill is the move's cost
+        prefill += max(0.0, (prefill_s - prefill0) - (resume_s - resume0)) * devices
         if d_steps > 0 and d_decode > 0 and d_gen > 0:
             # A decode step advances every running request by one token.
             load += d_gen / d_steps

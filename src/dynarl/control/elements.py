@@ -96,6 +96,7 @@ class Node:
         "num_running",
         "prefill_s",
         "progress_base",
+        "resume_prefill_s",
         "started",
         "state",
         "tokens_per_request",
@@ -117,11 +118,12 @@ class Node:
         self.gen_tokens_per_s = 0.0
         # The engine's step counters, as last reported: decode steps, the tokens they
         # generated, and the seconds they and its prefills took (0 where the engine
-        # does not count them).
+        # does not count them), of which re-prefilling requests moved to it.
         self.decode_steps = 0
         self.decode_tokens = 0
         self.decode_s = 0.0
         self.prefill_s = 0.0
+        self.resume_prefill_s = 0.0
         # The last stats report (its creation before any: an engine's first report
         # covers its time since it started).
         self.last_stats_s = now_s

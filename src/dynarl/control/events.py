@@ -138,7 +138,10 @@ class EngineStats(Event, frozen=True, kw_only=True):
     the step costs beyond the weights. ``prefill_steps`` and ``decode_steps`` count
     the engine's steps since it started serving as ``instance``, ``prefill_s`` and
     ``decode_s`` the seconds they took and ``decode_tokens`` the tokens its decode
-    steps generated (0 where the engine does not count them)."""
+    steps generated (0 where the engine does not count them); ``resume_prefill_s``
+    is the part of ``prefill_s`` spent re-prefilling requests resumed with partial
+    output (moved here from another engine), which is the move's cost, not the
+    workload's."""
 
     instance: InstanceId
     kv_usage: float
@@ -149,6 +152,7 @@ class EngineStats(Event, frozen=True, kw_only=True):
     prefill_steps: int = 0
     decode_steps: int = 0
     prefill_s: float = 0.0
+    resume_prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_tokens: int = 0
 

@@ -290,7 +290,8 @@ class Hypergraph:
         if (
             not 0.0 <= e.kv_usage <= 1.0
             or min(e.num_running, e.num_queued, e.kv_tokens, e.decode_steps, e.decode_tokens) < 0
-            or not min(e.gen_tokens_per_s, e.decode_s, e.prefill_s) >= 0.0
+            or not min(e.gen_tokens_per_s, e.decode_s, e.prefill_s, e.resume_prefill_s) >= 0.0
+            or e.resume_prefill_s > e.prefill_s * (1.0 + 1e-9)  # (rounding: a sum of parts)
         ):
             raise EventError(f"impossible engine stats from {e.instance!r}: {e}")
         hn = self.components[node.component]
@@ -313,6 +314,7 @@ class Hypergraph:
         node.gen_tokens_per_s = e.gen_tokens_per_s
         node.decode_steps, node.decode_tokens = e.decode_steps, e.decode_tokens
         node.decode_s, node.prefill_s = e.decode_s, e.prefill_s
+        node.resume_prefill_s = e.resume_prefill_s
         if e.kv_usage >= self.u_low:
             node.below_since_s = None
         elif node.below_since_s is None:

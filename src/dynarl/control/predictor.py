@@ -22,7 +22,8 @@ forgetting so it follows drift: :class:`~dynarl.control.throughput_fit.Throughpu
   batch beside its decode steps: where engines count their steps the fit sees their
   decode rate alone, and the prefill's device-seconds per generated token ``p`` are
   kept apart (a ratio of sums, forgetting as the fit does) and added to the token's
-  cost, ``b + c * context + p`` (see :mod:`dynarl.control.decode_window`).
+  cost, ``b + c * context + p`` (see :mod:`dynarl.control.decode_window`). A moved
+  request's re-prefill is the move's cost, not in ``p``: engines report it apart.
 * **linear** (actor, inference): ``throughput = k * devices ** e`` with ``e <= 1`` the
   data-parallel efficiency; fitted in log space. Devices beyond the load do nothing.
 
@@ -45,7 +46,8 @@ A component whose instances may be regrouped into another size (the rollout's en
 at ``tail_devices_per_instance`` for its tail) has a fit per size: the methods take
 the size asked about as ``unit`` (0, or the component's own, for its own), and
 observations go to the fit of the size that made them (:attr:`ProfileRow.engine_devices`
-in a profile). A re-prefill on an engine ``k`` times wider takes ``1/k`` the time
+in a profile), except the prefill share ``p``: one per component (a prefill is
+compute-bound, its device-seconds about the same at either size). A re-prefill on an engine ``k`` times wider takes ``1/k`` the time
 (compute-bound) with ``k`` times the KV cache.
 """
 
@@ -292,14 +294,15 @@ class Predictor:
         load: float,
         device_s: float,
         tokens: float,
-        *,
-        unit: int = 0,
     ) -> None:
         """Add what a rollout's engines spent prefilling (``device_s`` device-seconds)
         while they generated ``tokens`` tokens, on ``devices`` devices at ``load``
         running requests (a concave component whose decode rate :meth:`observe` sees
-        apart from its prefills), its instances of ``unit`` devices (0: its own)."""
-        fit = self._fit(component, unit)
+        apart from its prefills). One share per component, whatever its engines'
+        size: a prefill is compute-bound, so its device-seconds hardly change with
+        the engine's devices (and engines of a size used only for the rollout's tail
+        admit no fresh request to learn it from)."""
+        fit = self._fits.get(component)
         if fit is not None and fit.scaling == "concave":
             fit.add_prefill(devices, load, device_s, tokens)
             self._prefill_rows[component].append(
@@ -388,7 +391,8 @@ class Predictor:
         coef = fit.solve() if fit.scaling == "concave" else None
         if coef is None:
             return None
-        return StepCosts(float(coef[0]), float(coef[1]), float(coef[2]), fit.prefill)
+        prefill = self._fits[component].prefill  # the component's (see observe_prefill)
+        return StepCosts(float(coef[0]), float(coef[1]), float(coef[2]), prefill)
 
     def to_profile(self) -> Profile:
         """A profile that seeds a fresh predictor with what this one has learnt: its

@@ -92,7 +92,10 @@ class IterationStats(msgspec.Struct, frozen=True, kw_only=True):
         engine_steps: the rollout engines' steps in the iteration, summed over the
             engines (``prefill_steps``, ``decode_steps``) and the seconds they took
             (``prefill_s``, ``decode_s``; so ``decode_s / decode_steps`` is the mean
-            decode step); empty where the engines do not count their steps (SGLang).
+            decode step), and of ``prefill_s`` the seconds that re-prefilled requests
+            moved to an engine with partial output (``resume_prefill_s``: what
+            moving requests cost the engines); empty where the engines do not count
+            their steps (SGLang).
             Counted from the engines' load reports, so steps after an engine's last
             report of the iteration count in the next.
         controller_cpu_s: CPU seconds the controller process (the one running the
@@ -128,7 +131,7 @@ class IterationStats(msgspec.Struct, frozen=True, kw_only=True):
     partial_rollout: PartialRolloutStats | None = None
 
 
-_STEP_FIELDS = ("prefill_steps", "decode_steps", "prefill_s", "decode_s")
+_STEP_FIELDS = ("prefill_steps", "decode_steps", "prefill_s", "decode_s", "resume_prefill_s")
 
 
 class EngineSteps:

@@ -74,6 +74,7 @@ class SimEngine:
         self._step_count = 0
         self._num_prefills = 0
         self._step_s = [0.0, 0.0]  # seconds of prefill and of decode steps, in all
+        self._resume_prefill_s = 0.0  # of the prefills' seconds, the resumed jobs' share
         self._running: dict[ItemId, EngineEntry] = {}  # in admission order: last is youngest
         self._finish_heap: list[tuple[int, int, ItemId]] = []  # (finish step, seq, id)
         self._held = 0  # context tokens of the running jobs
@@ -253,6 +254,7 @@ class SimEngine:
             prefill_steps=self._num_prefills,
             decode_steps=decode_steps,
             prefill_s=self._step_s[0],
+            resume_prefill_s=self._resume_prefill_s,
             decode_s=decode_s,
             decode_tokens=decode_tokens,
         )
@@ -422,14 +424,17 @@ class SimEngine:
     def _prefill(self, admitted: list[EngineEntry]) -> None:
         """Admit ``admitted``: prefill what the prefix cache does not hold; running
         jobs stall meanwhile."""
-        flops = 0.0
+        flops = resumed = 0.0
         self._prefill_from = self._seq + 1
         joined = self.config.join_per_held_token_s * self._read_tokens() if self._running else 0.0
         for entry in admitted:
             context = entry.queued_context
             hit = min(self._cache.take(entry.job.id), context)
             new = context - hit
-            flops += new * (self._flops_fixed + self._flops_per_context * (hit + new / 2))
+            job_flops = new * (self._flops_fixed + self._flops_per_context * (hit + new / 2))
+            flops += job_flops
+            if entry.job.resumed:
+                resumed += job_flops
             self._prefilled += new
             self._hits += hit
             self._seq += 1
@@ -447,4 +452,6 @@ class SimEngine:
         self._prefill_end_s = self._t
         self._num_prefills += 1
         self._step_s[0] += prefill_s * self._slowdown
+        if resumed > 0:  # the shared costs in proportion to the FLOPs
+            self._resume_prefill_s += prefill_s * self._slowdown * resumed / flops
         self._cache.shrink_to(self._capacity - self._held)

@@ -11,7 +11,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     ``output_tokens``. ``tool_call_after``: the job ends in a tool call (its context is
     kept in the prefix cache for the next turn). ``rank``: where the engine's queue
     serves it (smaller first; the request order's key, see
-    :class:`~dynarl.sim.engine_queue.EngineQueue`)."""
+    :class:`~dynarl.sim.engine_queue.EngineQueue`). ``resumed``: the job continues a
+    turn an engine began and was taken from (its context holds what was generated
+    there), so its prefill is a re-prefill, which the engine counts apart."""
 
     id: ItemId
     group: GroupId
@@ -19,6 +21,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     output_tokens: int
     tool_call_after: bool = False
     rank: tuple[float, ...] = ()
+    resumed: bool = False
 
     def resume(self, progress: "JobProgress") -> "Job":
         """The work left after an abort: the context grew by what was generated."""
@@ -29,6 +32,7 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
             output_tokens=self.output_tokens - progress.generated_tokens,
             tool_call_after=self.tool_call_after,
             rank=self.rank,
+            resumed=self.resumed or progress.generated_tokens > 0,
         )
 
 

@@ -37,6 +37,7 @@ class SeqProgress:
             context_tokens=job.context_tokens + self.done,
             output_tokens=job.output_tokens - self.done,
             tool_call_after=job.tool_call_after,
+            resumed=True,
         )
 
 

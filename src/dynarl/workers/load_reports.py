@@ -52,6 +52,7 @@ class LoadReporter:
             prefill_steps=load.prefill_steps - base.prefill_steps,
             decode_steps=load.decode_steps - base.decode_steps,
             prefill_s=load.prefill_s - base.prefill_s,
+            resume_prefill_s=load.resume_prefill_s - base.resume_prefill_s,
             decode_s=load.decode_s - base.decode_s,
             decode_tokens=load.decode_tokens - base.decode_tokens,
         )

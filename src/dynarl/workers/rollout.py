@@ -148,6 +148,9 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
             a token); 0 where the engine does not count them (the SGLang adapter:
             the server does not say).
         prefill_s, decode_s: seconds those steps took, in all.
+        resume_prefill_s: of ``prefill_s``, the seconds spent re-prefilling requests
+            that came with partial output (moved here from another engine): a move's
+            cost, which the control plane keeps out of the workload's prefill model.
         decode_tokens: tokens the decode steps generated, in all (each step one per
             running request: over a window, its tokens per step are the batch it ran).
     """
@@ -163,6 +166,7 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
     prefill_steps: int = 0
     decode_steps: int = 0
     prefill_s: float = 0.0
+    resume_prefill_s: float = 0.0
     decode_s: float = 0.0
     decode_tokens: int = 0
 

@@ -127,6 +127,7 @@ class RolloutEngine:
         # Steps since the engine started and the seconds they took: [prefill, decode].
         self._steps = [0, 0]
         self._step_s = [0.0, 0.0]
+        self._resume_prefill_s = 0.0  # of the prefills' seconds, re-prefills' share
         self._decode_tokens = 0
 
     @classmethod
@@ -221,14 +222,23 @@ class RolloutEngine:
             )
         start_s = self._now_s()
         admitted = self._scheduler.admit()
+        resumed_share = 0.0
         if admitted:
             contexts = [seq.context_ids() for seq in admitted]
             prefixes = [
                 self._take_prefix(seq, c) for seq, c in zip(admitted, contexts, strict=True)
             ]
-            self._prefill_tokens += sum(len(c) for c in contexts) - sum(
-                p.num_tokens for p in prefixes if p is not None
-            )
+            fed = [
+                len(c) - (p.num_tokens if p is not None else 0)
+                for c, p in zip(contexts, prefixes, strict=True)
+            ]
+            self._prefill_tokens += sum(fed)
+            # the share of the prefill's time that re-prefills resumed requests
+            resumed = sum(n for seq, n in zip(admitted, fed, strict=True) if seq.resumed)
+            if sum(fed) > 0:
+                resumed_share = resumed / sum(fed)
+            for seq in admitted:
+                seq.resumed = False
             self._fit_prefixes()
             logits = self._cache.prefill(contexts, prefixes)
             self._rows.extend(admitted)
@@ -252,6 +262,8 @@ class RolloutEngine:
         self._step_s[kind] += end_s - start_s
         if kind:
             self._decode_tokens += len(batch)
+        else:
+            self._resume_prefill_s += (end_s - start_s) * resumed_share
         return outputs
 
     def generate(self, requests: Iterable[GenerateRequest]) -> list[Completion]:
@@ -311,6 +323,7 @@ class RolloutEngine:
             prefill_steps=self._steps[0],
             decode_steps=self._steps[1],
             prefill_s=self._step_s[0],
+            resume_prefill_s=self._resume_prefill_s,
             decode_s=self._step_s[1],
             decode_tokens=self._decode_tokens,
         )

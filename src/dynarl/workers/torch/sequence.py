@@ -36,6 +36,8 @@ class Sequence:
             first).
         cached_tokens: tokens its prefills took from the prefix cache instead of
             feeding them (the completion's ``cached_tokens``).
+        resumed: it came with partial output (from an engine it was taken from) and
+            has not been prefilled here yet: its first prefill is a re-prefill.
     """
 
     def __init__(self, request: GenerateRequest, *, seed: int, enqueued_s: float) -> None:
@@ -49,6 +51,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.prefix_tokens = 0
         self.cached_tokens = 0
+        self.resumed = bool(request.output_ids)
 
     @property
     def request_id(self) -> str:
