@@ -327,3 +327,19 @@ def test_a_stage_fed_by_the_rollout_is_predicted_to_work_through_its_inputs_as_t
     evenly = dict(demand)
     evenly[INFERENCE] = Demand(work=d.work, load=d.load, tail=d.tail, upstream=d.upstream)
     assert finish_times(g, predictor, devices, demand=evenly)[INFERENCE] < finish[INFERENCE]
+
+
+def test_the_trainers_steps_hold_the_work_the_rollouts_requests_are_expected_to_make() -> None:
+    # Last iteration's lengths 1,000 .. 10,000 (mean 5,500). Eight groups of four
+    # requests, none started: the groups that end last make the last step (a group's
+    # requests are taken as long as the response that ends it), but in all the steps
+    # hold what 32 requests of the mean length make, not 32 of the groups' longest.
+    g = sized_graph(actor_steps=2, arrival_order=True)
+    g.max_tokens_per_request = 10_000.0
+    finished_iteration(g, [1000 * k for k in range(1, 11)] * 10)
+    refs = tuple(ev.ItemRef(ItemId(f"p{k}"), GroupId(f"g{k // 4}"), 10) for k in range(32))
+    g.apply(ev.ItemsEnqueued(edge=PROMPTS, items=refs, time_s=10.0))
+    d = demands(g)[ACTOR]
+    assert len(d.steps) == 2
+    assert sum(d.steps) == pytest.approx(32 * (10 + 5500.0))
+    assert sum(d.steps) == pytest.approx(d.work, rel=0.01)

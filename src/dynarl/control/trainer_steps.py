@@ -253,6 +253,7 @@ def _rollout_groups(
         times, lengths = order.time, order.length
     k = len(times)
     buckets: dict[float, int] = {}  # by m (groups mostly have the same sizes)
+    last: list[tuple[list[float], float]] = []  # (group, length of its last response)
     for g in groups.values():
         m = g[3]
         if not m:
@@ -263,7 +264,18 @@ def _rollout_groups(
             b = buckets[m] = min(k - 1, int(q * k))
         if cut is None:
             g[2] = max(g[2], times[b])
-        g[1] += g[4] + m * lengths[b]
+        last.append((g, m * lengths[b]))
+    # A group's requests are taken as long as its last one (they correlate), but they
+    # are not all that long: the groups' work in all is what the requests are expected
+    # to generate, each the mean of the completion order's lengths. (Unscaled, the
+    # steps held 2.2 times the work at agentic 1.5B on 128 devices, seed 0, 4 s into
+    # the measured iteration: 70M tokens where 32M came, and the trainer's steps were
+    # predicted twice as long as they ran.)
+    expected = sum([g[3] for g, _ in last]) * sum(lengths) / k
+    drawn = sum([w for _, w in last])
+    scale = expected / drawn if drawn > 0 else 1.0
+    for g, w in last:
+        g[1] += g[4] + w * scale
 
 
 def actor_finish(
