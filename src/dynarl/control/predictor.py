@@ -47,8 +47,9 @@ at ``tail_devices_per_instance`` for its tail) has a fit per size: the methods t
 the size asked about as ``unit`` (0, or the component's own, for its own), and
 observations go to the fit of the size that made them (:attr:`ProfileRow.engine_devices`
 in a profile), except the prefill share ``p``: one per component (a prefill is
-compute-bound, its device-seconds about the same at either size). A re-prefill on an engine ``k`` times wider takes ``1/k`` the time
-(compute-bound) with ``k`` times the KV cache.
+compute-bound, its device-seconds about the same at either size). A re-prefill on an
+engine ``k`` times wider takes ``1/k`` the time (compute-bound) with ``k`` times the KV
+cache.
 """
 
 import collections
