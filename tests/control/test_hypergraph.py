@@ -219,6 +219,18 @@ def test_engine_stats_track_time_below_u_low() -> None:
     assert g.low_for(node, 6.5) == pytest.approx(4.5)
     with pytest.raises(EventError, match="impossible"):
         g.apply(ev.EngineStats(instance=node.id, kv_usage=1.5, num_running=1, num_queued=0))
+    # More seconds re-prefilling moved requests than prefilling at all: impossible.
+    with pytest.raises(EventError, match="impossible"):
+        g.apply(
+            ev.EngineStats(
+                instance=node.id,
+                kv_usage=0.1,
+                num_running=1,
+                num_queued=0,
+                prefill_s=1.0,
+                resume_prefill_s=1.5,
+            )
+        )
 
 
 def test_check_catches_a_corrupted_model() -> None:
