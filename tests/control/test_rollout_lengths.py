@@ -79,6 +79,23 @@ def test_expected_remaining_is_the_survivors_mean_less_the_progress() -> None:
     assert expected_longest_remaining(g, ROLLOUT) >= 1.0
 
 
+def test_the_expected_remainder_is_each_requests_own_averaged_not_the_mean_requests() -> None:
+    # Heavy-tailed lengths: nine in ten 1,000 tokens, one in ten 20,000. Two requests
+    # 1,500 tokens in can only be long ones (18,500 left each); two not started yet
+    # have the mean ahead (2,900). At their mean progress, 750, every length survives
+    # and the remainder would read 2,150 for all four: a quarter of the work.
+    g = sized_graph()
+    finished_iteration(g, [1000] * 90 + [20_000] * 10)
+    running = enqueue(g, ["r0", "r1"], t=10.0)
+    for item in running:
+        g.apply(ev.ItemRouted(edge=PROMPTS, item=item, instance=E0, time_s=10.0))
+    progress_to(g, 1500.0, 2, t0=10.0)
+    enqueue(g, ["w0", "w1"], t=11.0)  # waiting for a slot: nothing generated
+    assert sorted(pending_progress(g, ROLLOUT)) == pytest.approx([0, 0, 1500, 1500])
+    assert expected_remaining_tokens(g, ROLLOUT) == pytest.approx((2 * 2900 + 2 * 18_500) / 4)
+    assert demands(g)[ROLLOUT].work == pytest.approx(4 * (2 * 2900 + 2 * 18_500) / 4)
+
+
 def test_the_context_a_remaining_token_reads_weighs_the_long_survivors_most() -> None:
     g = sized_graph(expected_tokens=1000.0)
     finished_iteration(g, [100, 200, 1000, 5000])

@@ -165,30 +165,63 @@ def pending_progress_by_group(
     return groups, progress
 
 
-def expected_remaining_tokens(graph: Hypergraph, component: ComponentId) -> float:
-    """Expected tokens a pending request of a rollout component still generates.
+def expected_remaining_tokens(
+    graph: Hypergraph, component: ComponentId, estimates: Estimates | None = None
+) -> float:
+    """Expected tokens a pending request of a rollout component still generates, on
+    average over them.
 
-    With a finished iteration, the survivors of its lengths past the mean progress,
-    ``E[L - p | L > p]``. During the first, at least the mean response length so far
-    (or the prior before any: this iteration's completions are the short ones, so
-    their mean is biased low until it ends), and at least what the requests in flight
-    have generated on average: with heavy-tailed lengths, the survivors are the long
-    ones.
+    With a finished iteration, each one's survivors of its lengths past its own
+    progress, ``E[L - p | L > p]``, averaged over the pending requests (in up to
+    :data:`_BUCKETS` progress quantiles; reading every pending request, with
+    ``estimates`` once per state of the hypergraph). With heavy-tailed lengths that
+    remainder grows with the progress, so taken once at the mean progress it gave the
+    fresh and short requests the long ones' remainders: on simulated math 32B the
+    rollout's remaining work came out 28-91% above what its requests went on to
+    generate through the middle of the rollout. During the first iteration, at least
+    the mean response length so far (or the prior before any: this iteration's
+    completions are the short ones, so their mean is biased low until it ends), and
+    at least what the requests in flight have generated on average: with heavy-tailed
+    lengths, the survivors are the long ones.
     """
     node = graph.components[component]
-    progress = mean_progress(graph, component)
     lengths = node.lengths_prev
     if lengths:
-        k = bisect.bisect_right(lengths, progress)
-        if k < len(lengths):
-            return node.lengths_prev_suffix[k] / (len(lengths) - k) - progress
-        return max(1.0, lengths[-1] - progress)
+        est = or_fresh(estimates)
+        return est.get(
+            graph, ("remaining", component), lambda: _mean_remaining(graph, component, est)
+        )
+    progress = mean_progress(graph, component)
     done = node.items_completed - node.items_completed_iter
     if done:
         mean = (node.tokens_completed - node.tokens_completed_iter) / done
     else:
         mean = graph.expected_tokens_per_request
     return max(mean, progress)
+
+
+def _remaining_past(lengths: list[int], suffix: list[float], progress: float) -> float:
+    """``E[L - p | L > p]`` over the sorted ``lengths`` (``suffix``: their suffix
+    sums), at least one token (a request past every length seen)."""
+    k = bisect.bisect_right(lengths, progress)
+    if k < len(lengths):
+        return suffix[k] / (len(lengths) - k) - progress
+    return max(1.0, lengths[-1] - progress)
+
+
+def _mean_remaining(graph: Hypergraph, component: ComponentId, est: Estimates) -> float:
+    node = graph.components[component]
+    lengths, suffix = node.lengths_prev, node.lengths_prev_suffix
+    progress = pending_progress(graph, component, est)
+    n = len(progress)
+    if not n:
+        return _remaining_past(lengths, suffix, 0.0)
+    size = max(1, math.ceil(n / _BUCKETS))
+    total = 0.0
+    for i in range(0, n, size):
+        count = min(size, n - i)
+        total += count * _remaining_past(lengths, suffix, progress[i + count // 2])
+    return total / n
 
 
 def expected_longest_remaining(
@@ -214,7 +247,7 @@ def expected_longest_remaining(
 def _longest(graph: Hypergraph, component: ComponentId, est: Estimates) -> float:
     progress = pending_progress(graph, component, est)
     node = graph.components[component]
-    mean = expected_remaining_tokens(graph, component)
+    mean = expected_remaining_tokens(graph, component, est)
     if node.lengths_prev:
         cap = graph.max_tokens_per_request
         longest = max(mean, _median_of_max(node.lengths_prev, progress, cap))
@@ -315,7 +348,9 @@ def _completion_order(graph: Hypergraph, component: ComponentId, est: Estimates)
     return Completions(tuple(times), tuple(means))
 
 
-def expected_output_work(graph: Hypergraph, component: ComponentId) -> float:
+def expected_output_work(
+    graph: Hypergraph, component: ComponentId, estimates: Estimates | None = None
+) -> float:
     """Work, in :meth:`~dynarl.control.hypergraph.Hypergraph.item_work` units, of the
     samples a rollout component's pending requests will become: their prompts, what
     they generated so far and what they are expected to generate
@@ -325,7 +360,7 @@ def expected_output_work(graph: Hypergraph, component: ComponentId) -> float:
         return float(pending)
     prompts = sum(e.tokens_pending for e in graph.edges_into(component))
     so_far = mean_progress(graph, component) * pending
-    return prompts + so_far + pending * expected_remaining_tokens(graph, component)
+    return prompts + so_far + pending * expected_remaining_tokens(graph, component, estimates)
 
 
 def _median_of_max(lengths: list[int], progress: list[float], cap: float) -> float:

@@ -96,8 +96,8 @@ def _demands(graph: Hypergraph, est: Estimates) -> dict[ComponentId, Demand]:
         total = own + upstream
         kind = node.spec.kind
         if kind == "rollout":
-            flow[cid] = rollout_lengths.expected_output_work(graph, cid) + upstream_work
-            per_item = rollout_lengths.expected_remaining_tokens(graph, cid)
+            flow[cid] = rollout_lengths.expected_output_work(graph, cid, est) + upstream_work
+            per_item = rollout_lengths.expected_remaining_tokens(graph, cid, est)
             # Requests that need an engine: those at one or waiting for one, and the
             # sessions out on a tool call expected back for another turn.
             in_tool = sum(e.num_in_tool for e in graph.edges_into(cid))

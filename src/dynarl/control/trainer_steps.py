@@ -246,7 +246,7 @@ def _rollout_groups(
     order = rollout_lengths.completion_order(graph, rollout, est)
     if order is None:  # no lengths yet: completions uniform in time, each of the mean
         length = rollout_lengths.mean_progress(graph, rollout)
-        length += rollout_lengths.expected_remaining_tokens(graph, rollout)
+        length += rollout_lengths.expected_remaining_tokens(graph, rollout, est)
         times: tuple[float, ...] = tuple((k + 1) / 16 for k in range(16))
         lengths: tuple[float, ...] = (length,) * 16
     else:
