@@ -232,11 +232,12 @@ class RolloutEngine:
                 len(c) - (p.num_tokens if p is not None else 0)
                 for c, p in zip(contexts, prefixes, strict=True)
             ]
-            self._prefill_tokens += sum(fed)
+            total = sum(fed)
+            self._prefill_tokens += total
             # the share of the prefill's time that re-prefills resumed requests
             resumed = sum(n for seq, n in zip(admitted, fed, strict=True) if seq.resumed)
-            if sum(fed) > 0:
-                resumed_share = resumed / sum(fed)
+            if total > 0:
+                resumed_share = resumed / total
             for seq in admitted:
                 seq.resumed = False
             self._fit_prefixes()
