@@ -14,6 +14,7 @@ their remaining lengths.
 
 import bisect
 import math
+from collections.abc import Iterator
 
 from dynarl.control.elements import TOOL, HyperEdge
 from dynarl.control.estimates import Estimates, or_fresh
@@ -216,12 +217,18 @@ def _mean_remaining(graph: Hypergraph, component: ComponentId, est: Estimates) -
     n = len(progress)
     if not n:
         return _remaining_past(lengths, suffix, 0.0)
-    size = max(1, math.ceil(n / _BUCKETS))
     total = 0.0
-    for i in range(0, n, size):
-        count = min(size, n - i)
+    for i, count in _quantiles(n):
         total += count * _remaining_past(lengths, suffix, progress[i + count // 2])
     return total / n
+
+
+def _quantiles(n: int) -> Iterator[tuple[int, int]]:
+    """Up to :data:`_BUCKETS` equal-count buckets of ``n`` sorted values: each one's
+    first index and count."""
+    size = max(1, math.ceil(n / _BUCKETS))
+    for i in range(0, n, size):
+        yield i, min(size, n - i)
 
 
 def expected_longest_remaining(
@@ -311,10 +318,9 @@ def _completion_order(graph: Hypergraph, component: ComponentId, est: Estimates)
     lengths = graph.components[component].lengths_prev
     progress = pending_progress(graph, component, est)
     n = len(progress)
-    size = max(1, math.ceil(n / _BUCKETS))
     points: list[tuple[float, float, float]] = []  # (remainder, weight, final length)
-    for i in range(0, n, size):
-        p, count = progress[i], min(size, n - i)
+    for i, count in _quantiles(n):
+        p = progress[i]
         k = bisect.bisect_right(lengths, p)
         left = len(lengths) - k
         if left == 0:  # past every length seen: one more token (see expected_remaining)
@@ -371,10 +377,7 @@ def _median_of_max(lengths: list[int], progress: list[float], cap: float) -> flo
     value (the least advanced request has the most left, so this errs long). A request
     past every length seen runs to the cap.
     """
-    n, buckets = len(progress), []
-    size = max(1, math.ceil(n / _BUCKETS))
-    for i in range(0, n, size):
-        buckets.append((progress[i], min(size, n - i)))
+    buckets = [(progress[i], count) for i, count in _quantiles(len(progress))]
     floor = 0.0  # a request past every length seen ends at the cap
     survivors: list[tuple[float, int, int, int]] = []  # (p, count, first survivor, survivors)
     for p, count in buckets:

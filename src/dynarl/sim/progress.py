@@ -6,7 +6,7 @@ time)."""
 from dynarl.data.peers import WorkerState
 from dynarl.obs.trace_records import Request
 from dynarl.sim.engine import SimEngine
-from dynarl.sim.jobs import Job
+from dynarl.sim.jobs import Job, JobProgress
 from dynarl.sim.rollout import turn_job
 
 
@@ -31,14 +31,7 @@ class SeqProgress:
         job = turn_job(self.request, self.turn)
         if not self.done:
             return job
-        return Job(
-            id=job.id,
-            group=job.group,
-            context_tokens=job.context_tokens + self.done,
-            output_tokens=job.output_tokens - self.done,
-            tool_call_after=job.tool_call_after,
-            resumed=True,
-        )
+        return job.resume(JobProgress(id=job.id, generated_tokens=self.done))
 
 
 class EngineSlot:
