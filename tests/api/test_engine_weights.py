@@ -51,12 +51,13 @@ class Engine:
         self.weight_sync_ranks = 1
         self.errors = errors
         self.updates = 0
+        self.leaves = 0
 
     async def join_weight_sync(self, group: WeightSyncGroup) -> None:
         pass
 
     async def leave_weight_sync(self) -> None:
-        pass
+        self.leaves += 1
 
     async def update_weights(self, manifest: WeightManifest) -> int:
         self.updates += 1
@@ -98,3 +99,22 @@ async def test_an_engine_refusing_the_manifest_fails_the_sync_without_retries() 
         await held.sync_weights(3)
     assert engines[0].updates == 1 and trainer.sends == [3]
     assert held.version == 0
+
+
+async def test_an_engine_replaced_for_other_devices_gets_the_weights_and_leaves_nothing() -> None:
+    """A slot closes its engine for one on other devices while the old one is still in
+    the group (no sync since it stopped serving): the old server is gone, so the group
+    is abandoned, not left (leaving is collective), and the new engine, which starts
+    from the seed's weights, is brought to the version the engines run."""
+    trainer = Trainer()
+    engines = [Engine("slot-0", []), Engine("slot-1", [])]
+    held = weights(engines, trainer)
+    await held.sync_weights(2)
+    async with held.lock:
+        await held.bring_up_to_date(engines)  # current: nothing to send
+    assert trainer.sends == [2] and trainer.groups == 1
+    held.engine_replaced("slot-0")
+    async with held.lock:
+        await held.bring_up_to_date([engines[0]])
+    assert trainer.sends == [2, 2] and trainer.groups == 2
+    assert engines[0].leaves == engines[1].leaves == 0  # abandoned, not left

@@ -72,9 +72,10 @@ def test_the_trainer_config_carries_the_accelerator_and_each_workers_device(name
 def test_each_slot_role_carries_the_accelerator_and_its_own_device() -> None:
     cfg = apply_overrides(DynaRLConfig(), ["cluster.accelerator=cuda"])
     world = types.SimpleNamespace(cfg=cfg)  # the roles read only the configuration
-    rollout = RealWorld.rollout_role(world, DeviceId(2))  # type: ignore[arg-type]
+    rollout = RealWorld.rollout_role(world, [DeviceId(2), DeviceId(5)])  # type: ignore[arg-type]
     inference = RealWorld.inference_role(world, DeviceId(3))  # type: ignore[arg-type]
-    assert (rollout.accelerator, rollout.device) == ("cuda", 2)
+    assert (rollout.accelerator, rollout.device, rollout.devices) == ("cuda", 2, (2, 5))
+    assert rollout.engine_devices == (2, 5)
     assert (inference.accelerator, inference.device) == ("cuda", 3)
 
 

@@ -70,6 +70,13 @@ class EngineWeights:
         """Slot ``name`` was started again: none of its roles holds any weights."""
         self._current = {(slot, role) for slot, role in self._current if slot != name}
 
+    def engine_replaced(self, name: str) -> None:
+        """Slot ``name`` closes its rollout engine for one on other devices: the new
+        one starts from the seed's weights, and the group the old one was in is
+        abandoned (its server is gone, so that group cannot be left together)."""
+        self._current.discard((name, "rollout"))
+        self.member_died(name)
+
     def member_died(self, name: str) -> None:
         """Slot ``name``'s worker died: if it was a member, abandon the group."""
         if any(s.name == name for s in self._members):

@@ -223,4 +223,4 @@ class WorldExecutor:
         if dst is None or not migration.create:
             return
         self._created[migration.id] = [spec.id for spec in migration.create]
-        await self.world.assume(dst, [(spec.devices[0], spec.id) for spec in migration.create])
+        await self.world.assume(dst, [(spec.devices, spec.id) for spec in migration.create])

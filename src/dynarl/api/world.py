@@ -116,15 +116,17 @@ class RealWorld:
         self.failure: BaseException | None = None
         """Why the world cannot go on, once it cannot."""
 
-    def rollout_role(self, device: DeviceId) -> RolloutRole:
-        """The role ``device``'s slot assumes to serve rollout."""
+    def rollout_role(self, devices: Sequence[DeviceId]) -> RolloutRole:
+        """The role the slot of ``devices[0]`` assumes to serve rollout as an engine on
+        ``devices`` (its tensor-parallel group)."""
         return RolloutRole(
             model=self.cfg.model,
             rollout=self.cfg.rollout,
             order=self.cfg.rollout.request_order,
             seed=self.cfg.run.seed,
             accelerator=self.cfg.cluster.accelerator,
-            device=device,
+            device=devices[0],
+            devices=tuple(int(d) for d in devices),
         )
 
     def inference_role(self, device: DeviceId) -> InferenceRole:
@@ -231,7 +233,7 @@ class RealWorld:
                 if component not in self.graph.components:
                     continue  # no inference stage: the engines' own log-probs
                 nodes = self.graph.components[component].active_instances()
-                instances = [(n.devices[0], n.id) for n in nodes]
+                instances = [(n.devices, n.id) for n in nodes]
                 if instances:
                     tg.start_soon(functools.partial(self.assume, component, instances, hold=False))
         await self.weights.sync_weights(0)
@@ -257,9 +259,18 @@ class RealWorld:
         }
         with_inference = INFERENCE in self.graph.components
 
+        tp = self.cfg.rollout.tp
+        devices = set(self.slot_devices)
+
         async def prebuild(device: DeviceId) -> None:
             slot = self.slot(device)
-            roles: list[RolloutRole | InferenceRole] = [self.rollout_role(device)]
+            roles: list[RolloutRole | InferenceRole] = []
+            # A rollout engine is led by the first device of its group: prebuilt where
+            # the device leads an aligned group of rollout.tp, on that group (a move
+            # onto other devices builds the engine then).
+            group = [DeviceId(device + k) for k in range(tp)]
+            if device % tp == 0 and devices.issuperset(group):
+                roles.append(self.rollout_role(group))
             if with_inference:
                 roles.append(self.inference_role(device))
             for role in roles:
@@ -285,23 +296,27 @@ class RealWorld:
     async def assume(
         self,
         component: ComponentId,
-        instances: Sequence[tuple[DeviceId, InstanceId]],
+        instances: Sequence[tuple[Sequence[DeviceId], InstanceId]],
         *,
         hold: bool = True,
     ) -> None:
-        """Make the slots of ``instances``' devices serve ``component`` (rollout or
-        inference) as those instances: the roles are built (or resumed) side by side,
+        """Make the slots of ``instances``' first devices serve ``component`` (rollout
+        or inference) as those instances, each on its devices: the roles are built (or
+        resumed) side by side,
         brought to the weights the engines run in one broadcast, and only then
         connected. With ``hold`` the router routes nothing to them until
         ``router.reactivate`` (once the controller has placed them)."""
-        role_of: Callable[[DeviceId], RolloutRole | InferenceRole]
-        if component == ROLLOUT:
-            role_of = self.rollout_role
-        elif component == INFERENCE:
-            role_of = self.inference_role
-        else:
+        if component not in (ROLLOUT, INFERENCE):
             raise ValueError(f"slots serve rollout or inference, not {component}")
-        slots = [(self.slot(device), instance, role_of(device)) for device, instance in instances]
+
+        def role_of(devices: Sequence[DeviceId]) -> RolloutRole | InferenceRole:
+            if component == ROLLOUT:
+                return self.rollout_role(devices)
+            return self.inference_role(devices[0])
+
+        slots = [
+            (self.slot(devices[0]), instance, role_of(devices)) for devices, instance in instances
+        ]
         for listener in self.switch_listeners:
             listener(component, [slot for slot, _, _ in slots])
         try:
@@ -325,6 +340,11 @@ class RealWorld:
         # One at a time with other membership changes of the weight-sync group: a slot
         # must not be reconnecting while the group is rebuilt around it.
         async with self.weights.lock:
+            for slot, _, role in slots:
+                built = slot.rollout_role
+                if isinstance(role, RolloutRole) and built is not None and built != role:
+                    # The slot closes its engine on other devices for a new one.
+                    self.weights.engine_replaced(slot.name)
             async with anyio.create_task_group() as tg:
                 for slot, instance, role in slots:
                     tg.start_soon(functools.partial(slot.build_role, role, instance=instance))

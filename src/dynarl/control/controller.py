@@ -30,7 +30,7 @@ from dynarl.control.predictor import Predictor
 from dynarl.control.reprefill import reprefill_span_s
 from dynarl.control.scheduler import Policy, StepHold, Trigger, TriggerKind
 from dynarl.core.clock import Clock
-from dynarl.core.errors import EventError
+from dynarl.core.errors import EventError, in_words
 from dynarl.core.ids import ComponentId
 
 logger = logging.getLogger(__name__)
@@ -363,7 +363,7 @@ class Controller:
         try:
             waited = await self.executor.execute(migration)
         except Exception as exc:  # the executor reports failure by raising
-            logger.warning("migration %d failed: %s", migration.id, exc)
+            logger.warning("migration %d failed: %s", migration.id, in_words(exc))
             self._stats.migrations_failed += 1
             _, failures = self._backoff.get(_move(migration), (0.0, 0))
             delay = min(self.max_backoff_s, self.tick_s * 2**failures)

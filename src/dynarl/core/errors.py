@@ -33,3 +33,21 @@ class EventError(DynaRLError):
 class PlanError(DynaRLError):
     """A plan cannot be applied: it moves a device twice, or one that is not where the
     plan says it is."""
+
+
+def in_words(error: BaseException) -> str:
+    """``error`` in one line for a log: an exception group's leaves (the errors its
+    tasks raised), each as ``Type: first line of its message``."""
+    leaves: list[BaseException] = []
+    stack = [error]
+    while stack:
+        e = stack.pop(0)
+        if isinstance(e, BaseExceptionGroup):
+            stack[:0] = list(e.exceptions)
+        else:
+            leaves.append(e)
+    words = []
+    for leaf in leaves:
+        lines = str(leaf).splitlines()
+        words.append(f"{type(leaf).__name__}: {lines[0] if lines else ''}")
+    return "; ".join(words)

@@ -224,6 +224,8 @@ class SlotHandle(WorkerHandle):
         self.in_weight_sync = False
         """Whether its role holds the slot's place in the weight-sync group (a role it
         takes may not carry over the previous role's)."""
+        self.rollout_role: p.RolloutRole | None = None
+        """The rollout role it last built or resumed (an engine on those devices)."""
         self._next: InstanceId | None = None
         self._alive = alive or (lambda: True)
 
@@ -270,9 +272,11 @@ class SlotHandle(WorkerHandle):
                 self._router.reactivate(old)
             raise
         self.role = "rollout" if isinstance(role, p.RolloutRole) else "inference"
-        self.weight_sync_ranks = (
-            role.rollout.tp if isinstance(role, p.RolloutRole) else role.inference.tp
-        )
+        if isinstance(role, p.RolloutRole):
+            self.rollout_role = role
+            self.weight_sync_ranks = len(role.engine_devices)
+        else:
+            self.weight_sync_ranks = role.inference.tp
         self.in_weight_sync = reply.in_weight_sync
         self._next = instance
 

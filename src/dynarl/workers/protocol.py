@@ -51,6 +51,10 @@ class RolloutRole(msgspec.Struct, frozen=True, kw_only=True, tag="rollout"):
         accelerator: what the slot's device is (``cluster.accelerator``).
         device: the run's device the slot stands for (with ``cuda``: GPU
             ``device % N`` of the ``N`` the process sees).
+        devices: the run devices of the instance the engine serves, ``device`` first:
+            its tensor-parallel group (a backend that launches a server places it on
+            their GPUs). Empty: the ``rollout.tp`` devices from ``device`` on
+            (:attr:`engine_devices`).
         component: the component its instances belong to.
     """
 
@@ -62,7 +66,14 @@ class RolloutRole(msgspec.Struct, frozen=True, kw_only=True, tag="rollout"):
     seed: int = 0
     accelerator: Accelerator = "cpu"
     device: Annotated[int, msgspec.Meta(ge=0)] = 0
+    devices: tuple[int, ...] = ()
     component: ComponentId = ComponentId("rollout")
+
+    @property
+    def engine_devices(self) -> tuple[int, ...]:
+        """The run devices the engine runs on: ``devices``, or the ``rollout.tp``
+        devices from ``device`` on when none are given."""
+        return self.devices or tuple(range(self.device, self.device + self.rollout.tp))
 
 
 class InferenceRole(msgspec.Struct, frozen=True, kw_only=True, tag="inference"):

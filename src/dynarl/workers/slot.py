@@ -226,6 +226,8 @@ class SlotServer:
             if self._rollout is not None and self._rollout[0] == role:
                 await self._rollout[1].resume_memory()
             else:
+                if self._rollout is not None:
+                    await self._close_rollout()
                 backend = backends.rollout_backend(role.rollout)
                 engine = await anyio.to_thread.run_sync(
                     lambda: backend.build_rollout(role, name=self.name, num_threads=threads)
@@ -244,6 +246,17 @@ class SlotServer:
         self.next_identity = (req.instance, role.component)
         logger.info("%s assumed the %s role as %s", self.name, _kind(role), req.instance)
         return p.RoleAssumed(state=life.state, in_weight_sync=self._carry_weight_sync())
+
+    async def _close_rollout(self) -> None:
+        """Close the rollout engine built here for other devices (a server it launched
+        stops, freeing its GPUs and its port for the engine that replaces it). Its
+        place in a weight-sync group goes with it: the controller abandons that group."""
+        assert self._rollout is not None
+        engine = self._rollout[1]
+        self._rollout = None
+        if self._sync_holder is engine:
+            self._sync_holder = None
+        await anyio.to_thread.run_sync(engine.close)
 
     def _carry_weight_sync(self) -> bool:
         """Hand the slot's place in the weight-sync group to the role it now serves,

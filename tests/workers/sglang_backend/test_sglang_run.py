@@ -4,6 +4,7 @@ through rollout, inference and the actor each iteration, so the servers release 
 resume their memory, the slots switch roles, and the weights reach the servers by
 manifest after every optimizer step. Nothing is left running afterwards."""
 
+import logging
 import multiprocessing
 import os
 from pathlib import Path
@@ -58,6 +59,40 @@ async def test_a_colocated_run_on_sglang_servers_syncs_weights_every_iteration(
         assert stats.allocation == {"rollout": 0, "inference": 0, "actor": 2}
     assert multiprocessing.active_children() == []
     assert not servers_on(port), "a launched server outlived the run"
+
+
+@pytest.mark.timeout(300)
+async def test_engines_of_two_devices_are_relaunched_on_the_devices_each_move_gives_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``rollout.tp=2`` on four devices: each engine's server runs at ``--tp-size 2``
+    and takes two ranks of the weight-sync group. The moves do not give a slot the
+    same pair of devices every iteration (the first iteration's are (0, 3) and (1, 2),
+    prebuilt as (0, 1) and (2, 3)), so a slot closes its server for one on the new
+    pair, on the same port, and the new one is brought to the weights the engines
+    run before it serves."""
+    port = free_port(4)
+    cfg = apply_overrides(
+        DynaRLConfig(),
+        [
+            *SMALL,
+            "cluster.num_devices=4",
+            "rollout.initial_devices=2",
+            "rollout.tp=2",
+            "scheduler.mode=static-colocated",
+            f"rollout.sglang.port_base={port}",
+            f"run.run_dir={tmp_path}",
+        ],
+    )
+    with caplog.at_level(logging.INFO, logger="dynarl.api.engine_weights"):
+        async with DynaRL(cfg) as rl:
+            history = [s async for s in rl.iterations()]
+    assert [s.weight_version for s in history] == [1, 2]
+    assert all(s.gen_tokens > 0 for s in history)
+    brought = [r.getMessage() for r in caplog.records if "brought" in r.getMessage()]
+    assert any(m.endswith("to weight version 1") for m in brought), brought
+    assert multiprocessing.active_children() == []
+    assert not servers_on(*range(port, port + 4)), "a launched server outlived the run"
 
 
 @pytest.mark.timeout(400)

@@ -107,6 +107,10 @@ class FakeSGLang:
         worker)."""
         self._groups: dict[str, list[Any]] = {}  # per group name, a group per TP worker
         self._socket = socket.socket()
+        # As uvicorn binds SGLang's port: a server started on the port of one just
+        # stopped (a slot relaunching its engine) is not refused for the old one's
+        # connections in TIME_WAIT.
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind((host, port))
         self.url = f"http://{host}:{self._socket.getsockname()[1]}"
         self.app = Starlette(routes=self._routes(), lifespan=self._lifespan)

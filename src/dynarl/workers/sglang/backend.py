@@ -18,6 +18,7 @@ from dynarl.workers.sglang.checkpoint import PolicyCheckpoint
 from dynarl.workers.sglang.client import SGLangClient
 from dynarl.workers.sglang.config import SGLangConfig
 from dynarl.workers.sglang.errors import ProtocolMismatchError, ServerError
+from dynarl.workers.sglang.gpus import server_env, visible_gpus
 from dynarl.workers.sglang.handshake import check_server
 from dynarl.workers.sglang.launcher import ServerProcess, server_command
 from dynarl.workers.sglang.rollout import SGLangRollout
@@ -34,8 +35,10 @@ class SGLangBackend:
 
     def build_rollout(self, role: RolloutRole, *, name: str, num_threads: int) -> SGLangRollout:
         """An engine on server ``i`` of ``role.rollout.sglang`` (``i`` from ``name``,
-        ``slot-i``), launched first when no URLs are configured (with a random-init
-        policy written as a checkpoint for it when ``role.model.path`` is unset)."""
+        ``slot-i``), launched first when no URLs are configured: on the GPUs of the
+        role's devices with ``cluster.accelerator=cuda``
+        (:mod:`~dynarl.workers.sglang.gpus`), with a random-init policy written as a
+        checkpoint for it when ``role.model.path`` is unset."""
         config = role.rollout.sglang
         index = _index(name)
         if not config.launches:
@@ -51,6 +54,10 @@ class SGLangBackend:
             _note_server_limits(engine, role)
             _note_batch_limit(engine, role)
             return engine
+        devices = role.engine_devices
+        env = dict(SERVER_ENV)
+        if role.accelerator == "cuda":
+            env.update(server_env(devices, visible_gpus()))
         stop = contextlib.ExitStack()  # closed by the engine, or here on failure
         try:
             model_path = role.model.path
@@ -69,10 +76,11 @@ class SGLangBackend:
                 dtype=role.model.dtype,
                 seed=role.seed,
                 port=port,
+                tp=len(devices),
                 order=role.order,
             )
             server = ServerProcess(
-                command, url=f"http://{config.host}:{port}", env=SERVER_ENV, owned=owned
+                command, url=f"http://{config.host}:{port}", env=env, owned=owned
             )
             stop.callback(server.stop)
             server.start(timeout_s=config.startup_timeout_s)

@@ -38,10 +38,12 @@ def server_command(
     dtype: str,
     seed: int,
     port: int,
+    tp: int,
     order: OrderName = "fifo",
 ) -> list[str]:
     """The command line of one server: ``config.launch_command`` and SGLang's flags
-    for the model, the engine's limits (``rollout.max_running_requests``,
+    for the model, its tensor-parallel size ``tp`` (its engine's devices), the
+    engine's limits (``rollout.max_running_requests``,
     ``rollout.kv_capacity_tokens`` as ``--max-total-tokens``), the run's seed, and
     the memory saver, CPU weight backup and priority scheduling dynarl relies on;
     with the ``priority`` request order, SGLang's ``lpm`` schedule policy (longest
@@ -57,7 +59,7 @@ def server_command(
         "--port",
         str(port),
         "--tp-size",
-        str(rollout.tp),
+        str(tp),
         "--context-length",
         str(context_length),
         "--dtype",

@@ -89,6 +89,7 @@ class SGLangRollout:
         self._version = weight_version
         self._stats_interval_s = stats_interval_s
         self._on_close = on_close
+        self._closed = False  # closed: its server is (or may be) gone, nothing to poll
         self._now_s = now_s
         self._live: dict[str, LiveRequest] = {}
         self._incoming: MemoryObjectSendStream[LiveRequest] | None = None
@@ -167,7 +168,9 @@ class SGLangRollout:
                 self._on_close()
 
     def close(self) -> None:
-        """Stop a server this engine launched (a no-op for one it attached to)."""
+        """Stop a server this engine launched (a no-op for one it attached to); its
+        load is no longer read (a server started on the same port is another's)."""
+        self._closed = True
         self._on_close()
 
     async def submit(self, requests: Sequence[GenerateRequest], sink: RequestSink) -> None:
@@ -411,7 +414,7 @@ class SGLangRollout:
                 await sink.flush()
 
     async def _poll_load(self) -> None:
-        while self._error is None:
+        while self._error is None and not self._closed:
             try:
                 reports = await self.client.get("/get_load", list[m.LoadReport])
                 self._server_load = (self._now_s(), reports)
