@@ -302,10 +302,9 @@ class RealWorld:
     ) -> None:
         """Make the slots of ``instances``' first devices serve ``component`` (rollout
         or inference) as those instances, each on its devices: the roles are built (or
-        resumed) side by side,
-        brought to the weights the engines run in one broadcast, and only then
-        connected. With ``hold`` the router routes nothing to them until
-        ``router.reactivate`` (once the controller has placed them)."""
+        resumed) side by side, brought to the weights the engines run in one
+        broadcast, and only then connected. With ``hold`` the router routes nothing to
+        them until ``router.reactivate`` (once the controller has placed them)."""
         if component not in (ROLLOUT, INFERENCE):
             raise ValueError(f"slots serve rollout or inference, not {component}")
 
