@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import anyio
 
+from dynarl.core.errors import in_words
 from dynarl.workers import sync_group
 from dynarl.workers.errors import WeightManifestError
 from dynarl.workers.handles import SlotHandle
@@ -112,7 +113,7 @@ class EngineWeights:
                     "weight sync of version %d failed (%s); rebuilding the group and "
                     "retrying in %.1f s",
                     version,
-                    first_line(error),
+                    in_words(error),
                     delay_s,
                 )
                 self._abandon()
@@ -180,11 +181,3 @@ class EngineWeights:
     def _trainer(self) -> Trainer:
         assert self.trainer is not None, "start the world first"
         return self.trainer
-
-
-def first_line(error: BaseException) -> str:
-    """``error``'s message in one line (an exception group's first leaf)."""
-    while isinstance(error, BaseExceptionGroup) and error.exceptions:
-        error = error.exceptions[0]
-    text = str(error).splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"

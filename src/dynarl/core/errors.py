@@ -1,5 +1,7 @@
 """The error hierarchy: every error dynarl raises derives from :class:`DynaRLError`."""
 
+from collections.abc import Iterator
+
 
 class DynaRLError(Exception):
     """Root of every error dynarl raises on purpose."""
@@ -38,16 +40,15 @@ class PlanError(DynaRLError):
 def in_words(error: BaseException) -> str:
     """``error`` in one line for a log: an exception group's leaves (the errors its
     tasks raised), each as ``Type: first line of its message``."""
-    leaves: list[BaseException] = []
-    stack = [error]
-    while stack:
-        e = stack.pop(0)
-        if isinstance(e, BaseExceptionGroup):
-            stack[:0] = list(e.exceptions)
-        else:
-            leaves.append(e)
-    words = []
-    for leaf in leaves:
-        lines = str(leaf).splitlines()
-        words.append(f"{type(leaf).__name__}: {lines[0] if lines else ''}")
-    return "; ".join(words)
+    return "; ".join(
+        f"{type(leaf).__name__}: {next(iter(str(leaf).splitlines()), '')}"
+        for leaf in _leaves(error)
+    )
+
+
+def _leaves(error: BaseException) -> Iterator[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield error
