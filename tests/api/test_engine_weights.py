@@ -47,6 +47,7 @@ class Engine:
     def __init__(self, name: str, errors: list[Exception]) -> None:
         self.name = name
         self.role = "rollout"
+        self.engine: tuple[str, tuple[int, ...]] = ("rollout", (int(name[-1]),))
         self.in_weight_sync = False
         self.weight_sync_ranks = 1
         self.errors = errors
@@ -113,8 +114,32 @@ async def test_an_engine_replaced_for_other_devices_gets_the_weights_and_leaves_
     async with held.lock:
         await held.bring_up_to_date(engines)  # current: nothing to send
     assert trainer.sends == [2] and trainer.groups == 1
-    held.engine_replaced("slot-0")
+    held.engine_replaced("slot-0", (0,))
     async with held.lock:
         await held.bring_up_to_date([engines[0]])
     assert trainer.sends == [2, 2] and trainer.groups == 2
     assert engines[0].leaves == engines[1].leaves == 0  # abandoned, not left
+
+
+async def test_each_engine_of_a_slot_holds_its_own_version() -> None:
+    """A slot keeps a rollout engine of each size: the wide one takes a sync while the
+    narrow one sleeps, so when the slot serves with the narrow one again it is brought
+    to the version, and the wide one is current when the slot goes back to it."""
+    trainer = Trainer()
+    engines = [Engine("slot-0", []), Engine("slot-1", [])]
+    held = weights(engines, trainer)
+    await held.sync_weights(1)
+    engines[0].engine = ("rollout", (0, 1))  # the slot regroups; slot-1 sleeps
+    async with held.lock:
+        await held.bring_up_to_date([engines[0]])  # a new engine: seed weights
+    assert trainer.sends == [1, 1]
+    await held.sync_weights(2)
+    engines[0].engine = ("rollout", (0,))  # back to the narrow engine, asleep at 1
+    async with held.lock:
+        await held.bring_up_to_date(engines)
+    assert trainer.sends == [1, 1, 2, 2]
+    assert held.held_version(engines[0]) == 2  # type: ignore[arg-type]
+    engines[0].engine = ("rollout", (0, 1))  # the wide one took version 2 itself
+    async with held.lock:
+        await held.bring_up_to_date([engines[0]])
+    assert trainer.sends == [1, 1, 2, 2]

@@ -70,12 +70,18 @@ def test_the_trainer_config_carries_the_accelerator_and_each_workers_device(name
 
 
 def test_each_slot_role_carries_the_accelerator_and_its_own_device() -> None:
-    cfg = apply_overrides(DynaRLConfig(), ["cluster.accelerator=cuda"])
-    world = types.SimpleNamespace(cfg=cfg)  # the roles read only the configuration
+    cfg = apply_overrides(
+        DynaRLConfig(), ["cluster.accelerator=cuda", "rollout.tp=2", "rollout.tail_tp=4"]
+    )
+    # The roles read only the configuration and the slots' devices.
+    world = types.SimpleNamespace(cfg=cfg, slot_devices=[DeviceId(d) for d in range(8)])
     rollout = RealWorld.rollout_role(world, [DeviceId(2), DeviceId(5)])  # type: ignore[arg-type]
     inference = RealWorld.inference_role(world, DeviceId(3))  # type: ignore[arg-type]
     assert (rollout.accelerator, rollout.device, rollout.devices) == ("cuda", 2, (2, 5))
     assert rollout.engine_devices == (2, 5)
+    assert rollout.server_index == 2  # the slot's server of rollout.tp
+    wide = RealWorld.rollout_role(world, [DeviceId(d) for d in (4, 5, 6, 7)])  # type: ignore[arg-type]
+    assert wide.server_index == 8 + 4  # the tail's: past every slot's
     assert (inference.accelerator, inference.device) == ("cuda", 3)
 
 

@@ -29,7 +29,12 @@ from dynarl.workers import backends
             ["does not shard", "inference.tp=1"],
         ),
         ("rollout.tp=2", "rollout.tp", ["does not shard", "rollout.tp=1"]),
-        ("rollout.tail_tp=2", "rollout.tail_tp", ["dynarl sim", "unset rollout.tail_tp"]),
+        ("rollout.tail_tp=2", "rollout.tail_tp", ["1 device", "rollout.backend=sglang"]),
+        (
+            "rollout.backend=sglang\nrollout.tail_tp=2\nrollout.sglang.urls=[http://h:1]",
+            "rollout.tail_tp",
+            ["servers it launches", "rollout.sglang.urls empty"],
+        ),
         ("actor.tp=2", "actor.tp", ["actor.backend=megatron"]),
         ("actor.pp=2", "actor.pp", ["pipeline parallelism"]),
     ],

@@ -2,8 +2,11 @@
 
 The group is the trainer's rank 0 (the sender) and every slot that serves a role now. A
 slot that switches roles keeps its place when its backend can hand it to the new role,
-and rejoins otherwise. A slot that takes a role mid-run gets the weights the engines run
-(the last synced version) before anything is routed to it, and the group is rebuilt
+and rejoins otherwise. The version each engine of a slot holds is tracked apart (a slot
+keeps a rollout engine per size, and an inference worker, asleep beside the one it
+serves; each starts from the seed's weights, version 0). A slot that takes a role
+mid-run gets the weights the engines run (the last synced version) on the engine it
+takes before anything is routed to it, and the group is rebuilt
 (every member leaving the old one together) whenever its members or its sender change.
 A member that dies is not left (leaving is collective and would wait on it until the
 group's timeout): the group is abandoned and the next sync builds a new one of the
@@ -11,14 +14,14 @@ survivors, whose members replace their old group by joining it.
 """
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 
 from dynarl.core.errors import in_words
 from dynarl.workers import sync_group
 from dynarl.workers.errors import WeightManifestError
-from dynarl.workers.handles import SlotHandle
+from dynarl.workers.handles import EngineKey, SlotHandle
 from dynarl.workers.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -59,23 +62,24 @@ class EngineWeights:
         """Held by every change of the group's membership (a slot must not be
         reconnecting while the group is rebuilt around it)."""
         self._members: list[SlotHandle] = []
-        self._current: set[tuple[str, str | None]] = set()  # (slot, role) at `version`
+        # The version each (slot, engine) holds; one not here holds the seed's: 0.
+        self._held: dict[tuple[str, EngineKey], int] = {}
         self._connected = False  # whether a group exists
 
-    def hold_version(self, slots: Iterable[tuple[str, str | None]]) -> None:
-        """These (slot, role) pairs hold :attr:`version` (every role starts from the
-        seed's weights, as the trainer does: version 0)."""
-        self._current |= set(slots)
+    def held_version(self, slot: SlotHandle) -> int:
+        """The weight version the engine ``slot`` serves with holds."""
+        return self._held.get((slot.name, slot.engine), 0)
 
     def forget_slot(self, name: str) -> None:
-        """Slot ``name`` was started again: none of its roles holds any weights."""
-        self._current = {(slot, role) for slot, role in self._current if slot != name}
+        """Slot ``name`` was started again: its engines hold the seed's weights."""
+        self._held = {key: v for key, v in self._held.items() if key[0] != name}
 
-    def engine_replaced(self, name: str) -> None:
-        """Slot ``name`` closes its rollout engine for one on other devices: the new
-        one starts from the seed's weights, and the group the old one was in is
-        abandoned (its server is gone, so that group cannot be left together)."""
-        self._current.discard((name, "rollout"))
+    def engine_replaced(self, name: str, devices: tuple[int, ...]) -> None:
+        """Slot ``name`` closes its rollout engine on ``devices`` for one of that size
+        on other devices: the new one starts from the seed's weights, and the group
+        the slot was in is abandoned (the old engine may have been its member, and its
+        server is gone, so that group cannot be left together)."""
+        self._held.pop((name, ("rollout", devices)), None)
         self.member_died(name)
 
     def member_died(self, name: str) -> None:
@@ -125,7 +129,7 @@ class EngineWeights:
         """Give ``slots`` (which just built or resumed a role) the weights the engines
         run, in one regroup and broadcast. Call with :attr:`lock` held."""
         trainer = self._trainer()
-        need = [s for s in slots if (s.name, s.role) not in self._current]
+        need = [s for s in slots if self.held_version(s) != self.version]
         if not need or self.trainer_ahead:
             # Already current (a role resumed within the version it last held), or the
             # trainer is mid-iteration: the iteration's closing sync includes them.
@@ -134,7 +138,7 @@ class EngineWeights:
         members = [s for s in self._serving() if s.name not in names] + need
         await self._regroup(members)
         await sync_group.broadcast(trainer, self.version, members)
-        self._current |= {(s.name, s.role) for s in need}
+        self._held.update({(s.name, s.engine): self.version for s in need})
         logger.info("brought %s to weight version %d", ", ".join(sorted(names)), self.version)
 
     async def _sync_once(self, version: int) -> int:
@@ -145,7 +149,7 @@ class EngineWeights:
             sent = await sync_group.broadcast(trainer, version, members)
             self.version = version
             self.trainer_ahead = False
-            self._current = {(s.name, s.role) for s in members}
+            self._held.update({(s.name, s.engine): version for s in members})
             return sent
 
     def _abandon(self) -> None:

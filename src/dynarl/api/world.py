@@ -39,13 +39,11 @@ from dynarl.launch.launcher import Launcher
 from dynarl.launch.launchers import build_launcher
 from dynarl.workers import backends
 from dynarl.workers.handles import CallChannel, SlotHandle
-from dynarl.workers.protocol import InferenceRole, RoleKind, RolloutRole
+from dynarl.workers.protocol import InferenceRole, RolloutRole
 from dynarl.workers.slot import SlotConfig
 from dynarl.workers.trainer import Trainer
 
 logger = logging.getLogger(__name__)
-
-_ROLES: tuple[RoleKind, ...] = ("rollout", "inference")
 
 
 class RealWorld:
@@ -118,7 +116,11 @@ class RealWorld:
 
     def rollout_role(self, devices: Sequence[DeviceId]) -> RolloutRole:
         """The role the slot of ``devices[0]`` assumes to serve rollout as an engine on
-        ``devices`` (its tensor-parallel group)."""
+        ``devices`` (its tensor-parallel group). An engine of the tail's size is a server
+        of its own, numbered past the slots' (the slot keeps one of each size)."""
+        index = self.slot_devices.index(devices[0])
+        if len(devices) != self.cfg.rollout.tp:
+            index += len(self.slot_devices)
         return RolloutRole(
             model=self.cfg.model,
             rollout=self.cfg.rollout,
@@ -127,6 +129,7 @@ class RealWorld:
             accelerator=self.cfg.cluster.accelerator,
             device=devices[0],
             devices=tuple(int(d) for d in devices),
+            server_index=index,
         )
 
     def inference_role(self, device: DeviceId) -> InferenceRole:
@@ -226,8 +229,6 @@ class RealWorld:
         actor = sorted(self.graph.components[ACTOR].active_instances(), key=lambda n: n.id)
         await trainer.start(tuple(self.trainer_members([d for n in actor for d in n.devices])))
         self._route_to_ranks()
-        # Every role starts from the seed's weights, as the trainer does: version 0.
-        self.weights.hold_version((h.name, k) for h in self.launcher.handles for k in _ROLES)
         async with anyio.create_task_group() as tg:
             for component in (ROLLOUT, INFERENCE):
                 if component not in self.graph.components:
@@ -248,7 +249,11 @@ class RealWorld:
         park them (memory released, a host copy kept), before the trainer loads its
         state: the first move onto a slot then resumes a role instead of building one
         (seconds on CPU; a server launch with SGLang). Slots that start with a role
-        build it next, as the initial placement says."""
+        build it next, as the initial placement says. With ``rollout.tail_tp`` in the
+        dynamic mode, the engines of the tail's size are built first, on every aligned
+        group of that size (those that start with a role included): a regroup then
+        resumes them. One build at a time per device: each takes its device's memory
+        until it is released."""
         if self.cfg.scheduler.mode == "static-disaggregated":
             return
         placed = {
@@ -258,29 +263,39 @@ class RealWorld:
             for n in self.graph.components[c].active_instances()
         }
         with_inference = INFERENCE in self.graph.components
-
-        tp = self.cfg.rollout.tp
         devices = set(self.slot_devices)
+        tail = self.cfg.rollout.tail_tp if self.cfg.scheduler.mode == "dynamic" else 0
 
-        async def prebuild(device: DeviceId) -> None:
+        def led_group(device: DeviceId, size: int) -> list[DeviceId] | None:
+            """The aligned group of ``size`` devices ``device`` leads, if all are slots'.
+            A rollout engine is led by the first device of its group: prebuilt where the
+            device leads an aligned group, on that group (a move onto other devices
+            builds the engine then)."""
+            group = [DeviceId(device + k) for k in range(size)]
+            return group if device % size == 0 and devices.issuperset(group) else None
+
+        async def park(device: DeviceId, roles: list[RolloutRole | InferenceRole]) -> None:
             slot = self.slot(device)
-            roles: list[RolloutRole | InferenceRole] = []
-            # A rollout engine is led by the first device of its group: prebuilt where
-            # the device leads an aligned group of rollout.tp, on that group (a move
-            # onto other devices builds the engine then).
-            group = [DeviceId(device + k) for k in range(tp)]
-            if device % tp == 0 and devices.issuperset(group):
-                roles.append(self.rollout_role(group))
-            if with_inference:
-                roles.append(self.inference_role(device))
             for role in roles:
                 await slot.build_role(role, instance=InstanceId(slot.name))
                 await slot.release_memory(host_backup=True)
 
+        if tail:
+            async with anyio.create_task_group() as tg:
+                for device in self.slot_devices:
+                    if (wide := led_group(device, tail)) is not None:
+                        parked: list[RolloutRole | InferenceRole] = [self.rollout_role(wide)]
+                        tg.start_soon(park, device, parked)
         async with anyio.create_task_group() as tg:
             for device in self.slot_devices:
-                if device not in placed:
-                    tg.start_soon(prebuild, device)
+                if device in placed:
+                    continue
+                roles: list[RolloutRole | InferenceRole] = []
+                if (group := led_group(device, self.cfg.rollout.tp)) is not None:
+                    roles.append(self.rollout_role(group))
+                if with_inference:
+                    roles.append(self.inference_role(device))
+                tg.start_soon(park, device, roles)
 
     async def aclose(self) -> None:
         """Stop the trainer, then the slots; idempotent, and finishes even when
@@ -340,10 +355,12 @@ class RealWorld:
         # must not be reconnecting while the group is rebuilt around it.
         async with self.weights.lock:
             for slot, _, role in slots:
-                built = slot.rollout_role
-                if isinstance(role, RolloutRole) and built is not None and built != role:
-                    # The slot closes its engine on other devices for a new one.
-                    self.weights.engine_replaced(slot.name)
+                if not isinstance(role, RolloutRole):
+                    continue
+                built = slot.rollout_roles.get(len(role.engine_devices))
+                if built is not None and built != role:
+                    # The slot closes its engine of that size on other devices for a new one.
+                    self.weights.engine_replaced(slot.name, built.engine_devices)
             async with anyio.create_task_group() as tg:
                 for slot, instance, role in slots:
                     tg.start_soon(functools.partial(slot.build_role, role, instance=instance))

@@ -34,7 +34,16 @@ class UnauthorizedError(HelloRefusedError):
 
 
 class PeerLostError(DataPlaneError):
-    """The other side stopped answering, retired this worker, or declared it failed."""
+    """The other side stopped answering, retired this worker, or declared it failed.
+
+    Attributes:
+        reconnect: the controller retired the worker to have it connect again as
+            another instance (a role switch), not to stop it.
+    """
+
+    def __init__(self, message: str, *, reconnect: bool = False) -> None:
+        super().__init__(message)
+        self.reconnect = reconnect
 
 
 class PeerUnreachableError(DataPlaneError):

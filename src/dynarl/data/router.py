@@ -299,14 +299,17 @@ class Router:
         if instance in self._placement.workers:
             self._placement.set_active(self._worker(instance), False, self._clock.now())
 
-    async def retire(self, instance: InstanceId, reason: str = "retired") -> None:
+    async def retire(
+        self, instance: InstanceId, reason: str = "retired", *, reconnect: bool = False
+    ) -> None:
         """Forget a drained instance that holds nothing and tell its worker to close its
-        link (the hypergraph removes it on ``MigrationDone``)."""
+        link (the hypergraph removes it on ``MigrationDone``): to stop, or with
+        ``reconnect`` to connect again as the instance it was told to become."""
         w = self._worker(instance)
         if w.active or w.in_flight or len(w.queue):
             raise RoutingError(f"drain {instance!r} before retiring it")
         self._sessions.forget(w)
-        await self._sessions.send(w, wire.Retire(reason))
+        await self._sessions.send(w, wire.Retire(reason, reconnect=reconnect))
 
     def fail(self, instance: InstanceId, reason: str) -> None:
         """Declare ``instance``'s worker failed now, as the liveness watch would after

@@ -147,9 +147,12 @@ class Ping(ToWorker, frozen=True):
 
 
 class Retire(ToWorker, frozen=True):
-    """The controller is done with this instance; the worker should close its link."""
+    """The controller is done with this instance; the worker should close its link.
+    With ``reconnect`` the worker connects again as the instance it was told to
+    become (a role switch); without it, it stops."""
 
     reason: str
+    reconnect: bool = False
 
 
 class Call(ToWorker, frozen=True):

@@ -90,7 +90,9 @@ class WorkerLink:
             wire.Ping: self._on_ping,
             wire.Call: self._on_call,
             wire.Retire: lambda m: self._lose(
-                f"the controller retired this worker: {m.reason}", expected=True
+                f"the controller retired this worker: {m.reason}",
+                expected=True,
+                reconnect=m.reconnect,
             ),
             wire.Refused: lambda m: self._lose(f"the controller dropped this worker: {m.reason}"),
             wire.Welcome: lambda m: self._codec.rejections.add("unexpected", "second welcome"),
@@ -276,12 +278,12 @@ class WorkerLink:
         with contextlib.suppress(anyio.WouldBlock):
             self._transport.send_nowait(CONTROLLER, self._codec.encode(wire.Pong(msg.corr)))
 
-    def _lose(self, reason: str, *, expected: bool = False) -> None:
+    def _lose(self, reason: str, *, expected: bool = False, reconnect: bool = False) -> None:
         if self._lost is None:
             # A retirement is the controller's decision (shutdown, a role switch).
             level = logging.INFO if expected else logging.WARNING
             logger.log(level, "link of %s lost: %s", self.instance, reason)
-            self._lost = PeerLostError(reason)
+            self._lost = PeerLostError(reason, reconnect=reconnect)
             self._has_items.set()
             self._has_calls.set()
             self._has_aborts.set()

@@ -88,7 +88,7 @@ BACKENDS: Mapping[Role, Mapping[str, Backend]] = {
             built=True,
             max_pp=None,
             check_section=lambda section: sglang_config.check_launch(
-                section.sglang, installed=_installed("sglang")
+                section.sglang, installed=_installed("sglang"), tail_tp=section.tail_tp
             ),
         ),
     },
@@ -176,12 +176,11 @@ def check(role: Role, section: RolloutConfig | InferenceConfig | ActorConfig) ->
     backend = check_name(field, name, BACKENDS[role])
     tp, pp = section.tp, getattr(section, "pp", 1)
     tail = getattr(section, "tail_tp", 0)
-    if tail:
-        # No backend relaunches its engines at another size yet; the simulator does.
+    if tail and backend.max_tp is not None and tail > backend.max_tp:
         raise ConfigError(
-            f"{role}.tail_tp={tail}: the {name} backend runs every engine at {role}.tp="
-            f"{tp} (engines regrouped for the rollout's tail are modelled by `dynarl sim` "
-            f"only); unset {role}.tail_tp",
+            f"{role}.tail_tp={tail}: the {name} backend runs each engine on "
+            f"{backend.max_tp} device(s), so it cannot regroup them for the tail; unset "
+            f"{role}.tail_tp, or set {role}.backend=sglang",
             field=f"{role}.tail_tp",
         )
     if backend.max_tp is not None and tp > backend.max_tp:

@@ -86,11 +86,14 @@ class RolloutConfig(Section, frozen=True, kw_only=True):
             narrow ones yield more tokens per device at full batch. The scheduler
             regroups every engine at once, when its predictor says the rollout ends
             sooner for it (re-prefills and the move included); engines return to
-            ``tp`` when the rollout next starts. The simulator models it; the real
-            backends run every engine at ``tp`` and refuse it.
+            ``tp`` when the rollout next starts. The simulator models it; the
+            SGLang backend regroups the servers it launches (a slot keeps a server
+            of each size, the unused one asleep; docs/sglang.md); the torch backend
+            runs each engine on one device and refuses it.
         initial_devices: devices rollout starts each run with.
         max_running_requests: requests an engine decodes at once.
-        kv_capacity_tokens: KV-cache tokens an engine holds.
+        kv_capacity_tokens: KV-cache tokens an engine of ``tp`` devices holds (one
+            of ``tail_tp`` holds as many per device).
         temperature, top_p, max_new_tokens: sampling parameters.
         request_order: the order each engine's queue serves requests in: ``fifo``, or
             ``priority`` (the priority-aware queue for multi-turn episodes: sessions

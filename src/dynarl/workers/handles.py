@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=p.SlotReply)
 
+EngineKey = tuple[p.RoleKind | None, tuple[int, ...]]
+"""Which engine of a slot: its role, and a rollout engine's devices."""
+
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(p.AnySlotReply)
 
@@ -226,6 +229,9 @@ class SlotHandle(WorkerHandle):
         takes may not carry over the previous role's)."""
         self.rollout_role: p.RolloutRole | None = None
         """The rollout role it last built or resumed (an engine on those devices)."""
+        self.rollout_roles: dict[int, p.RolloutRole] = {}
+        """The rollout role of each size it last built or resumed (the slot keeps an
+        engine of each size, asleep but the one it serves with), by device count."""
         self._next: InstanceId | None = None
         self._alive = alive or (lambda: True)
 
@@ -233,6 +239,14 @@ class SlotHandle(WorkerHandle):
     def alive(self) -> bool:
         """Whether its process still runs (as far as its launcher knows)."""
         return self._alive()
+
+    @property
+    def engine(self) -> EngineKey:
+        """Which of its engines it serves with: its role, and a rollout engine's
+        devices (a slot keeps a rollout engine of each size)."""
+        if self.role == "rollout" and self.rollout_role is not None:
+            return ("rollout", self.rollout_role.engine_devices)
+        return (self.role, ())
 
     @overload
     async def assume_role(
@@ -273,7 +287,7 @@ class SlotHandle(WorkerHandle):
             raise
         self.role = "rollout" if isinstance(role, p.RolloutRole) else "inference"
         if isinstance(role, p.RolloutRole):
-            self.rollout_role = role
+            self.rollout_role = self.rollout_roles[len(role.engine_devices)] = role
             self.weight_sync_ranks = len(role.engine_devices)
         else:
             self.weight_sync_ranks = role.inference.tp
@@ -287,7 +301,9 @@ class SlotHandle(WorkerHandle):
         if instance is None or self.role is None:
             raise LaunchError(f"slot {self.name} has no role built to connect; build_role first")
         self._next = None
-        await self._router.retire(self.instance, reason=f"{self.name} becomes {instance}")
+        await self._router.retire(
+            self.instance, reason=f"{self.name} becomes {instance}", reconnect=True
+        )
         self.instance = instance
         await self.wait_connected(timeout_s)
         ranks = self.weight_sync_ranks

@@ -64,6 +64,7 @@ async def _serve(server: SlotServer, endpoint: str, name: str, config: SlotConfi
         identity = server.identity
         while True:
             transport = ZmqTransport.connect(address)
+            reconnect = False  # as the role switch's new identity; else the slot stops
             try:
                 async with open_worker_link(
                     transport,
@@ -77,13 +78,16 @@ async def _serve(server: SlotServer, endpoint: str, name: str, config: SlotConfi
                     await server.serve(link)
             except PeerLostError as e:
                 logger.info("slot %s: link as %s ended: %s", name, identity[0], e)
+                reconnect = e.reconnect
             except DataPlaneError:
                 logger.exception("slot %s: link as %s failed", name, identity[0])
                 break
             finally:
                 await transport.aclose()
+            # A role built but never connected (a prebuilt one) leaves an identity
+            # behind: only a role switch's retirement connects as it.
             next_identity = server.take_next_identity()
-            if next_identity is None:
+            if next_identity is None or not reconnect:
                 break
             identity = next_identity
         server.stop()

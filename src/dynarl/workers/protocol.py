@@ -55,6 +55,10 @@ class RolloutRole(msgspec.Struct, frozen=True, kw_only=True, tag="rollout"):
             its tensor-parallel group (a backend that launches a server places it on
             their GPUs). Empty: the ``rollout.tp`` devices from ``device`` on
             (:attr:`engine_devices`).
+        server_index: which of the run's launched servers the engine is (it listens
+            on ``rollout.sglang.port_base`` plus it): the slot's index for an engine of
+            ``rollout.tp``, past every slot's for one of ``rollout.tail_tp``, so a slot
+            keeps a server of each size; ``None``: the slot's index.
         component: the component its instances belong to.
     """
 
@@ -67,6 +71,7 @@ class RolloutRole(msgspec.Struct, frozen=True, kw_only=True, tag="rollout"):
     accelerator: Accelerator = "cpu"
     device: Annotated[int, msgspec.Meta(ge=0)] = 0
     devices: tuple[int, ...] = ()
+    server_index: Annotated[int, msgspec.Meta(ge=0)] | None = None
     component: ComponentId = ComponentId("rollout")
 
     @property

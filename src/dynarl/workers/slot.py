@@ -23,6 +23,7 @@ import os
 import re
 import warnings
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -97,6 +98,9 @@ class SlotServer:
         """Set by ``AssumeRole``: the identity to reconnect as once retired."""
         self._role: p.Role | None = None
         self._rollout: tuple[p.RolloutRole, RolloutEngine] | None = None
+        # Rollout engines of other sizes than the current one, asleep (memory released),
+        # by their device count: a regroup for the tail resumes one, launching nothing.
+        self._parked: dict[int, tuple[p.RolloutRole, RolloutEngine]] = {}
         self._inference: tuple[p.InferenceRole, InferenceEngine] | None = None
         self._sync_holder: WeightReceiver | None = None
         self._streamed: set[str] = set()  # requests of Generate calls, not items
@@ -182,9 +186,13 @@ class SlotServer:
         self.lifecycle.to("stopped")
 
     def close(self) -> None:
-        """Close the rollout engine built here, if any (idempotent)."""
-        if self._rollout is not None:
-            self._rollout[1].close()
+        """Close the rollout engines built here, if any, side by side (a server each
+        engine launched takes seconds to stop; idempotent)."""
+        built = [*self._parked.values(), *([self._rollout] if self._rollout else [])]
+        engines = [engine for _, engine in built]
+        with ThreadPoolExecutor(max(1, len(engines))) as pool:
+            for closed in [pool.submit(engine.close) for engine in engines]:
+                closed.result()
 
     async def _answer(self, link: WorkerLink, call: wire.Call) -> None:
         request = None
@@ -223,6 +231,7 @@ class SlotServer:
             life.to("released")
         threads = self.config.num_threads
         if isinstance(role, p.RolloutRole):
+            self._take_rollout_of_size(len(role.engine_devices))
             if self._rollout is not None and self._rollout[0] == role:
                 await self._rollout[1].resume_memory()
             else:
@@ -247,10 +256,22 @@ class SlotServer:
         logger.info("%s assumed the %s role as %s", self.name, _kind(role), req.instance)
         return p.RoleAssumed(state=life.state, in_weight_sync=self._carry_weight_sync())
 
+    def _take_rollout_of_size(self, size: int) -> None:
+        """Make the rollout engine of ``size`` devices built here (if any) the current
+        one, parking the current one if it has another size (it is released: the slot
+        released its role before it takes another)."""
+        current = self._rollout
+        if current is not None and len(current[0].engine_devices) == size:
+            return
+        if current is not None:
+            self._parked[len(current[0].engine_devices)] = current
+        self._rollout = self._parked.pop(size, None)
+
     async def _close_rollout(self) -> None:
-        """Close the rollout engine built here for other devices (a server it launched
-        stops, freeing its GPUs and its port for the engine that replaces it). Its
-        place in a weight-sync group goes with it: the controller abandons that group."""
+        """Close the rollout engine built here for other devices of the same size (a
+        server it launched stops, freeing its GPUs and its port for the engine that
+        replaces it). Its place in a weight-sync group goes with it: the controller
+        abandons that group."""
         assert self._rollout is not None
         engine = self._rollout[1]
         self._rollout = None

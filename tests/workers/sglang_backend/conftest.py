@@ -2,6 +2,7 @@
 backed by the torch engine) and adapters attached to them."""
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -72,3 +73,15 @@ def cmdline(pid: str) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
+
+
+def servers_on(*ports: int) -> list[str]:
+    """Ids of fake servers still running on any of ``ports``."""
+    flags = [f"--port {port} " for port in ports]
+    return [
+        pid
+        for pid in os.listdir("/proc")
+        if pid.isdigit()
+        and "fake_sglang" in (line := cmdline(pid) + " ")
+        and any(flag in line for flag in flags)
+    ]

@@ -6,7 +6,6 @@ manifest after every optimizer step. Nothing is left running afterwards."""
 
 import logging
 import multiprocessing
-import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from dynarl.api.facade import DynaRL
 from dynarl.testing.faults import FaultInjector, WorkerKill
 from dynarl.testing.ports import free_port
 
-from .conftest import cmdline
+from .conftest import servers_on
 
 pytestmark = pytest.mark.slow
 
@@ -136,15 +135,3 @@ async def test_a_killed_rollout_slot_is_survived_and_the_servers_keep_taking_wei
     # The killed slot's server died with it (its tether), not left holding its port.
     assert not servers_on(port, port + 1), "a launched server outlived its slot"
     assert not list(scratch.glob("dynarl-sglang-policy-*")), "a policy outlived its slot"
-
-
-def servers_on(*ports: int) -> list[str]:
-    """Ids of fake servers still running on any of ``ports``."""
-    flags = [f"--port {port} " for port in ports]
-    return [
-        pid
-        for pid in os.listdir("/proc")
-        if pid.isdigit()
-        and "fake_sglang" in (line := cmdline(pid) + " ")
-        and any(flag in line for flag in flags)
-    ]

@@ -34,11 +34,12 @@ class SGLangBackend:
     """Builds rollout engines served by SGLang."""
 
     def build_rollout(self, role: RolloutRole, *, name: str, num_threads: int) -> SGLangRollout:
-        """An engine on server ``i`` of ``role.rollout.sglang`` (``i`` from ``name``,
-        ``slot-i``), launched first when no URLs are configured: on the GPUs of the
-        role's devices with ``cluster.accelerator=cuda``
-        (:mod:`~dynarl.workers.sglang.gpus`), with a random-init policy written as a
-        checkpoint for it when ``role.model.path`` is unset."""
+        """An engine on server ``i`` of ``role.rollout.sglang``, launched first when no
+        URLs are configured (``i``: ``role.server_index``, else the slot's index from
+        ``name``, ``slot-i``): on the GPUs of the role's devices with
+        ``cluster.accelerator=cuda`` (:mod:`~dynarl.workers.sglang.gpus`), at their
+        tensor-parallel size, with a random-init policy written as a checkpoint for it
+        when ``role.model.path`` is unset."""
         config = role.rollout.sglang
         index = _index(name)
         if not config.launches:
@@ -67,7 +68,7 @@ class SGLangBackend:
                 stop.callback(checkpoint.remove)
                 model_path = checkpoint.path
                 owned.append(checkpoint.path)
-            port = config.port_base + index
+            port = config.port_base + (index if role.server_index is None else role.server_index)
             command = server_command(
                 config,
                 model_path=model_path,

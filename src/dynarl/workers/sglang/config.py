@@ -27,7 +27,9 @@ class SGLangConfig(Section, frozen=True, kw_only=True):
             ``["python", "-m", "dynarl.testing.fake_sglang"]`` (a fake server backed
             by the torch reference engine).
         host: the address launched servers listen on.
-        port_base: launched server ``i`` listens on ``port_base + i``.
+        port_base: launched server ``i`` listens on ``port_base + i`` (``i``: its
+            slot's index; for an engine of ``rollout.tail_tp``, the number of slots
+            plus it).
         mem_fraction_static: ``--mem-fraction-static`` (unset: SGLang's default).
         extra_args: more flags for launched servers.
         startup_timeout_s: how long a launched server may take to answer ``/health``.
@@ -89,13 +91,22 @@ class SGLangConfig(Section, frozen=True, kw_only=True):
         return not self.urls
 
 
-def check_launch(config: SGLangConfig, *, installed: bool) -> None:
+def check_launch(config: SGLangConfig, *, installed: bool, tail_tp: int = 0) -> None:
     """Refuse a launch that cannot work here, before anything starts: servers launched
-    with SGLang's own launcher while ``sglang`` is not ``installed``.
+    with SGLang's own launcher while ``sglang`` is not ``installed``, or engines
+    regrouped for the tail (``rollout.tail_tp``) on servers dynarl attaches to (it
+    cannot start them at another size).
 
     Raises:
         ConfigError: naming the extra to install, or ``urls`` to attach instead.
     """
+    if tail_tp and not config.launches:
+        raise ConfigError(
+            f"rollout.tail_tp={tail_tp} regroups the engines into servers of {tail_tp} "
+            "GPUs for the rollout's tail, which dynarl can do only with servers it "
+            "launches; leave rollout.sglang.urls empty, or unset rollout.tail_tp",
+            field="rollout.tail_tp",
+        )
     if config.launches and "sglang.launch_server" in config.launch_command and not installed:
         raise ConfigError(
             "rollout.backend='sglang' launches its servers with sglang.launch_server, "

@@ -43,8 +43,9 @@ def server_command(
 ) -> list[str]:
     """The command line of one server: ``config.launch_command`` and SGLang's flags
     for the model, its tensor-parallel size ``tp`` (its engine's devices), the
-    engine's limits (``rollout.max_running_requests``,
-    ``rollout.kv_capacity_tokens`` as ``--max-total-tokens``), the run's seed, and
+    engine's limits (``rollout.max_running_requests``; ``--max-total-tokens``:
+    ``rollout.kv_capacity_tokens`` per ``rollout.tp`` devices, so an engine of the
+    tail's size holds as many KV tokens per device as a narrow one), the run's seed, and
     the memory saver, CPU weight backup and priority scheduling dynarl relies on;
     with the ``priority`` request order, SGLang's ``lpm`` schedule policy (longest
     cached prefix first among equal priorities)."""
@@ -69,7 +70,7 @@ def server_command(
         "--max-running-requests",
         str(rollout.max_running_requests),
         "--max-total-tokens",
-        str(rollout.kv_capacity_tokens),
+        str(rollout.kv_capacity_tokens * tp // rollout.tp),
         "--enable-memory-saver",
         "--enable-weights-cpu-backup",
         "--enable-priority-scheduling",
