@@ -96,6 +96,18 @@ def check_backends(cfg: DynaRLConfig) -> None:
     backends.check("inference", cfg.inference)
     backends.check("actor", cfg.actor)
     launchers.check(cfg.cluster)
+    cluster, rollout = cfg.cluster, cfg.rollout
+    if (
+        rollout.backend == "sglang"
+        and rollout.sglang.launches
+        and cluster.launcher == "ray"
+        and cluster.accelerator == "cuda"
+    ):
+        from dynarl.workers.sglang.gpus import check_slot_gpus
+
+        tail = rollout.tail_tp if cfg.scheduler.mode == "dynamic" else 0
+        sizes = {"rollout.tp": rollout.tp, "rollout.tail_tp": tail}
+        check_slot_gpus(sizes, cluster.ray.gpus_per_device)
 
 
 _DEMOS_PER_STEP = 16

@@ -7,13 +7,16 @@ from pathlib import Path
 
 import pytest
 
+from dynarl.api.assembly import check_backends
+from dynarl.api.config import DynaRLConfig
+from dynarl.api.config_io import apply_overrides
 from dynarl.core.errors import ConfigError
 from dynarl.testing.ports import free_port
 from dynarl.workers.config import RolloutConfig
 from dynarl.workers.protocol import RolloutRole
 from dynarl.workers.sglang.backend import BACKEND
 from dynarl.workers.sglang.config import SGLangConfig
-from dynarl.workers.sglang.gpus import server_env, server_gpus, visible_gpus
+from dynarl.workers.sglang.gpus import check_slot_gpus, server_env, server_gpus, visible_gpus
 
 from .conftest import MODEL, cmdline
 
@@ -43,6 +46,34 @@ def test_an_engine_wider_than_the_gpus_its_slot_sees_is_refused_naming_the_fix()
     assert caught.value.field == "rollout.tp"
     assert "rollout.sglang.urls" in str(caught.value)
     assert server_gpus([6], ["3"]) == ["3"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [(["rollout.tp=2"], "rollout.tp"), (["rollout.tail_tp=2"], "rollout.tail_tp")],
+)
+def test_under_ray_engines_wider_than_a_bundle_are_refused_before_the_run_starts(
+    overrides: list[str], field: str
+) -> None:
+    pytest.importorskip("ray")
+    cfg = apply_overrides(
+        DynaRLConfig(),
+        [
+            "rollout.backend=sglang",
+            "rollout.sglang.launch_command=[python, -m, dynarl.testing.fake_sglang]",
+            "cluster.launcher=ray",
+            "cluster.accelerator=cuda",
+            "cluster.ray.gpus_per_device=1",
+            "scheduler.mode=dynamic",
+            *overrides,
+        ],
+    )
+    with pytest.raises(ConfigError) as caught:
+        check_backends(cfg)
+    assert caught.value.field == field
+    assert f"set {field}=" in str(caught.value)
+    assert "local launcher" in str(caught.value)
+    check_slot_gpus({"rollout.tp": 2, "rollout.tail_tp": 4}, 4)  # bundles of 4 GPUs: fine
 
 
 def test_a_slot_that_sees_no_gpu_is_refused_naming_the_field() -> None:

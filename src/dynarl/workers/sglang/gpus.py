@@ -6,10 +6,10 @@ the ``N`` the launching process sees), handed to the server as its
 
 Under Ray each slot's process sees the GPUs its own bundle reserved
 (``cluster.ray.gpus_per_device``), so an engine of ``tp`` > 1 cannot be placed from one
-slot: that is refused, naming the fix."""
+slot: that is refused before the run starts (:func:`check_slot_gpus`), naming the fix."""
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from dynarl.core.errors import ConfigError
 
@@ -53,6 +53,28 @@ def server_gpus(devices: Sequence[int], visible: Sequence[str]) -> list[str]:
             field="rollout.tp",
         )
     return gpus
+
+
+def check_slot_gpus(engine_sizes: Mapping[str, int], gpus_per_slot: float) -> None:
+    """Refuse, before anything starts, engines wider than the GPUs one slot's process
+    sees (under Ray, ``cluster.ray.gpus_per_device``): ``engine_sizes`` maps each field
+    that sets an engine size (``rollout.tp``, ``rollout.tail_tp``) to its value (0:
+    unused). :func:`server_gpus` refuses the same as a server launches.
+
+    Raises:
+        ConfigError: naming the first field too wide, and the fixes.
+    """
+    for field, size in engine_sizes.items():
+        if size > max(1.0, gpus_per_slot):
+            raise ConfigError(
+                f"{field}={size}: an SGLang server of {size} GPUs is launched by one slot, "
+                f"and under Ray each slot's process sees only its own bundle's GPUs "
+                f"(cluster.ray.gpus_per_device={gpus_per_slot:g}): start the servers "
+                f"yourself and attach them (rollout.sglang.urls; without "
+                f"rollout.tail_tp), run on one node with the local launcher, or set "
+                f"{field}={'1' if field == 'rollout.tp' else '0'}",
+                field=field,
+            )
 
 
 def server_env(devices: Sequence[int], visible: Sequence[str]) -> dict[str, str]:
