@@ -14,6 +14,14 @@ from dynarl.api.config import DynaRLConfig
 from dynarl.api.config_io import apply_overrides
 from dynarl.workers import backends
 
+# Launched SGLang servers under Ray on one-GPU bundles, in the mode that regroups.
+RAY_SGLANG = (
+    "rollout.backend=sglang\n"
+    "rollout.sglang.launch_command=[python, -m, dynarl.testing.fake_sglang]\n"
+    "cluster.launcher=ray\ncluster.accelerator=cuda\ncluster.ray.gpus_per_device=1\n"
+    "scheduler.mode=dynamic\n"
+)
+
 
 @pytest.mark.parametrize(
     ("override", "field", "says"),
@@ -34,6 +42,12 @@ from dynarl.workers import backends
             "rollout.backend=sglang\nrollout.tail_tp=2\nrollout.sglang.urls=[http://h:1]",
             "rollout.tail_tp",
             ["servers it launches", "rollout.sglang.urls empty"],
+        ),
+        (RAY_SGLANG + "rollout.tp=2", "rollout.tp", ["set rollout.tp=", "local launcher"]),
+        (
+            RAY_SGLANG + "rollout.tail_tp=2",
+            "rollout.tail_tp",
+            ["set rollout.tail_tp=", "local launcher"],
         ),
         ("actor.tp=2", "actor.tp", ["actor.backend=megatron"]),
         ("actor.pp=2", "actor.pp", ["pipeline parallelism"]),

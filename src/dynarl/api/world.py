@@ -274,7 +274,7 @@ class RealWorld:
             group = [DeviceId(device + k) for k in range(size)]
             return group if device % size == 0 and devices.issuperset(group) else None
 
-        async def park(device: DeviceId, roles: list[RolloutRole | InferenceRole]) -> None:
+        async def park(device: DeviceId, roles: Sequence[RolloutRole | InferenceRole]) -> None:
             slot = self.slot(device)
             for role in roles:
                 await slot.build_role(role, instance=InstanceId(slot.name))
@@ -284,8 +284,7 @@ class RealWorld:
             async with anyio.create_task_group() as tg:
                 for device in self.slot_devices:
                     if (wide := led_group(device, tail)) is not None:
-                        parked: list[RolloutRole | InferenceRole] = [self.rollout_role(wide)]
-                        tg.start_soon(park, device, parked)
+                        tg.start_soon(park, device, [self.rollout_role(wide)])
         async with anyio.create_task_group() as tg:
             for device in self.slot_devices:
                 if device in placed:

@@ -7,9 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from dynarl.api.assembly import check_backends
-from dynarl.api.config import DynaRLConfig
-from dynarl.api.config_io import apply_overrides
 from dynarl.core.errors import ConfigError
 from dynarl.testing.ports import free_port
 from dynarl.workers.config import RolloutConfig
@@ -48,31 +45,8 @@ def test_an_engine_wider_than_the_gpus_its_slot_sees_is_refused_naming_the_fix()
     assert server_gpus([6], ["3"]) == ["3"]
 
 
-@pytest.mark.parametrize(
-    ("overrides", "field"),
-    [(["rollout.tp=2"], "rollout.tp"), (["rollout.tail_tp=2"], "rollout.tail_tp")],
-)
-def test_under_ray_engines_wider_than_a_bundle_are_refused_before_the_run_starts(
-    overrides: list[str], field: str
-) -> None:
-    pytest.importorskip("ray")
-    cfg = apply_overrides(
-        DynaRLConfig(),
-        [
-            "rollout.backend=sglang",
-            "rollout.sglang.launch_command=[python, -m, dynarl.testing.fake_sglang]",
-            "cluster.launcher=ray",
-            "cluster.accelerator=cuda",
-            "cluster.ray.gpus_per_device=1",
-            "scheduler.mode=dynamic",
-            *overrides,
-        ],
-    )
-    with pytest.raises(ConfigError) as caught:
-        check_backends(cfg)
-    assert caught.value.field == field
-    assert f"set {field}=" in str(caught.value)
-    assert "local launcher" in str(caught.value)
+def test_engines_within_a_slots_bundle_are_accepted() -> None:
+    # Wider ones are refused by check_backends (tests/workers/test_backends.py).
     check_slot_gpus({"rollout.tp": 2, "rollout.tail_tp": 4}, 4)  # bundles of 4 GPUs: fine
 
 
