@@ -27,6 +27,7 @@ from dynarl.data.zmq_transport import ZmqTransport  # noqa: E402
 from dynarl.launch.local import LaunchConfig, LocalLauncher  # noqa: E402
 from dynarl.workers import sync_group  # noqa: E402
 from dynarl.workers.config import SLOT_CAPACITY  # noqa: E402
+from dynarl.workers.decode_probe import DecodeProbe  # noqa: E402
 from dynarl.workers.errors import WeightManifestError, WorkerCallError  # noqa: E402
 from dynarl.workers.handles import CallChannel, RolloutHandle  # noqa: E402
 from dynarl.workers.inference import LogprobRequest  # noqa: E402
@@ -191,6 +192,31 @@ async def test_a_slot_switches_roles_without_a_new_process(cluster: Cluster) -> 
     assert (await back.stats()).pid == pid == slot.process.pid and slot.process.is_alive()
     assert cluster.router.instances.count(InstanceId("rollout-1b")) == 1
     assert InstanceId("inference-1") not in cluster.router.instances
+
+
+@pytest.mark.timeout(90)
+async def test_a_slot_measures_its_rollout_engines_decode_rate_connected_or_only_built(
+    cluster: Cluster,
+) -> None:
+    """The decode probe a dynamic run with a tail size makes as it starts, on a slot
+    connected as the engine (its loop runs) and on one that only built it (the probe
+    runs the loop)."""
+    rollout = await rollout_on(cluster, 0, "rollout-0")
+    slot = cluster.launcher.slots[0].handle
+    probe = DecodeProbe(new_tokens=4, seed=3)
+    # The grid its limits allow: one request and its batch of 8, prompts of 16 tokens
+    # and of the longest that leaves room for 2 x 4 new tokens in 96.
+    expected = [(1, 22.0), (1, 93.0), (8, 22.0), (8, 93.0)]
+    connected = await slot.measure_decode(probe)
+    assert [(s.load, s.context) for s in connected] == expected
+    assert all(s.engine_devices == 1 and s.throughput > 0 for s in connected)
+    assert (await rollout.stats()).load.num_running == 0  # type: ignore[union-attr]
+
+    narrow = RolloutRole(model=MODEL, rollout=RolloutConfig(max_running_requests=2))
+    await slot.build_role(narrow, instance=InstanceId("rollout-0b"))  # not connected
+    built = await slot.measure_decode(probe)
+    assert [(s.load, s.context) for s in built] == [(1, 22.0), (1, 93.0), (2, 22.0), (2, 93.0)]
+    await slot.connect_role()
 
 
 @pytest.mark.timeout(60)

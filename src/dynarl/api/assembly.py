@@ -29,6 +29,7 @@ from dynarl.api.world import RealWorld
 from dynarl.control import events as ev
 from dynarl.control.controller import Controller
 from dynarl.control.pipeline import build_hypergraph, build_pipeline
+from dynarl.control.predictor import Predictor
 from dynarl.control.predictor_profile import Profile
 from dynarl.control.topology import (
     ACTOR,
@@ -187,6 +188,20 @@ def predictor_profile(
     return profile
 
 
+def engine_sizes_to_probe(cfg: DynaRLConfig, predictor: Predictor) -> tuple[int, ...]:
+    """The rollout engine sizes (devices) a run measures as it starts
+    (:mod:`dynarl.workers.decode_probe`): both, ``rollout.tp`` and ``rollout.tail_tp``,
+    in the dynamic mode with a tail size, unless the predictor has decode costs for
+    both already (a profile that measured them: ``scheduler.predictor_profile``, or a
+    resumed run's ``predictor.json``). Both, so that the regroup compares engines
+    measured alike."""
+    tail = cfg.rollout.tail_tp if cfg.scheduler.mode == "dynamic" else 0
+    sizes = (cfg.rollout.tp, tail)
+    if not tail or all(predictor.step_costs(ROLLOUT, size) is not None for size in sizes):
+        return ()
+    return sizes
+
+
 def check_predictor_profile(cfg: DynaRLConfig) -> None:
     """Refuse a ``scheduler.predictor_profile`` that cannot seed this run's predictor
     (see :func:`predictor_profile`), before the run writes or starts anything."""
@@ -256,7 +271,6 @@ async def assemble(
     from dynarl.api.executor import WorldExecutor
     from dynarl.control.estimates import Estimates
     from dynarl.control.modes import make_hold, make_policy
-    from dynarl.control.predictor import Predictor
     from dynarl.data import RouterConfig
     from dynarl.data.endpoint import new_token
     from dynarl.data.peers import with_balance
@@ -311,7 +325,16 @@ async def assemble(
     )
     world = RealWorld(cfg, graph, router, log_dir=None if run_dir is None else run_dir / "workers")
     stack.push_async_callback(world.aclose)
-    await world.start()
+    await world.start(probe_sizes=engine_sizes_to_probe(cfg, predictor))
+    for sample in world.decode_samples:
+        predictor.observe(
+            ROLLOUT,
+            sample.engine_devices,
+            sample.load,
+            sample.throughput,
+            context=sample.context,
+            unit=sample.engine_devices,
+        )
     if resumed is not None:
         await _restore(world, resumed)
     # The timeline starts once the workers are up: start-up is not scheduling.

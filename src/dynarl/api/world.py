@@ -38,6 +38,7 @@ from dynarl.data.router import Router
 from dynarl.launch.launcher import Launcher
 from dynarl.launch.launchers import build_launcher
 from dynarl.workers import backends
+from dynarl.workers.decode_probe import DecodeSample
 from dynarl.workers.handles import CallChannel, SlotHandle
 from dynarl.workers.protocol import InferenceRole, RolloutRole
 from dynarl.workers.slot import SlotConfig
@@ -95,6 +96,8 @@ class RealWorld:
         """The actor (after :meth:`start`)."""
         self.trainer_workers: list[SlotHandle] = []
         """The trainer's worker processes (after :meth:`start`), in worker order."""
+        self.decode_samples: list[DecodeSample] = []
+        """What :meth:`start` measured of the rollout engines it was asked to probe."""
         self._serving: dict[InstanceId, SlotHandle] = {}
         self.lost: set[str] = set()
         """Names of slots whose worker died."""
@@ -192,9 +195,11 @@ class RealWorld:
 
     # ------------------------------------------------------------------ start, stop
 
-    async def start(self) -> None:
+    async def start(self, *, probe_sizes: Sequence[int] = ()) -> None:
         """Start the slots and the trainer, give every initial instance its role,
-        start training and build the weight-sync group (version 0 is synced).
+        start training and build the weight-sync group (version 0 is synced). Before
+        the trainer loads, one rollout engine of each size (devices) in ``probe_sizes``
+        is measured (:attr:`decode_samples`; :mod:`dynarl.workers.decode_probe`).
 
         On failure, what started is left for :meth:`aclose`.
         """
@@ -226,6 +231,7 @@ class RealWorld:
         )
         self.trainer = self.weights.trainer = trainer
         await self._prebuild_roles()
+        self.decode_samples = await self._probe_engines(probe_sizes)
         actor = sorted(self.graph.components[ACTOR].active_instances(), key=lambda n: n.id)
         await trainer.start(tuple(self.trainer_members([d for n in actor for d in n.devices])))
         self._route_to_ranks()
@@ -263,16 +269,8 @@ class RealWorld:
             for n in self.graph.components[c].active_instances()
         }
         with_inference = INFERENCE in self.graph.components
-        devices = set(self.slot_devices)
+        led_group = self._led_group
         tail = self.cfg.rollout.tail_tp if self.cfg.scheduler.mode == "dynamic" else 0
-
-        def led_group(device: DeviceId, size: int) -> list[DeviceId] | None:
-            """The aligned group of ``size`` devices ``device`` leads, if all are slots'.
-            A rollout engine is led by the first device of its group: prebuilt where the
-            device leads an aligned group, on that group (a move onto other devices
-            builds the engine then)."""
-            group = [DeviceId(device + k) for k in range(size)]
-            return group if device % size == 0 and devices.issuperset(group) else None
 
         async def park(device: DeviceId, roles: Sequence[RolloutRole | InferenceRole]) -> None:
             slot = self.slot(device)
@@ -295,6 +293,43 @@ class RealWorld:
                 if with_inference:
                     roles.append(self.inference_role(device))
                 tg.start_soon(park, device, roles)
+
+    def _led_group(self, device: DeviceId, size: int) -> list[DeviceId] | None:
+        """The aligned group of ``size`` devices ``device`` leads, if all are slots'.
+        A rollout engine is led by the first device of its group: prebuilt where the
+        device leads an aligned group, on that group (a move onto other devices builds
+        the engine then)."""
+        group = [DeviceId(device + k) for k in range(size)]
+        return group if device % size == 0 and set(self.slot_devices).issuperset(group) else None
+
+    async def _probe_engines(self, sizes: Sequence[int]) -> list[DecodeSample]:
+        """Measure a rollout engine of each of ``sizes`` devices, one at a time (alone
+        on the machine), on the first aligned group of that size: its slot takes the
+        role (resumed where prebuilt), is probed and releases it again."""
+        samples: list[DecodeSample] = []
+        for size in sizes:
+            group = next(
+                (g for d in self.slot_devices if (g := self._led_group(d, size)) is not None),
+                None,
+            )
+            if group is None:
+                logger.warning(
+                    "no %d slots in an aligned group: no engine of %d probed", size, size
+                )
+                continue
+            slot = self.slot(group[0])
+            await slot.build_role(self.rollout_role(group), instance=InstanceId(slot.name))
+            measured = await slot.measure_decode()
+            await slot.release_memory(host_backup=True)
+            logger.info(
+                "probed a rollout engine of %d devices: %s",
+                size,
+                ", ".join(
+                    f"{s.load} x {s.context:.0f} tokens: {s.throughput:.0f} tok/s" for s in measured
+                ),
+            )
+            samples.extend(measured)
+        return samples
 
     async def aclose(self) -> None:
         """Stop the trainer, then the slots; idempotent, and finishes even when

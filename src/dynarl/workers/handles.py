@@ -28,6 +28,7 @@ from dynarl.data.calls import Call
 from dynarl.data.errors import RoutingError
 from dynarl.data.router import Router
 from dynarl.workers import protocol as p
+from dynarl.workers.decode_probe import DecodeProbe, DecodeSample
 from dynarl.workers.errors import LaunchError, WorkerCallError
 from dynarl.workers.inference import LogprobRequest, LogprobResult
 from dynarl.workers.lifecycle import LifecycleState
@@ -85,6 +86,12 @@ class WorkerHandle:
     async def stats(self) -> p.SlotStats:
         """The worker's state, role, weight version and load."""
         return await self._call(p.GetStats(), p.SlotStats)
+
+    async def measure_decode(self, probe: DecodeProbe | None = None) -> tuple[DecodeSample, ...]:
+        """Probe the decode rate of the slot's rollout engine, idle and active
+        (:mod:`dynarl.workers.decode_probe`)."""
+        request = p.MeasureDecode() if probe is None else p.MeasureDecode(probe=probe)
+        return (await self._call(request, p.DecodeMeasured)).samples
 
     async def release_memory(self, *, host_backup: bool = False) -> LifecycleState:
         """Free the role's device memory, keeping the process (state ``released``);

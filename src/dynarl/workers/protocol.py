@@ -18,6 +18,7 @@ from dynarl.core.config import Accelerator
 from dynarl.core.ids import ComponentId, InstanceId
 from dynarl.data.request_queue import DEFAULT_AGING, AgingBound
 from dynarl.workers.config import InferenceConfig, ModelConfig, RolloutConfig
+from dynarl.workers.decode_probe import DecodeProbe, DecodeSample
 from dynarl.workers.inference import (
     InferenceProgress,
     LogprobRequest,
@@ -187,6 +188,13 @@ class GetStats(SlotRequest, frozen=True, kw_only=True):
     """Report the slot's state and load."""
 
 
+class MeasureDecode(SlotRequest, frozen=True, kw_only=True):
+    """Measure the decode rate of the slot's rollout engine as ``probe`` says (it
+    holds no request; :mod:`dynarl.workers.decode_probe`); answered with the samples."""
+
+    probe: DecodeProbe = DecodeProbe()
+
+
 AnySlotRequest = (
     AssumeRole
     | Generate
@@ -200,6 +208,7 @@ AnySlotRequest = (
     | UpdateWeights
     | LeaveWeightSync
     | GetStats
+    | MeasureDecode
 )
 """Every request a slot accepts."""
 
@@ -271,6 +280,12 @@ class SlotStats(SlotReply, frozen=True, kw_only=True):
     progress: InferenceProgress | None = None
 
 
+class DecodeMeasured(SlotReply, frozen=True, kw_only=True):
+    """What a :class:`MeasureDecode` measured, a sample per probe point."""
+
+    samples: tuple[DecodeSample, ...]
+
+
 class Failed(SlotReply, frozen=True, kw_only=True):
     """The request raised ``error`` (the exception's type name) with ``message``."""
 
@@ -279,6 +294,14 @@ class Failed(SlotReply, frozen=True, kw_only=True):
 
 
 AnySlotReply = (
-    Ack | RoleAssumed | Generated | Aborted | Scored | WeightsUpdated | SlotStats | Failed
+    Ack
+    | RoleAssumed
+    | Generated
+    | Aborted
+    | Scored
+    | WeightsUpdated
+    | SlotStats
+    | DecodeMeasured
+    | Failed
 )
 """Every reply a slot sends."""

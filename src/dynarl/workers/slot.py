@@ -40,6 +40,7 @@ from dynarl.workers import backends
 from dynarl.workers import item_feeds as feeds
 from dynarl.workers import protocol as p
 from dynarl.workers.config import SLOT_CAPACITY
+from dynarl.workers.decode_probe import probe_decode
 from dynarl.workers.errors import LifecycleError
 from dynarl.workers.inference import InferenceEngine
 from dynarl.workers.lifecycle import Lifecycle
@@ -105,6 +106,7 @@ class SlotServer:
         self._sync_holder: WeightReceiver | None = None
         self._streamed: set[str] = set()  # requests of Generate calls, not items
         self._reporter: LoadReporter | None = None  # while a rollout link is fed
+        self._running: set[int] = set()  # ids of the rollout engines whose loop runs
         self._preloaded = anyio.Event()
         if not config.preload_modules:
             self._preloaded.set()
@@ -120,6 +122,7 @@ class SlotServer:
             p.UpdateWeights: self._update_weights,
             p.LeaveWeightSync: self._leave_weight_sync,
             p.GetStats: self._stats,
+            p.MeasureDecode: self._measure_decode,
         }
 
     # ------------------------------------------------------------------ serving
@@ -373,9 +376,41 @@ class SlotServer:
             self._reporter = None
 
     async def _run_engine(self, engine: RolloutEngine) -> None:
-        await engine.run()
+        self._running.add(id(engine))
+        try:
+            await engine.run()
+        finally:
+            self._running.discard(id(engine))
         if engine.error is not None and self.lifecycle.can("failed"):
             self.lifecycle.to("failed")
+
+    async def _measure_decode(self, req: p.MeasureDecode) -> p.SlotReply:
+        """Probe the rollout engine's decode rate (:mod:`dynarl.workers.decode_probe`),
+        running its loop for the while if no link runs it (a slot that built the role
+        but is not connected as it)."""
+        self.lifecycle.require("active", action="measure decode")
+        engine = self._rollout_engine()
+        assert self._rollout is not None
+        role = self._rollout[0]
+        devices = len(role.engine_devices)
+        from dynarl.workers.tokenizer import load_tokenizer  # transformers: not at start
+
+        tokenizer = await anyio.to_thread.run_sync(lambda: load_tokenizer(role.model))
+        special = set(tokenizer.all_special_ids)
+        token_ids = [t for t in range(len(tokenizer)) if t not in special]
+        async with task_group() as tg:
+            if id(engine) not in self._running:
+                tg.start_soon(self._run_engine, engine)
+            samples = await probe_decode(
+                engine,
+                req.probe,
+                engine_devices=devices,
+                kv_tokens=role.rollout.kv_capacity_tokens * devices // role.rollout.tp,
+                max_seq_len=role.model.max_seq_len,
+                token_ids=token_ids,
+            )
+            tg.cancel_scope.cancel()
+        return p.DecodeMeasured(samples=tuple(samples))
 
     # ------------------------------------------------------------------ inference
 

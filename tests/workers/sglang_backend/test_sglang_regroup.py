@@ -89,6 +89,16 @@ async def test_a_regroup_for_the_tail_resumes_servers_of_both_sizes_and_syncs_ea
             info = (await http.get(f"http://127.0.0.1:{port + 4 + 2}/get_server_info")).json()
         assert info["tp_size"] == 2  # its KV cache: as many tokens per device as a narrow one
         assert info["max_total_num_tokens"] == 2 * cfg.rollout.kv_capacity_tokens
+        # A fresh run measured an engine of each size as it started (slot 0's, before
+        # the trainer loaded), so its predictor can score the regroup.
+        measured = sorted((s.engine_devices, s.load) for s in world.decode_samples)
+        assert measured == sorted(
+            [(1, 1), (1, 1), (1, 64), (1, 64), (2, 1), (2, 1), (2, 64), (2, 64)]
+        )
+        predictor = rl.controller.predictor if rl.controller is not None else None
+        assert predictor is not None
+        for size in (1, 2):
+            assert predictor.step_costs(ROLLOUT, size) is not None, size
 
         executor = WorldExecutor(world)
         ids = [n.id for n in narrow]
