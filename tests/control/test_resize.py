@@ -232,6 +232,31 @@ def test_a_device_list_of_the_wide_engines_is_their_drained_engines_devices() ->
     assert [s.devices for s in m.create] == expected
 
 
+@pytest.mark.parametrize(
+    ("actor", "rollout", "tp", "tail", "groups"),
+    [
+        # Engines on devices 1..5 (one actor device before them): the aligned pairs
+        # (2, 3) and (4, 5), device 1 left over; in device order it would have been
+        # (1, 2) and (3, 4), neither a group the real world built an engine on ahead.
+        (1, 5, 1, 2, [(2, 3), (4, 5)]),
+        # Engines of 2 on (2, 3), (4, 5), (6, 7), regrouped into 4: the aligned block
+        # (4..7) of two whole engines; (2, 3) is too few for another.
+        (2, 6, 2, 4, [(4, 5, 6, 7)]),
+        # No aligned block they fill (engines of 2 on 1..6, into 4): in device order.
+        (1, 6, 2, 4, [(1, 2, 3, 4)]),
+        # Aligned blocks, then the rest in device order: as many as in device order.
+        (1, 6, 1, 2, [(1, 6), (2, 3), (4, 5)]),
+    ],
+)
+def test_a_regroup_takes_the_aligned_blocks_its_engines_fill_first(
+    actor: int, rollout: int, tp: int, tail: int, groups: list[tuple[int, ...]]
+) -> None:
+    g = make_graph(actor=actor, rollout=rollout, inference=0, rollout_tp=tp, rollout_tail_tp=tail)
+    m = PlanBuilder(g, reassign=False).regroup(ROLLOUT, tail)
+    assert m is not None
+    assert [s.devices for s in m.create] == [tuple(DeviceId(d) for d in g) for g in groups]
+
+
 def test_waiting_requests_allow_a_regroup_until_the_rollout_has_seen_a_tool_call() -> None:
     """With requests waiting for a slot the predictor scores waves of full batches, a
     model of requests that hold their slot until they end: multi-turn sessions do not,

@@ -245,17 +245,32 @@ class PlanBuilder:
         """Drain every active instance of ``component`` and restart its devices as
         instances of ``unit`` devices each (a resize: see ``Migration.unit``), their
         items back in the queue for the new instances to take. Each new instance takes
-        whole drained ones, in device order (as a move to a component of a larger
-        unit does); the devices of those left over go to the free pool. ``None`` if
-        none would be made."""
+        whole drained ones: first every aligned block of ``unit`` devices (``k *
+        unit`` on) they fill, then the rest in device order (as a move to a component
+        of a larger unit does); the devices of those left over go to the free pool.
+        As many instances either way; aligned first, so that the new instances are
+        those the real world built at its start, on one node each (an engine is
+        built ahead on every aligned group). ``None`` if none would be made."""
         active = sorted(self.graph.components[component].active_instances(), key=_first_device)
         if not active or any(n.id in self._drained for n in active):
             return None
-        devices = [d for n in active for d in n.devices]
-        groups = [tuple(devices[i : i + unit]) for i in range(0, len(devices) - unit + 1, unit)]
+        owner = {d: n.id for n in active for d in n.devices}
+        groups: list[tuple[DeviceId, ...]] = []
+        placed: set[InstanceId] = set()
+        for node in active:
+            first = _first_device(node)
+            block = tuple(DeviceId(first + k) for k in range(unit))
+            members = {owner.get(d) for d in block}
+            if first % unit or None in members or not placed.isdisjoint(members):
+                continue
+            if sum(len(self.graph.instances[m].devices) for m in members if m) == unit:
+                groups.append(block)  # whole instances, filling it
+                placed.update(m for m in members if m)
+        devices = [d for n in active if n.id not in placed for d in n.devices]
+        groups += [tuple(devices[i : i + unit]) for i in range(0, len(devices) - unit + 1, unit)]
         if not groups:
             return None
-        return self._restart(component, active, groups, unit=unit)
+        return self._restart(component, active, sorted(groups), unit=unit)
 
     def _restart(
         self,
