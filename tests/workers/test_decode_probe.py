@@ -5,8 +5,9 @@ process; which engines a run probes."""
 import anyio
 import pytest
 
-from dynarl.workers.decode_probe import DecodeProbe, probe_decode, probe_points
+from dynarl.workers.decode_probe import probe_decode, probe_points
 from dynarl.workers.errors import WorkerError
+from dynarl.workers.protocol import DecodeProbe
 from dynarl.workers.rollout import Completion, GenerateRequest, RolloutEngine
 
 PROBE = DecodeProbe(new_tokens=32, short_prompt=16)
@@ -88,9 +89,9 @@ async def abort_once_busy(engine: RolloutEngine) -> None:
 
 
 def test_a_run_probes_both_engine_sizes_only_where_it_may_regroup_and_lacks_their_costs() -> None:
-    from dynarl.api.assembly import engine_sizes_to_probe
     from dynarl.api.config import DynaRLConfig
     from dynarl.api.config_io import apply_overrides
+    from dynarl.api.engine_probe import engine_sizes_to_probe
     from dynarl.control.pipeline import build_pipeline
     from dynarl.control.predictor import Predictor
     from dynarl.control.predictor_profile import Profile, ProfileRow

@@ -27,11 +27,10 @@ from dynarl.data.zmq_transport import ZmqTransport  # noqa: E402
 from dynarl.launch.local import LaunchConfig, LocalLauncher  # noqa: E402
 from dynarl.workers import sync_group  # noqa: E402
 from dynarl.workers.config import SLOT_CAPACITY  # noqa: E402
-from dynarl.workers.decode_probe import DecodeProbe  # noqa: E402
 from dynarl.workers.errors import WeightManifestError, WorkerCallError  # noqa: E402
 from dynarl.workers.handles import CallChannel, RolloutHandle  # noqa: E402
 from dynarl.workers.inference import LogprobRequest  # noqa: E402
-from dynarl.workers.protocol import InferenceRole, RolloutRole  # noqa: E402
+from dynarl.workers.protocol import DecodeProbe, InferenceRole, RolloutRole  # noqa: E402
 from dynarl.workers.rollout import Completion, GenerateRequest, SamplingParams  # noqa: E402
 from dynarl.workers.tokenizer import build_tokenizer  # noqa: E402
 from dynarl.workers.torch.engine import RolloutEngine  # noqa: E402

@@ -24,6 +24,7 @@ import msgspec
 
 from dynarl.api.checkpoint import Checkpoint
 from dynarl.api.config import DynaRLConfig
+from dynarl.api.engine_probe import engine_sizes_to_probe, observe_samples
 from dynarl.api.run_dir import RunDirectory
 from dynarl.api.world import RealWorld
 from dynarl.control import events as ev
@@ -188,20 +189,6 @@ def predictor_profile(
     return profile
 
 
-def engine_sizes_to_probe(cfg: DynaRLConfig, predictor: Predictor) -> tuple[int, ...]:
-    """The rollout engine sizes (devices) a run measures as it starts
-    (:mod:`dynarl.workers.decode_probe`): both, ``rollout.tp`` and ``rollout.tail_tp``,
-    in the dynamic mode with a tail size, unless the predictor has decode costs for
-    both already (a profile that measured them: ``scheduler.predictor_profile``, or a
-    resumed run's ``predictor.json``). Both, so that the regroup compares engines
-    measured alike."""
-    tail = cfg.rollout.tail_tp if cfg.scheduler.mode == "dynamic" else 0
-    sizes = (cfg.rollout.tp, tail)
-    if not tail or all(predictor.step_costs(ROLLOUT, size) is not None for size in sizes):
-        return ()
-    return sizes
-
-
 def check_predictor_profile(cfg: DynaRLConfig) -> None:
     """Refuse a ``scheduler.predictor_profile`` that cannot seed this run's predictor
     (see :func:`predictor_profile`), before the run writes or starts anything."""
@@ -326,15 +313,7 @@ async def assemble(
     world = RealWorld(cfg, graph, router, log_dir=None if run_dir is None else run_dir / "workers")
     stack.push_async_callback(world.aclose)
     await world.start(probe_sizes=engine_sizes_to_probe(cfg, predictor))
-    for sample in world.decode_samples:
-        predictor.observe(
-            ROLLOUT,
-            sample.engine_devices,
-            sample.load,
-            sample.throughput,
-            context=sample.context,
-            unit=sample.engine_devices,
-        )
+    observe_samples(predictor, world.decode_samples)
     if resumed is not None:
         await _restore(world, resumed)
     # The timeline starts once the workers are up: start-up is not scheduling.

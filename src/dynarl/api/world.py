@@ -29,6 +29,7 @@ from pathlib import Path
 import anyio
 
 from dynarl.api.config import DynaRLConfig
+from dynarl.api.engine_probe import probe_engines
 from dynarl.api.engine_weights import EngineWeights
 from dynarl.api.reboots import Reboots
 from dynarl.control.hypergraph import Hypergraph
@@ -38,9 +39,8 @@ from dynarl.data.router import Router
 from dynarl.launch.launcher import Launcher
 from dynarl.launch.launchers import build_launcher
 from dynarl.workers import backends
-from dynarl.workers.decode_probe import DecodeSample
 from dynarl.workers.handles import CallChannel, SlotHandle
-from dynarl.workers.protocol import InferenceRole, RolloutRole
+from dynarl.workers.protocol import DecodeSample, InferenceRole, RolloutRole
 from dynarl.workers.slot import SlotConfig
 from dynarl.workers.trainer import Trainer
 
@@ -231,7 +231,7 @@ class RealWorld:
         )
         self.trainer = self.weights.trainer = trainer
         await self._prebuild_roles()
-        self.decode_samples = await self._probe_engines(probe_sizes)
+        self.decode_samples = await probe_engines(self, probe_sizes)
         actor = sorted(self.graph.components[ACTOR].active_instances(), key=lambda n: n.id)
         await trainer.start(tuple(self.trainer_members([d for n in actor for d in n.devices])))
         self._route_to_ranks()
@@ -269,7 +269,6 @@ class RealWorld:
             for n in self.graph.components[c].active_instances()
         }
         with_inference = INFERENCE in self.graph.components
-        led_group = self._led_group
         tail = self.cfg.rollout.tail_tp if self.cfg.scheduler.mode == "dynamic" else 0
 
         async def park(device: DeviceId, roles: Sequence[RolloutRole | InferenceRole]) -> None:
@@ -281,55 +280,26 @@ class RealWorld:
         if tail:
             async with anyio.create_task_group() as tg:
                 for device in self.slot_devices:
-                    if (wide := led_group(device, tail)) is not None:
+                    if (wide := self.led_group(device, tail)) is not None:
                         tg.start_soon(park, device, [self.rollout_role(wide)])
         async with anyio.create_task_group() as tg:
             for device in self.slot_devices:
                 if device in placed:
                     continue
                 roles: list[RolloutRole | InferenceRole] = []
-                if (group := led_group(device, self.cfg.rollout.tp)) is not None:
+                if (group := self.led_group(device, self.cfg.rollout.tp)) is not None:
                     roles.append(self.rollout_role(group))
                 if with_inference:
                     roles.append(self.inference_role(device))
                 tg.start_soon(park, device, roles)
 
-    def _led_group(self, device: DeviceId, size: int) -> list[DeviceId] | None:
+    def led_group(self, device: DeviceId, size: int) -> list[DeviceId] | None:
         """The aligned group of ``size`` devices ``device`` leads, if all are slots'.
         A rollout engine is led by the first device of its group: prebuilt where the
         device leads an aligned group, on that group (a move onto other devices builds
         the engine then)."""
         group = [DeviceId(device + k) for k in range(size)]
         return group if device % size == 0 and set(self.slot_devices).issuperset(group) else None
-
-    async def _probe_engines(self, sizes: Sequence[int]) -> list[DecodeSample]:
-        """Measure a rollout engine of each of ``sizes`` devices, one at a time (alone
-        on the machine), on the first aligned group of that size: its slot takes the
-        role (resumed where prebuilt), is probed and releases it again."""
-        samples: list[DecodeSample] = []
-        for size in sizes:
-            group = next(
-                (g for d in self.slot_devices if (g := self._led_group(d, size)) is not None),
-                None,
-            )
-            if group is None:
-                logger.warning(
-                    "no %d slots in an aligned group: no engine of %d probed", size, size
-                )
-                continue
-            slot = self.slot(group[0])
-            await slot.build_role(self.rollout_role(group), instance=InstanceId(slot.name))
-            measured = await slot.measure_decode()
-            await slot.release_memory(host_backup=True)
-            logger.info(
-                "probed a rollout engine of %d devices: %s",
-                size,
-                ", ".join(
-                    f"{s.load} x {s.context:.0f} tokens: {s.throughput:.0f} tok/s" for s in measured
-                ),
-            )
-            samples.extend(measured)
-        return samples
 
     async def aclose(self) -> None:
         """Stop the trainer, then the slots; idempotent, and finishes even when

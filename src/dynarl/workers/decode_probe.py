@@ -28,37 +28,10 @@ import time
 from collections.abc import Sequence
 
 import anyio
-import msgspec
 
 from dynarl.workers.errors import WorkerError
+from dynarl.workers.protocol import DecodeProbe, DecodeSample, RolloutRole
 from dynarl.workers.rollout import Completion, GenerateRequest, RolloutEngine, SamplingParams
-
-
-class DecodeSample(msgspec.Struct, frozen=True, kw_only=True):
-    """One probe point's measured decode rate.
-
-    Attributes:
-        engine_devices: devices of the engine measured (its tensor-parallel size).
-        load: requests it decoded at once.
-        context: mean tokens of context (prompt and output so far) a request held
-            over the measured steps.
-        throughput: tokens per second the engine generated, all its requests together.
-    """
-
-    engine_devices: int
-    load: int
-    context: float
-    throughput: float
-
-
-class DecodeProbe(msgspec.Struct, frozen=True, kw_only=True):
-    """How one engine is probed: every ``(load, prompt)`` of the grid its limits
-    allow (:func:`probe_points`), ``new_tokens`` decode steps measured at each, prompts
-    drawn with ``seed``."""
-
-    new_tokens: int = 32
-    short_prompt: int = 16
-    seed: int = 0
 
 
 def probe_points(
@@ -182,3 +155,22 @@ async def probe_decode(
                 )
             )
     return samples
+
+
+async def probe_role(
+    engine: RolloutEngine, role: RolloutRole, probe: DecodeProbe
+) -> list[DecodeSample]:
+    """:func:`probe_decode` on ``engine``, which serves ``role``: its devices, KV cache
+    and model from the role, prompts drawn from its tokenizer's ordinary tokens."""
+    from dynarl.workers.tokenizer import load_tokenizer  # transformers: not at import
+
+    tokenizer = await anyio.to_thread.run_sync(lambda: load_tokenizer(role.model))
+    special = set(tokenizer.all_special_ids)
+    return await probe_decode(
+        engine,
+        probe,
+        engine_devices=len(role.engine_devices),
+        kv_tokens=role.kv_capacity_tokens,
+        max_seq_len=role.model.max_seq_len,
+        token_ids=[t for t in range(len(tokenizer)) if t not in special],
+    )

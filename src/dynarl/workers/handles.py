@@ -28,7 +28,6 @@ from dynarl.data.calls import Call
 from dynarl.data.errors import RoutingError
 from dynarl.data.router import Router
 from dynarl.workers import protocol as p
-from dynarl.workers.decode_probe import DecodeProbe, DecodeSample
 from dynarl.workers.errors import LaunchError, WorkerCallError
 from dynarl.workers.inference import LogprobRequest, LogprobResult
 from dynarl.workers.lifecycle import LifecycleState
@@ -87,7 +86,9 @@ class WorkerHandle:
         """The worker's state, role, weight version and load."""
         return await self._call(p.GetStats(), p.SlotStats)
 
-    async def measure_decode(self, probe: DecodeProbe | None = None) -> tuple[DecodeSample, ...]:
+    async def measure_decode(
+        self, probe: p.DecodeProbe | None = None
+    ) -> tuple[p.DecodeSample, ...]:
         """Probe the decode rate of the slot's rollout engine, idle and active
         (:mod:`dynarl.workers.decode_probe`)."""
         request = p.MeasureDecode() if probe is None else p.MeasureDecode(probe=probe)

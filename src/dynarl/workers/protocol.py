@@ -18,7 +18,6 @@ from dynarl.core.config import Accelerator
 from dynarl.core.ids import ComponentId, InstanceId
 from dynarl.data.request_queue import DEFAULT_AGING, AgingBound
 from dynarl.workers.config import InferenceConfig, ModelConfig, RolloutConfig
-from dynarl.workers.decode_probe import DecodeProbe, DecodeSample
 from dynarl.workers.inference import (
     InferenceProgress,
     LogprobRequest,
@@ -80,6 +79,12 @@ class RolloutRole(msgspec.Struct, frozen=True, kw_only=True, tag="rollout"):
         """The run devices the engine runs on: ``devices``, or the ``rollout.tp``
         devices from ``device`` on when none are given."""
         return self.devices or tuple(range(self.device, self.device + self.rollout.tp))
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """KV-cache tokens the engine holds: ``rollout.kv_capacity_tokens`` per
+        ``rollout.tp`` devices (an engine of the tail's size holds as many per device)."""
+        return self.rollout.kv_capacity_tokens * len(self.engine_devices) // self.rollout.tp
 
 
 class InferenceRole(msgspec.Struct, frozen=True, kw_only=True, tag="inference"):
@@ -186,6 +191,33 @@ class LeaveWeightSync(SlotRequest, frozen=True, kw_only=True):
 
 class GetStats(SlotRequest, frozen=True, kw_only=True):
     """Report the slot's state and load."""
+
+
+class DecodeSample(msgspec.Struct, frozen=True, kw_only=True):
+    """One probe point's measured decode rate.
+
+    Attributes:
+        engine_devices: devices of the engine measured (its tensor-parallel size).
+        load: requests it decoded at once.
+        context: mean tokens of context (prompt and output so far) a request held
+            over the measured steps.
+        throughput: tokens per second the engine generated, all its requests together.
+    """
+
+    engine_devices: int
+    load: int
+    context: float
+    throughput: float
+
+
+class DecodeProbe(msgspec.Struct, frozen=True, kw_only=True):
+    """How one engine is probed: every ``(load, prompt)`` of the grid its limits
+    allow (:func:`~dynarl.workers.decode_probe.probe_points`), ``new_tokens`` decode
+    steps measured at each, prompts drawn with ``seed``."""
+
+    new_tokens: int = 32
+    short_prompt: int = 16
+    seed: int = 0
 
 
 class MeasureDecode(SlotRequest, frozen=True, kw_only=True):

@@ -40,7 +40,7 @@ from dynarl.workers import backends
 from dynarl.workers import item_feeds as feeds
 from dynarl.workers import protocol as p
 from dynarl.workers.config import SLOT_CAPACITY
-from dynarl.workers.decode_probe import probe_decode
+from dynarl.workers.decode_probe import probe_role
 from dynarl.workers.errors import LifecycleError
 from dynarl.workers.inference import InferenceEngine
 from dynarl.workers.lifecycle import Lifecycle
@@ -391,24 +391,10 @@ class SlotServer:
         self.lifecycle.require("active", action="measure decode")
         engine = self._rollout_engine()
         assert self._rollout is not None
-        role = self._rollout[0]
-        devices = len(role.engine_devices)
-        from dynarl.workers.tokenizer import load_tokenizer  # transformers: not at start
-
-        tokenizer = await anyio.to_thread.run_sync(lambda: load_tokenizer(role.model))
-        special = set(tokenizer.all_special_ids)
-        token_ids = [t for t in range(len(tokenizer)) if t not in special]
         async with task_group() as tg:
             if id(engine) not in self._running:
                 tg.start_soon(self._run_engine, engine)
-            samples = await probe_decode(
-                engine,
-                req.probe,
-                engine_devices=devices,
-                kv_tokens=role.rollout.kv_capacity_tokens * devices // role.rollout.tp,
-                max_seq_len=role.model.max_seq_len,
-                token_ids=token_ids,
-            )
+            samples = await probe_role(engine, self._rollout[0], req.probe)
             tg.cancel_scope.cancel()
         return p.DecodeMeasured(samples=tuple(samples))
 

@@ -78,6 +78,7 @@ class SGLangBackend:
                 seed=role.seed,
                 port=port,
                 tp=len(devices),
+                kv_tokens=role.kv_capacity_tokens,
                 order=role.order,
             )
             server = ServerProcess(

@@ -39,13 +39,13 @@ def server_command(
     seed: int,
     port: int,
     tp: int,
+    kv_tokens: int,
     order: OrderName = "fifo",
 ) -> list[str]:
     """The command line of one server: ``config.launch_command`` and SGLang's flags
     for the model, its tensor-parallel size ``tp`` (its engine's devices), the
-    engine's limits (``rollout.max_running_requests``; ``--max-total-tokens``:
-    ``rollout.kv_capacity_tokens`` per ``rollout.tp`` devices, so an engine of the
-    tail's size holds as many KV tokens per device as a narrow one), the run's seed, and
+    engine's limits (``rollout.max_running_requests``; ``--max-total-tokens``: its
+    ``kv_tokens``, ``RolloutRole.kv_capacity_tokens``), the run's seed, and
     the memory saver, CPU weight backup and priority scheduling dynarl relies on;
     with the ``priority`` request order, SGLang's ``lpm`` schedule policy (longest
     cached prefix first among equal priorities)."""
@@ -70,7 +70,7 @@ def server_command(
         "--max-running-requests",
         str(rollout.max_running_requests),
         "--max-total-tokens",
-        str(rollout.kv_capacity_tokens * tp // rollout.tp),
+        str(kv_tokens),
         "--enable-memory-saver",
         "--enable-weights-cpu-backup",
         "--enable-priority-scheduling",
