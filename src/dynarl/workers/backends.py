@@ -83,7 +83,7 @@ BACKENDS: Mapping[Role, Mapping[str, Backend]] = {
     "rollout": {
         "torch": _TORCH,
         "sglang": Backend(
-            requires=("httpx",),
+            requires=("httpx", "prometheus_client"),
             extra="sglang",
             built=True,
             max_pp=None,

@@ -2,7 +2,8 @@
 (``rollout.sglang.launch_command``), and under ``static-colocated`` every device goes
 through rollout, inference and the actor each iteration, so the servers release and
 resume their memory, the slots switch roles, and the weights reach the servers by
-manifest after every optimizer step. Nothing is left running afterwards."""
+manifest after every optimizer step; the servers' step counters reach the metrics.
+Nothing is left running afterwards."""
 
 import logging
 import multiprocessing
@@ -45,6 +46,7 @@ async def test_a_colocated_run_on_sglang_servers_syncs_weights_every_iteration(
             *SMALL,
             "scheduler.mode=static-colocated",
             f"rollout.sglang.port_base={port}",
+            "rollout.sglang.stats_interval_s=0.1",
             f"run.run_dir={tmp_path}",
         ],
     )
@@ -52,6 +54,12 @@ async def test_a_colocated_run_on_sglang_servers_syncs_weights_every_iteration(
         history = [s async for s in rl.iterations()]
     assert [s.weight_version for s in history] == [1, 2]
     assert all(s.gen_tokens > 0 and s.mean_reward >= 0 for s in history)
+    # The servers count their decode steps on /metrics (launched with --enable-metrics
+    # and the device timer); SGLang does not count its prefill passes.
+    for s in history:
+        steps = s.engine_steps
+        assert steps["decode_steps"] >= 1 and steps["decode_s"] > 0, steps
+        assert steps["prefill_steps"] == 0 and steps["prefill_s"] > 0, steps
     for stats in history:  # every device moved through rollout and the actor
         moves = [(m.src, m.dst) for m in stats.migrations]
         assert any(dst == "rollout" for _, dst in moves), moves

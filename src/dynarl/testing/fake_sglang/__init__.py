@@ -64,6 +64,9 @@ at commit 0025436e, and ``managers/tokenizer_manager.py`` / ``managers/io_struct
   limit the scheduler runs with; ``version``),
   ``/get_model_info``, ``/get_weight_version``, ``/get_load`` (``GetLoadReqOutput``
   per data-parallel rank), ``/v1/models`` (``max_model_len``), ``/health``.
+- ``GET /metrics`` with ``--enable-metrics`` (:mod:`.metrics`): the scheduler's
+  Prometheus counters dynarl reads (decode passes; forward seconds by category with
+  ``SGLANG_ENABLE_METRICS_DEVICE_TIMER=1``; tokens by mode) and a few gauges.
 
 - ``priority`` with ``--enable-priority-scheduling``: waiting requests are served
   larger first, then by arrival. ``cached_tokens``: the radix cache's prefix match,
@@ -77,6 +80,7 @@ scheduler flushes its cache, which fails then).
 
 Modules: :mod:`.server` (HTTP endpoints, weight-sync group), :mod:`.scheduler`
 (requests, generation, pause, memory), :mod:`.prefix_cache` (``cached_tokens``),
+:mod:`.metrics` (``/metrics``),
 ``__main__`` (the command line the launcher runs).
 """
 

@@ -3,6 +3,7 @@ started the way dynarl's launcher starts ``python -m sglang.launch_server`` (set
 ``rollout.sglang.launch_command`` to this module's command line)."""
 
 import argparse
+import os
 
 import msgspec
 import torch
@@ -16,8 +17,10 @@ def main(argv: list[str] | None = None) -> None:
     dynarl's launcher passes (others are ignored): ``--model-path`` (a checkpoint
     directory), ``--context-length``, ``--dtype``, ``--random-seed``,
     ``--max-running-requests`` (unset: it runs 16 at once), ``--max-total-tokens``,
-    ``--tp-size``, the memory-saver and priority-scheduling flags; and
-    ``--dynarl-version``, the SGLang version it reports."""
+    ``--tp-size``, the memory-saver, priority-scheduling and metrics flags (with
+    ``SGLANG_ENABLE_METRICS_DEVICE_TIMER=1`` in the environment, forward passes are
+    timed, as SGLang reads it); and ``--dynarl-version``, the SGLang version it
+    reports."""
     parser = argparse.ArgumentParser(prog="python -m dynarl.testing.fake_sglang")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
@@ -32,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--enable-weights-cpu-backup", action="store_true")
     parser.add_argument("--enable-priority-scheduling", action="store_true")
     parser.add_argument("--incremental-streaming-output", action="store_true")
+    parser.add_argument("--enable-metrics", action="store_true")
     parser.add_argument("--dynarl-version", default=DEFAULT_VERSION)
     args, _ = parser.parse_known_args(argv)
     model = ModelConfig(path=args.model_path)
@@ -51,6 +55,11 @@ def main(argv: list[str] | None = None) -> None:
         enable_weights_cpu_backup=args.enable_weights_cpu_backup,
         enable_priority_scheduling=args.enable_priority_scheduling,
         incremental_streaming_output=args.incremental_streaming_output,
+        enable_metrics=args.enable_metrics,
+        metrics_device_timer=os.environ.get("SGLANG_ENABLE_METRICS_DEVICE_TIMER", "")
+        .strip()
+        .lower()
+        in ("1", "true", "yes", "y"),
         tp=args.tp,
         host=args.host,
         port=args.port,

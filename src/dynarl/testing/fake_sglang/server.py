@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
+from dynarl.testing.fake_sglang.metrics import CONTENT_TYPE, SchedulerMetrics
 from dynarl.testing.fake_sglang.scheduler import FakeScheduler
 from dynarl.workers.config import ModelConfig
 from dynarl.workers.torch.buckets import broadcast
@@ -54,6 +55,9 @@ class FakeSGLang:
         enable_memory_saver, enable_weights_cpu_backup: the server flags.
         enable_priority_scheduling: serve waiting requests by ``priority``.
         incremental_streaming_output: stream only new tokens per chunk.
+        enable_metrics: serve ``/metrics`` (:mod:`.metrics`).
+        metrics_device_timer: report forward passes' seconds there
+            (``SGLANG_ENABLE_METRICS_DEVICE_TIMER``).
         tp: the tensor-parallel size it reports; it joins weight-sync groups as that
             many ranks (``rank_offset`` onwards), as SGLang's TP workers do.
         port: where to listen (0: any free port).
@@ -73,6 +77,8 @@ class FakeSGLang:
         enable_weights_cpu_backup: bool = True,
         enable_priority_scheduling: bool = True,
         incremental_streaming_output: bool = False,
+        enable_metrics: bool = False,
+        metrics_device_timer: bool = False,
         tp: int = 1,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -94,6 +100,15 @@ class FakeSGLang:
         self.memory_saver = enable_memory_saver
         self.cpu_backup = enable_weights_cpu_backup
         self.tp = tp
+        self.metrics = (
+            SchedulerMetrics(
+                self.engine.stats,
+                model_name=self._model_path(),
+                device_timer=metrics_device_timer,
+            )
+            if enable_metrics
+            else None
+        )
         self.num_generate_calls = 0
         self.num_load_calls = 0
         self.fail_next: list[int] = []
@@ -216,7 +231,7 @@ class FakeSGLang:
             Route("/get_load", self._load, methods=get),
             Route("/v1/models", self._models, methods=get),
             Route("/flush_cache", self._flush_cache, methods=["GET", "POST"]),
-        ]
+        ] + ([Route("/metrics", self._metrics, methods=get)] if self.metrics else [])
 
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -442,6 +457,10 @@ class FakeSGLang:
                 }
             ]
         )
+
+    async def _metrics(self, http: Request) -> Response:
+        assert self.metrics is not None  # routed only then
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
     async def _models(self, http: Request) -> Response:
         path = self._model_path()

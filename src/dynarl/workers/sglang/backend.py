@@ -25,9 +25,11 @@ from dynarl.workers.sglang.rollout import SGLangRollout
 
 logger = logging.getLogger(__name__)
 
-SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"}
 """Environment of launched servers: report log-probs of the model's own distribution
-(temperature 1), which is what dynarl's completions carry, not the tempered one."""
+(temperature 1), which is what dynarl's completions carry, not the tempered one; and
+time each forward pass on the device (``sglang:gpu_execution_seconds_total``, the
+decode and prefill seconds :mod:`~dynarl.workers.sglang.step_metrics` reads)."""
 
 
 class SGLangBackend:

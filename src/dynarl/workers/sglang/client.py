@@ -81,6 +81,12 @@ class SGLangClient:
         response = await self._call("GET", path, None)
         return _decode(path, response.content, result)
 
+    async def get_text(self, path: str, *, retry: bool = True) -> str:
+        """``GET path`` as text (``/metrics``: Prometheus' exposition format);
+        ``retry`` as for :meth:`post`."""
+        response = await self._call("GET", path, None, retry=retry)
+        return response.text
+
     async def post(self, path: str, body: object | None = None, *, retry: bool = True) -> bytes:
         """``POST path`` with ``body`` as JSON; returns the response body. Without
         ``retry``, one attempt: for a call that is not idempotent (one that joins a

@@ -46,7 +46,8 @@ def server_command(
     for the model, its tensor-parallel size ``tp`` (its engine's devices), the
     engine's limits (``rollout.max_running_requests``; ``--max-total-tokens``: its
     ``kv_tokens``, ``RolloutRole.kv_capacity_tokens``), the run's seed, and
-    the memory saver, CPU weight backup and priority scheduling dynarl relies on;
+    the memory saver, CPU weight backup, priority scheduling and metrics (the step
+    counters :mod:`~dynarl.workers.sglang.step_metrics` reads) dynarl relies on;
     with the ``priority`` request order, SGLang's ``lpm`` schedule policy (longest
     cached prefix first among equal priorities)."""
     command = list(config.launch_command)
@@ -74,6 +75,7 @@ def server_command(
         "--enable-memory-saver",
         "--enable-weights-cpu-backup",
         "--enable-priority-scheduling",
+        "--enable-metrics",
     ]
     if order == "priority":
         command += ["--schedule-policy", "lpm"]

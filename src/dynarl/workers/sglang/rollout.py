@@ -37,6 +37,7 @@ from dynarl.workers.sglang.errors import (
 from dynarl.workers.sglang.handshake import running_limit
 from dynarl.workers.sglang.live import LiveRequest, Outcome
 from dynarl.workers.sglang.server_group import ServerGroup
+from dynarl.workers.sglang.step_metrics import StepTally, parse_server_steps
 from dynarl.workers.weights import WeightManifest, WeightReceiver, WeightSyncGroup
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class SGLangRollout:
             client, name=name, tp_size=info.tp_size, backend=weight_sync_backend
         )
         self._rate = ArrivalRate(THROUGHPUT_WINDOW_S)
+        self._steps = StepTally(name)
         self._server_load: tuple[float, list[m.LoadReport]] | None = None
         self.num_server_aborts = 0
         """Requests the server ended with an abort the engine did not ask for."""
@@ -240,10 +242,14 @@ class SGLangRollout:
     def load(self) -> EngineLoad:
         """Requests running (prefilled: streaming) and queued, as this engine knows
         them; KV tokens: its running requests' tokens, or the server's last report
-        (``/get_load``, which counts waiting requests' input too) when fresh and more."""
+        (``/get_load``, which counts waiting requests' input too) when fresh and more;
+        decode steps and the seconds of its steps by kind, where the server counts them
+        (:mod:`~dynarl.workers.sglang.step_metrics`; ``prefill_steps`` stays 0: SGLang
+        does not count its prefill passes)."""
         now = self._now_s()
         running = [live for live in self._live.values() if live.streaming]
         kv_tokens = sum(len(live.input_ids) for live in running)
+        steps = self._steps.counts
         if (
             self._server_load is not None
             and now - self._server_load[0] < 2 * self._stats_interval_s
@@ -255,6 +261,11 @@ class SGLangRollout:
             num_queued=len(self._live) - len(running),
             gen_tokens_per_s=self._rate.rate(now),
             kv_tokens=kv_tokens,
+            decode_steps=steps.decode_steps,
+            decode_s=steps.decode_s,
+            prefill_s=steps.prefill_s,
+            resume_prefill_s=steps.resume_prefill_s,
+            decode_tokens=steps.decode_tokens,
         )
 
     # ------------------------------------------------------------------ memory
@@ -355,6 +366,8 @@ class SGLangRollout:
         body = live.generate_input(
             context_len=self.context_len, priority=self._priority(live.request)
         )
+        resumed = len(body.input_ids) > len(live.request.prompt_ids)
+        first = True
         async for chunk in self.client.generate(body):
             meta = chunk.meta_info
             if meta is None:
@@ -362,6 +375,12 @@ class SGLangRollout:
             new = live.apply(meta)
             if new:
                 self._rate.arrived(self._now_s(), new)
+                if first:
+                    self._steps.prefilled(
+                        len(body.input_ids) - (meta.cached_tokens or 0), resumed=resumed
+                    )
+                self._steps.generated(new, first=first)
+                first = False
             live.streaming = True
             if live.abort_requested and not live.abort_resent:
                 # An abort sent before the server knew the rid was ignored there.
@@ -420,4 +439,32 @@ class SGLangRollout:
                 self._server_load = (self._now_s(), reports)
             except SGLangError as e:
                 logger.debug("%s: /get_load failed: %s", self.name, e)
+            if self._steps.counting:
+                await self._read_steps()
             await anyio.sleep(self._stats_interval_s)
+
+    async def _read_steps(self) -> None:
+        """Read the server's step counters (``/metrics``) into the engine's tally; stop
+        for good where the server keeps none."""
+        try:
+            text = await self.client.get_text("/metrics", retry=False)
+            steps = parse_server_steps(text)
+        except ServerError as e:
+            if e.status == 404:
+                self._steps.stop(
+                    f"the SGLang server at {self.client.url} serves no /metrics (start it "
+                    f"with --enable-metrics to have its decode steps counted)"
+                )
+            else:
+                logger.debug("%s: /metrics failed: %s", self.name, e)
+            return
+        except ValueError as e:
+            self._steps.stop(f"the SGLang server's /metrics is not Prometheus text ({e})")
+            return
+        if steps is None:
+            self._steps.stop(
+                f"the SGLang server at {self.client.url} does not count its decode steps "
+                f"(sglang:cuda_graph_passes_total, sglang:gpu_execution_seconds_total)"
+            )
+            return
+        self._steps.read(steps)
