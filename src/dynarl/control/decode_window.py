@@ -10,7 +10,8 @@ rates swung 9.8K-65K tokens/s, and the decode fit read the swings as noise and
 collapsed (relative error 1.0; one iteration predicted at 7,847 s).
 
 Engines that count their steps (``EngineStats.decode_steps``, ``decode_tokens``,
-``decode_s``, ``prefill_s``: the torch engine and the simulator's) say how the time
+``decode_s``, ``prefill_s``: the torch engine, the simulator's, and SGLang's where the
+server keeps its step counters, :mod:`dynarl.workers.sglang.step_metrics`) say how the time
 went, and which prefill seconds re-prefilled requests moved to them
 (``resume_prefill_s``: a move's cost, priced where the move is scored, left out of the
 workload's prefills). :class:`DecodeWindows` keeps each rollout's
@@ -115,8 +116,8 @@ class DecodeWindows:
 
 def counts_steps(node: HyperNode) -> bool:
     """Whether ``node``'s engines count their steps: each that has reported a decode
-    step has reported the tokens it generated (the SGLang adapter reports neither: the
-    server does not say), and one at least has."""
+    step has reported the tokens it generated (an SGLang engine reports neither where
+    its server keeps no step counters), and one at least has."""
     active = list(node.active_instances())
     return any(n.decode_steps > 0 for n in active) and all(
         n.decode_tokens > 0 or n.decode_steps <= 0 for n in active

@@ -145,8 +145,8 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True):
             fed, so hit rate = hits / (hits + prefill)).
         prefill_steps, decode_steps: the engine's steps since it started, by kind (a
             prefill step admits requests, a decode step advances every running one by
-            a token); 0 where the engine does not count them (the SGLang adapter:
-            the server does not say).
+            a token); 0 where the engine does not count them (an SGLang engine counts
+            decode steps where its server keeps step counters, prefill steps never).
         prefill_s, decode_s: seconds those steps took, in all.
         resume_prefill_s: of ``prefill_s``, the seconds spent re-prefilling requests
             that came with partial output (moved here from another engine): a move's
