@@ -77,6 +77,18 @@ def test_of_every_ranks_counters_the_first_ranks_are_read() -> None:
     assert parse_server_steps(text) == ServerSteps(40, 2.0, 0.0)
 
 
+def test_a_server_with_data_parallel_ranks_is_not_read_as_one_engine() -> None:
+    text = exposition(
+        [
+            (PASSES, 'mode="decode_none",tp_rank="0",dp_rank="0"', 50.0),
+            (PASSES, 'mode="decode_none",tp_rank="0",dp_rank="1"', 40.0),
+            (EXEC, 'category="decode",tp_rank="0",dp_rank="0"', 2.0),
+        ]
+    )
+    assert parse_server_steps(text) is None
+    assert parse_server_steps(text.replace('dp_rank="1"', 'dp_rank="0"')) is not None
+
+
 def test_counters_not_yet_incremented_read_zero_and_missing_ones_none() -> None:
     assert parse_server_steps(exposition([], families=(PASSES, EXEC))) == ServerSteps(0, 0.0, 0.0)
     assert parse_server_steps(exposition([], families=(PASSES,))) is None

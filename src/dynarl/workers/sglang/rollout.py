@@ -463,8 +463,9 @@ class SGLangRollout:
             return
         if steps is None:
             self._steps.stop(
-                f"the SGLang server at {self.client.url} does not count its decode steps "
-                f"(sglang:cuda_graph_passes_total, sglang:gpu_execution_seconds_total)"
+                f"the SGLang server at {self.client.url} keeps no decode-step counters of one "
+                f"batch (sglang:cuda_graph_passes_total, sglang:gpu_execution_seconds_total; "
+                f"one data-parallel rank)"
             )
             return
         self._steps.read(steps)

@@ -74,7 +74,9 @@ class ServerSteps(msgspec.Struct, frozen=True):
 
 def parse_server_steps(text: str) -> ServerSteps | None:
     """The step counters in ``/metrics`` text; ``None`` when the server does not keep
-    them (a release without them). Counters not yet incremented read 0. Of a server
+    them (a release without them), or keeps them per data-parallel rank (each rank
+    runs batches of its own: not one engine's steps). Counters not yet incremented
+    read 0. Of a server
     whose every scheduler reports (``--enable-metrics-for-all-schedulers``), the first
     tensor-parallel rank's are read (each rank runs every step).
 
@@ -93,6 +95,8 @@ def parse_server_steps(text: str) -> ServerSteps | None:
             if sample.name.endswith("_total"):
                 rows.append((sample.labels, sample.value))
     if DECODE_PASSES not in samples or EXECUTION_S not in samples:
+        return None
+    if len({labels.get("dp_rank") for rows in samples.values() for labels, _ in rows}) > 1:
         return None
     rank = min(
         (int(labels.get("tp_rank", "0")) for rows in samples.values() for labels, _ in rows),
