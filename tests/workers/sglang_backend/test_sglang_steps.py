@@ -1,5 +1,6 @@
 """An SGLang engine's step counts: SGLang's Prometheus counters parsed (both releases'
-forward-pass categories, one TP rank of several, the idle gaps added), the engine's
+forward-pass categories, one TP rank of several, the idle gaps added; a server with
+data-parallel ranks refused), the engine's
 tally over reads (decode tokens from its streams, a moved request's share of the
 prefill seconds, a restarted server, a server without the device timer), and the
 adapter against a fake server that serves ``/metrics``: its decode steps, tokens and
