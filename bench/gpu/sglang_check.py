@@ -1,5 +1,6 @@
 """Check the SGLang adapter against a real SGLang server on a GPU machine: launch it,
-generate, abort and resume, and sync weights from a trainer-side copy of the model.
+generate, abort and resume, read its step counters (``/metrics``), and sync weights
+from a trainer-side copy of the model.
 
     python bench/gpu/sglang_check.py --model-path /path/to/Qwen2.5-0.5B-Instruct
 
@@ -66,6 +67,19 @@ async def main(model_path: str) -> dict[str, object]:
                 await anyio.sleep(0.1)
             results["resumed_lengths"] = sorted(len(c.output_ids) for c in completions.values())  # type: ignore[attr-defined]
             results["resume_ok"] = all(n == 256 for n in results["resumed_lengths"])  # type: ignore[union-attr]
+            # The server's step counters (/metrics, read every stats_interval_s): decode
+            # steps, their device seconds, and the tokens they made.
+            await anyio.sleep(2.5 * role.rollout.sglang.stats_interval_s)
+            load = engine.load()
+            results["step_counts"] = {
+                "decode_steps": load.decode_steps,
+                "decode_s": load.decode_s,
+                "prefill_s": load.prefill_s,
+                "resume_prefill_s": load.resume_prefill_s,
+                "decode_tokens": load.decode_tokens,
+                "tokens_per_step": load.decode_tokens / max(1, load.decode_steps),
+            }
+            results["steps_ok"] = load.decode_steps > 0 and load.decode_s > 0
             model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype="auto").cuda()
             manifest = weight_sync.manifest_of(model, version=1, bucket_bytes=256 << 20)
             with socket.socket() as s:
@@ -105,4 +119,5 @@ if __name__ == "__main__":
     parser.add_argument("--model-path", required=True)
     out = anyio.run(main, parser.parse_args().model_path)
     print(json.dumps(out, indent=2))
-    raise SystemExit(0 if out.get("resume_ok") and out.get("weight_version") == 1 else 1)
+    ok = out.get("resume_ok") and out.get("steps_ok") and out.get("weight_version") == 1
+    raise SystemExit(0 if ok else 1)
