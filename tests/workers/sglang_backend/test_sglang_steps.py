@@ -1,11 +1,10 @@
 """An SGLang engine's step counts: SGLang's Prometheus counters parsed (both releases'
 forward-pass categories, one TP rank of several, the idle gaps added; a server with
-data-parallel ranks refused), the engine's
-tally over reads (decode tokens from its streams, a moved request's share of the
-prefill seconds, a restarted server, a server without the device timer), and the
-adapter against a fake server that serves ``/metrics``: its decode steps, tokens and
-seconds match the server engine's own, and where the server serves none the engine
-reports none."""
+data-parallel ranks refused), the engine's tally over reads (decode tokens from its
+streams, a moved request's share of the prefill seconds, a restarted server, a server
+without the device timer, counts that never go back), and the adapter against a fake
+server that serves ``/metrics``: its decode steps, tokens and seconds match the server
+engine's own, and where the server serves none the engine reports none."""
 
 import pytest
 
@@ -132,6 +131,20 @@ def test_a_server_without_the_device_timer_stops_the_tally() -> None:
     assert tally.counting
     tally.read(ServerSteps(TIMER_CHECK_STEPS, 0.0, 0.0))
     assert not tally.counting and tally.counts.decode_steps == 0
+
+
+def test_the_counts_are_published_once_timed_and_never_go_back() -> None:
+    # the control plane takes differences of them: a count that fell would read negative
+    tally = StepTally("slot-0")
+    tally.read(ServerSteps(0, 0.0, 0.0))
+    tally.generated(30, first=False)
+    tally.read(ServerSteps(30, 0.0, 0.0))  # steps without seconds (yet): not published
+    assert tally.counts.decode_steps == 0 and tally.counting
+    tally.read(ServerSteps(40, 0.1, 0.0))
+    published = tally.counts
+    assert published.decode_steps == 40 and published.decode_tokens == 30
+    tally.stop("a read failed")  # after that, only a missed read
+    assert tally.counting and tally.counts == published
 
 
 def requests(n: int, *, max_new_tokens: int, output: int = 0) -> list[GenerateRequest]:

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import Response
 
 from dynarl.workers.rollout import EngineLoad
 
@@ -63,9 +65,9 @@ class SchedulerMetrics(Collector):
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(self)
 
-    def exposition(self) -> bytes:
-        """The ``/metrics`` body."""
-        return generate_latest(self._registry)
+    async def respond(self, request: Request) -> Response:
+        """The ``/metrics`` endpoint: the exposition of the metrics now."""
+        return Response(generate_latest(self._registry), media_type=CONTENT_TYPE)
 
     def collect(self) -> Iterator[Metric]:
         """The metrics now (``prometheus_client``'s collector protocol)."""

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from dynarl.testing.fake_sglang.metrics import CONTENT_TYPE, SchedulerMetrics
+from dynarl.testing.fake_sglang.metrics import SchedulerMetrics
 from dynarl.testing.fake_sglang.scheduler import FakeScheduler
 from dynarl.workers.config import ModelConfig
 from dynarl.workers.torch.buckets import broadcast
@@ -100,14 +100,9 @@ class FakeSGLang:
         self.memory_saver = enable_memory_saver
         self.cpu_backup = enable_weights_cpu_backup
         self.tp = tp
-        self.metrics = (
-            SchedulerMetrics(
-                self.engine.stats,
-                model_name=self._model_path(),
-                device_timer=metrics_device_timer,
-            )
-            if enable_metrics
-            else None
+        self.enable_metrics = enable_metrics
+        self.metrics = SchedulerMetrics(
+            self.engine.stats, model_name=self._model_path(), device_timer=metrics_device_timer
         )
         self.num_generate_calls = 0
         self.num_load_calls = 0
@@ -231,7 +226,7 @@ class FakeSGLang:
             Route("/get_load", self._load, methods=get),
             Route("/v1/models", self._models, methods=get),
             Route("/flush_cache", self._flush_cache, methods=["GET", "POST"]),
-        ] + ([Route("/metrics", self._metrics, methods=get)] if self.metrics else [])
+        ] + ([Route("/metrics", self.metrics.respond, methods=get)] if self.enable_metrics else [])
 
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200)
@@ -457,10 +452,6 @@ class FakeSGLang:
                 }
             ]
         )
-
-    async def _metrics(self, http: Request) -> Response:
-        assert self.metrics is not None  # routed only then
-        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
 
     async def _models(self, http: Request) -> Response:
         path = self._model_path()

@@ -76,9 +76,9 @@ def parse_server_steps(text: str) -> ServerSteps | None:
     """The step counters in ``/metrics`` text; ``None`` when the server does not keep
     them (a release without them), or keeps them per data-parallel rank (each rank
     runs batches of its own: not one engine's steps). Counters not yet incremented
-    read 0. Of a server
-    whose every scheduler reports (``--enable-metrics-for-all-schedulers``), the first
-    tensor-parallel rank's are read (each rank runs every step).
+    read 0. Of a server whose every scheduler reports
+    (``--enable-metrics-for-all-schedulers``), the first tensor-parallel rank's are
+    read (each rank runs every step).
 
     Raises:
         ValueError: the counters' lines are not Prometheus' exposition format.
@@ -140,10 +140,13 @@ class StepTally:
 
     The counts run from the first read (the server may have served before the engine
     attached); a server whose counters go back (restarted behind its URL) is read on
-    from where they went. :attr:`counting` turns false for good when the server keeps
-    no step counters (no ``--enable-metrics``, a release without them, or no device
-    timer): the engine then reports no steps, and the control plane reads its
-    generation rate instead.
+    from where they went. The counts are published once the server has shown it times
+    its decode steps (decode seconds above 0), and never go back after: the control
+    plane takes differences of them. :attr:`counting` turns false for good when the
+    server shows it keeps no step counters before that (no ``--enable-metrics``, a
+    release without them, or no device timer): the engine then reports no steps, and
+    the control plane reads its generation rate instead; a failed read after that is a
+    read missed.
 
     Args:
         name: the engine's, for the log line.
@@ -160,8 +163,9 @@ class StepTally:
 
     @property
     def counts(self) -> StepCounts:
-        """The counts at the last read (zeros before two reads, or when not counting)."""
-        return self._counts if self.counting else StepCounts()
+        """The counts at the last read; zeros until the server's decode steps have
+        seconds (and so for good when it keeps no step counters)."""
+        return self._counts if self._counts.decode_s > 0 else StepCounts()
 
     def generated(self, tokens: int, *, first: bool) -> None:
         """A stream delivered ``tokens`` new tokens; ``first``: its first ones (the
@@ -176,8 +180,11 @@ class StepTally:
             self._resumed_tokens += tokens
 
     def stop(self, why: str) -> None:
-        """Stop counting: the server keeps no step counters (``why``, logged once)."""
-        if self.counting:
+        """Stop counting: the server keeps no step counters (``why``, logged once). Once
+        counts are published, a read that fails is only missed (``why`` at debug)."""
+        if self._counts.decode_s > 0:
+            logger.debug("%s: missed a read of the server's step counters: %s", self.name, why)
+        elif self.counting:
             self.counting = False
             logger.info("%s: %s; the scheduler reads its generation rate instead", self.name, why)
 
